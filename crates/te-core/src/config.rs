@@ -1,0 +1,255 @@
+//! Configuration: `plugins.toml`, or any file given with `--config` or `TE_CONFIG`.
+//!
+//! ```toml
+//! [engine]
+//! backend = "stub"
+//! plugin_dirs = ["target/release"]   # relative to this file's directory
+//! listen = "127.0.0.1:0"
+//! default_timeout = "30s"
+//!
+//! [backends.stub]                    # each backend reads its own table
+//! mode = "copy"
+//! ```
+//!
+//! Unknown keys anywhere are errors that name the key, the file and the line.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+
+use crate::backend::BackendContext;
+use crate::error::{Error, ErrorKind, Result};
+
+/// The environment variable naming a configuration file when `--config` is absent.
+pub const CONFIG_ENV: &str = "TE_CONFIG";
+
+/// The `[engine]` table.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineConfig {
+    /// The engine's name, shown to peers. Default: `te-<pid>`.
+    pub name: String,
+    /// The backend's registry name.
+    pub backend: String,
+    /// Directories scanned for backend plugins (`libte_*.so`), in order.
+    pub plugin_dirs: Vec<PathBuf>,
+    /// The control plane's listen address; port 0 picks a free port.
+    pub listen: String,
+    /// Where peers find descriptors: `p2p` (from each engine's control plane).
+    pub metadata: String,
+    /// The deadline of a batch or connect that sets none.
+    #[serde(deserialize_with = "duration")]
+    pub default_timeout: Duration,
+    /// Received notifications kept until read; senders get `Busy` beyond it.
+    pub notification_queue: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            name: format!("te-{}", std::process::id()),
+            backend: "stub".to_string(),
+            plugin_dirs: Vec::new(),
+            listen: "127.0.0.1:0".to_string(),
+            metadata: "p2p".to_string(),
+            default_timeout: Duration::from_secs(30),
+            notification_queue: 65536,
+        }
+    }
+}
+
+/// A whole configuration: the engine table and each backend's own raw table.
+#[derive(Debug, Clone, Default)]
+pub struct Config {
+    /// The `[engine]` table.
+    pub engine: EngineConfig,
+    /// `[backends.NAME]` tables, handed to each backend unparsed.
+    pub backends: BTreeMap<String, toml::Table>,
+    /// Where it came from (a path, or `defaults`), for messages.
+    pub source: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    #[serde(default)]
+    engine: EngineConfig,
+    #[serde(default)]
+    backends: BTreeMap<String, toml::Table>,
+}
+
+/// Parses `"30s"`, `"250ms"`, `"1m 30s"`.
+fn duration<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Duration, D::Error> {
+    let s = String::deserialize(d)?;
+    parse_duration(&s).map_err(serde::de::Error::custom)
+}
+
+/// Parses a human duration (`"30s"`, `"5ms"`, `"1m 30s"`).
+///
+/// # Errors
+/// `ConfigInvalid` with the accepted forms.
+pub fn parse_duration(s: &str) -> Result<Duration> {
+    humantime::parse_duration(s).map_err(|e| {
+        Error::new(
+            ErrorKind::ConfigInvalid,
+            format!("`{s}` is not a duration like \"30s\", \"250ms\" or \"1m 30s\" ({e})"),
+        )
+    })
+}
+
+impl Config {
+    /// The defaults, as if from an empty file.
+    pub fn defaults() -> Config {
+        Config {
+            source: "defaults".to_string(),
+            ..Config::default()
+        }
+    }
+
+    /// Parses a configuration from TOML text; relative plugin directories are taken
+    /// relative to `base`.
+    ///
+    /// # Errors
+    /// `ConfigInvalid`, naming the file, the line and the offending key or value.
+    pub fn from_toml(text: &str, source: &str, base: &Path) -> Result<Config> {
+        let file: File = toml::from_str(text).map_err(|e| {
+            let line = e
+                .span()
+                .map(|s| text[..s.start.min(text.len())].lines().count().max(1));
+            let place = match line {
+                Some(l) => format!("{source}:{l}"),
+                None => source.to_string(),
+            };
+            Error::new(ErrorKind::ConfigInvalid, format!("{place}: {}", e.message().trim()))
+                .with_operation("load config")
+        })?;
+        let mut engine = file.engine;
+        for dir in &mut engine.plugin_dirs {
+            if dir.is_relative() {
+                *dir = base.join(&*dir);
+            }
+        }
+        let config = Config {
+            engine,
+            backends: file.backends,
+            source: source.to_string(),
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Reads a configuration file.
+    ///
+    /// # Errors
+    /// `ConfigInvalid` if it cannot be read or parsed.
+    pub fn load(path: &Path) -> Result<Config> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            Error::new(
+                ErrorKind::ConfigInvalid,
+                format!("cannot read config file {}", path.display()),
+            )
+            .with_operation("load config")
+            .with_source(e)
+        })?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        Config::from_toml(&text, &path.display().to_string(), base)
+    }
+
+    /// The configuration a program should use: `path` if given, else the file named by
+    /// `TE_CONFIG`, else the defaults.
+    ///
+    /// # Errors
+    /// As [`Config::load`].
+    pub fn resolve(path: Option<&Path>) -> Result<Config> {
+        match path {
+            Some(p) => Config::load(p),
+            None => match std::env::var_os(CONFIG_ENV) {
+                Some(p) if !p.is_empty() => Config::load(Path::new(&p)),
+                _ => Ok(Config::defaults()),
+            },
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |msg: String| {
+            Err(Error::new(ErrorKind::ConfigInvalid, format!("{}: {msg}", self.source))
+                .with_operation("load config"))
+        };
+        if self.engine.backend.is_empty() {
+            return bad("[engine] backend is empty; name a backend (`te info` lists them)".into());
+        }
+        if self.engine.metadata != "p2p" {
+            return bad(format!(
+                "[engine] metadata = \"{}\" is not supported by this build; use \"p2p\"",
+                self.engine.metadata
+            ));
+        }
+        if self.engine.default_timeout.is_zero() {
+            return bad("[engine] default_timeout must be greater than zero".into());
+        }
+        if self.engine.notification_queue == 0 {
+            return bad("[engine] notification_queue must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// The context handed to backend `name`: its table (empty if absent) and the source.
+    pub fn backend_context(&self, name: &str) -> BackendContext {
+        BackendContext {
+            engine: self.engine.name.clone(),
+            table: self.backends.get(name).cloned().unwrap_or_default(),
+            source: self.source.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config> {
+        Config::from_toml(text, "test.toml", Path::new("/etc/te"))
+    }
+
+    #[test]
+    fn an_empty_file_gives_the_defaults() {
+        let c = parse("").unwrap();
+        assert_eq!(c.engine.backend, "stub");
+        assert_eq!(c.engine.default_timeout, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn durations_and_relative_plugin_dirs_are_understood() {
+        let c = parse("[engine]\ndefault_timeout = \"250ms\"\nplugin_dirs = [\"p\", \"/abs\"]\n").unwrap();
+        assert_eq!(c.engine.default_timeout, Duration::from_millis(250));
+        assert_eq!(c.engine.plugin_dirs, vec![PathBuf::from("/etc/te/p"), PathBuf::from("/abs")]);
+    }
+
+    #[test]
+    fn unknown_keys_name_the_key_the_file_and_the_line() {
+        let e = parse("[engine]\nbackend = \"stub\"\nbakcend = \"tcp\"\n").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ConfigInvalid);
+        let msg = e.to_string();
+        assert!(msg.contains("bakcend") && msg.contains("test.toml:3"), "{msg}");
+        let e = parse("[engin]\n").unwrap_err();
+        assert!(e.to_string().contains("engin"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_are_refused_with_the_reason() {
+        let e = parse("[engine]\ndefault_timeout = \"soon\"\n").unwrap_err();
+        assert!(e.to_string().contains("not a duration"), "{e}");
+        let e = parse("[engine]\nmetadata = \"etcd://x:2379\"\n").unwrap_err();
+        assert!(e.to_string().contains("p2p"), "{e}");
+    }
+
+    #[test]
+    fn backend_tables_reach_their_backend_unparsed() {
+        let c = parse("[backends.stub]\nmode = \"noop\"\n").unwrap();
+        let ctx = c.backend_context("stub");
+        assert_eq!(ctx.table.get("mode").and_then(|v| v.as_str()), Some("noop"));
+        assert!(c.backend_context("tcp").table.is_empty());
+    }
+}

@@ -1,0 +1,324 @@
+//! Descriptor types: memory, regions, segments, requests, backend capabilities.
+//!
+//! These are the nouns every backend and the control plane share. The ones that
+//! cross the plugin boundary by value ([`TransferRequest`], [`RegionId`], [`PeerId`],
+//! [`Op`]) are `#[repr(C)]` plain data with a checked layout; the rest cross it
+//! encoded, like they cross the wire.
+
+use std::fmt;
+use std::str::FromStr;
+
+use abi_stable::StableAbi;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// Identifies a registered region within one engine's life.
+#[repr(transparent)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, StableAbi,
+)]
+pub struct RegionId(pub u64);
+
+impl fmt::Display for RegionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Identifies a connected peer within one backend instance.
+#[repr(transparent)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, StableAbi)]
+pub struct PeerId(pub u64);
+
+/// Where a region's bytes live.
+///
+/// Written `host`, or `RUNTIME:ORDINAL` for device memory (`cuda:0`, `mlu:1`). The
+/// runtime is a name, not a closed list, so a new device runtime needs no change here.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum MemoryKind {
+    /// Ordinary host memory.
+    Host,
+    /// Memory of device `ordinal` of a device runtime.
+    Device {
+        /// The device runtime's name (`cuda`, `mlu`).
+        runtime: String,
+        /// The device's ordinal within that runtime.
+        ordinal: u32,
+    },
+}
+
+impl MemoryKind {
+    /// The runtime name: `host`, or the device runtime's name.
+    pub fn runtime(&self) -> &str {
+        match self {
+            MemoryKind::Host => "host",
+            MemoryKind::Device { runtime, .. } => runtime,
+        }
+    }
+}
+
+impl fmt::Display for MemoryKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MemoryKind::Host => f.write_str("host"),
+            MemoryKind::Device { runtime, ordinal } => write!(f, "{runtime}:{ordinal}"),
+        }
+    }
+}
+
+impl FromStr for MemoryKind {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<MemoryKind> {
+        if s == "host" {
+            return Ok(MemoryKind::Host);
+        }
+        let bad = || {
+            Error::new(
+                ErrorKind::InvalidRequest,
+                format!("memory kind `{s}` is not `host` or `RUNTIME:ORDINAL` (like `cuda:0`)"),
+            )
+        };
+        let (runtime, ordinal) = s.split_once(':').ok_or_else(bad)?;
+        let ordinal = ordinal.parse().map_err(|_| bad())?;
+        if runtime.is_empty() || !runtime.chars().all(|c| c.is_ascii_alphanumeric()) {
+            return Err(bad());
+        }
+        Ok(MemoryKind::Device {
+            runtime: runtime.to_string(),
+            ordinal,
+        })
+    }
+}
+
+/// What a remote peer may do to a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub struct Access {
+    /// Peers may READ from the region.
+    pub remote_read: bool,
+    /// Peers may WRITE into the region.
+    pub remote_write: bool,
+}
+
+impl Access {
+    /// Only this engine uses the region (as a source or destination of its own requests).
+    pub const LOCAL: Access = Access {
+        remote_read: false,
+        remote_write: false,
+    };
+    /// Peers may read the region.
+    pub const REMOTE_READ: Access = Access {
+        remote_read: true,
+        remote_write: false,
+    };
+    /// Peers may read and write the region.
+    pub const REMOTE_READ_WRITE: Access = Access {
+        remote_read: true,
+        remote_write: true,
+    };
+}
+
+impl fmt::Display for Access {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match (self.remote_read, self.remote_write) {
+            (false, false) => "local",
+            (true, false) => "remote-read",
+            (false, true) => "remote-write",
+            (true, true) => "remote-read-write",
+        })
+    }
+}
+
+/// Memory handed to [`Engine::register`](crate::Engine::register).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryDesc {
+    /// A name peers may look the region up by (need not be unique; may be empty).
+    pub name: String,
+    /// Start address, in the address space of `kind`.
+    pub addr: u64,
+    /// Length in bytes; must not be zero.
+    pub len: u64,
+    /// Where the bytes live.
+    pub kind: MemoryKind,
+    /// What peers may do to it.
+    pub access: Access,
+}
+
+/// A registered region as peers see it, in the segment descriptor.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionDesc {
+    /// The region's id within its engine's life.
+    pub id: RegionId,
+    /// The name it was registered with.
+    pub name: String,
+    /// Start address, in the owner's address space.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Where the bytes live.
+    pub kind: MemoryKind,
+    /// What peers may do to it.
+    pub access: Access,
+    /// The backend's remote key bytes (an rkey, an IPC handle; empty where unused).
+    pub key: Vec<u8>,
+}
+
+/// What a peer learns in the handshake: who the engine is and what it exposes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentDesc {
+    /// The engine's name.
+    pub engine: String,
+    /// Random at every engine start; a new epoch means a restarted peer.
+    pub epoch: u64,
+    /// The backend's registry name; peers with another backend are refused.
+    pub backend: String,
+    /// The backend's endpoint bytes: what a peer's backend needs to reach this one.
+    pub endpoint: Vec<u8>,
+    /// The regions registered with remote access.
+    pub regions: Vec<RegionDesc>,
+}
+
+impl SegmentDesc {
+    /// The region with this id.
+    pub fn region(&self, id: RegionId) -> Option<&RegionDesc> {
+        self.regions.iter().find(|r| r.id == id)
+    }
+
+    /// The first region registered under this name.
+    pub fn region_named(&self, name: &str) -> Option<&RegionDesc> {
+        self.regions.iter().find(|r| r.name == name)
+    }
+
+    /// Encodes the descriptor as it travels in frames and across the plugin boundary.
+    pub fn encode(&self) -> Vec<u8> {
+        crate::codec::encode(self)
+    }
+
+    /// Decodes a descriptor.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Protocol`] if the bytes are not a descriptor.
+    pub fn decode(bytes: &[u8]) -> Result<SegmentDesc> {
+        crate::codec::decode(bytes, "segment descriptor")
+    }
+}
+
+/// READ pulls remote bytes into local memory; WRITE pushes local bytes to the peer.
+#[repr(u8)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, StableAbi)]
+pub enum Op {
+    /// Copy from the peer's region into the local region.
+    Read = 0,
+    /// Copy from the local region into the peer's region.
+    Write = 1,
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Op::Read => "read",
+            Op::Write => "write",
+        })
+    }
+}
+
+impl FromStr for Op {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Op> {
+        match s {
+            "read" => Ok(Op::Read),
+            "write" => Ok(Op::Write),
+            _ => Err(Error::new(
+                ErrorKind::InvalidRequest,
+                format!("operation `{s}` is not `read` or `write`"),
+            )),
+        }
+    }
+}
+
+/// One contiguous copy between a local and a remote region.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, StableAbi)]
+pub struct TransferRequest {
+    /// Direction.
+    pub op: Op,
+    /// The local region (source of a WRITE, destination of a READ).
+    pub local: RegionId,
+    /// Byte offset into the local region.
+    pub local_offset: u64,
+    /// The peer's region, from its segment descriptor.
+    pub remote: RegionId,
+    /// Byte offset into the peer's region.
+    pub remote_offset: u64,
+    /// Bytes to copy; must not be zero.
+    pub len: u64,
+}
+
+impl TransferRequest {
+    /// A WRITE of `len` bytes from `local[local_offset..]` to `remote[remote_offset..]`.
+    pub fn write(local: RegionId, local_offset: u64, remote: RegionId, remote_offset: u64, len: u64) -> Self {
+        TransferRequest {
+            op: Op::Write,
+            local,
+            local_offset,
+            remote,
+            remote_offset,
+            len,
+        }
+    }
+
+    /// A READ of `len` bytes from `remote[remote_offset..]` into `local[local_offset..]`.
+    pub fn read(local: RegionId, local_offset: u64, remote: RegionId, remote_offset: u64, len: u64) -> Self {
+        TransferRequest {
+            op: Op::Read,
+            ..TransferRequest::write(local, local_offset, remote, remote_offset, len)
+        }
+    }
+}
+
+/// What a backend can do, so the engine refuses the rest with a clear error.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Capabilities {
+    /// Memory runtimes the backend moves: `host`, `cuda`, `mlu`, …
+    pub memory: Vec<String>,
+    /// READ is supported.
+    pub read: bool,
+    /// WRITE is supported.
+    pub write: bool,
+    /// Peers may live in other processes (false for the in-process stub).
+    pub cross_process: bool,
+    /// Peers must be on the same host.
+    pub same_host_only: bool,
+    /// The largest single request, in bytes.
+    pub max_request_size: u64,
+}
+
+/// A backend's name, version and capabilities.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BackendInfo {
+    /// The registry name (`tcp`, `stub`).
+    pub name: String,
+    /// The backend crate's version.
+    pub version: String,
+    /// What it can do.
+    pub capabilities: Capabilities,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_kinds_parse_and_print() {
+        assert_eq!("host".parse::<MemoryKind>().unwrap(), MemoryKind::Host);
+        let cuda: MemoryKind = "cuda:1".parse().unwrap();
+        assert_eq!(cuda.to_string(), "cuda:1");
+        assert_eq!(cuda.runtime(), "cuda");
+        for bad in ["", "cuda", "cuda:", "cuda:x", ":0", "cu-da:0"] {
+            let e = bad.parse::<MemoryKind>().unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidRequest, "{bad}");
+        }
+    }
+}

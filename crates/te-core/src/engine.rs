@@ -1,0 +1,818 @@
+//! The engine: what users hold.
+//!
+//! It resolves the backend, serves the control plane, keeps registrations and peers,
+//! checks every request against both sides' descriptors before anything is posted, and
+//! turns backend completions into [`TransferHandle`]s.
+
+use std::alloc::Layout;
+use std::collections::HashMap;
+use std::mem::ManuallyDrop;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::{Duration, Instant};
+
+use crate::backend::{Completion, TransferBackend};
+use crate::batch::{BatchState, Timer, TransferHandle};
+use crate::config::{Config, EngineConfig};
+use crate::control::{self, Handler, Msg, Notice, Server};
+use crate::desc::{
+    Access, BackendInfo, MemoryDesc, MemoryKind, Op, PeerId, RegionDesc, RegionId, SegmentDesc,
+    TransferRequest,
+};
+use crate::error::{Error, ErrorKind, Result};
+use crate::notify::{Inbox, Job, Notification, Notifier};
+use crate::registry::{Origin, Registry};
+
+/// Per-batch options.
+#[derive(Debug, Clone, Default)]
+pub struct TransferOptions {
+    /// The batch's deadline, from submission; the engine's `default_timeout` if `None`.
+    pub timeout: Option<Duration>,
+    /// A message delivered to the peer after the batch's data is visible there.
+    pub notify: Option<Vec<u8>>,
+}
+
+/// A transfer engine: one backend, one control plane, its registrations and peers.
+///
+/// Dropping it stops the control plane; batches still in flight fail with
+/// `Cancelled` or complete, and never hang their waiters past their deadline.
+pub struct Engine {
+    inner: Arc<Inner>,
+    server: Option<Server>,
+}
+
+struct Inner {
+    config: EngineConfig,
+    backend: Arc<dyn TransferBackend>,
+    origin: Origin,
+    epoch: u64,
+    next_region: AtomicU64,
+    regions: RwLock<HashMap<RegionId, RegionDesc>>,
+    peers: Mutex<HashMap<String, Peer>>,
+    inbox: Inbox,
+    timer: Timer,
+    notifier: Notifier,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("name", &self.inner.config.name)
+            .field("backend", &self.inner.backend.info().name)
+            .field("address", &self.address())
+            .field("epoch", &self.inner.epoch)
+            .finish()
+    }
+}
+
+impl Engine {
+    /// Builds an engine from a configuration: finds the backend in the registry
+    /// (built-in backends and the configured plugin directories), creates it with its
+    /// own table, and starts the control plane.
+    ///
+    /// # Errors
+    /// `ConfigInvalid` for an unknown backend (listing the available ones) or a bad
+    /// backend table; `Unavailable` if the backend cannot run here (with the probe's
+    /// reason); `Io` if the control plane cannot listen.
+    pub fn from_config(config: &Config) -> Result<Engine> {
+        let registry = Registry::discover(&config.engine.plugin_dirs);
+        Engine::with_registry(config, &registry)
+    }
+
+    /// As [`Engine::from_config`], with a registry already discovered.
+    ///
+    /// # Errors
+    /// As [`Engine::from_config`].
+    pub fn with_registry(config: &Config, registry: &Registry) -> Result<Engine> {
+        let name = &config.engine.backend;
+        let entry = registry.get(name)?;
+        let backend = entry.create(&config.backend_context(name))?;
+        Engine::with_backend(config.engine.clone(), backend, entry.origin().clone())
+    }
+
+    /// Builds an engine around a backend instance.
+    ///
+    /// # Errors
+    /// `Io` if the control plane cannot listen or threads cannot start.
+    pub fn with_backend(config: EngineConfig, backend: Arc<dyn TransferBackend>, origin: Origin) -> Result<Engine> {
+        let inner = Arc::new(Inner {
+            inbox: Inbox::new(config.notification_queue),
+            backend,
+            origin,
+            epoch: new_epoch(),
+            next_region: AtomicU64::new(1),
+            regions: RwLock::new(HashMap::new()),
+            peers: Mutex::new(HashMap::new()),
+            timer: Timer::start()?,
+            notifier: Notifier::start()?,
+            config,
+        });
+        let handler: Weak<dyn Handler> = Arc::downgrade(&inner) as Weak<dyn Handler>;
+        let server = Server::start(&inner.config.listen, handler)?;
+        tracing::info!(
+            engine = %inner.config.name,
+            backend = %inner.backend.info().name,
+            address = %server.addr(),
+            "engine started"
+        );
+        Ok(Engine {
+            inner,
+            server: Some(server),
+        })
+    }
+
+    /// The engine's name.
+    pub fn name(&self) -> &str {
+        &self.inner.config.name
+    }
+
+    /// The control-plane address peers pass to [`Engine::connect`].
+    pub fn address(&self) -> SocketAddr {
+        match &self.server {
+            Some(s) => s.addr(),
+            None => SocketAddr::from(([0, 0, 0, 0], 0)),
+        }
+    }
+
+    /// Random at every start; peers use it to notice a restart.
+    pub fn epoch(&self) -> u64 {
+        self.inner.epoch
+    }
+
+    /// The backend's name, version and capabilities.
+    pub fn backend_info(&self) -> &BackendInfo {
+        self.inner.backend.info()
+    }
+
+    /// Where the backend came from.
+    pub fn backend_origin(&self) -> &Origin {
+        &self.inner.origin
+    }
+
+    /// The engine's configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.config
+    }
+
+    /// The descriptor peers receive in the handshake.
+    pub fn segment(&self) -> SegmentDesc {
+        self.inner.segment()
+    }
+
+    /// Registers caller-owned memory. Deregistered when the [`Registration`] drops.
+    ///
+    /// # Safety
+    /// `desc.addr .. desc.addr + desc.len` must be memory of `desc.kind` that stays
+    /// valid until the returned registration is dropped, and the caller must accept
+    /// that the backend reads it and (for local READ destinations and remotely writable
+    /// regions) writes it at any time until then.
+    ///
+    /// # Errors
+    /// `InvalidRequest` for a null address, zero length or overflowing range;
+    /// `Unsupported` for a memory kind the backend cannot move; the backend's error if
+    /// it refuses the memory.
+    pub unsafe fn register(&self, desc: MemoryDesc) -> Result<Registration> {
+        self.inner.register(desc)
+    }
+
+    /// Allocates `len` zeroed, page-aligned bytes of host memory and registers them.
+    ///
+    /// # Errors
+    /// As [`Engine::register`]; `InvalidRequest` for zero length.
+    pub fn alloc(&self, name: &str, len: usize, access: Access) -> Result<Buffer> {
+        Buffer::new(&self.inner, name, len, access)
+    }
+
+    /// Connects to the engine whose control plane listens at `addr` (`host:port`).
+    /// Cached: a second call returns the same peer until a failure or a restart
+    /// invalidates it.
+    ///
+    /// # Errors
+    /// `PeerUnreachable` if nothing answers before the default timeout; `Unsupported`
+    /// if the peer runs another backend; `Protocol` if it is not a te engine.
+    pub fn connect(&self, addr: &str) -> Result<Peer> {
+        let deadline = Instant::now() + self.inner.config.default_timeout;
+        self.inner.connect(addr, deadline)
+    }
+
+    /// Submits a batch with the default timeout and no notification.
+    ///
+    /// # Errors
+    /// As [`Engine::transfer_with`].
+    pub fn transfer(&self, peer: &Peer, requests: &[TransferRequest]) -> Result<TransferHandle> {
+        self.transfer_with(peer, requests, &TransferOptions::default())
+    }
+
+    /// Submits a batch. Every request is checked against the local registrations and
+    /// the peer's descriptor first; nothing is posted unless all of them pass. An empty
+    /// batch completes at once (after its notification, if any).
+    ///
+    /// # Errors
+    /// `InvalidRequest`, `NotRegistered`, `OutOfBounds` or `Unsupported` for a request
+    /// that does not fit; `PeerRestarted` if the peer restarted since `peer` was
+    /// obtained (connect again and look its regions up anew); the backend's error if it
+    /// refuses the batch as a whole.
+    pub fn transfer_with(&self, peer: &Peer, requests: &[TransferRequest], options: &TransferOptions) -> Result<TransferHandle> {
+        let timeout = options.timeout.unwrap_or(self.inner.config.default_timeout);
+        let deadline = Instant::now() + timeout;
+        let peer = self.inner.current(peer, deadline)?;
+        self.inner.check(&peer, requests, deadline)?;
+        Ok(self.inner.submit(&peer, requests, timeout, deadline, options.notify.clone()))
+    }
+
+    /// Sends `message` to the peer on its own (an empty batch with a notification).
+    ///
+    /// # Errors
+    /// As [`Engine::transfer_with`].
+    pub fn notify(&self, peer: &Peer, message: Vec<u8>) -> Result<TransferHandle> {
+        let options = TransferOptions {
+            notify: Some(message),
+            ..TransferOptions::default()
+        };
+        self.transfer_with(peer, &[], &options)
+    }
+
+    /// The next received notification, waiting at most `timeout`.
+    pub fn recv_notification(&self, timeout: Duration) -> Option<Notification> {
+        self.inner.inbox.pop(timeout)
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.server.take();
+        let peers: Vec<Peer> = self.inner.peers.lock().unwrap_or_else(|p| p.into_inner()).drain().map(|(_, p)| p).collect();
+        for p in peers {
+            p.inner.valid.store(false, Ordering::Release);
+            let _ = self.inner.backend.disconnect(p.inner.backend_id);
+        }
+    }
+}
+
+fn new_epoch() -> u64 {
+    loop {
+        let e: u64 = rand::random();
+        if e != 0 {
+            return e;
+        }
+    }
+}
+
+impl Handler for Inner {
+    fn segment(&self) -> SegmentDesc {
+        Inner::segment(self)
+    }
+
+    fn notify(&self, n: Notice) -> Result<()> {
+        if n.to_epoch != self.epoch {
+            return Err(Error::new(
+                ErrorKind::PeerRestarted,
+                "this engine restarted since the sender connected; the notification belongs to its previous life",
+            ));
+        }
+        self.inbox.push(Notification {
+            from: n.from_engine,
+            from_epoch: n.from_epoch,
+            message: n.message,
+        })
+    }
+}
+
+impl Inner {
+    fn segment(&self) -> SegmentDesc {
+        let mut regions: Vec<RegionDesc> = self
+            .regions
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter(|r| r.access.remote_read || r.access.remote_write)
+            .cloned()
+            .collect();
+        regions.sort_by_key(|r| r.id);
+        SegmentDesc {
+            engine: self.config.name.clone(),
+            epoch: self.epoch,
+            backend: self.backend.info().name.clone(),
+            endpoint: self.backend.endpoint(),
+            regions,
+        }
+    }
+
+    fn register(self: &Arc<Self>, desc: MemoryDesc) -> Result<Registration> {
+        let bad = |m: String| Err(Error::new(ErrorKind::InvalidRequest, m).with_operation("register"));
+        if desc.len == 0 {
+            return bad(format!("region `{}` has zero length", desc.name));
+        }
+        if desc.addr == 0 {
+            return bad(format!("region `{}` has a null address", desc.name));
+        }
+        if desc.addr.checked_add(desc.len).is_none() {
+            return bad(format!("region `{}` wraps around the address space", desc.name));
+        }
+        let caps = &self.backend.info().capabilities;
+        if !caps.memory.iter().any(|m| m == desc.kind.runtime()) {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "backend `{}` cannot move {} memory (it moves: {})",
+                    self.backend.info().name,
+                    desc.kind,
+                    caps.memory.join(", ")
+                ),
+            )
+            .with_operation("register"));
+        }
+        let id = RegionId(self.next_region.fetch_add(1, Ordering::Relaxed));
+        let key = self.backend.register(id, &desc).map_err(|e| e.with_operation("register"))?;
+        let region = RegionDesc {
+            id,
+            name: desc.name,
+            addr: desc.addr,
+            len: desc.len,
+            kind: desc.kind,
+            access: desc.access,
+            key,
+        };
+        self.regions
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, region.clone());
+        Ok(Registration {
+            engine: self.clone(),
+            region,
+        })
+    }
+
+    fn connect(&self, addr: &str, deadline: Instant) -> Result<Peer> {
+        if let Some(p) = self.peers.lock().unwrap_or_else(|p| p.into_inner()).get(addr) {
+            if p.inner.valid.load(Ordering::Acquire) {
+                return Ok(p.clone());
+            }
+        }
+        let segment = self.handshake(addr, deadline)?;
+        let backend_id = self.backend.connect(&segment).map_err(|e| e.with_operation("connect").with_context("peer", addr))?;
+        let peer = Peer {
+            inner: Arc::new(PeerInner {
+                addr: addr.to_string(),
+                epoch: segment.epoch,
+                segment: RwLock::new(Arc::new(segment)),
+                backend_id,
+                valid: AtomicBool::new(true),
+            }),
+        };
+        let old = self
+            .peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(addr.to_string(), peer.clone());
+        if let Some(old) = old {
+            old.inner.valid.store(false, Ordering::Release);
+            if old.inner.backend_id != backend_id {
+                let _ = self.backend.disconnect(old.inner.backend_id);
+            }
+        }
+        Ok(peer)
+    }
+
+    fn handshake(&self, addr: &str, deadline: Instant) -> Result<SegmentDesc> {
+        let segment = match control::call(addr, &Msg::GetSegment, deadline).map_err(|e| e.with_operation("connect"))? {
+            Msg::Segment(s) => s,
+            Msg::Error(e) => return Err(e.with_operation("connect")),
+            _ => {
+                return Err(Error::new(ErrorKind::Protocol, "the peer answered the handshake with something else")
+                    .with_operation("connect")
+                    .with_context("peer", addr))
+            }
+        };
+        let ours = &self.backend.info().name;
+        if &segment.backend != ours {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "the peer runs backend `{}` and this engine runs `{ours}`; both sides must use the same backend",
+                    segment.backend
+                ),
+            )
+            .with_operation("connect")
+            .with_context("peer", addr));
+        }
+        Ok(segment)
+    }
+
+    /// The live version of `peer`: itself if valid, else a fresh connection to the same
+    /// address, provided the peer has not restarted.
+    fn current(&self, peer: &Peer, deadline: Instant) -> Result<Peer> {
+        if peer.inner.valid.load(Ordering::Acquire) {
+            return Ok(peer.clone());
+        }
+        let fresh = self.connect(&peer.inner.addr, deadline)?;
+        if fresh.inner.epoch != peer.inner.epoch {
+            return Err(Error::new(
+                ErrorKind::PeerRestarted,
+                "the peer restarted; its regions belong to its previous life: connect again and look them up anew",
+            )
+            .with_operation("transfer")
+            .with_context("peer", &peer.inner.addr));
+        }
+        Ok(fresh)
+    }
+
+    /// Fetches the peer's descriptor again (it registered new regions).
+    fn refresh(&self, peer: &Peer, deadline: Instant) -> Result<()> {
+        let segment = self.handshake(&peer.inner.addr, deadline)?;
+        if segment.epoch != peer.inner.epoch {
+            peer.inner.valid.store(false, Ordering::Release);
+            return Err(Error::new(ErrorKind::PeerRestarted, "the peer restarted; connect again")
+                .with_operation("transfer")
+                .with_context("peer", &peer.inner.addr));
+        }
+        self.backend.connect(&segment)?;
+        *peer.inner.segment.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(segment);
+        Ok(())
+    }
+
+    fn check(&self, peer: &Peer, requests: &[TransferRequest], deadline: Instant) -> Result<()> {
+        let mut segment = peer.segment();
+        if requests.iter().any(|r| segment.region(r.remote).is_none()) {
+            self.refresh(peer, deadline)?;
+            segment = peer.segment();
+        }
+        let caps = &self.backend.info().capabilities;
+        let local = self.regions.read().unwrap_or_else(|p| p.into_inner());
+        for (i, r) in requests.iter().enumerate() {
+            let fail = |kind: ErrorKind, m: String| {
+                Err(Error::new(kind, m).with_operation("transfer").with_context("request", i))
+            };
+            if r.len == 0 {
+                return fail(ErrorKind::InvalidRequest, "zero-length request".into());
+            }
+            if r.len > caps.max_request_size {
+                return fail(
+                    ErrorKind::Unsupported,
+                    format!("{} bytes exceed the backend's largest request ({}); split it", r.len, caps.max_request_size),
+                );
+            }
+            let (allowed, right) = match r.op {
+                Op::Read => (caps.read, "remotely readable"),
+                Op::Write => (caps.write, "remotely writable"),
+            };
+            if !allowed {
+                return fail(ErrorKind::Unsupported, format!("backend `{}` cannot {}", self.backend.info().name, r.op));
+            }
+            let Some(l) = local.get(&r.local) else {
+                return fail(ErrorKind::NotRegistered, format!("local region {} is not registered (or was deregistered)", r.local));
+            };
+            if !fits(r.local_offset, r.len, l.len) {
+                return fail(
+                    ErrorKind::OutOfBounds,
+                    format!("local range {}+{} is outside region {} of {} bytes", r.local_offset, r.len, r.local, l.len),
+                );
+            }
+            let Some(rem) = segment.region(r.remote) else {
+                return fail(
+                    ErrorKind::NotRegistered,
+                    format!("the peer has no region {} (never registered, or deregistered)", r.remote),
+                );
+            };
+            let ok = match r.op {
+                Op::Read => rem.access.remote_read,
+                Op::Write => rem.access.remote_write,
+            };
+            if !ok {
+                return fail(
+                    ErrorKind::InvalidRequest,
+                    format!("the peer's region {} (`{}`) is not {right}", r.remote, rem.name),
+                );
+            }
+            if !fits(r.remote_offset, r.len, rem.len) {
+                return fail(
+                    ErrorKind::OutOfBounds,
+                    format!("remote range {}+{} is outside the peer's region {} of {} bytes", r.remote_offset, r.len, r.remote, rem.len),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn submit(self: &Arc<Self>, peer: &Peer, requests: &[TransferRequest], timeout: Duration, deadline: Instant, notify: Option<Vec<u8>>) -> TransferHandle {
+        let state = BatchState::new(deadline);
+        self.timer.add(&state);
+        let handle = TransferHandle::new(state.clone());
+        let finisher = Finisher {
+            state,
+            peer: peer.clone(),
+            notify: notify.map(|message| (Arc::downgrade(self), message)),
+        };
+        if requests.is_empty() {
+            finisher.finish(Ok(()));
+            return handle;
+        }
+        // The batch ends when both the backend's completion and `submit`'s return are
+        // in, so an error returned by `submit` is never masked by the dropped completion.
+        let join = Arc::new(Mutex::new(Join::default()));
+        let (j, f) = (join.clone(), Arc::new(Mutex::new(Some(finisher))));
+        let f2 = f.clone();
+        let done = Completion::new(timeout, move |r, dropped| {
+            let r = if dropped { Err(r.err().unwrap_or_else(|| Error::new(ErrorKind::Cancelled, "dropped"))) } else { r };
+            Join::arrive(&j, &f2, Some(r), None);
+        });
+        let submitted = self.backend.submit(peer.inner.backend_id, requests, done);
+        Join::arrive(&join, &f, None, Some(submitted.map_err(|e| e.with_operation("transfer"))));
+        handle
+    }
+}
+
+#[derive(Default)]
+struct Join {
+    completed: Option<Result<()>>,
+    submitted: Option<Result<()>>,
+}
+
+impl Join {
+    fn arrive(
+        join: &Mutex<Join>,
+        finisher: &Mutex<Option<Finisher>>,
+        completed: Option<Result<()>>,
+        submitted: Option<Result<()>>,
+    ) {
+        let result = {
+            let mut j = join.lock().unwrap_or_else(|p| p.into_inner());
+            if completed.is_some() {
+                j.completed = completed;
+            }
+            if submitted.is_some() {
+                j.submitted = submitted;
+            }
+            match (&j.submitted, &j.completed) {
+                (Some(Err(e)), _) => Err(e.clone()),
+                (Some(Ok(())), Some(r)) => r.clone(),
+                _ => return,
+            }
+        };
+        if let Some(f) = finisher.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            f.finish(result);
+        }
+    }
+}
+
+/// What happens when a batch's data part is over: peer bookkeeping, then either the
+/// notification or the final result.
+struct Finisher {
+    state: Arc<BatchState>,
+    peer: Peer,
+    notify: Option<(Weak<Inner>, Vec<u8>)>,
+}
+
+impl Finisher {
+    fn finish(self, result: Result<()>) {
+        if let Err(e) = &result {
+            if matches!(e.kind(), ErrorKind::PeerUnreachable | ErrorKind::PeerRestarted) {
+                self.peer.inner.valid.store(false, Ordering::Release);
+            }
+        }
+        match (result, self.notify) {
+            (Ok(()), Some((engine, message))) => match engine.upgrade() {
+                Some(engine) => engine.notifier.send(Job {
+                    addr: self.peer.inner.addr.clone(),
+                    notice: Notice {
+                        to_epoch: self.peer.inner.epoch,
+                        from_engine: engine.config.name.clone(),
+                        from_epoch: engine.epoch,
+                        message,
+                    },
+                    state: self.state,
+                }),
+                None => {
+                    self.state.finish(Err(Error::new(ErrorKind::Cancelled, "the engine shut down before the notification was sent")));
+                }
+            },
+            (result, _) => {
+                self.state.finish(result);
+            }
+        }
+    }
+}
+
+fn fits(offset: u64, len: u64, region_len: u64) -> bool {
+    offset.checked_add(len).is_some_and(|end| end <= region_len)
+}
+
+/// A connected peer: its descriptor and the backend's connection to it.
+#[derive(Clone)]
+pub struct Peer {
+    inner: Arc<PeerInner>,
+}
+
+struct PeerInner {
+    addr: String,
+    epoch: u64,
+    segment: RwLock<Arc<SegmentDesc>>,
+    backend_id: PeerId,
+    valid: AtomicBool,
+}
+
+impl std::fmt::Debug for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Peer")
+            .field("addr", &self.inner.addr)
+            .field("epoch", &self.inner.epoch)
+            .field("valid", &self.is_valid())
+            .finish()
+    }
+}
+
+impl Peer {
+    /// The control-plane address it was reached at.
+    pub fn addr(&self) -> &str {
+        &self.inner.addr
+    }
+
+    /// The peer's epoch when connected.
+    pub fn epoch(&self) -> u64 {
+        self.inner.epoch
+    }
+
+    /// The peer's descriptor, as last fetched.
+    pub fn segment(&self) -> Arc<SegmentDesc> {
+        self.inner.segment.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The peer's first region registered under `name`.
+    pub fn region(&self, name: &str) -> Option<RegionDesc> {
+        self.segment().region_named(name).cloned()
+    }
+
+    /// False once a failure or a restart invalidated it; the engine reconnects on next use.
+    pub fn is_valid(&self) -> bool {
+        self.inner.valid.load(Ordering::Acquire)
+    }
+}
+
+/// Registered memory; deregistered when dropped.
+pub struct Registration {
+    engine: Arc<Inner>,
+    region: RegionDesc,
+}
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration").field("region", &self.region).finish()
+    }
+}
+
+impl Registration {
+    /// The region's id, for requests.
+    pub fn id(&self) -> RegionId {
+        self.region.id
+    }
+
+    /// The region as peers see it.
+    pub fn region(&self) -> &RegionDesc {
+        &self.region
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.engine
+            .regions
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.region.id);
+        if let Err(e) = self.engine.backend.deregister(self.region.id) {
+            tracing::warn!(region = %self.region.id, error = %e, "deregister failed");
+        }
+    }
+}
+
+/// Page-aligned host memory owned by the engine's user and registered with it.
+pub struct Buffer {
+    reg: ManuallyDrop<Registration>,
+    ptr: *mut u8,
+    layout: Layout,
+}
+
+// SAFETY: the buffer owns its allocation; access goes through `read`/`write`, which
+// copy with raw pointers, so sharing it between threads creates no references that
+// could alias the backend's concurrent access.
+unsafe impl Send for Buffer {}
+// SAFETY: as above.
+unsafe impl Sync for Buffer {}
+
+impl std::fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Buffer").field("region", self.reg.region()).finish()
+    }
+}
+
+impl Buffer {
+    fn new(engine: &Arc<Inner>, name: &str, len: usize, access: Access) -> Result<Buffer> {
+        let layout = Layout::from_size_align(len.max(1), 4096).map_err(|_| {
+            Error::new(ErrorKind::InvalidRequest, format!("cannot allocate {len} bytes")).with_operation("alloc")
+        })?;
+        if len == 0 {
+            return Err(Error::new(ErrorKind::InvalidRequest, "a buffer must not be empty").with_operation("alloc"));
+        }
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(Error::new(ErrorKind::Io, format!("out of memory allocating {len} bytes")).with_operation("alloc"));
+        }
+        let desc = MemoryDesc {
+            name: name.to_string(),
+            addr: ptr as u64,
+            len: len as u64,
+            kind: MemoryKind::Host,
+            access,
+        };
+        match engine.register(desc) {
+            Ok(reg) => Ok(Buffer {
+                reg: ManuallyDrop::new(reg),
+                ptr,
+                layout,
+            }),
+            Err(e) => {
+                // SAFETY: allocated above with this layout, never registered.
+                unsafe { std::alloc::dealloc(ptr, layout) };
+                Err(e)
+            }
+        }
+    }
+
+    /// The region's id, for requests.
+    pub fn id(&self) -> RegionId {
+        self.reg.id()
+    }
+
+    /// The registration.
+    pub fn registration(&self) -> &Registration {
+        &self.reg
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.reg.region().len as usize
+    }
+
+    /// Always false: buffers are never empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The start of the memory.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    fn range(&self, offset: usize, len: usize) -> Result<()> {
+        if offset.checked_add(len).is_some_and(|e| e <= self.len()) {
+            Ok(())
+        } else {
+            Err(Error::new(
+                ErrorKind::OutOfBounds,
+                format!("range {offset}+{len} is outside the {}-byte buffer", self.len()),
+            ))
+        }
+    }
+
+    /// Copies `data` into the buffer at `offset`.
+    ///
+    /// # Errors
+    /// `OutOfBounds` if it does not fit.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.range(offset, data.len())?;
+        // SAFETY: the range is inside the allocation; `data` cannot overlap it, since
+        // no reference into the buffer is ever handed out.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(offset), data.len()) };
+        Ok(())
+    }
+
+    /// Copies bytes at `offset` out into `out`.
+    ///
+    /// # Errors
+    /// `OutOfBounds` if the range does not fit.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.range(offset, out.len())?;
+        // SAFETY: as in `write`.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// A copy of the whole buffer.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = vec![0; self.len()];
+        let _ = self.read(0, &mut v);
+        v
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        // SAFETY: dropped exactly once, here; deregistering first guarantees the backend
+        // no longer touches the memory when it is freed.
+        unsafe { ManuallyDrop::drop(&mut self.reg) };
+        // SAFETY: allocated in `new` with `self.layout`.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
+    }
+}

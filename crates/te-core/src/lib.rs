@@ -1,0 +1,65 @@
+//! te-core: the heart of te, a transfer engine for disaggregated LLM inference.
+//!
+//! It holds the [`TransferBackend`] seam every fabric implements, the descriptor types,
+//! the one [`Error`] type, configuration, the backend [`Registry`] (built-in backends
+//! and plugins), and the [`Engine`] users hold, with its control plane.
+//!
+//! ```no_run
+//! use te_core::{Access, Config, Engine, TransferRequest};
+//!
+//! # fn main() -> te_core::Result<()> {
+//! let config = Config::defaults(); // backend "stub": engines of one process
+//! let target = Engine::from_config(&config)?;
+//! let dst = target.alloc("kv", 1 << 20, Access::REMOTE_READ_WRITE)?;
+//!
+//! let initiator = Engine::from_config(&config)?;
+//! let src = initiator.alloc("kv", 1 << 20, Access::LOCAL)?;
+//! src.write(0, b"hello")?;
+//! let peer = initiator.connect(&target.address().to_string())?;
+//! let remote = peer.region("kv").expect("the target registered `kv`");
+//! initiator
+//!     .transfer(&peer, &[TransferRequest::write(src.id(), 0, remote.id, 0, 5)])?
+//!     .wait()?;
+//! # let _ = dst;
+//! # Ok(())
+//! # }
+//! ```
+
+#![warn(missing_debug_implementations, missing_docs, unreachable_pub)]
+#![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
+
+mod backend;
+mod batch;
+mod codec;
+pub mod config;
+mod control;
+mod desc;
+mod engine;
+mod error;
+mod notify;
+pub mod plugin;
+pub mod registry;
+#[cfg(feature = "testkit")]
+pub mod testkit;
+
+pub use backend::{BackendContext, Completion, FfiError, TransferBackend};
+pub use batch::{TransferHandle, TransferStatus};
+pub use config::{Config, EngineConfig};
+pub use control::{MAX_FRAME, VERSION as CONTROL_VERSION};
+pub use desc::{
+    Access, BackendInfo, Capabilities, MemoryDesc, MemoryKind, Op, PeerId, RegionDesc, RegionId,
+    SegmentDesc, TransferRequest,
+};
+pub use engine::{Buffer, Engine, Peer, Registration, TransferOptions};
+pub use error::{Error, ErrorKind, Result};
+pub use notify::Notification;
+pub use registry::{Origin, Registry};
+
+#[doc(hidden)]
+pub use inventory;
+
+/// `abi_stable` types the registration macro names.
+#[doc(hidden)]
+pub mod __abi {
+    pub use abi_stable::std_types::{RResult, RSlice};
+}

@@ -1,0 +1,334 @@
+//! Backends as plugins: the layout-checked boundary between te and a backend cdylib.
+//!
+//! A backend crate calls [`register_backend!`](crate::register_backend) once; that both
+//! submits it to the built-in registry and exports a root module under the symbol
+//! `te_plugin_<crate name>` (so several backends linked into one binary do not clash).
+//! The loader finds `libte_<x>.so`, looks up `te_plugin_te_<x>`, and lets `abi_stable`
+//! compare the module's type layouts and te-core version with its own before anything
+//! is called: a plugin built against another te-core is refused with a message.
+//!
+//! Across the boundary, plain-data types ([`TransferRequest`], [`Completion`], ids) go
+//! as they are; descriptors go encoded, as they go on the wire.
+
+// `#[sabi_trait]` implements foreign traits for the types it generates inside a const.
+#![allow(non_local_definitions)]
+
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use std::sync::Arc;
+
+use abi_stable::library::{AbiHeaderRef, RawLibrary, RootModule};
+use abi_stable::sabi_trait;
+use abi_stable::std_types::{RBox, RResult, RSlice, RStr, RVec};
+use abi_stable::{declare_root_module_statics, package_version_strings, StableAbi};
+use serde::{Deserialize, Serialize};
+
+use crate::backend::{from_ffi, to_ffi, BackendContext, Completion, FfiError, TransferBackend};
+use crate::codec;
+use crate::desc::{BackendInfo, MemoryDesc, PeerId, RegionId, SegmentDesc, TransferRequest};
+use crate::error::{Error, ErrorKind, Result};
+
+#[doc(hidden)]
+pub use abi_stable::library::{
+    CheckTypeLayout as __CheckTypeLayout, LibHeader as __LibHeader,
+    RootModuleResult as __RootModuleResult, __call_root_module_loader,
+};
+#[doc(hidden)]
+pub use abi_stable::prefix_type::PrefixTypeTrait as __PrefixTypeTrait;
+
+/// te's own plugin protocol version, checked in addition to `abi_stable`'s layout
+/// check; raised whenever the meaning (not only the layout) of the boundary changes.
+pub const PLUGIN_ABI: u32 = 1;
+
+/// The backend object as it crosses the boundary.
+#[sabi_trait]
+pub trait FfiBackend: Send + Sync + Debug {
+    /// Encoded [`BackendInfo`].
+    fn info(&self) -> RVec<u8>;
+    /// Endpoint bytes.
+    fn endpoint(&self) -> RVec<u8>;
+    /// Registers an encoded [`MemoryDesc`] as region `id`.
+    fn register(&self, id: RegionId, mem: RSlice<'_, u8>) -> RResult<RVec<u8>, FfiError>;
+    /// Deregisters region `id`.
+    fn deregister(&self, id: RegionId) -> RResult<(), FfiError>;
+    /// Connects to an encoded [`SegmentDesc`].
+    fn connect(&self, peer: RSlice<'_, u8>) -> RResult<PeerId, FfiError>;
+    /// Disconnects a peer.
+    fn disconnect(&self, peer: PeerId) -> RResult<(), FfiError>;
+    /// Posts a batch.
+    #[sabi(last_prefix_field)]
+    fn submit(
+        &self,
+        peer: PeerId,
+        batch: RSlice<'_, TransferRequest>,
+        done: Completion,
+    ) -> RResult<(), FfiError>;
+}
+
+/// A boxed backend object from a plugin.
+pub type FfiBackendBox = FfiBackend_TO<'static, RBox<()>>;
+
+/// The root module every backend plugin exports.
+#[repr(C)]
+#[derive(StableAbi)]
+#[sabi(kind(Prefix(prefix_ref = PluginModuleRef)))]
+#[sabi(missing_field(panic))]
+pub struct PluginModule {
+    /// [`PLUGIN_ABI`] of the te-core the plugin was built with.
+    pub abi: u32,
+    /// The backend's registry name.
+    pub name: RStr<'static>,
+    /// The backend crate's version.
+    pub version: RStr<'static>,
+    /// Says whether the backend can run here, and why not.
+    pub probe: extern "C" fn() -> RResult<(), FfiError>,
+    /// Creates the backend from an encoded context.
+    #[sabi(last_prefix_field)]
+    pub create: extern "C" fn(ctx: RSlice<'_, u8>) -> RResult<FfiBackendBox, FfiError>,
+}
+
+impl fmt::Debug for PluginModule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PluginModule")
+            .field("abi", &self.abi)
+            .field("name", &self.name)
+            .field("version", &self.version)
+            .finish()
+    }
+}
+
+impl RootModule for PluginModuleRef {
+    declare_root_module_statics! {PluginModuleRef}
+    const BASE_NAME: &'static str = "te_plugin";
+    const NAME: &'static str = "te_plugin";
+    const VERSION_STRINGS: abi_stable::sabi_types::VersionStrings = package_version_strings!();
+}
+
+#[derive(Serialize, Deserialize)]
+struct FfiContext {
+    engine: String,
+    table: String,
+    source: String,
+}
+
+fn caught<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        Err(Error::new(
+            ErrorKind::Backend,
+            format!("the plugin panicked in {what}; this is a bug in the backend"),
+        ))
+    })
+}
+
+/// Builds the root module; used by [`register_backend!`](crate::register_backend).
+#[doc(hidden)]
+pub fn __module(
+    name: &'static str,
+    version: &'static str,
+    probe: extern "C" fn() -> RResult<(), FfiError>,
+    create: extern "C" fn(RSlice<'_, u8>) -> RResult<FfiBackendBox, FfiError>,
+) -> PluginModuleRef {
+    __PrefixTypeTrait::leak_into_prefix(PluginModule {
+        abi: PLUGIN_ABI,
+        name: RStr::from_str(name),
+        version: RStr::from_str(version),
+        probe,
+        create,
+    })
+}
+
+/// The plugin side of `probe`.
+#[doc(hidden)]
+pub fn __probe(probe: fn() -> Result<()>) -> RResult<(), FfiError> {
+    to_ffi(caught("probe", probe))
+}
+
+/// The plugin side of `create`.
+#[doc(hidden)]
+pub fn __create(
+    ctx: RSlice<'_, u8>,
+    create: fn(&BackendContext) -> Result<Arc<dyn TransferBackend>>,
+) -> RResult<FfiBackendBox, FfiError> {
+    to_ffi(caught("create", || {
+        let c: FfiContext = codec::decode(ctx.as_slice(), "backend context")?;
+        let table = toml::from_str(&c.table).map_err(|e| {
+            Error::new(ErrorKind::ConfigInvalid, format!("backend table did not cross the plugin boundary: {e}"))
+        })?;
+        let backend = create(&BackendContext {
+            engine: c.engine,
+            table,
+            source: c.source,
+        })?;
+        Ok(FfiBackend_TO::from_value(Exported(backend), sabi_trait::TD_Opaque))
+    }))
+}
+
+/// A backend exported through the boundary (plugin side).
+struct Exported(Arc<dyn TransferBackend>);
+
+impl fmt::Debug for Exported {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl FfiBackend for Exported {
+    fn info(&self) -> RVec<u8> {
+        codec::encode(self.0.info()).into()
+    }
+    fn endpoint(&self) -> RVec<u8> {
+        self.0.endpoint().into()
+    }
+    fn register(&self, id: RegionId, mem: RSlice<'_, u8>) -> RResult<RVec<u8>, FfiError> {
+        to_ffi(caught("register", || {
+            let mem: MemoryDesc = codec::decode(mem.as_slice(), "memory descriptor")?;
+            self.0.register(id, &mem).map(RVec::from)
+        }))
+    }
+    fn deregister(&self, id: RegionId) -> RResult<(), FfiError> {
+        to_ffi(caught("deregister", || self.0.deregister(id)))
+    }
+    fn connect(&self, peer: RSlice<'_, u8>) -> RResult<PeerId, FfiError> {
+        to_ffi(caught("connect", || {
+            self.0.connect(&SegmentDesc::decode(peer.as_slice())?)
+        }))
+    }
+    fn disconnect(&self, peer: PeerId) -> RResult<(), FfiError> {
+        to_ffi(caught("disconnect", || self.0.disconnect(peer)))
+    }
+    fn submit(
+        &self,
+        peer: PeerId,
+        batch: RSlice<'_, TransferRequest>,
+        done: Completion,
+    ) -> RResult<(), FfiError> {
+        to_ffi(caught("submit", || self.0.submit(peer, batch.as_slice(), done)))
+    }
+}
+
+/// A backend loaded from a plugin (host side).
+pub(crate) struct PluginBackend {
+    inner: FfiBackendBox,
+    info: BackendInfo,
+}
+
+impl fmt::Debug for PluginBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PluginBackend({:?})", self.inner)
+    }
+}
+
+impl TransferBackend for PluginBackend {
+    fn info(&self) -> &BackendInfo {
+        &self.info
+    }
+    fn endpoint(&self) -> Vec<u8> {
+        self.inner.endpoint().into_vec()
+    }
+    fn register(&self, id: RegionId, mem: &MemoryDesc) -> Result<Vec<u8>> {
+        from_ffi(self.inner.register(id, codec::encode(mem).as_slice().into())).map(RVec::into_vec)
+    }
+    fn deregister(&self, id: RegionId) -> Result<()> {
+        from_ffi(self.inner.deregister(id))
+    }
+    fn connect(&self, peer: &SegmentDesc) -> Result<PeerId> {
+        from_ffi(self.inner.connect(peer.encode().as_slice().into()))
+    }
+    fn disconnect(&self, peer: PeerId) -> Result<()> {
+        from_ffi(self.inner.disconnect(peer))
+    }
+    fn submit(&self, peer: PeerId, batch: &[TransferRequest], done: Completion) -> Result<()> {
+        from_ffi(self.inner.submit(peer, batch.into(), done))
+    }
+}
+
+/// The plugin's name and version, and its probe result.
+pub(crate) fn describe(module: PluginModuleRef) -> (String, String, Result<()>) {
+    let probe = from_ffi((module.probe())());
+    (module.name().to_string(), module.version().to_string(), probe)
+}
+
+/// Creates a backend through a plugin module.
+pub(crate) fn create(module: PluginModuleRef, ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
+    let table = toml::to_string(&ctx.table).map_err(|e| {
+        Error::new(ErrorKind::ConfigInvalid, format!("backend table cannot be re-encoded: {e}"))
+    })?;
+    let encoded = codec::encode(&FfiContext {
+        engine: ctx.engine.clone(),
+        table,
+        source: ctx.source.clone(),
+    });
+    let inner = from_ffi((module.create())(encoded.as_slice().into()))?;
+    let info: BackendInfo = codec::decode(&inner.info(), "backend info")?;
+    Ok(Arc::new(PluginBackend { inner, info }))
+}
+
+/// Loads the plugin library at `path` and checks its layout, te-core version and
+/// plugin ABI. The library stays loaded for the life of the process.
+///
+/// # Errors
+/// `Unavailable` with the reason: not loadable, not a te plugin, built against an
+/// incompatible te-core.
+pub(crate) fn load(path: &Path) -> Result<PluginModuleRef> {
+    let refuse = |why: String| {
+        Err(Error::new(ErrorKind::Unavailable, why)
+            .with_operation("load plugin")
+            .with_context("path", path.display()))
+    };
+    let stem = path
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .and_then(|s| s.strip_prefix("lib"))
+        .unwrap_or_default();
+    let symbol = format!("te_plugin_{stem}\0");
+    let raw = match RawLibrary::load_at(path) {
+        Ok(raw) => raw,
+        Err(e) => return refuse(format!("cannot load the library: {}", one_line(&e))),
+    };
+    // SAFETY: `get::<AbiHeaderRef>` yields the symbol's address as a reference; when the
+    // symbol exists it is the `LibHeader` static `register_backend!` exports, which
+    // starts with its `AbiHeader`, and `upgrade` checks that header before anything
+    // else is read. The library is leaked below, so the `'static` references stay valid.
+    let header = match unsafe { raw.get::<AbiHeaderRef>(symbol.as_bytes()) } {
+        Ok(h) => *h,
+        Err(_) => {
+            return refuse(format!(
+                "not a te backend plugin: it exports no `{}` (plugins keep the file name cargo gave them)",
+                symbol.trim_end_matches('\0')
+            ))
+        }
+    };
+    let module = match header.upgrade().and_then(|h| h.init_root_module::<PluginModuleRef>()) {
+        Ok(m) => m,
+        Err(e) => {
+            return refuse(format!(
+                "built against an incompatible te-core (this te uses te-core {}); rebuild the plugin against it: {}",
+                env!("CARGO_PKG_VERSION"),
+                one_line(&e)
+            ))
+        }
+    };
+    std::mem::forget(raw);
+    if module.abi() != PLUGIN_ABI {
+        return refuse(format!(
+            "plugin ABI {} is not this te's plugin ABI {PLUGIN_ABI}; rebuild the plugin",
+            module.abi()
+        ));
+    }
+    Ok(module)
+}
+
+fn one_line(e: &dyn fmt::Display) -> String {
+    let text = e.to_string();
+    let mut out = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    if out.len() > 600 {
+        let mut cut = 600;
+        while !out.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        out.truncate(cut);
+        out.push('…');
+    }
+    out
+}

@@ -1,0 +1,42 @@
+//! te-stub: the in-process backend, for hardware-free tests and demos.
+//!
+//! Engines of one process exchange data by `memcpy`, through a process-wide table of
+//! stub endpoints, reached through the normal control plane and handshake. Completions
+//! come from the stub's own worker thread, so they are as asynchronous as a real
+//! fabric's.
+//!
+//! Options (`[backends.stub]`):
+//! - `mode = "copy"` (default) moves bytes; `"noop"` completes without moving any, for
+//!   pure control-flow tests.
+//! - `fail_every = N` fails every Nth batch with a `Backend` error (0 = never).
+//! - `delay = "5ms"` completes each batch no sooner than this after its submission.
+//!
+//! The stub only connects engines of one process that use the same copy of it (both
+//! built in, or both from the same plugin file).
+
+#![warn(missing_debug_implementations, missing_docs, unreachable_pub)]
+#![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
+
+use std::sync::Arc;
+
+use te_core::{BackendContext, Result, TransferBackend};
+
+mod backend;
+mod config;
+
+pub use backend::StubBackend;
+pub use config::{Mode, StubConfig};
+
+/// The stub's registry name.
+pub const NAME: &str = "stub";
+
+fn probe() -> Result<()> {
+    Ok(())
+}
+
+fn create(ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
+    let config: StubConfig = ctx.parse(NAME)?;
+    Ok(Arc::new(StubBackend::new(config)?))
+}
+
+te_core::register_backend!(NAME, probe, create);
