@@ -1,1 +1,32 @@
+//! te: a transfer engine for disaggregated LLM inference.
+//!
+//! This facade re-exports [`te_core`] and links the backends its Cargo features
+//! enable, so they are in the registry of every program that uses it:
+//!
+//! | feature | backend |
+//! |---|---|
+//! | `stub` (default) | in-process memcpy backend for hardware-free tests |
+//! | `tcp` (default) | TCP backend |
+//!
+//! Backends not linked in can be loaded from plugin directories (`plugin_dirs`).
 
+#![warn(missing_docs)]
+
+pub use te_core::*;
+
+// rustc links no crate nothing refers to; these make each enabled backend's
+// registration part of the program.
+#[cfg(feature = "stub")]
+extern crate te_stub as _;
+#[cfg(feature = "tcp")]
+extern crate te_tcp as _;
+
+/// The names of the backends this build links in, by Cargo feature.
+pub fn linked_backends() -> &'static [&'static str] {
+    &[
+        #[cfg(feature = "stub")]
+        te_stub::NAME,
+        #[cfg(feature = "tcp")]
+        te_tcp::NAME,
+    ]
+}

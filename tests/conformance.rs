@@ -1,1 +1,41 @@
-fn main(){}
+//! The conformance suite against every backend this build can reach: te-stub built in,
+//! and te-stub loaded as a plugin from the cdylib `cargo build --workspace` produced.
+
+use std::path::PathBuf;
+
+use te::testkit::{self, Harness};
+use te::{Config, Origin, Registry};
+
+fn stub_config(plugin_dir: Option<PathBuf>, table: &str) -> Config {
+    let text = format!("[engine]\nbackend = \"stub\"\n[backends.stub]\n{table}\n");
+    let mut c = Config::from_toml(&text, "conformance.toml", std::path::Path::new(".")).expect("valid config");
+    c.engine.plugin_dirs = plugin_dir.into_iter().collect();
+    c
+}
+
+/// The directory cargo puts the workspace's cdylibs in (`target/<profile>`).
+fn plugin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    exe.parent().and_then(|deps| deps.parent()).expect("target/<profile>").to_path_buf()
+}
+
+fn main() {
+    let dir = plugin_dir();
+    let lib = dir.join(format!("libte_stub{}", std::env::consts::DLL_SUFFIX));
+    assert!(
+        lib.exists(),
+        "{} is missing: run `cargo build --workspace` before `cargo test` (the README's test command does)",
+        lib.display()
+    );
+    let registry = Registry::discover(std::slice::from_ref(&dir));
+    let resolved = registry.get("stub").expect("stub is registered");
+    assert_eq!(resolved.origin(), &Origin::Plugin(lib.clone()), "a plugin must shadow the built-in stub");
+
+    let builtin = Harness::new("stub_builtin", stub_config(None, ""))
+        .with_slow(stub_config(None, "delay = \"200ms\""));
+    let plugin = Harness::new("stub_plugin", stub_config(Some(dir.clone()), ""))
+        .with_slow(stub_config(Some(dir), "delay = \"200ms\""));
+    let mut trials = testkit::trials(&builtin);
+    trials.extend(testkit::trials(&plugin));
+    testkit::run(trials);
+}
