@@ -99,6 +99,37 @@ pub fn parse_duration(s: &str) -> Result<Duration> {
     })
 }
 
+/// Parses a byte size: `4096`, `4KiB`, `64KiB`, `1MiB`, `1GiB` (binary units), `1KB`,
+/// `1MB`, `1GB` (decimal units), case-insensitive.
+///
+/// # Errors
+/// `ConfigInvalid` with the accepted forms.
+pub fn parse_size(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        _ => u64::MAX,
+    };
+    num.parse::<u64>()
+        .ok()
+        .filter(|_| mult != u64::MAX)
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::ConfigInvalid,
+                format!("`{s}` is not a size like 4096, 64KiB, 1MiB or 1GiB"),
+            )
+        })
+}
+
 impl Config {
     /// The defaults, as if from an empty file.
     pub fn defaults() -> Config {
@@ -122,8 +153,11 @@ impl Config {
                 Some(l) => format!("{source}:{l}"),
                 None => source.to_string(),
             };
-            Error::new(ErrorKind::ConfigInvalid, format!("{place}: {}", e.message().trim()))
-                .with_operation("load config")
+            Error::new(
+                ErrorKind::ConfigInvalid,
+                format!("{place}: {}", e.message().trim()),
+            )
+            .with_operation("load config")
         })?;
         let mut engine = file.engine;
         for dir in &mut engine.plugin_dirs {
@@ -174,8 +208,10 @@ impl Config {
 
     fn validate(&self) -> Result<()> {
         let bad = |msg: String| {
-            Err(Error::new(ErrorKind::ConfigInvalid, format!("{}: {msg}", self.source))
-                .with_operation("load config"))
+            Err(
+                Error::new(ErrorKind::ConfigInvalid, format!("{}: {msg}", self.source))
+                    .with_operation("load config"),
+            )
         };
         if self.engine.backend.is_empty() {
             return bad("[engine] backend is empty; name a backend (`te info` lists them)".into());
@@ -214,6 +250,26 @@ mod tests {
     }
 
     #[test]
+    fn sizes_parse_in_binary_and_decimal_units() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("64KiB").unwrap(), 64 << 10);
+        assert_eq!(parse_size("1mib").unwrap(), 1 << 20);
+        assert_eq!(parse_size("1GB").unwrap(), 1_000_000_000);
+        for bad in [
+            "",
+            "KiB",
+            "1.5MiB",
+            "-1",
+            "1TiB",
+            "99999999999999999999",
+            "1GiBs",
+        ] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+        assert!(parse_size("16000000000GiB").is_err());
+    }
+
+    #[test]
     fn an_empty_file_gives_the_defaults() {
         let c = parse("").unwrap();
         assert_eq!(c.engine.backend, "stub");
@@ -222,9 +278,13 @@ mod tests {
 
     #[test]
     fn durations_and_relative_plugin_dirs_are_understood() {
-        let c = parse("[engine]\ndefault_timeout = \"250ms\"\nplugin_dirs = [\"p\", \"/abs\"]\n").unwrap();
+        let c = parse("[engine]\ndefault_timeout = \"250ms\"\nplugin_dirs = [\"p\", \"/abs\"]\n")
+            .unwrap();
         assert_eq!(c.engine.default_timeout, Duration::from_millis(250));
-        assert_eq!(c.engine.plugin_dirs, vec![PathBuf::from("/etc/te/p"), PathBuf::from("/abs")]);
+        assert_eq!(
+            c.engine.plugin_dirs,
+            vec![PathBuf::from("/etc/te/p"), PathBuf::from("/abs")]
+        );
     }
 
     #[test]
@@ -232,7 +292,10 @@ mod tests {
         let e = parse("[engine]\nbackend = \"stub\"\nbakcend = \"tcp\"\n").unwrap_err();
         assert_eq!(e.kind(), ErrorKind::ConfigInvalid);
         let msg = e.to_string();
-        assert!(msg.contains("bakcend") && msg.contains("test.toml:3"), "{msg}");
+        assert!(
+            msg.contains("bakcend") && msg.contains("test.toml:3"),
+            "{msg}"
+        );
         let e = parse("[engin]\n").unwrap_err();
         assert!(e.to_string().contains("engin"), "{e}");
     }

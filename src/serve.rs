@@ -1,0 +1,92 @@
+//! `te serve`: a target engine with one registered buffer, serving until interrupted.
+//!
+//! The first line of stdout is the control-plane address (`HOST:PORT`), so a script can
+//! read it and hand it to `te bench --target`.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use te::{Access, Config, Engine};
+
+/// Options of `te serve`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct ServeArgs {
+    /// Configuration file (default: $TE_CONFIG, else built-in defaults).
+    #[arg(long)]
+    pub(crate) config: Option<PathBuf>,
+    /// Backend name, overriding the configuration.
+    #[arg(long)]
+    pub(crate) backend: Option<String>,
+    /// Control-plane listen address, overriding the configuration.
+    #[arg(long)]
+    pub(crate) listen: Option<String>,
+    /// Size of the buffer registered as "buffer" (remote read and write): 64MiB, 1GiB, …
+    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    pub(crate) buffer_size: u64,
+}
+
+/// clap value parser for sizes.
+pub(crate) fn parse_size(s: &str) -> Result<u64, String> {
+    match te::config::parse_size(s) {
+        Ok(0) => Err("size must be greater than zero".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.message().to_string()),
+    }
+}
+
+/// Blocks SIGINT and SIGTERM in this thread and every thread it starts later, so that
+/// `wait_for_signal` receives them instead of the default handler.
+fn block_signals() -> libc::sigset_t {
+    // SAFETY: sigemptyset/sigaddset initialise the set we own; pthread_sigmask only
+    // changes this thread's mask.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+fn wait_for_signal(set: &libc::sigset_t) -> i32 {
+    let mut sig = 0;
+    // SAFETY: `set` was initialised by `block_signals`; `sig` is writable.
+    unsafe { libc::sigwait(set, &mut sig) };
+    sig
+}
+
+pub(crate) fn run(args: ServeArgs) -> te::Result<()> {
+    let set = block_signals();
+    let mut config = Config::resolve(args.config.as_deref())?;
+    if let Some(b) = args.backend {
+        config.engine.backend = b;
+    }
+    if let Some(l) = args.listen {
+        config.engine.listen = l;
+    }
+    let len = usize::try_from(args.buffer_size).map_err(|_| {
+        te::Error::new(
+            te::ErrorKind::InvalidRequest,
+            "buffer size does not fit in memory",
+        )
+    })?;
+    let engine = Engine::from_config(&config)?;
+    let buffer = engine.alloc("buffer", len, Access::REMOTE_READ_WRITE)?;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{}", engine.address());
+    let _ = writeln!(
+        out,
+        "serving {} bytes as \"buffer\" on backend {} (epoch {:016x}); Ctrl-C stops",
+        buffer.len(),
+        engine.backend_info().name,
+        engine.epoch()
+    );
+    let _ = out.flush();
+    drop(out);
+    let sig = wait_for_signal(&set);
+    tracing::info!(signal = sig, "shutting down");
+    drop(buffer);
+    drop(engine);
+    Ok(())
+}
