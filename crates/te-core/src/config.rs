@@ -148,7 +148,7 @@ impl Config {
         let file: File = toml::from_str(text).map_err(|e| {
             let line = e
                 .span()
-                .map(|s| text[..s.start.min(text.len())].lines().count().max(1));
+                .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
             let place = match line {
                 Some(l) => format!("{source}:{l}"),
                 None => source.to_string(),
@@ -266,7 +266,7 @@ mod tests {
         ] {
             assert!(parse_size(bad).is_err(), "{bad}");
         }
-        assert!(parse_size("16000000000GiB").is_err());
+        assert!(parse_size("20000000000GiB").is_err());
     }
 
     #[test]

@@ -1,0 +1,99 @@
+//! Plugin loading: a good plugin is found, a plugin with another layout and a library
+//! that is no plugin are refused with a message, and neither hides the other plugins.
+
+use std::path::{Path, PathBuf};
+
+use te::{Config, Engine, ErrorKind, Origin, Registry};
+
+fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    exe.parent().and_then(|d| d.parent()).expect("target/<profile>").to_path_buf()
+}
+
+fn built(name: &str) -> PathBuf {
+    let p = target_dir().join(format!("lib{name}{}", std::env::consts::DLL_SUFFIX));
+    assert!(p.exists(), "{} is missing: run `cargo build --workspace` first", p.display());
+    p
+}
+
+fn scratch(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("te-plugins-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("scratch dir");
+    d
+}
+
+fn copy(from: &Path, dir: &Path, name: &str) -> PathBuf {
+    let to = dir.join(format!("lib{name}{}", std::env::consts::DLL_SUFFIX));
+    std::fs::copy(from, &to).expect("copy plugin");
+    to
+}
+
+#[test]
+fn a_plugin_built_against_another_te_core_layout_is_refused_with_a_message() {
+    let dir = scratch("abi");
+    let bad = copy(&built("abi_mismatch_fixture"), &dir, "te_abi_mismatch");
+    let good = copy(&built("te_stub"), &dir, "te_stub");
+    let registry = Registry::discover(std::slice::from_ref(&dir));
+    let problem = registry
+        .problems()
+        .iter()
+        .find(|p| p.path == bad)
+        .unwrap_or_else(|| panic!("the mismatched plugin was not refused: {registry:?}"));
+    assert_eq!(problem.error.kind(), ErrorKind::Unavailable);
+    let msg = problem.error.to_string();
+    assert!(msg.contains("incompatible te-core") && msg.contains("rebuild"), "{msg}");
+    // The good plugin next to it still loads.
+    let stub = registry.get("stub").expect("stub");
+    assert_eq!(stub.origin(), &Origin::Plugin(good));
+    assert!(!registry.names().contains(&"mismatch"));
+}
+
+#[test]
+fn a_library_that_is_no_plugin_is_refused_with_a_message() {
+    let dir = scratch("noplugin");
+    // The fixture exports only `te_plugin_te_abi_mismatch`, not `te_plugin_te_other`.
+    let lib = copy(&built("abi_mismatch_fixture"), &dir, "te_other");
+    std::fs::write(dir.join(format!("libte_garbage{}", std::env::consts::DLL_SUFFIX)), b"not elf").unwrap();
+    let registry = Registry::discover(std::slice::from_ref(&dir));
+    let msgs: Vec<String> = registry.problems().iter().map(|p| p.error.to_string()).collect();
+    assert_eq!(msgs.len(), 2, "{msgs:?}");
+    let other = registry.problems().iter().find(|p| p.path == lib).expect("te_other refused");
+    assert!(other.error.to_string().contains("exports no `te_plugin_te_other`"), "{}", other.error);
+    assert!(msgs.iter().any(|m| m.contains("cannot load the library")), "{msgs:?}");
+}
+
+#[test]
+fn a_missing_plugin_directory_is_reported_not_fatal() {
+    let registry = Registry::discover(&[PathBuf::from("/nonexistent/te-plugins")]);
+    assert_eq!(registry.problems().len(), 1);
+    assert!(registry.get("stub").is_ok());
+}
+
+#[test]
+fn an_unknown_backend_lists_the_available_ones() {
+    let mut c = Config::defaults();
+    c.engine.backend = "nope".into();
+    let e = Engine::from_config(&c).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::ConfigInvalid);
+    assert!(e.to_string().contains("available: stub"), "{e}");
+}
+
+#[test]
+fn every_backend_this_build_links_is_in_the_registry() {
+    let registry = Registry::discover(&[]);
+    for name in te::linked_backends() {
+        let entry = registry.get(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(entry.origin(), &Origin::BuiltIn);
+    }
+    assert!(!te::linked_backends().is_empty());
+}
+
+#[test]
+fn an_unknown_key_in_a_backend_table_names_the_key_and_the_file() {
+    let c = Config::from_toml("[backends.stub]\nmod = \"copy\"\n", "my.toml", Path::new(".")).unwrap();
+    let e = Engine::from_config(&c).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::ConfigInvalid);
+    let msg = e.to_string();
+    assert!(msg.contains("mod") && msg.contains("my.toml") && msg.contains("[backends.stub]"), "{msg}");
+}
