@@ -8,7 +8,8 @@ use te::{Config, Origin, Registry};
 
 fn stub_config(plugin_dir: Option<PathBuf>, table: &str) -> Config {
     let text = format!("[engine]\nbackend = \"stub\"\n[backends.stub]\n{table}\n");
-    let mut c = Config::from_toml(&text, "conformance.toml", std::path::Path::new(".")).expect("valid config");
+    let mut c = Config::from_toml(&text, "conformance.toml", std::path::Path::new("."))
+        .expect("valid config");
     c.engine.plugin_dirs = plugin_dir.into_iter().collect();
     c
 }
@@ -16,7 +17,10 @@ fn stub_config(plugin_dir: Option<PathBuf>, table: &str) -> Config {
 /// The directory cargo puts the workspace's cdylibs in (`target/<profile>`).
 fn plugin_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
-    exe.parent().and_then(|deps| deps.parent()).expect("target/<profile>").to_path_buf()
+    exe.parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>")
+        .to_path_buf()
 }
 
 fn main() {
@@ -29,7 +33,11 @@ fn main() {
     );
     let registry = Registry::discover(std::slice::from_ref(&dir));
     let resolved = registry.get("stub").expect("stub is registered");
-    assert_eq!(resolved.origin(), &Origin::Plugin(lib.clone()), "a plugin must shadow the built-in stub");
+    assert_eq!(
+        resolved.origin(),
+        &Origin::Plugin(lib.clone()),
+        "a plugin must shadow the built-in stub"
+    );
 
     let builtin = Harness::new("stub_builtin", stub_config(None, ""))
         .with_slow(stub_config(None, "delay = \"200ms\""));

@@ -223,10 +223,13 @@ mod tests {
             tx.send((r.is_ok(), dropped)).unwrap()
         })
         .complete(Ok(()));
-        drop(Completion::new(Duration::from_secs(1), move |r, dropped| {
-            tx2.send((r.unwrap_err().kind() == ErrorKind::Cancelled, dropped))
-                .unwrap()
-        }));
+        drop(Completion::new(
+            Duration::from_secs(1),
+            move |r, dropped| {
+                tx2.send((r.unwrap_err().kind() == ErrorKind::Cancelled, dropped))
+                    .unwrap()
+            },
+        ));
         assert_eq!(rx.recv().unwrap(), (true, false));
         assert_eq!(rx.recv().unwrap(), (true, true));
         assert!(rx.try_recv().is_err());

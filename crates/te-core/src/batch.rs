@@ -4,8 +4,8 @@
 //! and waits never take an engine-wide lock. Waiting blocks on a condition variable or
 //! parks a `Waker`; nothing spins.
 
-use std::collections::BinaryHeap;
 use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -96,7 +96,9 @@ pub struct TransferHandle {
 
 impl std::fmt::Debug for TransferHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TransferHandle").field("status", &self.status()).finish()
+        f.debug_struct("TransferHandle")
+            .field("status", &self.status())
+            .finish()
     }
 }
 
@@ -110,7 +112,13 @@ impl TransferHandle {
         if !self.state.is_done() {
             return TransferStatus::Pending;
         }
-        match &self.state.slot.lock().unwrap_or_else(|p| p.into_inner()).result {
+        match &self
+            .state
+            .slot
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .result
+        {
             Some(Ok(())) => TransferStatus::Done,
             Some(Err(e)) => TransferStatus::Failed(e.clone()),
             None => TransferStatus::Pending,
@@ -128,7 +136,11 @@ impl TransferHandle {
             if let Some(r) = &slot.result {
                 return r.clone();
             }
-            slot = self.state.cond.wait(slot).unwrap_or_else(|p| p.into_inner());
+            slot = self
+                .state
+                .cond
+                .wait(slot)
+                .unwrap_or_else(|p| p.into_inner());
         }
     }
 
@@ -226,7 +238,9 @@ impl Timer {
     pub(crate) fn add(&self, state: &Arc<BatchState>) {
         let mut guard = self.shared.heap.lock().unwrap_or_else(|p| p.into_inner());
         let earliest = guard.0.peek().map(|Reverse(d)| d.0);
-        guard.0.push(Reverse(Due(state.deadline, Arc::downgrade(state))));
+        guard
+            .0
+            .push(Reverse(Due(state.deadline, Arc::downgrade(state))));
         drop(guard);
         if earliest.is_none_or(|e| state.deadline < e) {
             self.shared.cond.notify_one();
@@ -245,7 +259,9 @@ fn run_timer(shared: &TimerShared) {
             if d.0 > now {
                 break;
             }
-            let Some(Reverse(Due(_, batch))) = guard.0.pop() else { break };
+            let Some(Reverse(Due(_, batch))) = guard.0.pop() else {
+                break;
+            };
             if let Some(b) = batch.upgrade() {
                 b.timed_out();
             }
@@ -296,7 +312,10 @@ mod tests {
         timer.add(&soon);
         let h = TransferHandle::new(soon);
         assert_eq!(h.wait().unwrap_err().kind(), ErrorKind::Timeout);
-        assert!(matches!(TransferHandle::new(late).status(), TransferStatus::Pending));
+        assert!(matches!(
+            TransferHandle::new(late).status(),
+            TransferStatus::Pending
+        ));
     }
 
     #[test]

@@ -18,6 +18,8 @@ pub(crate) fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T>
             ErrorKind::Protocol,
             format!("{what} has {} trailing bytes", rest.len()),
         )),
-        Err(e) => Err(Error::new(ErrorKind::Protocol, format!("{what} is malformed")).with_source(e)),
+        Err(e) => {
+            Err(Error::new(ErrorKind::Protocol, format!("{what} is malformed")).with_source(e))
+        }
     }
 }

@@ -95,7 +95,10 @@ impl Msg {
     pub(crate) fn parse_header(h: &[u8; HEADER]) -> Result<(u8, usize)> {
         let bad = |m: String| Err(Error::new(ErrorKind::Protocol, m).with_operation("read frame"));
         if h[..2] != MAGIC {
-            return bad(format!("bad magic {:02x}{:02x}: not a te control-plane peer", h[0], h[1]));
+            return bad(format!(
+                "bad magic {:02x}{:02x}: not a te control-plane peer",
+                h[0], h[1]
+            ));
         }
         if h[2] != VERSION {
             return bad(format!(
@@ -105,7 +108,9 @@ impl Msg {
         }
         let len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
         if len > MAX_FRAME {
-            return bad(format!("frame of {len} bytes exceeds the {MAX_FRAME}-byte limit"));
+            return bad(format!(
+                "frame of {len} bytes exceeds the {MAX_FRAME}-byte limit"
+            ));
         }
         Ok((h[3], len))
     }
@@ -116,7 +121,10 @@ impl Msg {
             if payload.is_empty() {
                 Ok(m)
             } else {
-                Err(Error::new(ErrorKind::Protocol, "unexpected payload on an empty message"))
+                Err(Error::new(
+                    ErrorKind::Protocol,
+                    "unexpected payload on an empty message",
+                ))
             }
         };
         match kind {
@@ -128,7 +136,10 @@ impl Msg {
                 let w: WireError = codec::decode(payload, "error reply")?;
                 Ok(Msg::Error(Error::from_parts(w.code, "peer", w.message)))
             }
-            k => Err(Error::new(ErrorKind::Protocol, format!("unknown message kind {k}"))),
+            k => Err(Error::new(
+                ErrorKind::Protocol,
+                format!("unknown message kind {k}"),
+            )),
         }
     }
 }
@@ -136,7 +147,10 @@ impl Msg {
 fn remaining(deadline: Instant) -> Result<Duration> {
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
-        Err(Error::new(ErrorKind::Timeout, "the deadline passed during a control-plane exchange"))
+        Err(Error::new(
+            ErrorKind::Timeout,
+            "the deadline passed during a control-plane exchange",
+        ))
     } else {
         Ok(left)
     }
@@ -159,8 +173,11 @@ fn read_exact(stream: &mut TcpStream, mut buf: &mut [u8], deadline: Instant) -> 
             .map_err(|e| Error::io("read frame", "cannot set a read timeout", e))?;
         match stream.read(buf) {
             Ok(0) => {
-                return Err(Error::new(ErrorKind::PeerUnreachable, "the peer closed the connection")
-                    .with_operation("read frame"))
+                return Err(Error::new(
+                    ErrorKind::PeerUnreachable,
+                    "the peer closed the connection",
+                )
+                .with_operation("read frame"))
             }
             Ok(n) => buf = &mut buf[n..],
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -189,7 +206,9 @@ pub(crate) fn dial(addr: &str, deadline: Instant) -> Result<TcpStream> {
     };
     let addrs: Vec<SocketAddr> = addr
         .to_socket_addrs()
-        .map_err(|e| unreachable("cannot resolve the address (expected HOST:PORT)".into()).with_source(e))?
+        .map_err(|e| {
+            unreachable("cannot resolve the address (expected HOST:PORT)".into()).with_source(e)
+        })?
         .collect();
     let mut last = None;
     for a in addrs {
@@ -203,8 +222,12 @@ pub(crate) fn dial(addr: &str, deadline: Instant) -> Result<TcpStream> {
         }
     }
     Err(match last {
-        Some(e) => Error::io("connect", "cannot reach the peer's control plane; is it running?", e)
-            .with_context("peer", addr),
+        Some(e) => Error::io(
+            "connect",
+            "cannot reach the peer's control plane; is it running?",
+            e,
+        )
+        .with_context("peer", addr),
         None => unreachable("the address resolves to nothing".into()),
     })
 }
@@ -242,8 +265,12 @@ impl Server {
     /// Binds `listen` and serves `handler` until dropped.
     pub(crate) fn start(listen: &str, handler: Weak<dyn Handler>) -> Result<Server> {
         let listener = TcpListener::bind(listen).map_err(|e| {
-            Error::io("start control plane", format!("cannot listen on {listen}"), e)
-                .with_context("listen", listen)
+            Error::io(
+                "start control plane",
+                format!("cannot listen on {listen}"),
+                e,
+            )
+            .with_context("listen", listen)
         })?;
         let addr = listener
             .local_addr()
@@ -277,7 +304,13 @@ impl Drop for Server {
         self.shared.stop.store(true, Ordering::SeqCst);
         // Wake the blocking accept; it sees the flag and returns.
         let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
-        for s in self.shared.streams.lock().unwrap_or_else(|p| p.into_inner()).values() {
+        for s in self
+            .shared
+            .streams
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+        {
             let _ = s.shutdown(Shutdown::Both);
         }
         if let Some(t) = self.accept.take() {
@@ -311,11 +344,18 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>, handler: Weak<dyn Han
             .name("te-control-conn".into())
             .spawn(move || {
                 serve(stream, &s, &h);
-                s.streams.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                s.streams
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&id);
                 s.active.fetch_sub(1, Ordering::SeqCst);
             });
         if spawned.is_err() {
-            shared.streams.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            shared
+                .streams
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&id);
             shared.active.fetch_sub(1, Ordering::SeqCst);
         }
     }
@@ -379,10 +419,18 @@ mod tests {
     fn bad_headers_are_protocol_errors() {
         let mut h = Msg::Ack.encode()[..8].to_vec();
         h[0] = b'X';
-        assert_eq!(Msg::parse_header(h[..].try_into().unwrap()).unwrap_err().kind(), ErrorKind::Protocol);
+        assert_eq!(
+            Msg::parse_header(h[..].try_into().unwrap())
+                .unwrap_err()
+                .kind(),
+            ErrorKind::Protocol
+        );
         let mut h = Msg::Ack.encode()[..8].to_vec();
         h[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(Msg::parse_header(h[..].try_into().unwrap()).unwrap_err().to_string().contains("limit"));
+        assert!(Msg::parse_header(h[..].try_into().unwrap())
+            .unwrap_err()
+            .to_string()
+            .contains("limit"));
         assert!(Msg::decode(42, &[]).is_err());
         assert!(Msg::decode(4, &[1]).is_err());
     }

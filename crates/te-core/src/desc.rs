@@ -258,7 +258,13 @@ pub struct TransferRequest {
 
 impl TransferRequest {
     /// A WRITE of `len` bytes from `local[local_offset..]` to `remote[remote_offset..]`.
-    pub fn write(local: RegionId, local_offset: u64, remote: RegionId, remote_offset: u64, len: u64) -> Self {
+    pub fn write(
+        local: RegionId,
+        local_offset: u64,
+        remote: RegionId,
+        remote_offset: u64,
+        len: u64,
+    ) -> Self {
         TransferRequest {
             op: Op::Write,
             local,
@@ -270,7 +276,13 @@ impl TransferRequest {
     }
 
     /// A READ of `len` bytes from `remote[remote_offset..]` into `local[local_offset..]`.
-    pub fn read(local: RegionId, local_offset: u64, remote: RegionId, remote_offset: u64, len: u64) -> Self {
+    pub fn read(
+        local: RegionId,
+        local_offset: u64,
+        remote: RegionId,
+        remote_offset: u64,
+        len: u64,
+    ) -> Self {
         TransferRequest {
             op: Op::Read,
             ..TransferRequest::write(local, local_offset, remote, remote_offset, len)

@@ -95,7 +95,11 @@ impl Engine {
     ///
     /// # Errors
     /// `Io` if the control plane cannot listen or threads cannot start.
-    pub fn with_backend(config: EngineConfig, backend: Arc<dyn TransferBackend>, origin: Origin) -> Result<Engine> {
+    pub fn with_backend(
+        config: EngineConfig,
+        backend: Arc<dyn TransferBackend>,
+        origin: Origin,
+    ) -> Result<Engine> {
         let inner = Arc::new(Inner {
             inbox: Inbox::new(config.notification_queue),
             backend,
@@ -213,12 +217,19 @@ impl Engine {
     /// that does not fit; `PeerRestarted` if the peer restarted since `peer` was
     /// obtained (connect again and look its regions up anew); the backend's error if it
     /// refuses the batch as a whole.
-    pub fn transfer_with(&self, peer: &Peer, requests: &[TransferRequest], options: &TransferOptions) -> Result<TransferHandle> {
+    pub fn transfer_with(
+        &self,
+        peer: &Peer,
+        requests: &[TransferRequest],
+        options: &TransferOptions,
+    ) -> Result<TransferHandle> {
         let timeout = options.timeout.unwrap_or(self.inner.config.default_timeout);
         let deadline = Instant::now() + timeout;
         let peer = self.inner.current(peer, deadline)?;
         self.inner.check(&peer, requests, deadline)?;
-        Ok(self.inner.submit(&peer, requests, timeout, deadline, options.notify.clone()))
+        Ok(self
+            .inner
+            .submit(&peer, requests, timeout, deadline, options.notify.clone()))
     }
 
     /// Sends `message` to the peer on its own (an empty batch with a notification).
@@ -242,7 +253,14 @@ impl Engine {
 impl Drop for Engine {
     fn drop(&mut self) {
         self.server.take();
-        let peers: Vec<Peer> = self.inner.peers.lock().unwrap_or_else(|p| p.into_inner()).drain().map(|(_, p)| p).collect();
+        let peers: Vec<Peer> = self
+            .inner
+            .peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain()
+            .map(|(_, p)| p)
+            .collect();
         for p in peers {
             p.inner.valid.store(false, Ordering::Release);
             let _ = self.inner.backend.disconnect(p.inner.backend_id);
@@ -300,7 +318,8 @@ impl Inner {
     }
 
     fn register(self: &Arc<Self>, desc: MemoryDesc) -> Result<Registration> {
-        let bad = |m: String| Err(Error::new(ErrorKind::InvalidRequest, m).with_operation("register"));
+        let bad =
+            |m: String| Err(Error::new(ErrorKind::InvalidRequest, m).with_operation("register"));
         if desc.len == 0 {
             return bad(format!("region `{}` has zero length", desc.name));
         }
@@ -308,7 +327,10 @@ impl Inner {
             return bad(format!("region `{}` has a null address", desc.name));
         }
         if desc.addr.checked_add(desc.len).is_none() {
-            return bad(format!("region `{}` wraps around the address space", desc.name));
+            return bad(format!(
+                "region `{}` wraps around the address space",
+                desc.name
+            ));
         }
         let caps = &self.backend.info().capabilities;
         if !caps.memory.iter().any(|m| m == desc.kind.runtime()) {
@@ -324,7 +346,10 @@ impl Inner {
             .with_operation("register"));
         }
         let id = RegionId(self.next_region.fetch_add(1, Ordering::Relaxed));
-        let key = self.backend.register(id, &desc).map_err(|e| e.with_operation("register"))?;
+        let key = self
+            .backend
+            .register(id, &desc)
+            .map_err(|e| e.with_operation("register"))?;
         let region = RegionDesc {
             id,
             name: desc.name,
@@ -345,13 +370,21 @@ impl Inner {
     }
 
     fn connect(&self, addr: &str, deadline: Instant) -> Result<Peer> {
-        if let Some(p) = self.peers.lock().unwrap_or_else(|p| p.into_inner()).get(addr) {
+        if let Some(p) = self
+            .peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(addr)
+        {
             if p.inner.valid.load(Ordering::Acquire) {
                 return Ok(p.clone());
             }
         }
         let segment = self.handshake(addr, deadline)?;
-        let backend_id = self.backend.connect(&segment).map_err(|e| e.with_operation("connect").with_context("peer", addr))?;
+        let backend_id = self
+            .backend
+            .connect(&segment)
+            .map_err(|e| e.with_operation("connect").with_context("peer", addr))?;
         let peer = Peer {
             inner: Arc::new(PeerInner {
                 addr: addr.to_string(),
@@ -376,13 +409,18 @@ impl Inner {
     }
 
     fn handshake(&self, addr: &str, deadline: Instant) -> Result<SegmentDesc> {
-        let segment = match control::call(addr, &Msg::GetSegment, deadline).map_err(|e| e.with_operation("connect"))? {
+        let segment = match control::call(addr, &Msg::GetSegment, deadline)
+            .map_err(|e| e.with_operation("connect"))?
+        {
             Msg::Segment(s) => s,
             Msg::Error(e) => return Err(e.with_operation("connect")),
             _ => {
-                return Err(Error::new(ErrorKind::Protocol, "the peer answered the handshake with something else")
-                    .with_operation("connect")
-                    .with_context("peer", addr))
+                return Err(Error::new(
+                    ErrorKind::Protocol,
+                    "the peer answered the handshake with something else",
+                )
+                .with_operation("connect")
+                .with_context("peer", addr))
             }
         };
         let ours = &self.backend.info().name;
@@ -423,12 +461,19 @@ impl Inner {
         let segment = self.handshake(&peer.inner.addr, deadline)?;
         if segment.epoch != peer.inner.epoch {
             peer.inner.valid.store(false, Ordering::Release);
-            return Err(Error::new(ErrorKind::PeerRestarted, "the peer restarted; connect again")
-                .with_operation("transfer")
-                .with_context("peer", &peer.inner.addr));
+            return Err(Error::new(
+                ErrorKind::PeerRestarted,
+                "the peer restarted; connect again",
+            )
+            .with_operation("transfer")
+            .with_context("peer", &peer.inner.addr));
         }
         self.backend.connect(&segment)?;
-        *peer.inner.segment.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(segment);
+        *peer
+            .inner
+            .segment
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = Arc::new(segment);
         Ok(())
     }
 
@@ -442,7 +487,9 @@ impl Inner {
         let local = self.regions.read().unwrap_or_else(|p| p.into_inner());
         for (i, r) in requests.iter().enumerate() {
             let fail = |kind: ErrorKind, m: String| {
-                Err(Error::new(kind, m).with_operation("transfer").with_context("request", i))
+                Err(Error::new(kind, m)
+                    .with_operation("transfer")
+                    .with_context("request", i))
             };
             if r.len == 0 {
                 return fail(ErrorKind::InvalidRequest, "zero-length request".into());
@@ -450,7 +497,10 @@ impl Inner {
             if r.len > caps.max_request_size {
                 return fail(
                     ErrorKind::Unsupported,
-                    format!("{} bytes exceed the backend's largest request ({}); split it", r.len, caps.max_request_size),
+                    format!(
+                        "{} bytes exceed the backend's largest request ({}); split it",
+                        r.len, caps.max_request_size
+                    ),
                 );
             }
             let (allowed, right) = match r.op {
@@ -458,21 +508,36 @@ impl Inner {
                 Op::Write => (caps.write, "remotely writable"),
             };
             if !allowed {
-                return fail(ErrorKind::Unsupported, format!("backend `{}` cannot {}", self.backend.info().name, r.op));
+                return fail(
+                    ErrorKind::Unsupported,
+                    format!("backend `{}` cannot {}", self.backend.info().name, r.op),
+                );
             }
             let Some(l) = local.get(&r.local) else {
-                return fail(ErrorKind::NotRegistered, format!("local region {} is not registered (or was deregistered)", r.local));
+                return fail(
+                    ErrorKind::NotRegistered,
+                    format!(
+                        "local region {} is not registered (or was deregistered)",
+                        r.local
+                    ),
+                );
             };
             if !fits(r.local_offset, r.len, l.len) {
                 return fail(
                     ErrorKind::OutOfBounds,
-                    format!("local range {}+{} is outside region {} of {} bytes", r.local_offset, r.len, r.local, l.len),
+                    format!(
+                        "local range {}+{} is outside region {} of {} bytes",
+                        r.local_offset, r.len, r.local, l.len
+                    ),
                 );
             }
             let Some(rem) = segment.region(r.remote) else {
                 return fail(
                     ErrorKind::NotRegistered,
-                    format!("the peer has no region {} (never registered, or deregistered)", r.remote),
+                    format!(
+                        "the peer has no region {} (never registered, or deregistered)",
+                        r.remote
+                    ),
                 );
             };
             let ok = match r.op {
@@ -482,20 +547,33 @@ impl Inner {
             if !ok {
                 return fail(
                     ErrorKind::InvalidRequest,
-                    format!("the peer's region {} (`{}`) is not {right}", r.remote, rem.name),
+                    format!(
+                        "the peer's region {} (`{}`) is not {right}",
+                        r.remote, rem.name
+                    ),
                 );
             }
             if !fits(r.remote_offset, r.len, rem.len) {
                 return fail(
                     ErrorKind::OutOfBounds,
-                    format!("remote range {}+{} is outside the peer's region {} of {} bytes", r.remote_offset, r.len, r.remote, rem.len),
+                    format!(
+                        "remote range {}+{} is outside the peer's region {} of {} bytes",
+                        r.remote_offset, r.len, r.remote, rem.len
+                    ),
                 );
             }
         }
         Ok(())
     }
 
-    fn submit(self: &Arc<Self>, peer: &Peer, requests: &[TransferRequest], timeout: Duration, deadline: Instant, notify: Option<Vec<u8>>) -> TransferHandle {
+    fn submit(
+        self: &Arc<Self>,
+        peer: &Peer,
+        requests: &[TransferRequest],
+        timeout: Duration,
+        deadline: Instant,
+        notify: Option<Vec<u8>>,
+    ) -> TransferHandle {
         let state = BatchState::new(deadline);
         self.timer.add(&state);
         let handle = TransferHandle::new(state.clone());
@@ -514,11 +592,22 @@ impl Inner {
         let (j, f) = (join.clone(), Arc::new(Mutex::new(Some(finisher))));
         let f2 = f.clone();
         let done = Completion::new(timeout, move |r, dropped| {
-            let r = if dropped { Err(r.err().unwrap_or_else(|| Error::new(ErrorKind::Cancelled, "dropped"))) } else { r };
+            let r = if dropped {
+                Err(r
+                    .err()
+                    .unwrap_or_else(|| Error::new(ErrorKind::Cancelled, "dropped")))
+            } else {
+                r
+            };
             Join::arrive(&j, &f2, Some(r), None);
         });
         let submitted = self.backend.submit(peer.inner.backend_id, requests, done);
-        Join::arrive(&join, &f, None, Some(submitted.map_err(|e| e.with_operation("transfer"))));
+        Join::arrive(
+            &join,
+            &f,
+            None,
+            Some(submitted.map_err(|e| e.with_operation("transfer"))),
+        );
         handle
     }
 }
@@ -567,7 +656,10 @@ struct Finisher {
 impl Finisher {
     fn finish(self, result: Result<()>) {
         if let Err(e) = &result {
-            if matches!(e.kind(), ErrorKind::PeerUnreachable | ErrorKind::PeerRestarted) {
+            if matches!(
+                e.kind(),
+                ErrorKind::PeerUnreachable | ErrorKind::PeerRestarted
+            ) {
                 self.peer.inner.valid.store(false, Ordering::Release);
             }
         }
@@ -584,7 +676,10 @@ impl Finisher {
                     state: self.state,
                 }),
                 None => {
-                    self.state.finish(Err(Error::new(ErrorKind::Cancelled, "the engine shut down before the notification was sent")));
+                    self.state.finish(Err(Error::new(
+                        ErrorKind::Cancelled,
+                        "the engine shut down before the notification was sent",
+                    )));
                 }
             },
             (result, _) => {
@@ -635,7 +730,11 @@ impl Peer {
 
     /// The peer's descriptor, as last fetched.
     pub fn segment(&self) -> Arc<SegmentDesc> {
-        self.inner.segment.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.inner
+            .segment
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// The peer's first region registered under `name`.
@@ -657,7 +756,9 @@ pub struct Registration {
 
 impl std::fmt::Debug for Registration {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Registration").field("region", &self.region).finish()
+        f.debug_struct("Registration")
+            .field("region", &self.region)
+            .finish()
     }
 }
 
@@ -702,22 +803,35 @@ unsafe impl Sync for Buffer {}
 
 impl std::fmt::Debug for Buffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Buffer").field("region", self.reg.region()).finish()
+        f.debug_struct("Buffer")
+            .field("region", self.reg.region())
+            .finish()
     }
 }
 
 impl Buffer {
     fn new(engine: &Arc<Inner>, name: &str, len: usize, access: Access) -> Result<Buffer> {
         let layout = Layout::from_size_align(len.max(1), 4096).map_err(|_| {
-            Error::new(ErrorKind::InvalidRequest, format!("cannot allocate {len} bytes")).with_operation("alloc")
+            Error::new(
+                ErrorKind::InvalidRequest,
+                format!("cannot allocate {len} bytes"),
+            )
+            .with_operation("alloc")
         })?;
         if len == 0 {
-            return Err(Error::new(ErrorKind::InvalidRequest, "a buffer must not be empty").with_operation("alloc"));
+            return Err(
+                Error::new(ErrorKind::InvalidRequest, "a buffer must not be empty")
+                    .with_operation("alloc"),
+            );
         }
         // SAFETY: the layout has a non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         if ptr.is_null() {
-            return Err(Error::new(ErrorKind::Io, format!("out of memory allocating {len} bytes")).with_operation("alloc"));
+            return Err(Error::new(
+                ErrorKind::Io,
+                format!("out of memory allocating {len} bytes"),
+            )
+            .with_operation("alloc"));
         }
         let desc = MemoryDesc {
             name: name.to_string(),
@@ -771,7 +885,10 @@ impl Buffer {
         } else {
             Err(Error::new(
                 ErrorKind::OutOfBounds,
-                format!("range {offset}+{len} is outside the {}-byte buffer", self.len()),
+                format!(
+                    "range {offset}+{len} is outside the {}-byte buffer",
+                    self.len()
+                ),
             ))
         }
     }

@@ -168,7 +168,9 @@ impl Error {
             | std::io::ErrorKind::AddrNotAvailable => ErrorKind::PeerUnreachable,
             _ => ErrorKind::Io,
         };
-        Error::new(kind, what).with_operation(operation).with_source(e)
+        Error::new(kind, what)
+            .with_operation(operation)
+            .with_source(e)
     }
 }
 
@@ -215,7 +217,11 @@ mod tests {
 
     #[test]
     fn codes_round_trip_and_unknown_codes_become_backend() {
-        for kind in [ErrorKind::ConfigInvalid, ErrorKind::Timeout, ErrorKind::Busy] {
+        for kind in [
+            ErrorKind::ConfigInvalid,
+            ErrorKind::Timeout,
+            ErrorKind::Busy,
+        ] {
             assert_eq!(ErrorKind::from_code(kind.code()), kind);
         }
         assert_eq!(ErrorKind::from_code(9999), ErrorKind::Backend);
@@ -223,10 +229,13 @@ mod tests {
 
     #[test]
     fn display_is_one_line_with_operation_context_and_source() {
-        let e = Error::new(ErrorKind::OutOfBounds, "request reaches past the region end")
-            .with_operation("transfer")
-            .with_context("region", 3)
-            .with_source(std::io::Error::other("boom"));
+        let e = Error::new(
+            ErrorKind::OutOfBounds,
+            "request reaches past the region end",
+        )
+        .with_operation("transfer")
+        .with_context("region", 3)
+        .with_source(std::io::Error::other("boom"));
         assert_eq!(
             e.to_string(),
             "transfer: request reaches past the region end (region=3): boom"

@@ -5,8 +5,8 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::TcpStream;
-use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -69,7 +69,11 @@ impl Inbox {
             if left.is_zero() {
                 return None;
             }
-            q = self.cond.wait_timeout(q, left).unwrap_or_else(|p| p.into_inner()).0;
+            q = self
+                .cond
+                .wait_timeout(q, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 }
@@ -111,8 +115,11 @@ impl Notifier {
 }
 
 fn shut_down() -> Error {
-    Error::new(ErrorKind::Cancelled, "the engine shut down before the notification was sent")
-        .with_operation("notify")
+    Error::new(
+        ErrorKind::Cancelled,
+        "the engine shut down before the notification was sent",
+    )
+    .with_operation("notify")
 }
 
 fn run(rx: Receiver<Job>, stop: &AtomicBool) {
@@ -152,13 +159,20 @@ fn deliver(conns: &mut HashMap<String, TcpStream>, job: &Job) -> Result<()> {
                 return Err(e);
             }
             Ok(_) => {
-                return Err(Error::new(ErrorKind::Protocol, "the peer answered a notification with something else"))
+                return Err(Error::new(
+                    ErrorKind::Protocol,
+                    "the peer answered a notification with something else",
+                ))
             }
             Err(e) if attempt == 0 && e.kind() == ErrorKind::PeerUnreachable => continue,
             Err(e) => return Err(e.with_context("peer", &job.addr)),
         }
     }
-    Err(Error::new(ErrorKind::PeerUnreachable, "cannot deliver the notification").with_context("peer", &job.addr))
+    Err(Error::new(
+        ErrorKind::PeerUnreachable,
+        "cannot deliver the notification",
+    )
+    .with_context("peer", &job.addr))
 }
 
 impl Drop for Notifier {

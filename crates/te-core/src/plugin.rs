@@ -31,8 +31,8 @@ use crate::error::{Error, ErrorKind, Result};
 
 #[doc(hidden)]
 pub use abi_stable::library::{
-    CheckTypeLayout as __CheckTypeLayout, LibHeader as __LibHeader,
-    RootModuleResult as __RootModuleResult, __call_root_module_loader,
+    __call_root_module_loader, CheckTypeLayout as __CheckTypeLayout, LibHeader as __LibHeader,
+    RootModuleResult as __RootModuleResult,
 };
 #[doc(hidden)]
 pub use abi_stable::prefix_type::PrefixTypeTrait as __PrefixTypeTrait;
@@ -153,14 +153,20 @@ pub fn __create(
     to_ffi(caught("create", || {
         let c: FfiContext = codec::decode(ctx.as_slice(), "backend context")?;
         let table = toml::from_str(&c.table).map_err(|e| {
-            Error::new(ErrorKind::ConfigInvalid, format!("backend table did not cross the plugin boundary: {e}"))
+            Error::new(
+                ErrorKind::ConfigInvalid,
+                format!("backend table did not cross the plugin boundary: {e}"),
+            )
         })?;
         let backend = create(&BackendContext {
             engine: c.engine,
             table,
             source: c.source,
         })?;
-        Ok(FfiBackend_TO::from_value(Exported(backend), sabi_trait::TD_Opaque))
+        Ok(FfiBackend_TO::from_value(
+            Exported(backend),
+            sabi_trait::TD_Opaque,
+        ))
     }))
 }
 
@@ -203,7 +209,9 @@ impl FfiBackend for Exported {
         batch: RSlice<'_, TransferRequest>,
         done: Completion,
     ) -> RResult<(), FfiError> {
-        to_ffi(caught("submit", || self.0.submit(peer, batch.as_slice(), done)))
+        to_ffi(caught("submit", || {
+            self.0.submit(peer, batch.as_slice(), done)
+        }))
     }
 }
 
@@ -227,7 +235,11 @@ impl TransferBackend for PluginBackend {
         self.inner.endpoint().into_vec()
     }
     fn register(&self, id: RegionId, mem: &MemoryDesc) -> Result<Vec<u8>> {
-        from_ffi(self.inner.register(id, codec::encode(mem).as_slice().into())).map(RVec::into_vec)
+        from_ffi(
+            self.inner
+                .register(id, codec::encode(mem).as_slice().into()),
+        )
+        .map(RVec::into_vec)
     }
     fn deregister(&self, id: RegionId) -> Result<()> {
         from_ffi(self.inner.deregister(id))
@@ -246,13 +258,23 @@ impl TransferBackend for PluginBackend {
 /// The plugin's name and version, and its probe result.
 pub(crate) fn describe(module: PluginModuleRef) -> (String, String, Result<()>) {
     let probe = from_ffi((module.probe())());
-    (module.name().to_string(), module.version().to_string(), probe)
+    (
+        module.name().to_string(),
+        module.version().to_string(),
+        probe,
+    )
 }
 
 /// Creates a backend through a plugin module.
-pub(crate) fn create(module: PluginModuleRef, ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
+pub(crate) fn create(
+    module: PluginModuleRef,
+    ctx: &BackendContext,
+) -> Result<Arc<dyn TransferBackend>> {
     let table = toml::to_string(&ctx.table).map_err(|e| {
-        Error::new(ErrorKind::ConfigInvalid, format!("backend table cannot be re-encoded: {e}"))
+        Error::new(
+            ErrorKind::ConfigInvalid,
+            format!("backend table cannot be re-encoded: {e}"),
+        )
     })?;
     let encoded = codec::encode(&FfiContext {
         engine: ctx.engine.clone(),

@@ -156,7 +156,9 @@ impl Entry {
     /// The probe's reason if it is unavailable; whatever the backend's constructor
     /// returns (an invalid table, a vendor library failing).
     pub fn create(&self, ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
-        self.available.clone().map_err(|e| e.with_operation("create backend"))?;
+        self.available
+            .clone()
+            .map_err(|e| e.with_operation("create backend"))?;
         match self.source {
             Source::BuiltIn(f) => (f.create)(ctx),
             Source::Plugin(m) => plugin::create(m, ctx),
@@ -245,7 +247,8 @@ impl Registry {
                 }
             }
         }
-        let mut builtins: Vec<&'static BackendFactory> = inventory::iter::<BackendFactory>().collect();
+        let mut builtins: Vec<&'static BackendFactory> =
+            inventory::iter::<BackendFactory>().collect();
         builtins.sort_by_key(|f| f.name);
         for f in builtins {
             entries.push(Entry {

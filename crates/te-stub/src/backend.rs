@@ -98,7 +98,9 @@ impl StubBackend {
         let thread = std::thread::Builder::new()
             .name("te-stub".into())
             .spawn(move || run(&s, &me, mode))
-            .map_err(|e| Error::new(ErrorKind::Io, "cannot spawn the stub worker").with_source(e))?;
+            .map_err(|e| {
+                Error::new(ErrorKind::Io, "cannot spawn the stub worker").with_source(e)
+            })?;
         Ok(StubBackend {
             info: BackendInfo {
                 name: crate::NAME.to_string(),
@@ -128,7 +130,12 @@ impl StubBackend {
 fn rand_id() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
     h.finish()
 }
 
@@ -153,21 +160,37 @@ impl TransferBackend for StubBackend {
             len: mem.len,
             access: mem.access,
         };
-        self.local.regions.write().unwrap_or_else(|p| p.into_inner()).insert(id, region);
+        self.local
+            .regions
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, region);
         Ok(Vec::new())
     }
 
     fn deregister(&self, id: RegionId) -> Result<()> {
         // The write lock waits for copies under way (they hold the read lock).
-        match self.local.regions.write().unwrap_or_else(|p| p.into_inner()).remove(&id) {
+        match self
+            .local
+            .regions
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id)
+        {
             Some(_) => Ok(()),
-            None => Err(Error::new(ErrorKind::NotRegistered, format!("region {id} is not registered with the stub"))),
+            None => Err(Error::new(
+                ErrorKind::NotRegistered,
+                format!("region {id} is not registered with the stub"),
+            )),
         }
     }
 
     fn connect(&self, peer: &SegmentDesc) -> Result<PeerId> {
         let bytes: [u8; 12] = peer.endpoint.as_slice().try_into().map_err(|_| {
-            Error::new(ErrorKind::Protocol, format!("a stub endpoint is 12 bytes, got {}", peer.endpoint.len()))
+            Error::new(
+                ErrorKind::Protocol,
+                format!("a stub endpoint is 12 bytes, got {}", peer.endpoint.len()),
+            )
         })?;
         let id = u64::from_le_bytes(bytes[..8].try_into().unwrap_or_default());
         let pid = u32::from_le_bytes(bytes[8..].try_into().unwrap_or_default());
@@ -187,23 +210,43 @@ impl TransferBackend for StubBackend {
             ));
         }
         let peer_id = PeerId(id);
-        self.peers.write().unwrap_or_else(|p| p.into_inner()).insert(peer_id, ep.unwrap_or_default());
+        self.peers
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(peer_id, ep.unwrap_or_default());
         Ok(peer_id)
     }
 
     fn disconnect(&self, peer: PeerId) -> Result<()> {
-        match self.peers.write().unwrap_or_else(|p| p.into_inner()).remove(&peer) {
+        match self
+            .peers
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&peer)
+        {
             Some(_) => Ok(()),
             None => Err(Error::new(ErrorKind::PeerUnreachable, "unknown peer")),
         }
     }
 
     fn submit(&self, peer: PeerId, batch: &[TransferRequest], done: Completion) -> Result<()> {
-        let Some(ep) = self.peers.read().unwrap_or_else(|p| p.into_inner()).get(&peer).cloned() else {
-            return Err(Error::new(ErrorKind::PeerUnreachable, "the stub is not connected to that peer"));
+        let Some(ep) = self
+            .peers
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&peer)
+            .cloned()
+        else {
+            return Err(Error::new(
+                ErrorKind::PeerUnreachable,
+                "the stub is not connected to that peer",
+            ));
         };
         if ep.strong_count() == 0 {
-            return Err(Error::new(ErrorKind::PeerUnreachable, "the peer's stub endpoint is gone (its engine was dropped)"));
+            return Err(Error::new(
+                ErrorKind::PeerUnreachable,
+                "the peer's stub endpoint is gone (its engine was dropped)",
+            ));
         }
         let n = self.batches.fetch_add(1, Ordering::Relaxed) + 1;
         let fail = self.config.fail_every > 0 && n % self.config.fail_every == 0;
@@ -214,9 +257,17 @@ impl TransferBackend for StubBackend {
             fail,
             done,
         };
-        let mut q = self.worker.shared.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let mut q = self
+            .worker
+            .shared
+            .queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         if q.stop {
-            return Err(Error::new(ErrorKind::Cancelled, "the stub backend is shutting down"));
+            return Err(Error::new(
+                ErrorKind::Cancelled,
+                "the stub backend is shutting down",
+            ));
         }
         q.jobs.push_back(job);
         drop(q);
@@ -231,7 +282,12 @@ impl Drop for StubBackend {
             t.remove(&self.local.id);
         }
         let jobs = {
-            let mut q = self.worker.shared.queue.lock().unwrap_or_else(|p| p.into_inner());
+            let mut q = self
+                .worker
+                .shared
+                .queue
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             q.stop = true;
             std::mem::take(&mut q.jobs)
         };
@@ -258,7 +314,11 @@ fn run(shared: &WorkerShared, local: &Endpoint, mode: Mode) {
                     Some(j) if j.due <= Instant::now() => break q.jobs.pop_front(),
                     Some(j) => {
                         let wait = j.due.saturating_duration_since(Instant::now());
-                        q = shared.cond.wait_timeout(q, wait).unwrap_or_else(|p| p.into_inner()).0;
+                        q = shared
+                            .cond
+                            .wait_timeout(q, wait)
+                            .unwrap_or_else(|p| p.into_inner())
+                            .0;
                     }
                     None => q = shared.cond.wait(q).unwrap_or_else(|p| p.into_inner()),
                 }
@@ -272,13 +332,22 @@ fn run(shared: &WorkerShared, local: &Endpoint, mode: Mode) {
 
 fn execute(job: &Job, local: &Endpoint, mode: Mode) -> Result<()> {
     if job.done.remaining().is_zero() {
-        return Err(Error::new(ErrorKind::Timeout, "the batch's deadline passed before the stub ran it"));
+        return Err(Error::new(
+            ErrorKind::Timeout,
+            "the batch's deadline passed before the stub ran it",
+        ));
     }
     if job.fail {
-        return Err(Error::new(ErrorKind::Backend, "injected failure (stub fail_every)"));
+        return Err(Error::new(
+            ErrorKind::Backend,
+            "injected failure (stub fail_every)",
+        ));
     }
     let Some(remote) = job.peer.upgrade() else {
-        return Err(Error::new(ErrorKind::PeerUnreachable, "the peer's stub endpoint is gone (its engine was dropped)"));
+        return Err(Error::new(
+            ErrorKind::PeerUnreachable,
+            "the peer's stub endpoint is gone (its engine was dropped)",
+        ));
     };
     // One engine connected to itself: one read lock serves both sides.
     let local_regions = read(local);
@@ -297,7 +366,13 @@ fn execute(job: &Job, local: &Endpoint, mode: Mode) -> Result<()> {
             Op::Write => p.access.remote_write,
         };
         if !allowed {
-            return Err(Error::new(ErrorKind::InvalidRequest, format!("the target refused a {} of region {}: no right", r.op, r.remote)));
+            return Err(Error::new(
+                ErrorKind::InvalidRequest,
+                format!(
+                    "the target refused a {} of region {}: no right",
+                    r.op, r.remote
+                ),
+            ));
         }
         if mode == Mode::Noop {
             continue;
@@ -318,12 +393,29 @@ fn read(e: &Endpoint) -> RwLockReadGuard<'_, HashMap<RegionId, Region>> {
     e.regions.read().unwrap_or_else(|p| p.into_inner())
 }
 
-fn region(table: &HashMap<RegionId, Region>, id: RegionId, offset: u64, len: u64, side: &str) -> Result<Region> {
+fn region(
+    table: &HashMap<RegionId, Region>,
+    id: RegionId,
+    offset: u64,
+    len: u64,
+    side: &str,
+) -> Result<Region> {
     let r = table.get(&id).copied().ok_or_else(|| {
-        Error::new(ErrorKind::NotRegistered, format!("{side} region {id} is not registered (deregistered while the batch was queued?)"))
+        Error::new(
+            ErrorKind::NotRegistered,
+            format!(
+                "{side} region {id} is not registered (deregistered while the batch was queued?)"
+            ),
+        )
     })?;
     if offset.checked_add(len).is_none_or(|end| end > r.len) {
-        return Err(Error::new(ErrorKind::OutOfBounds, format!("{side} range {offset}+{len} is outside region {id} of {} bytes", r.len)));
+        return Err(Error::new(
+            ErrorKind::OutOfBounds,
+            format!(
+                "{side} range {offset}+{len} is outside region {id} of {} bytes",
+                r.len
+            ),
+        ));
     }
     Ok(r)
 }
