@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Runs every check te's CI runs, on a fresh Debian 12 machine with only the Rust
+# toolchain: installs the Debian packages the tests and baselines use (as root, through
+# apt-get), then formatting, lints, the whole build (so the plugin cdylibs exist before
+# the tests that load them) and every test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Debian packages: qperf is the raw-socket baseline `te bench --baseline` compares with.
+packages=(qperf)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" -eq 0 ]; then
+    echo "== installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  else
+    echo "== not root: skipping apt-get install of ${missing[*]} (tests that need them say so)"
+  fi
+fi
+
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== cargo clippy"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "== cargo build --workspace"
+cargo build --workspace --all-targets --locked
+echo "== cargo test --workspace"
+cargo test --workspace --locked
