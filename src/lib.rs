@@ -11,6 +11,8 @@
 //! Backends not linked in can be loaded from plugin directories (`plugin_dirs`).
 
 #![warn(missing_docs)]
+// The README's example runs as a doctest, so it cannot drift from the API.
+#![doc = include_str!("../README.md")]
 
 pub use te_core::*;
 
