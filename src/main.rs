@@ -118,10 +118,7 @@ fn info(config: Option<PathBuf>, json: bool) -> te::Result<()> {
         println!("{out}");
     } else {
         println!("config: {} (backend = \"{selected}\")", config.source);
-        println!(
-            "{:<3}{:<10}{:<9}{:<12}{}",
-            "", "NAME", "VERSION", "STATUS", "ORIGIN"
-        );
+        println!("   NAME      VERSION  STATUS      ORIGIN");
         for e in registry.entries() {
             let mark = if is_selected(e) { "*" } else { "" };
             let status = match (e.available(), e.is_shadowed()) {
