@@ -73,6 +73,12 @@ struct Worker {
     thread_id: ThreadId,
 }
 
+impl WorkerShared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
 impl std::fmt::Debug for WorkerShared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("WorkerShared")
@@ -257,12 +263,7 @@ impl TransferBackend for StubBackend {
             fail,
             done,
         };
-        let mut q = self
-            .worker
-            .shared
-            .queue
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut q = self.worker.shared.lock();
         if q.stop {
             return Err(Error::new(
                 ErrorKind::Cancelled,
@@ -282,12 +283,7 @@ impl Drop for StubBackend {
             t.remove(&self.local.id);
         }
         let jobs = {
-            let mut q = self
-                .worker
-                .shared
-                .queue
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
+            let mut q = self.worker.shared.lock();
             q.stop = true;
             std::mem::take(&mut q.jobs)
         };
@@ -305,7 +301,7 @@ impl Drop for StubBackend {
 fn run(shared: &WorkerShared, local: &Endpoint, mode: Mode) {
     loop {
         let job = {
-            let mut q = shared.queue.lock().unwrap_or_else(|p| p.into_inner());
+            let mut q = shared.lock();
             loop {
                 if q.stop {
                     return;
