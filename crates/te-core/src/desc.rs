@@ -177,6 +177,8 @@ pub struct SegmentDesc {
     pub endpoint: Vec<u8>,
     /// The regions registered with remote access.
     pub regions: Vec<RegionDesc>,
+    /// The KV-cache layouts registered on the engine.
+    pub layouts: Vec<crate::kv::KvLayout>,
 }
 
 impl SegmentDesc {
@@ -188,6 +190,11 @@ impl SegmentDesc {
     /// The first region registered under this name.
     pub fn region_named(&self, name: &str) -> Option<&RegionDesc> {
         self.regions.iter().find(|r| r.name == name)
+    }
+
+    /// The layout registered under `name`.
+    pub fn layout(&self, name: &str) -> Option<&crate::kv::KvLayout> {
+        self.layouts.iter().find(|l| l.name == name)
     }
 
     /// Encodes the descriptor as it travels in frames and across the plugin boundary.

@@ -21,6 +21,7 @@ use crate::desc::{
     TransferRequest,
 };
 use crate::error::{Error, ErrorKind, Result};
+use crate::kv::{self, KvLayout, KvSelection};
 use crate::notify::{Inbox, Job, Notification, Notifier};
 use crate::registry::{Origin, Registry};
 
@@ -31,6 +32,15 @@ pub struct TransferOptions {
     pub timeout: Option<Duration>,
     /// A message delivered to the peer after the batch's data is visible there.
     pub notify: Option<Vec<u8>>,
+}
+
+/// Options of [`Engine::pull_blocks`] and [`Engine::push_blocks`].
+#[derive(Debug, Clone, Default)]
+pub struct BlockOptions {
+    /// Which groups and slots move; all by default.
+    pub selection: KvSelection,
+    /// Deadline and notification, as for any batch.
+    pub transfer: TransferOptions,
 }
 
 /// A transfer engine: one backend, one control plane, its registrations and peers.
@@ -49,6 +59,7 @@ struct Inner {
     epoch: u64,
     next_region: AtomicU64,
     regions: RwLock<HashMap<RegionId, RegionDesc>>,
+    layouts: RwLock<HashMap<String, KvLayout>>,
     peers: Mutex<HashMap<String, Peer>>,
     inbox: Inbox,
     timer: Timer,
@@ -107,6 +118,7 @@ impl Engine {
             epoch: new_epoch(),
             next_region: AtomicU64::new(1),
             regions: RwLock::new(HashMap::new()),
+            layouts: RwLock::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
             timer: Timer::start()?,
             notifier: Notifier::start()?,
@@ -244,6 +256,168 @@ impl Engine {
         self.transfer_with(peer, &[], &options)
     }
 
+    /// Registers a KV-cache layout and publishes it to peers (in the descriptor they
+    /// fetch from now on). Every slot must lie inside a region registered here.
+    ///
+    /// # Errors
+    /// `InvalidRequest` for a malformed layout or a name already registered;
+    /// `NotRegistered` for a slot in an unknown region; `OutOfBounds` for a slot that
+    /// does not fit its region.
+    pub fn register_layout(&self, layout: KvLayout) -> Result<()> {
+        layout
+            .validate()
+            .map_err(|e| e.with_operation("register layout"))?;
+        let regions = self.inner.regions.read().unwrap_or_else(|p| p.into_inner());
+        for g in &layout.groups {
+            for s in &g.slots {
+                let at = || {
+                    format!(
+                        "layout `{}` group `{}` slot `{}`",
+                        layout.name, g.name, s.name
+                    )
+                };
+                let Some(r) = regions.get(&s.region) else {
+                    return Err(Error::new(
+                        ErrorKind::NotRegistered,
+                        format!("{}: region {} is not registered here", at(), s.region),
+                    )
+                    .with_operation("register layout"));
+                };
+                if !fits(s.offset, s.blocks * s.bytes_per_block, r.len) {
+                    return Err(Error::new(
+                        ErrorKind::OutOfBounds,
+                        format!("{}: {} blocks of {} bytes from offset {} do not fit region {} of {} bytes", at(), s.blocks, s.bytes_per_block, s.offset, s.region, r.len),
+                    )
+                    .with_operation("register layout"));
+                }
+            }
+        }
+        drop(regions);
+        let mut layouts = self
+            .inner
+            .layouts
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        if layouts.contains_key(&layout.name) {
+            return Err(Error::new(
+                ErrorKind::InvalidRequest,
+                format!("a layout named `{}` is already registered", layout.name),
+            )
+            .with_operation("register layout"));
+        }
+        layouts.insert(layout.name.clone(), layout);
+        Ok(())
+    }
+
+    /// Withdraws a layout.
+    ///
+    /// # Errors
+    /// `NotRegistered` if no layout has that name.
+    pub fn deregister_layout(&self, name: &str) -> Result<KvLayout> {
+        self.inner
+            .layouts
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(name)
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::NotRegistered,
+                    format!("no layout named `{name}`"),
+                )
+                .with_operation("deregister layout")
+            })
+    }
+
+    /// READs blocks `remote_ids` of the peer's layout `layout` into blocks `local_ids`
+    /// of the local layout of the same name (pairwise), merging runs of consecutive
+    /// ids into single requests.
+    ///
+    /// # Errors
+    /// As [`kv::plan`] for the block lists; `NotRegistered` if either side has no such
+    /// layout; as [`Engine::transfer_with`] for the requests.
+    pub fn pull_blocks(
+        &self,
+        peer: &Peer,
+        layout: &str,
+        remote_ids: &[u64],
+        local_ids: &[u64],
+        options: &BlockOptions,
+    ) -> Result<TransferHandle> {
+        self.blocks(Op::Read, peer, layout, remote_ids, local_ids, options)
+    }
+
+    /// WRITEs blocks `local_ids` of the local layout `layout` into blocks `remote_ids`
+    /// of the peer's layout of the same name (pairwise).
+    ///
+    /// # Errors
+    /// As [`Engine::pull_blocks`].
+    pub fn push_blocks(
+        &self,
+        peer: &Peer,
+        layout: &str,
+        remote_ids: &[u64],
+        local_ids: &[u64],
+        options: &BlockOptions,
+    ) -> Result<TransferHandle> {
+        self.blocks(Op::Write, peer, layout, remote_ids, local_ids, options)
+    }
+
+    fn blocks(
+        &self,
+        op: Op,
+        peer: &Peer,
+        layout: &str,
+        remote_ids: &[u64],
+        local_ids: &[u64],
+        options: &BlockOptions,
+    ) -> Result<TransferHandle> {
+        let operation = match op {
+            Op::Read => "pull blocks",
+            Op::Write => "push blocks",
+        };
+        let local = self
+            .inner
+            .layouts
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(layout)
+            .cloned()
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::NotRegistered,
+                    format!("no local layout named `{layout}`; register it first"),
+                )
+                .with_operation(operation)
+            })?;
+        let mut remote = peer.segment().layout(layout).cloned();
+        if remote.is_none() {
+            let deadline = Instant::now()
+                + options
+                    .transfer
+                    .timeout
+                    .unwrap_or(self.inner.config.default_timeout);
+            self.inner.refresh(peer, deadline)?;
+            remote = peer.segment().layout(layout).cloned();
+        }
+        let remote = remote.ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotRegistered,
+                format!("the peer has no layout named `{layout}`"),
+            )
+            .with_operation(operation)
+        })?;
+        let requests = kv::plan(
+            op,
+            &local,
+            &remote,
+            remote_ids,
+            local_ids,
+            &options.selection,
+        )
+        .map_err(|e| e.with_operation(operation))?;
+        self.transfer_with(peer, &requests, &options.transfer)
+    }
+
     /// The next received notification, waiting at most `timeout`.
     pub fn recv_notification(&self, timeout: Duration) -> Option<Notification> {
         self.inner.inbox.pop(timeout)
@@ -308,12 +482,21 @@ impl Inner {
             .cloned()
             .collect();
         regions.sort_by_key(|r| r.id);
+        let mut layouts: Vec<KvLayout> = self
+            .layouts
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        layouts.sort_by(|a, b| a.name.cmp(&b.name));
         SegmentDesc {
             engine: self.config.name.clone(),
             epoch: self.epoch,
             backend: self.backend.info().name.clone(),
             endpoint: self.backend.endpoint(),
             regions,
+            layouts,
         }
     }
 
@@ -434,6 +617,18 @@ impl Inner {
             )
             .with_operation("connect")
             .with_context("peer", addr));
+        }
+        for local in self
+            .layouts
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+        {
+            if let Some(remote) = segment.layout(&local.name) {
+                local
+                    .check_compatible(remote)
+                    .map_err(|e| e.with_operation("connect").with_context("peer", addr))?;
+            }
         }
         Ok(segment)
     }
@@ -740,6 +935,11 @@ impl Peer {
     /// The peer's first region registered under `name`.
     pub fn region(&self, name: &str) -> Option<RegionDesc> {
         self.segment().region_named(name).cloned()
+    }
+
+    /// The peer's KV-cache layout named `name`, as last fetched.
+    pub fn kv_layout(&self, name: &str) -> Option<KvLayout> {
+        self.segment().layout(name).cloned()
     }
 
     /// False once a failure or a restart invalidated it; the engine reconnects on next use.

@@ -36,6 +36,7 @@ mod control;
 mod desc;
 mod engine;
 mod error;
+pub mod kv;
 mod notify;
 pub mod plugin;
 pub mod registry;
@@ -50,8 +51,9 @@ pub use desc::{
     Access, BackendInfo, Capabilities, MemoryDesc, MemoryKind, Op, PeerId, RegionDesc, RegionId,
     SegmentDesc, TransferRequest,
 };
-pub use engine::{Buffer, Engine, Peer, Registration, TransferOptions};
+pub use engine::{BlockOptions, Buffer, Engine, Peer, Registration, TransferOptions};
 pub use error::{Error, ErrorKind, Result};
+pub use kv::{KvGroup, KvLayout, KvSelection, KvSlot};
 pub use notify::Notification;
 pub use registry::{Origin, Registry};
 

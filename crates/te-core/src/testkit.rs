@@ -337,6 +337,7 @@ fn completion_is_delivered_exactly_once(h: &Harness) -> Result<(), Failed> {
             access: Access::REMOTE_READ_WRITE,
             key,
         }],
+        layouts: Vec::new(),
     };
     let peer = a.connect(&seg).map_err(e2f)?;
     let n = 64;
