@@ -36,7 +36,12 @@ fn main() {
     assert_eq!(
         resolved.origin(),
         &Origin::Plugin(lib.clone()),
-        "a plugin must shadow the built-in stub"
+        "the stub plugin must shadow the built-in stub; plugin problems: {:?}",
+        registry
+            .problems()
+            .iter()
+            .map(|p| p.error.to_string())
+            .collect::<Vec<_>>()
     );
 
     let builtin = Harness::new("stub_builtin", stub_config(None, ""))

@@ -41,6 +41,10 @@ pub use abi_stable::prefix_type::PrefixTypeTrait as __PrefixTypeTrait;
 /// check; raised whenever the meaning (not only the layout) of the boundary changes.
 pub const PLUGIN_ABI: u32 = 1;
 
+/// A fingerprint of the sources of the types that cross the boundary encoded; a plugin
+/// built from other sources is refused even when its te-core version matches.
+pub const SCHEMA: &str = env!("TE_SCHEMA");
+
 /// The backend object as it crosses the boundary.
 #[sabi_trait]
 pub trait FfiBackend: Send + Sync + Debug {
@@ -77,6 +81,8 @@ pub type FfiBackendBox = FfiBackend_TO<'static, RBox<()>>;
 pub struct PluginModule {
     /// [`PLUGIN_ABI`] of the te-core the plugin was built with.
     pub abi: u32,
+    /// [`SCHEMA`] of the te-core the plugin was built with.
+    pub schema: RStr<'static>,
     /// The backend's registry name.
     pub name: RStr<'static>,
     /// The backend crate's version.
@@ -131,6 +137,7 @@ pub fn __module(
 ) -> PluginModuleRef {
     __PrefixTypeTrait::leak_into_prefix(PluginModule {
         abi: PLUGIN_ABI,
+        schema: RStr::from_str(SCHEMA),
         name: RStr::from_str(name),
         version: RStr::from_str(version),
         probe,
@@ -336,6 +343,12 @@ pub(crate) fn load(path: &Path) -> Result<PluginModuleRef> {
         return refuse(format!(
             "plugin ABI {} is not this te's plugin ABI {PLUGIN_ABI}; rebuild the plugin",
             module.abi()
+        ));
+    }
+    if module.schema().as_str() != SCHEMA {
+        return refuse(format!(
+            "built from other te-core sources (schema {} here {SCHEMA}); rebuild the plugin with this te (cargo build --workspace)",
+            module.schema()
         ));
     }
     Ok(module)
