@@ -108,7 +108,19 @@ fn info(config: Option<PathBuf>, json: bool) -> te::Result<()> {
             .iter()
             .map(|p| serde_json::json!({"path": p.path.display().to_string(), "error": p.error.to_string()}))
             .collect();
+        let runtimes: Vec<_> = te::device::runtimes()
+            .into_iter()
+            .map(|(name, description, status)| {
+                serde_json::json!({
+                    "name": name,
+                    "description": description,
+                    "available": status.is_ok(),
+                    "reason": status.err().map(|e| e.to_string()),
+                })
+            })
+            .collect();
         let out = serde_json::json!({
+            "runtimes": runtimes,
             "config": config.source,
             "selected": selected,
             "plugin_dirs": config.engine.plugin_dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>(),
@@ -138,6 +150,13 @@ fn info(config: Option<PathBuf>, json: bool) -> te::Result<()> {
         }
         for p in registry.problems() {
             println!("plugin not loaded: {}: {}", p.path.display(), p.error);
+        }
+        println!("device runtimes:");
+        for (name, description, status) in te::device::runtimes() {
+            match status {
+                Ok(()) => println!("   {name:<10}available   {description}"),
+                Err(e) => println!("   {name:<10}unavailable {description}\n     why: {e}"),
+            }
         }
     }
     chosen.map(|_| ())

@@ -48,7 +48,28 @@ fn main() {
         .with_slow(stub_config(None, "delay = \"200ms\""));
     let plugin = Harness::new("stub_plugin", stub_config(Some(dir.clone()), ""))
         .with_slow(stub_config(Some(dir), "delay = \"200ms\""));
+    // Device memory through the fake device runtime: both sides on devices, and mixed.
+    let fakedev = |label: &str, initiator: &str, target: &str| {
+        Harness::new(label, stub_config(None, ""))
+            .with_slow(stub_config(None, "delay = \"200ms\""))
+            .with_memory(initiator.parse().unwrap(), target.parse().unwrap())
+    };
     let mut trials = testkit::trials(&builtin);
     trials.extend(testkit::trials(&plugin));
+    trials.extend(testkit::trials(&fakedev(
+        "stub_fakedev",
+        "fakedev:0",
+        "fakedev:1",
+    )));
+    trials.extend(testkit::trials(&fakedev(
+        "stub_host_to_fakedev",
+        "host",
+        "fakedev:0",
+    )));
+    trials.extend(testkit::trials(&fakedev(
+        "stub_fakedev_to_host",
+        "fakedev:1",
+        "host",
+    )));
     testkit::run(trials);
 }

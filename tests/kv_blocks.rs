@@ -120,7 +120,7 @@ proptest! {
                 let reqs = naive(&ll, &rl, &r_ids, &l_ids);
                 initiator.transfer(&peer, &reqs).unwrap().wait().unwrap();
             }
-            results.push(dst.to_vec());
+            results.push(dst.to_vec().unwrap());
         }
         prop_assert!(results[0] == results[1], "merged and naive plans left different bytes");
     }
@@ -202,7 +202,12 @@ fn an_mla_cache_moves_300_random_blocks_with_every_byte_verified() {
         .wait()
         .unwrap();
 
-    let (tk, ti, lk, li) = (tk.to_vec(), ti.to_vec(), lk.to_vec(), li.to_vec());
+    let (tk, ti, lk, li) = (
+        tk.to_vec().unwrap(),
+        ti.to_vec().unwrap(),
+        lk.to_vec().unwrap(),
+        li.to_vec().unwrap(),
+    );
     let moved: std::collections::HashSet<u64> = local_ids.iter().copied().collect();
     for layer in 0..layers as u64 {
         for (bpb, t, l) in [(576u64, &tk, &lk), (132, &ti, &li)] {
@@ -306,7 +311,7 @@ fn layer_wise_pushes_move_only_the_selected_group() {
         .unwrap()
         .wait()
         .unwrap();
-    let (t, l) = (tb.to_vec(), lb.to_vec());
+    let (t, l) = (tb.to_vec().unwrap(), lb.to_vec().unwrap());
     assert!(t[..2 * 512].iter().all(|&b| b == 0), "layer0 was written");
     assert_eq!(&t[2 * 512..], &l[2 * 512..]);
 }
@@ -344,5 +349,5 @@ fn block_lists_that_do_not_fit_are_refused_before_anything_moves() {
         .pull_blocks(&peer, "nope", &[0], &[0], &o)
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotRegistered);
-    assert!(tb.to_vec().iter().all(|&b| b == 0));
+    assert!(tb.to_vec().unwrap().iter().all(|&b| b == 0));
 }

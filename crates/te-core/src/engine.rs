@@ -4,9 +4,7 @@
 //! checks every request against both sides' descriptors before anything is posted, and
 //! turns backend completions into [`TransferHandle`]s.
 
-use std::alloc::Layout;
 use std::collections::HashMap;
-use std::mem::ManuallyDrop;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
@@ -14,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::{Completion, TransferBackend};
 use crate::batch::{BatchState, Timer, TransferHandle};
+use crate::buffer::Buffer;
 use crate::config::{Config, EngineConfig};
 use crate::control::{self, Handler, Msg, Notice, Server};
 use crate::desc::{
@@ -197,7 +196,23 @@ impl Engine {
     /// # Errors
     /// As [`Engine::register`]; `InvalidRequest` for zero length.
     pub fn alloc(&self, name: &str, len: usize, access: Access) -> Result<Buffer> {
-        Buffer::new(&self.inner, name, len, access)
+        self.alloc_on(&MemoryKind::Host, name, len, access)
+    }
+
+    /// Allocates `len` zeroed bytes of memory of `kind` (host, or a device through its
+    /// runtime) and registers them.
+    ///
+    /// # Errors
+    /// As [`Engine::alloc`]; `Unsupported` or `Unavailable` if the device runtime is
+    /// unknown or cannot run here.
+    pub fn alloc_on(
+        &self,
+        kind: &MemoryKind,
+        name: &str,
+        len: usize,
+        access: Access,
+    ) -> Result<Buffer> {
+        Buffer::new(kind, name, len, access, |desc| self.inner.register(desc))
     }
 
     /// Connects to the engine whose control plane listens at `addr` (`host:port`).
@@ -527,6 +542,21 @@ impl Inner {
                 ),
             )
             .with_operation("register"));
+        }
+        if let MemoryKind::Device { runtime, ordinal } = &desc.kind {
+            let info = crate::device::runtime(runtime)
+                .and_then(|rt| rt.pointer_info(desc.addr))
+                .map_err(|e| e.with_operation("register"))?;
+            let inside = desc
+                .addr
+                .checked_add(desc.len)
+                .is_some_and(|end| end <= info.base + info.len);
+            if info.ordinal != *ordinal || !inside {
+                return bad(format!(
+                    "region `{}` ({:#x}+{}) is not inside one allocation of {}: the address belongs to {runtime}:{} ({:#x}+{})",
+                    desc.name, desc.addr, desc.len, desc.kind, info.ordinal, info.base, info.len
+                ));
+            }
         }
         let id = RegionId(self.next_region.fetch_add(1, Ordering::Relaxed));
         let key = self
@@ -984,152 +1014,5 @@ impl Drop for Registration {
         if let Err(e) = self.engine.backend.deregister(self.region.id) {
             tracing::warn!(region = %self.region.id, error = %e, "deregister failed");
         }
-    }
-}
-
-/// Page-aligned host memory owned by the engine's user and registered with it.
-pub struct Buffer {
-    reg: ManuallyDrop<Registration>,
-    ptr: *mut u8,
-    layout: Layout,
-}
-
-// SAFETY: the buffer owns its allocation; access goes through `read`/`write`, which
-// copy with raw pointers, so sharing it between threads creates no references that
-// could alias the backend's concurrent access.
-unsafe impl Send for Buffer {}
-// SAFETY: as above.
-unsafe impl Sync for Buffer {}
-
-impl std::fmt::Debug for Buffer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Buffer")
-            .field("region", self.reg.region())
-            .finish()
-    }
-}
-
-impl Buffer {
-    fn new(engine: &Arc<Inner>, name: &str, len: usize, access: Access) -> Result<Buffer> {
-        let layout = Layout::from_size_align(len.max(1), 4096).map_err(|_| {
-            Error::new(
-                ErrorKind::InvalidRequest,
-                format!("cannot allocate {len} bytes"),
-            )
-            .with_operation("alloc")
-        })?;
-        if len == 0 {
-            return Err(
-                Error::new(ErrorKind::InvalidRequest, "a buffer must not be empty")
-                    .with_operation("alloc"),
-            );
-        }
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            return Err(Error::new(
-                ErrorKind::Io,
-                format!("out of memory allocating {len} bytes"),
-            )
-            .with_operation("alloc"));
-        }
-        let desc = MemoryDesc {
-            name: name.to_string(),
-            addr: ptr as u64,
-            len: len as u64,
-            kind: MemoryKind::Host,
-            access,
-        };
-        match engine.register(desc) {
-            Ok(reg) => Ok(Buffer {
-                reg: ManuallyDrop::new(reg),
-                ptr,
-                layout,
-            }),
-            Err(e) => {
-                // SAFETY: allocated above with this layout, never registered.
-                unsafe { std::alloc::dealloc(ptr, layout) };
-                Err(e)
-            }
-        }
-    }
-
-    /// The region's id, for requests.
-    pub fn id(&self) -> RegionId {
-        self.reg.id()
-    }
-
-    /// The registration.
-    pub fn registration(&self) -> &Registration {
-        &self.reg
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.reg.region().len as usize
-    }
-
-    /// Always false: buffers are never empty.
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-
-    /// The start of the memory.
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr
-    }
-
-    fn range(&self, offset: usize, len: usize) -> Result<()> {
-        if offset.checked_add(len).is_some_and(|e| e <= self.len()) {
-            Ok(())
-        } else {
-            Err(Error::new(
-                ErrorKind::OutOfBounds,
-                format!(
-                    "range {offset}+{len} is outside the {}-byte buffer",
-                    self.len()
-                ),
-            ))
-        }
-    }
-
-    /// Copies `data` into the buffer at `offset`.
-    ///
-    /// # Errors
-    /// `OutOfBounds` if it does not fit.
-    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        self.range(offset, data.len())?;
-        // SAFETY: the range is inside the allocation; `data` cannot overlap it, since
-        // no reference into the buffer is ever handed out.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(offset), data.len()) };
-        Ok(())
-    }
-
-    /// Copies bytes at `offset` out into `out`.
-    ///
-    /// # Errors
-    /// `OutOfBounds` if the range does not fit.
-    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        self.range(offset, out.len())?;
-        // SAFETY: as in `write`.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), out.as_mut_ptr(), out.len()) };
-        Ok(())
-    }
-
-    /// A copy of the whole buffer.
-    pub fn to_vec(&self) -> Vec<u8> {
-        let mut v = vec![0; self.len()];
-        let _ = self.read(0, &mut v);
-        v
-    }
-}
-
-impl Drop for Buffer {
-    fn drop(&mut self) {
-        // SAFETY: dropped exactly once, here; deregistering first guarantees the backend
-        // no longer touches the memory when it is freed.
-        unsafe { ManuallyDrop::drop(&mut self.reg) };
-        // SAFETY: allocated in `new` with `self.layout`.
-        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
     }
 }

@@ -30,12 +30,15 @@
 
 mod backend;
 mod batch;
+mod buffer;
 mod codec;
 pub mod config;
 mod control;
 mod desc;
+pub mod device;
 mod engine;
 mod error;
+pub mod fakedev;
 pub mod kv;
 mod notify;
 pub mod plugin;
@@ -45,13 +48,14 @@ pub mod testkit;
 
 pub use backend::{BackendContext, Completion, FfiError, TransferBackend};
 pub use batch::{TransferHandle, TransferStatus};
+pub use buffer::Buffer;
 pub use config::{Config, EngineConfig};
 pub use control::{MAX_FRAME, VERSION as CONTROL_VERSION};
 pub use desc::{
     Access, BackendInfo, Capabilities, MemoryDesc, MemoryKind, Op, PeerId, RegionDesc, RegionId,
     SegmentDesc, TransferRequest,
 };
-pub use engine::{BlockOptions, Buffer, Engine, Peer, Registration, TransferOptions};
+pub use engine::{BlockOptions, Engine, Peer, Registration, TransferOptions};
 pub use error::{Error, ErrorKind, Result};
 pub use kv::{KvGroup, KvLayout, KvSelection, KvSlot};
 pub use notify::Notification;

@@ -32,6 +32,7 @@ pub struct Harness {
     label: String,
     config: Config,
     slow: Option<Config>,
+    memory: (MemoryKind, MemoryKind),
 }
 
 impl Harness {
@@ -41,7 +42,15 @@ impl Harness {
             label: label.to_string(),
             config,
             slow: None,
+            memory: (MemoryKind::Host, MemoryKind::Host),
         }
+    }
+
+    /// Puts the initiator's buffers in `initiator` memory and the target's in `target`
+    /// memory (`host`, `fakedev:0`, `cuda:0`, …) instead of host memory.
+    pub fn with_memory(mut self, initiator: MemoryKind, target: MemoryKind) -> Harness {
+        self.memory = (initiator, target);
+        self
     }
 
     /// Adds a configuration whose batches take about 200 ms.
@@ -289,7 +298,7 @@ fn write_then_read_back_gives_the_same_bytes(h: &Harness) -> Result<(), Failed> 
         .wait()
         .map_err(e2f)?;
     ensure!(
-        p.remote.to_vec() == data,
+        p.remote.to_vec().map_err(e2f)? == data,
         "the target's bytes differ from what was written"
     );
     p.local.write(0, &vec![0; len]).map_err(e2f)?;
@@ -299,7 +308,10 @@ fn write_then_read_back_gives_the_same_bytes(h: &Harness) -> Result<(), Failed> 
         .map_err(e2f)?
         .wait()
         .map_err(e2f)?;
-    ensure!(p.local.to_vec() == data, "bytes read back differ");
+    ensure!(
+        p.local.to_vec().map_err(e2f)? == data,
+        "bytes read back differ"
+    );
     Ok(())
 }
 
@@ -397,7 +409,7 @@ fn out_of_bounds_requests_are_refused_before_posting(h: &Harness) -> Result<(), 
         )?;
     }
     ensure!(
-        p.remote.to_vec() == vec![0; 4096],
+        p.remote.to_vec().map_err(e2f)? == vec![0; 4096],
         "a refused batch changed the target's memory"
     );
     Ok(())
@@ -540,7 +552,7 @@ fn notifications_arrive_after_the_data(h: &Harness) -> Result<(), Failed> {
             .ok_or_else(|| fail("no notification within 10 s"))?;
         // The data must already be there when the notification is seen.
         ensure!(
-            p.remote.to_vec() == data,
+            p.remote.to_vec().map_err(e2f)? == data,
             "round {round}: notification arrived before the data"
         );
         ensure!(
@@ -602,7 +614,7 @@ fn many_concurrent_batches_from_several_threads_all_complete(h: &Harness) -> Res
         errors[0]
     );
     ensure!(
-        p.remote.to_vec() == p.local.to_vec(),
+        p.remote.to_vec().map_err(e2f)? == p.local.to_vec().map_err(e2f)?,
         "the target's bytes differ"
     );
     Ok(())

@@ -5,20 +5,23 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock, RwLockReadGuard, Weak};
 use std::thread::{JoinHandle, ThreadId};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use te_core::device::{DeviceCopy, DeviceRuntime};
 use te_core::{
-    Access, BackendInfo, Capabilities, Completion, Error, ErrorKind, MemoryDesc, Op, PeerId,
-    RegionId, Result, SegmentDesc, TransferBackend, TransferRequest,
+    Access, BackendInfo, Capabilities, Completion, Error, ErrorKind, MemoryDesc, MemoryKind, Op,
+    PeerId, RegionId, Result, SegmentDesc, TransferBackend, TransferRequest,
 };
 
 use crate::config::{Mode, StubConfig};
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Region {
     addr: u64,
     len: u64,
     access: Access,
+    /// The device runtime and ordinal of device memory; `None` for host memory.
+    device: Option<(Arc<dyn DeviceRuntime>, u32)>,
 }
 
 /// One backend instance's memory, as other instances in the process reach it.
@@ -112,7 +115,11 @@ impl StubBackend {
                 name: crate::NAME.to_string(),
                 version: env!("CARGO_PKG_VERSION").to_string(),
                 capabilities: Capabilities {
-                    memory: vec!["host".to_string()],
+                    // Device memory moves through its runtime's copies.
+                    memory: std::iter::once("host")
+                        .chain(te_core::device::runtimes().into_iter().map(|r| r.0))
+                        .map(str::to_string)
+                        .collect(),
                     read: true,
                     write: true,
                     cross_process: false,
@@ -161,10 +168,17 @@ impl TransferBackend for StubBackend {
     }
 
     fn register(&self, id: RegionId, mem: &MemoryDesc) -> Result<Vec<u8>> {
+        let device = match &mem.kind {
+            MemoryKind::Host => None,
+            MemoryKind::Device { runtime, ordinal } => {
+                Some((te_core::device::runtime(runtime)?, *ordinal))
+            }
+        };
         let region = Region {
             addr: mem.addr,
             len: mem.len,
             access: mem.access,
+            device,
         };
         self.local
             .regions
@@ -299,6 +313,7 @@ impl Drop for StubBackend {
 }
 
 fn run(shared: &WorkerShared, local: &Endpoint, mode: Mode) {
+    let mut scratch = Vec::new();
     loop {
         let job = {
             let mut q = shared.lock();
@@ -321,12 +336,12 @@ fn run(shared: &WorkerShared, local: &Endpoint, mode: Mode) {
             }
         };
         let Some(job) = job else { continue };
-        let result = execute(&job, local, mode);
+        let result = execute(&job, local, mode, &mut scratch);
         job.done.complete(result);
     }
 }
 
-fn execute(job: &Job, local: &Endpoint, mode: Mode) -> Result<()> {
+fn execute(job: &Job, local: &Endpoint, mode: Mode, scratch: &mut Vec<u8>) -> Result<()> {
     if job.done.remaining().is_zero() {
         return Err(Error::new(
             ErrorKind::Timeout,
@@ -374,13 +389,85 @@ fn execute(job: &Job, local: &Endpoint, mode: Mode) -> Result<()> {
             continue;
         }
         let (src, dst) = match r.op {
-            Op::Write => (l.addr + r.local_offset, p.addr + r.remote_offset),
-            Op::Read => (p.addr + r.remote_offset, l.addr + r.local_offset),
+            Op::Write => ((&l, r.local_offset), (&p, r.remote_offset)),
+            Op::Read => ((&p, r.remote_offset), (&l, r.local_offset)),
         };
-        // SAFETY: both ranges were checked against live registrations whose read locks
-        // are held, so deregistration (and with it freeing) waits until this copy ends;
-        // `copy` allows the ranges to overlap (one engine writing into itself).
-        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, r.len as usize) };
+        copy(src, dst, r.len as usize, job.done.remaining(), scratch)?;
+    }
+    Ok(())
+}
+
+/// Largest piece of a device-to-device copy staged through the scratch buffer.
+const STAGE: usize = 4 << 20;
+
+/// Copies `len` bytes between two checked regions, through their runtimes where they
+/// are device memory.
+fn copy(
+    src: (&Region, u64),
+    dst: (&Region, u64),
+    len: usize,
+    timeout: Duration,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let (s, d) = (src.0.addr + src.1, dst.0.addr + dst.1);
+    // SAFETY (all arms): both ranges were checked against live registrations whose read
+    // locks the caller holds, so deregistration (and with it freeing) waits until this
+    // copy ends; host ranges are only reached through raw pointers.
+    match (&src.0.device, &dst.0.device) {
+        // `copy` allows overlap (one engine writing into itself).
+        (None, None) => unsafe { std::ptr::copy(s as *const u8, d as *mut u8, len) },
+        (None, Some((rt, ordinal))) => unsafe {
+            rt.copy_sync(
+                DeviceCopy::ToDevice {
+                    ordinal: *ordinal,
+                    device: d,
+                    host: s as *const u8,
+                    len,
+                },
+                timeout,
+            )?
+        },
+        (Some((rt, ordinal)), None) => unsafe {
+            rt.copy_sync(
+                DeviceCopy::ToHost {
+                    ordinal: *ordinal,
+                    device: s,
+                    host: d as *mut u8,
+                    len,
+                },
+                timeout,
+            )?
+        },
+        (Some((srt, so)), Some((drt, dord))) => {
+            scratch.resize(len.min(STAGE), 0);
+            let mut done = 0;
+            while done < len {
+                let n = (len - done).min(STAGE);
+                let (from, to, host) = (s + done as u64, d + done as u64, scratch.as_mut_ptr());
+                // SAFETY: as above; `scratch` is ours and at least `n` bytes long.
+                unsafe {
+                    srt.copy_sync(
+                        DeviceCopy::ToHost {
+                            ordinal: *so,
+                            device: from,
+                            host,
+                            len: n,
+                        },
+                        timeout,
+                    )?;
+                    drt.copy_sync(
+                        DeviceCopy::ToDevice {
+                            ordinal: *dord,
+                            device: to,
+                            host,
+                            len: n,
+                        },
+                        timeout,
+                    )?;
+                }
+                done += n;
+            }
+        }
     }
     Ok(())
 }
@@ -396,7 +483,7 @@ fn region(
     len: u64,
     side: &str,
 ) -> Result<Region> {
-    let r = table.get(&id).copied().ok_or_else(|| {
+    let r = table.get(&id).cloned().ok_or_else(|| {
         Error::new(
             ErrorKind::NotRegistered,
             format!(

@@ -1,0 +1,269 @@
+//! [`Buffer`]: memory the engine allocates and registers for its user, on the host or
+//! on a device.
+
+use std::alloc::Layout;
+use std::mem::ManuallyDrop;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::desc::{Access, MemoryDesc, MemoryKind, RegionId};
+use crate::device::{self, DeviceCopy, DeviceRuntime};
+use crate::engine::Registration;
+use crate::error::{Error, ErrorKind, Result};
+
+/// How long `Buffer::read`/`write` wait for a device copy.
+const COPY_TIMEOUT: Duration = Duration::from_secs(60);
+
+enum Mem {
+    Host {
+        ptr: *mut u8,
+        layout: Layout,
+    },
+    Device {
+        runtime: Arc<dyn DeviceRuntime>,
+        ordinal: u32,
+        addr: u64,
+    },
+}
+
+/// Zeroed memory allocated for the engine's user and registered with the engine;
+/// deregistered, then freed, when dropped.
+///
+/// `read` and `write` copy in and out (through the device runtime for device memory);
+/// no reference into the memory is ever handed out, since peers may write it at any time.
+pub struct Buffer {
+    reg: ManuallyDrop<Registration>,
+    mem: Mem,
+}
+
+// SAFETY: the buffer owns its allocation; access goes through `read`/`write`, which
+// copy with raw pointers or the runtime, so sharing it between threads creates no
+// references that could alias the backend's concurrent access.
+unsafe impl Send for Buffer {}
+// SAFETY: as above.
+unsafe impl Sync for Buffer {}
+
+impl std::fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Buffer")
+            .field("region", self.reg.region())
+            .finish()
+    }
+}
+
+impl Buffer {
+    pub(crate) fn new(
+        kind: &MemoryKind,
+        name: &str,
+        len: usize,
+        access: Access,
+        register: impl FnOnce(MemoryDesc) -> Result<Registration>,
+    ) -> Result<Buffer> {
+        if len == 0 {
+            return Err(
+                Error::new(ErrorKind::InvalidRequest, "a buffer must not be empty")
+                    .with_operation("alloc"),
+            );
+        }
+        let mem = match kind {
+            MemoryKind::Host => {
+                let layout = Layout::from_size_align(len, 4096).map_err(|_| {
+                    Error::new(
+                        ErrorKind::InvalidRequest,
+                        format!("cannot allocate {len} bytes"),
+                    )
+                    .with_operation("alloc")
+                })?;
+                // SAFETY: the layout has a non-zero size.
+                let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+                if ptr.is_null() {
+                    return Err(Error::new(
+                        ErrorKind::Io,
+                        format!("out of memory allocating {len} bytes"),
+                    )
+                    .with_operation("alloc"));
+                }
+                Mem::Host { ptr, layout }
+            }
+            MemoryKind::Device { runtime, ordinal } => {
+                let runtime = device::runtime(runtime).map_err(|e| e.with_operation("alloc"))?;
+                let addr = runtime
+                    .alloc(*ordinal, len)
+                    .map_err(|e| e.with_operation("alloc"))?;
+                Mem::Device {
+                    runtime,
+                    ordinal: *ordinal,
+                    addr,
+                }
+            }
+        };
+        let addr = match &mem {
+            Mem::Host { ptr, .. } => *ptr as u64,
+            Mem::Device { addr, .. } => *addr,
+        };
+        let desc = MemoryDesc {
+            name: name.to_string(),
+            addr,
+            len: len as u64,
+            kind: kind.clone(),
+            access,
+        };
+        match register(desc) {
+            Ok(reg) => Ok(Buffer {
+                reg: ManuallyDrop::new(reg),
+                mem,
+            }),
+            Err(e) => {
+                free(mem);
+                Err(e)
+            }
+        }
+    }
+
+    /// The region's id, for requests.
+    pub fn id(&self) -> RegionId {
+        self.reg.id()
+    }
+
+    /// The registration.
+    pub fn registration(&self) -> &Registration {
+        &self.reg
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.reg.region().len as usize
+    }
+
+    /// Always false: buffers are never empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The start address: a host pointer for host memory, a device address (not to be
+    /// dereferenced by the host) for device memory.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.reg.region().addr as *mut u8
+    }
+
+    fn range(&self, offset: usize, len: usize) -> Result<()> {
+        if offset.checked_add(len).is_some_and(|e| e <= self.len()) {
+            Ok(())
+        } else {
+            Err(Error::new(
+                ErrorKind::OutOfBounds,
+                format!(
+                    "range {offset}+{len} is outside the {}-byte buffer",
+                    self.len()
+                ),
+            ))
+        }
+    }
+
+    /// Copies `data` into the buffer at `offset`.
+    ///
+    /// # Errors
+    /// `OutOfBounds` if it does not fit; the device runtime's error for device memory.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.range(offset, data.len())?;
+        match &self.mem {
+            // SAFETY: the range is inside the allocation; `data` cannot overlap it, since
+            // no reference into the buffer is ever handed out.
+            Mem::Host { ptr, .. } => unsafe {
+                std::ptr::copy_nonoverlapping(data.as_ptr(), ptr.add(offset), data.len())
+            },
+            Mem::Device {
+                runtime,
+                ordinal,
+                addr,
+            } => {
+                let copy = DeviceCopy::ToDevice {
+                    ordinal: *ordinal,
+                    device: addr + offset as u64,
+                    host: data.as_ptr(),
+                    len: data.len(),
+                };
+                // SAFETY: `data` is borrowed until the synchronous copy returns, and the
+                // device range is inside this buffer's allocation.
+                unsafe { runtime.copy_sync(copy, COPY_TIMEOUT)? }
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies bytes at `offset` out into `out`.
+    ///
+    /// # Errors
+    /// `OutOfBounds` if the range does not fit; the device runtime's error.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.range(offset, out.len())?;
+        match &self.mem {
+            // SAFETY: as in `write`.
+            Mem::Host { ptr, .. } => unsafe {
+                std::ptr::copy_nonoverlapping(ptr.add(offset), out.as_mut_ptr(), out.len())
+            },
+            Mem::Device {
+                runtime,
+                ordinal,
+                addr,
+            } => {
+                let copy = DeviceCopy::ToHost {
+                    ordinal: *ordinal,
+                    device: addr + offset as u64,
+                    host: out.as_mut_ptr(),
+                    len: out.len(),
+                };
+                // SAFETY: `out` is borrowed mutably until the synchronous copy returns.
+                unsafe { runtime.copy_sync(copy, COPY_TIMEOUT)? }
+            }
+        }
+        Ok(())
+    }
+
+    /// A copy of the whole buffer.
+    ///
+    /// # Errors
+    /// The device runtime's error for device memory.
+    pub fn to_vec(&self) -> Result<Vec<u8>> {
+        let mut v = vec![0; self.len()];
+        self.read(0, &mut v)?;
+        Ok(v)
+    }
+}
+
+fn free(mem: Mem) {
+    match mem {
+        // SAFETY: allocated in `Buffer::new` with this layout and no longer registered.
+        Mem::Host { ptr, layout } => unsafe { std::alloc::dealloc(ptr, layout) },
+        Mem::Device {
+            runtime,
+            ordinal,
+            addr,
+        } => {
+            if let Err(e) = runtime.free(ordinal, addr) {
+                tracing::warn!(error = %e, "freeing device memory failed");
+            }
+        }
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        // SAFETY: dropped exactly once, here; deregistering first guarantees the backend
+        // no longer touches the memory when it is freed.
+        unsafe { ManuallyDrop::drop(&mut self.reg) };
+        let mem = std::mem::replace(
+            &mut self.mem,
+            Mem::Host {
+                ptr: std::ptr::null_mut(),
+                layout: Layout::new::<u8>(),
+            },
+        );
+        if let Mem::Host { ptr, .. } = &mem {
+            if ptr.is_null() {
+                return;
+            }
+        }
+        free(mem);
+    }
+}

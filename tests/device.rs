@@ -1,0 +1,81 @@
+//! Device memory: registration asks the device runtime, so a bogus device pointer is an
+//! error at `register`, and device buffers move through the runtime's copies.
+
+use te::{Access, Config, Engine, ErrorKind, MemoryDesc, MemoryKind};
+
+fn engine() -> Engine {
+    Engine::from_config(&Config::defaults()).unwrap()
+}
+
+fn desc(kind: &str, addr: u64, len: u64) -> MemoryDesc {
+    MemoryDesc {
+        name: "d".into(),
+        addr,
+        len,
+        kind: kind.parse().unwrap(),
+        access: Access::REMOTE_READ_WRITE,
+    }
+}
+
+#[test]
+fn a_bogus_device_pointer_is_refused_at_register() {
+    let e = engine();
+    // SAFETY: each registration below is refused before the address is used.
+    let r = unsafe { e.register(desc("fakedev:0", 0x1234_0000, 4096)) };
+    let err = r.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidRequest);
+    assert!(
+        err.to_string().contains("not fakedev device memory"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_device_range_must_lie_in_one_allocation_of_the_named_device() {
+    let e = engine();
+    let buf = e
+        .alloc_on(&"fakedev:1".parse().unwrap(), "b", 8192, Access::LOCAL)
+        .unwrap();
+    let addr = buf.as_ptr() as u64;
+    // SAFETY: refused before use.
+    let err = unsafe { e.register(desc("fakedev:0", addr, 4096)) }.unwrap_err();
+    assert!(err.to_string().contains("belongs to fakedev:1"), "{err}");
+    // SAFETY: refused before use.
+    let err = unsafe { e.register(desc("fakedev:1", addr + 4096, 8192)) }.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidRequest, "{err}");
+    // SAFETY: the range is inside the live allocation `buf` owns, which outlives it.
+    let ok = unsafe { e.register(desc("fakedev:1", addr + 4096, 4096)) };
+    assert!(ok.is_ok(), "{ok:?}");
+}
+
+#[test]
+fn an_unknown_device_runtime_is_a_clear_error() {
+    let e = engine();
+    let err = e
+        .alloc_on(
+            &MemoryKind::Device {
+                runtime: "nosuch".into(),
+                ordinal: 0,
+            },
+            "b",
+            64,
+            Access::LOCAL,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("nosuch"), "{err}");
+}
+
+#[test]
+fn device_buffers_round_trip_through_the_runtime() {
+    let e = engine();
+    let buf = e
+        .alloc_on(&"fakedev:0".parse().unwrap(), "b", 1 << 20, Access::LOCAL)
+        .unwrap();
+    let data: Vec<u8> = (0..1 << 20).map(|i| (i % 251) as u8).collect();
+    buf.write(0, &data).unwrap();
+    assert_eq!(buf.to_vec().unwrap(), data);
+    assert_eq!(
+        buf.write(1 << 20, &[1]).unwrap_err().kind(),
+        ErrorKind::OutOfBounds
+    );
+}
