@@ -34,6 +34,8 @@ mod buffer;
 mod codec;
 pub mod config;
 mod control;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod desc;
 pub mod device;
 mod engine;
