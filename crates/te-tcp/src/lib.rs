@@ -1,6 +1,89 @@
-//! te-tcp: the TCP backend (in progress).
+//! te-tcp: the TCP backend, the one every machine can run.
+//!
+//! The engine's control plane exchanges segment descriptors; this backend's endpoint
+//! in them is the address of its own **data listener** plus a random **instance id**.
+//! `connect` opens a pool of persistent data connections to a peer's listener, each
+//! opened with a versioned handshake that names the instance the initiator expects (a
+//! restarted peer is a new instance and refuses connections meant for its previous
+//! life) and, with an `auth_token`, proves the token on both sides by HMAC-SHA-256
+//! challenge–response, so the token never travels and an unproven peer is refused
+//! before any data moves.
+//!
+//! A batch is cut into slices of at most `slice_size` bytes, spread round-robin over
+//! the pool; each connection carries many slices in flight (pipelined). A WRITE slice
+//! is a 40-byte header followed by its payload, sent from the registered source memory
+//! with `sendmsg` (header and payload gathered, many frames per call). The target checks
+//! region, rights and bounds against its own registrations **before** placing a byte,
+//! receives the payload straight into the registered destination, and acknowledges only
+//! once the bytes are there. A READ is the mirror image. A refused request fails its
+//! batch with the target's reason (`OutOfBounds`, `NotRegistered`, `InvalidRequest`)
+//! and is logged at the target; a malformed frame closes that one connection with a
+//! `Protocol` error. The wire format is in the `wire` module's docs.
+//!
+//! Completion: each connection has a receiver thread that matches responses to slices
+//! and completes a batch when its last slice is answered; a submitting thread that
+//! finds a connection idle writes its frames itself without blocking, and a sender
+//! thread per connection writes the rest. Threads block in the kernel; nothing spins.
+//! A connection that breaks fails every batch with slices on it with `PeerUnreachable`
+//! at once (a killed peer's kernel resets the connection); the engine then reconnects
+//! on next use. Deregistration waits for transfers touching the region on either side,
+//! so no byte is read or written after `deregister` returns.
+//!
+//! # Options (`[backends.tcp]`)
+//!
+//! | key | default | meaning |
+//! |-----|---------|---------|
+//! | `listen` | `"127.0.0.1:0"` | where the data listener binds; port 0 picks a free port |
+//! | `advertise` | the `listen` host | the host or IP peers connect to; required when `listen` binds every interface (`0.0.0.0`) |
+//! | `connections_per_peer` | `4` | data connections per peer (1–64) |
+//! | `slice_size` | `"512KiB"` | requests longer than this are cut into slices spread over the connections (4KiB–64MiB) |
+//! | `auth_token` | none | shared secret both sides must prove; set the same value on every engine |
+//! | `nodelay` | `true` | `TCP_NODELAY`: small frames go out at once instead of waiting for Nagle |
+//! | `send_buffer` | `0` | `SO_SNDBUF` in bytes; 0 keeps the kernel's auto-tuning |
+//! | `recv_buffer` | `0` | `SO_RCVBUF` in bytes; 0 keeps the kernel's auto-tuning |
+//! | `inline_send` | `"256KiB"` | bytes a submitting thread sends itself, without blocking, before handing the rest to the sender thread; 0 always hands over |
+//! | `connect_timeout` | `"5s"` | limit for opening one data connection (TCP connect and handshake) |
+//! | `io_timeout` | `"10s"` | a connection where requests wait and nothing moves for this long is declared dead; also the keepalive idle time |
+//! | `debug_delay` | `"0s"` | for tests only: the target holds every request this long |
+//!
+//! Sizes are numbers of bytes or strings like `"64KiB"`; durations are strings like
+//! `"250ms"`. The reasons for the defaults, with measurements, are in
+//! `docs/decisions.md`.
+//!
+//! # Limits
+//! Host memory only. A target that vanishes without a reset (a host that loses power)
+//! is found by the `io_timeout` or TCP keepalive, not at once; the batch's own deadline
+//! still ends the wait for its caller.
 
 #![warn(missing_debug_implementations, missing_docs, unreachable_pub)]
+#![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
+
+use std::sync::Arc;
+
+use te_core::{BackendContext, Result, TransferBackend};
+
+mod auth;
+mod backend;
+mod config;
+mod conn;
+mod regions;
+mod serve;
+mod sock;
+mod wire;
+
+pub use backend::TcpBackend;
+pub use config::TcpConfig;
 
 /// The TCP backend's registry name.
 pub const NAME: &str = "tcp";
+
+fn probe() -> Result<()> {
+    Ok(())
+}
+
+fn create(ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
+    let config: TcpConfig = ctx.parse(NAME)?;
+    Ok(Arc::new(TcpBackend::new(config)?))
+}
+
+te_core::register_backend!(NAME, probe, create);

@@ -1,0 +1,518 @@
+//! The TCP backend's `TransferBackend`: the endpoint, registrations, peers and their
+//! connection pools, and how a batch is sliced over them.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
+
+use te_core::{
+    BackendInfo, Capabilities, Completion, Error, ErrorKind, MemoryDesc, MemoryKind, PeerId,
+    RegionId, Result, SegmentDesc, TransferBackend, TransferRequest,
+};
+
+use crate::config::TcpConfig;
+use crate::conn::{Batch, Conn, Slice};
+use crate::regions::{Pin, Regions};
+
+/// The endpoint format's version (its first byte).
+const ENDPOINT_VERSION: u8 = 1;
+
+/// What the backend's threads share.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) config: TcpConfig,
+    /// Random per backend instance: peers name it in the handshake, so a restarted
+    /// process (or another one on the same port) refuses what was meant for this one.
+    pub(crate) instance: u64,
+    pub(crate) regions: Regions,
+    pub(crate) closed: AtomicBool,
+    pub(crate) serving: Mutex<HashMap<u64, std::net::TcpStream>>,
+    pub(crate) next_serving: AtomicU64,
+    pub(crate) threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// One peer: where its data listener is, which instance it is, and the connections.
+#[derive(Debug)]
+struct PeerConns {
+    addr: SocketAddr,
+    instance: u64,
+    conns: RwLock<Vec<Arc<Conn>>>,
+    next: AtomicUsize,
+}
+
+/// The TCP backend.
+#[derive(Debug)]
+pub struct TcpBackend {
+    info: BackendInfo,
+    shared: Arc<Shared>,
+    endpoint: Vec<u8>,
+    listener: Arc<TcpListener>,
+    peers: RwLock<HashMap<PeerId, Arc<PeerConns>>>,
+    by_endpoint: Mutex<HashMap<Vec<u8>, PeerId>>,
+    next_peer: AtomicU64,
+}
+
+fn config_error(m: String) -> Error {
+    Error::new(ErrorKind::ConfigInvalid, format!("[backends.tcp] {m}"))
+        .with_operation("create backend")
+}
+
+/// Encodes a data endpoint: version, address family, port, IP, instance; little-endian.
+pub(crate) fn encode_endpoint(addr: SocketAddr, instance: u64) -> Vec<u8> {
+    let mut v = vec![ENDPOINT_VERSION];
+    match addr.ip() {
+        IpAddr::V4(ip) => {
+            v.push(4);
+            v.extend_from_slice(&addr.port().to_le_bytes());
+            v.extend_from_slice(&ip.octets());
+        }
+        IpAddr::V6(ip) => {
+            v.push(6);
+            v.extend_from_slice(&addr.port().to_le_bytes());
+            v.extend_from_slice(&ip.octets());
+        }
+    }
+    v.extend_from_slice(&instance.to_le_bytes());
+    v
+}
+
+/// Decodes [`encode_endpoint`]'s bytes.
+///
+/// # Errors
+/// `Protocol` for anything else.
+pub(crate) fn decode_endpoint(b: &[u8]) -> Result<(SocketAddr, u64)> {
+    let bad = || {
+        Error::new(
+            ErrorKind::Protocol,
+            format!(
+                "the peer's tcp endpoint ({} bytes) is not one this version understands",
+                b.len()
+            ),
+        )
+    };
+    let (&[version, family, p0, p1], rest) = b.split_first_chunk::<4>().ok_or_else(bad)?;
+    if version != ENDPOINT_VERSION {
+        return Err(bad());
+    }
+    let port = u16::from_le_bytes([p0, p1]);
+    let (ip, rest): (IpAddr, &[u8]) = match family {
+        4 => {
+            let (ip, rest) = rest.split_first_chunk::<4>().ok_or_else(bad)?;
+            ((*ip).into(), rest)
+        }
+        6 => {
+            let (ip, rest) = rest.split_first_chunk::<16>().ok_or_else(bad)?;
+            ((*ip).into(), rest)
+        }
+        _ => return Err(bad()),
+    };
+    let instance: [u8; 8] = rest.try_into().map_err(|_| bad())?;
+    Ok((SocketAddr::new(ip, port), u64::from_le_bytes(instance)))
+}
+
+fn random_instance() -> u64 {
+    loop {
+        let v: u64 = rand::random();
+        if v != 0 {
+            return v;
+        }
+    }
+}
+
+impl TcpBackend {
+    /// Binds the data listener and starts accepting peers.
+    ///
+    /// # Errors
+    /// `ConfigInvalid` for invalid options or an address that cannot be advertised;
+    /// `Io` if the listener cannot bind or its thread cannot start.
+    pub fn new(config: TcpConfig) -> Result<TcpBackend> {
+        config.validate()?;
+        let listener = TcpListener::bind(&config.listen).map_err(|e| {
+            Error::new(
+                ErrorKind::Io,
+                format!("cannot listen on {} for tcp data", config.listen),
+            )
+            .with_operation("create backend")
+            .with_source(e)
+        })?;
+        let bound = listener.local_addr().map_err(|e| {
+            Error::new(ErrorKind::Io, "the data listener has no address").with_source(e)
+        })?;
+        let advertised = match &config.advertise {
+            Some(host) => (host.as_str(), bound.port())
+                .to_socket_addrs()
+                .ok()
+                .and_then(|mut a| a.next())
+                .ok_or_else(|| config_error(format!("advertise = {host:?} does not resolve")))?,
+            None if bound.ip().is_unspecified() => {
+                return Err(config_error(format!(
+                    "listen = {:?} binds every interface; set `advertise` to the address peers should use",
+                    config.listen
+                )))
+            }
+            None => bound,
+        };
+        let instance = random_instance();
+        let shared = Arc::new(Shared {
+            config,
+            instance,
+            regions: Regions::default(),
+            closed: AtomicBool::new(false),
+            serving: Mutex::new(HashMap::new()),
+            next_serving: AtomicU64::new(0),
+            threads: Mutex::new(Vec::new()),
+        });
+        let listener = Arc::new(listener);
+        let (s, l) = (shared.clone(), listener.clone());
+        crate::conn::spawn(&shared.threads, "te-tcp-accept", move || {
+            crate::serve::accept_loop(s, l)
+        })?;
+        Ok(TcpBackend {
+            info: BackendInfo {
+                name: crate::NAME.to_string(),
+                version: env!("CARGO_PKG_VERSION").to_string(),
+                capabilities: Capabilities {
+                    memory: vec!["host".to_string()],
+                    read: true,
+                    write: true,
+                    cross_process: true,
+                    same_host_only: false,
+                    max_request_size: u64::MAX,
+                },
+            },
+            endpoint: encode_endpoint(advertised, instance),
+            shared,
+            listener,
+            peers: RwLock::new(HashMap::new()),
+            by_endpoint: Mutex::new(HashMap::new()),
+            next_peer: AtomicU64::new(1),
+        })
+    }
+
+    /// The address peers connect their data connections to.
+    pub fn data_addr(&self) -> SocketAddr {
+        decode_endpoint(&self.endpoint)
+            .map(|(a, _)| a)
+            .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)))
+    }
+
+    /// The options in force.
+    pub fn config(&self) -> &TcpConfig {
+        &self.shared.config
+    }
+
+    /// Opens connections to `peer` until it has `connections_per_peer` live ones.
+    fn fill_pool(&self, peer: &PeerConns) -> Result<()> {
+        let want = self.shared.config.connections_per_peer;
+        let live = peer
+            .conns
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|c| !c.is_dead())
+            .count();
+        let mut fresh = Vec::new();
+        let mut first_error = None;
+        for _ in live..want {
+            match Conn::open(
+                peer.addr,
+                peer.instance,
+                &self.shared.config,
+                &self.shared.threads,
+            ) {
+                Ok(c) => fresh.push(c),
+                Err(e) => {
+                    first_error = Some(e);
+                    break;
+                }
+            }
+        }
+        let mut conns = peer.conns.write().unwrap_or_else(|p| p.into_inner());
+        conns.retain(|c| !c.is_dead());
+        for c in fresh {
+            if conns.len() < want {
+                conns.push(c);
+            } else {
+                c.kill(Error::new(ErrorKind::Cancelled, "a spare data connection"));
+            }
+        }
+        match first_error {
+            Some(e) if conns.is_empty() => Err(e),
+            Some(e) if e.kind() != ErrorKind::PeerUnreachable => Err(e),
+            Some(e) => {
+                tracing::warn!(peer = %peer.addr, error = %e, live = conns.len(), "fewer data connections than configured");
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+
+    fn pin_locals(&self, batch: &[TransferRequest]) -> Result<(Vec<Pin>, usize)> {
+        let slice = self.shared.config.slice_size;
+        let mut pins: Vec<Pin> = Vec::new();
+        let mut slices = 0usize;
+        for r in batch {
+            if r.len == 0 {
+                return Err(Error::new(ErrorKind::InvalidRequest, "zero-length request"));
+            }
+            match pins.iter().find(|p| p.region().id == r.local) {
+                Some(p) => {
+                    if r.local_offset
+                        .checked_add(r.len)
+                        .is_none_or(|end| end > p.region().len)
+                    {
+                        return Err(Error::new(
+                            ErrorKind::OutOfBounds,
+                            format!(
+                                "local range {}+{} is outside region {} of {} bytes",
+                                r.local_offset,
+                                r.len,
+                                r.local,
+                                p.region().len
+                            ),
+                        ));
+                    }
+                }
+                None => pins.push(self.shared.regions.pin(r.local, r.local_offset, r.len)?),
+            }
+            slices += usize::try_from(r.len.div_ceil(slice)).unwrap_or(usize::MAX);
+        }
+        Ok((pins, slices))
+    }
+}
+
+/// The slices of `batch` that go to connection `k` of `n`, counting from `start`.
+fn slices_for<'a>(
+    batch: &'a [TransferRequest],
+    pins: &'a [usize],
+    slice: u64,
+    start: usize,
+    n: usize,
+    k: usize,
+    b: &'a Arc<Batch>,
+) -> impl Iterator<Item = Slice> + 'a {
+    let mut g = start;
+    batch.iter().zip(pins).flat_map(move |(r, &base)| {
+        let pieces = r.len.div_ceil(slice);
+        let first = g;
+        g = g.wrapping_add(pieces as usize);
+        (0..pieces).filter_map(move |i| {
+            if first.wrapping_add(i as usize) % n != k {
+                return None;
+            }
+            let off = i * slice;
+            let len = slice.min(r.len - off);
+            Some(Slice::new(
+                b.clone(),
+                r.op,
+                base + (r.local_offset + off) as usize,
+                r.remote,
+                r.remote_offset + off,
+                len,
+            ))
+        })
+    })
+}
+
+impl TransferBackend for TcpBackend {
+    fn info(&self) -> &BackendInfo {
+        &self.info
+    }
+
+    fn endpoint(&self) -> Vec<u8> {
+        self.endpoint.clone()
+    }
+
+    fn register(&self, id: RegionId, mem: &MemoryDesc) -> Result<Vec<u8>> {
+        if mem.kind != MemoryKind::Host {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!("the tcp backend moves host memory only, not {}", mem.kind),
+            ));
+        }
+        if usize::try_from(mem.addr.saturating_add(mem.len)).is_err() {
+            return Err(Error::new(
+                ErrorKind::InvalidRequest,
+                "the region does not fit in this process's address space",
+            ));
+        }
+        self.shared.regions.insert(id, mem);
+        Ok(Vec::new())
+    }
+
+    fn deregister(&self, id: RegionId) -> Result<()> {
+        self.shared.regions.remove(id)
+    }
+
+    fn connect(&self, peer: &SegmentDesc) -> Result<PeerId> {
+        let (addr, instance) = decode_endpoint(&peer.endpoint)?;
+        let existing = self
+            .by_endpoint
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&peer.endpoint)
+            .copied();
+        if let Some(id) = existing {
+            let pc = self
+                .peers
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&id)
+                .cloned();
+            if let Some(pc) = pc {
+                self.fill_pool(&pc)?;
+                return Ok(id);
+            }
+        }
+        let pc = Arc::new(PeerConns {
+            addr,
+            instance,
+            conns: RwLock::new(Vec::new()),
+            next: AtomicUsize::new(0),
+        });
+        self.fill_pool(&pc)?;
+        let mut by = self.by_endpoint.lock().unwrap_or_else(|p| p.into_inner());
+        let mut peers = self.peers.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(&id) = by.get(&peer.endpoint) {
+            if peers.contains_key(&id) {
+                // A concurrent connect won: keep its pool, close this one.
+                for c in pc.conns.read().unwrap_or_else(|p| p.into_inner()).iter() {
+                    c.kill(Error::new(ErrorKind::Cancelled, "a spare data connection"));
+                }
+                return Ok(id);
+            }
+        }
+        let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
+        by.insert(peer.endpoint.clone(), id);
+        peers.insert(id, pc);
+        Ok(id)
+    }
+
+    fn disconnect(&self, peer: PeerId) -> Result<()> {
+        let pc = self
+            .peers
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&peer)
+            .ok_or_else(|| Error::new(ErrorKind::PeerUnreachable, "unknown peer"))?;
+        self.by_endpoint
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|_, id| *id != peer);
+        for c in pc.conns.read().unwrap_or_else(|p| p.into_inner()).iter() {
+            c.kill(Error::new(
+                ErrorKind::Cancelled,
+                format!("the peer at {} was disconnected", pc.addr),
+            ));
+        }
+        Ok(())
+    }
+
+    fn submit(&self, peer: PeerId, batch: &[TransferRequest], done: Completion) -> Result<()> {
+        let pc = self
+            .peers
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&peer)
+            .cloned()
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::PeerUnreachable,
+                    "the tcp backend is not connected to that peer",
+                )
+            })?;
+        let conns: Vec<Arc<Conn>> = pc
+            .conns
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|c| !c.is_dead())
+            .cloned()
+            .collect();
+        if conns.is_empty() {
+            return Err(Error::new(
+                ErrorKind::PeerUnreachable,
+                format!(
+                    "every data connection to {} is broken; connect again",
+                    pc.addr
+                ),
+            ));
+        }
+        if batch.is_empty() {
+            done.complete(Ok(()));
+            return Ok(());
+        }
+        let (pins, total) = self.pin_locals(batch)?;
+        let bases: Vec<usize> = batch
+            .iter()
+            .map(|r| {
+                pins.iter()
+                    .find(|p| p.region().id == r.local)
+                    .map_or(0, |p| p.region().addr as usize)
+            })
+            .collect();
+        let b = Arc::new(Batch::new(total, done, pins));
+        let n = conns.len();
+        let start = pc.next.fetch_add(total, Ordering::Relaxed);
+        let slice = self.shared.config.slice_size;
+        let mut budget = self.shared.config.inline_send as usize;
+        // Connection `k` carries the slices whose global number is `k` modulo `n`;
+        // the first slice's connection goes first.
+        for j in 0..n {
+            let k = start.wrapping_add(j) % n;
+            let conn = &conns[k];
+            let sent = conn.submit(slices_for(batch, &bases, slice, start, n, k, &b), budget);
+            budget = budget.saturating_sub(sent);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for TcpBackend {
+    fn drop(&mut self) {
+        self.shared.closed.store(true, Ordering::Release);
+        // SAFETY: the listener is alive (we hold an Arc); shutting a listening socket
+        // down makes a blocked `accept` return on Linux.
+        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
+        let peers: Vec<_> = self
+            .peers
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain()
+            .collect();
+        for (_, pc) in peers {
+            for c in pc.conns.read().unwrap_or_else(|p| p.into_inner()).iter() {
+                c.kill(Error::new(
+                    ErrorKind::Cancelled,
+                    "the tcp backend is shutting down",
+                ));
+            }
+        }
+        let serving: Vec<_> = self
+            .shared
+            .serving
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain()
+            .collect();
+        for (_, s) in serving {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        let me = std::thread::current().id();
+        let threads: Vec<_> = self
+            .shared
+            .threads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+            .collect();
+        for t in threads {
+            if t.thread().id() != me {
+                let _ = t.join();
+            }
+        }
+    }
+}

@@ -1,0 +1,193 @@
+//! The `[backends.tcp]` table. Every knob is described in the crate docs.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+use te_core::{Error, ErrorKind, Result};
+
+use crate::wire::MAX_PAYLOAD;
+
+/// The TCP backend's options.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+#[non_exhaustive]
+pub struct TcpConfig {
+    /// Where the data listener binds (`HOST:PORT`; port 0 picks a free port).
+    pub listen: String,
+    /// The host or IP peers use to reach the data listener; default: the `listen` host.
+    /// Required when `listen` binds every interface (`0.0.0.0`, `[::]`).
+    pub advertise: Option<String>,
+    /// Persistent data connections opened to each peer.
+    pub connections_per_peer: usize,
+    /// Requests longer than this are cut into slices spread over the connections.
+    #[serde(deserialize_with = "size")]
+    pub slice_size: u64,
+    /// A shared secret both sides must prove (HMAC challenge–response) before any data
+    /// moves; `None` accepts any peer.
+    pub auth_token: Option<String>,
+    /// Sets `TCP_NODELAY` on data connections.
+    pub nodelay: bool,
+    /// `SO_SNDBUF` of data connections; 0 keeps the kernel's auto-tuning.
+    #[serde(deserialize_with = "size")]
+    pub send_buffer: u64,
+    /// `SO_RCVBUF` of data connections; 0 keeps the kernel's auto-tuning.
+    #[serde(deserialize_with = "size")]
+    pub recv_buffer: u64,
+    /// Bytes a submitting thread may send itself, without blocking, before it hands the
+    /// rest of its batch to the connection's sender thread; 0 always hands over.
+    #[serde(deserialize_with = "size")]
+    pub inline_send: u64,
+    /// How long opening a data connection (TCP connect and handshake) may take.
+    #[serde(deserialize_with = "duration")]
+    pub connect_timeout: Duration,
+    /// A connection on which nothing moves for this long while requests wait on it is
+    /// declared dead, and its requests fail with `PeerUnreachable`.
+    #[serde(deserialize_with = "duration")]
+    pub io_timeout: Duration,
+    /// For tests only: the target holds every request this long before serving it.
+    #[serde(deserialize_with = "duration")]
+    pub debug_delay: Duration,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        TcpConfig {
+            listen: "127.0.0.1:0".to_string(),
+            advertise: None,
+            connections_per_peer: 4,
+            slice_size: 512 << 10,
+            auth_token: None,
+            nodelay: true,
+            send_buffer: 0,
+            recv_buffer: 0,
+            inline_send: 256 << 10,
+            connect_timeout: Duration::from_secs(5),
+            io_timeout: Duration::from_secs(10),
+            debug_delay: Duration::ZERO,
+        }
+    }
+}
+
+impl fmt::Debug for TcpConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TcpConfig")
+            .field("listen", &self.listen)
+            .field("advertise", &self.advertise)
+            .field("connections_per_peer", &self.connections_per_peer)
+            .field("slice_size", &self.slice_size)
+            .field(
+                "auth_token",
+                &self.auth_token.as_ref().map(|_| "<redacted>"),
+            )
+            .field("nodelay", &self.nodelay)
+            .field("send_buffer", &self.send_buffer)
+            .field("recv_buffer", &self.recv_buffer)
+            .field("inline_send", &self.inline_send)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("io_timeout", &self.io_timeout)
+            .field("debug_delay", &self.debug_delay)
+            .finish()
+    }
+}
+
+impl TcpConfig {
+    /// Checks values serde cannot.
+    ///
+    /// # Errors
+    /// `ConfigInvalid`, naming the key and the accepted range.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| {
+            Err(
+                Error::new(ErrorKind::ConfigInvalid, format!("[backends.tcp] {m}"))
+                    .with_operation("create backend"),
+            )
+        };
+        if !(1..=64).contains(&self.connections_per_peer) {
+            return bad(format!(
+                "connections_per_peer = {} is outside 1..=64",
+                self.connections_per_peer
+            ));
+        }
+        if !(4096..=MAX_PAYLOAD).contains(&self.slice_size) {
+            return bad(format!(
+                "slice_size = {} is outside 4KiB..=64MiB",
+                self.slice_size
+            ));
+        }
+        if self.auth_token.as_ref().is_some_and(|t| t.is_empty()) {
+            return bad("auth_token is empty; remove it or set a secret".into());
+        }
+        if self.connect_timeout.is_zero() || self.io_timeout.is_zero() {
+            return bad("connect_timeout and io_timeout must be greater than zero".into());
+        }
+        if self.send_buffer > i32::MAX as u64 || self.recv_buffer > i32::MAX as u64 {
+            return bad("send_buffer and recv_buffer must be below 2GiB".into());
+        }
+        Ok(())
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum SizeValue {
+    Int(u64),
+    Text(String),
+}
+
+fn size<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
+    match SizeValue::deserialize(d)? {
+        SizeValue::Int(n) => Ok(n),
+        SizeValue::Text(s) => te_core::config::parse_size(&s)
+            .map_err(|e| serde::de::Error::custom(e.message().to_string())),
+    }
+}
+
+fn duration<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Duration, D::Error> {
+    let s = String::deserialize(d)?;
+    te_core::config::parse_duration(&s).map_err(serde::de::Error::custom)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use te_core::BackendContext;
+
+    fn parse(text: &str) -> Result<TcpConfig> {
+        let ctx = BackendContext {
+            engine: "t".into(),
+            table: text.parse().expect("toml"),
+            source: "test.toml".into(),
+        };
+        let c: TcpConfig = ctx.parse(crate::NAME)?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    #[test]
+    fn sizes_take_numbers_or_units_and_durations_take_units() {
+        let c = parse(
+            "slice_size = \"1MiB\"\nsend_buffer = 65536\nio_timeout = \"2s\"\nauth_token = \"s\"",
+        )
+        .unwrap();
+        assert_eq!(c.slice_size, 1 << 20);
+        assert_eq!(c.send_buffer, 65536);
+        assert_eq!(c.io_timeout, Duration::from_secs(2));
+        assert!(!format!("{c:?}").contains("\"s\""), "the token is redacted");
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_refused_with_the_key() {
+        let e = parse("slice_sise = 4096").unwrap_err();
+        assert!(e.to_string().contains("slice_sise"), "{e}");
+        assert!(e.to_string().contains("test.toml"), "{e}");
+        let e = parse("connections_per_peer = 0").unwrap_err();
+        assert!(e.to_string().contains("connections_per_peer"), "{e}");
+        let e = parse("slice_size = \"1GiB\"").unwrap_err();
+        assert!(e.to_string().contains("slice_size"), "{e}");
+        let e = parse("slice_size = \"big\"").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ConfigInvalid);
+        let e = parse("auth_token = \"\"").unwrap_err();
+        assert!(e.to_string().contains("auth_token"), "{e}");
+    }
+}

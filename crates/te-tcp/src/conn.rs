@@ -1,0 +1,656 @@
+//! The initiator's side of one data connection: its handshake, the queue of slices,
+//! who writes them, and the receiver thread that matches responses to slices and
+//! completes batches.
+//!
+//! Writing: a submitting thread that finds the connection idle sends its frames itself
+//! with non-blocking `sendmsg` (up to `inline_send` bytes), so a small request costs no
+//! thread hand-off; whatever does not fit is left to the connection's sender thread,
+//! which writes with blocking calls. At most one of them writes at a time (`busy`).
+//!
+//! Failure: whoever sees the connection break marks it dead and shuts the socket down;
+//! every slice on it then fails, exactly once, by whichever of the writer and the
+//! receiver leaves last, so no slice is failed (and its memory released) while a
+//! thread still reads or writes that memory.
+
+use std::collections::VecDeque;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::Instant;
+
+use te_core::{Completion, Error, ErrorKind, Op, RegionId, Result};
+
+use crate::config::TcpConfig;
+use crate::regions::Pin;
+use crate::sock::{self, Inbound};
+use crate::wire::{
+    self, Challenge, Header, Hello, Kind, Proof, Status, Welcome, HEADER_LEN, MAX_MESSAGE,
+};
+
+/// Frames gathered into one `sendmsg`.
+const MAX_FRAMES: usize = 32;
+
+/// One batch: its completion, the pins on its local regions, and how many slices are
+/// still out.
+pub(crate) struct Batch {
+    remaining: AtomicUsize,
+    error: OnceLock<Error>,
+    done: Mutex<Option<(Completion, Vec<Pin>)>>,
+    deadline: Instant,
+}
+
+impl Batch {
+    pub(crate) fn new(slices: usize, done: Completion, pins: Vec<Pin>) -> Batch {
+        Batch {
+            remaining: AtomicUsize::new(slices),
+            error: OnceLock::new(),
+            deadline: Instant::now() + done.remaining(),
+            done: Mutex::new(Some((done, pins))),
+        }
+    }
+
+    /// Records one slice's end; the last one releases the pins, then completes.
+    pub(crate) fn finish_slice(&self, result: Result<()>) {
+        if let Err(e) = result {
+            let _ = self.error.set(e);
+        }
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let taken = self.done.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some((done, pins)) = taken {
+                drop(pins);
+                done.complete(match self.error.get() {
+                    Some(e) => Err(e.clone()),
+                    None => Ok(()),
+                });
+            }
+        }
+    }
+
+    fn expired(&self) -> bool {
+        Instant::now() >= self.deadline
+    }
+}
+
+/// A piece of one request, at most `slice_size` bytes, travelling as one frame.
+pub(crate) struct Slice {
+    pub(crate) batch: Arc<Batch>,
+    pub(crate) op: Op,
+    /// Address of the local bytes (source of a WRITE, destination of a READ); kept
+    /// valid by the batch's pin on the local region.
+    pub(crate) local: usize,
+    pub(crate) remote: RegionId,
+    pub(crate) remote_offset: u64,
+    pub(crate) len: u64,
+    id: u64,
+}
+
+impl Slice {
+    pub(crate) fn new(
+        batch: Arc<Batch>,
+        op: Op,
+        local: usize,
+        remote: RegionId,
+        remote_offset: u64,
+        len: u64,
+    ) -> Slice {
+        Slice {
+            batch,
+            op,
+            local,
+            remote,
+            remote_offset,
+            len,
+            id: 0,
+        }
+    }
+
+    fn header(&self) -> Header {
+        let kind = match self.op {
+            Op::Write => Kind::Write,
+            Op::Read => Kind::Read,
+        };
+        Header::request(kind, self.id, self.remote.0, self.remote_offset, self.len)
+    }
+}
+
+/// Frames being written: their header bytes and payload spans, and how many bytes of
+/// the first are already out.
+#[derive(Clone, Copy)]
+struct Carry {
+    headers: [[u8; HEADER_LEN]; MAX_FRAMES],
+    payloads: [(usize, usize); MAX_FRAMES],
+    first: usize,
+    count: usize,
+    skip: usize,
+}
+
+impl Carry {
+    const EMPTY: Carry = Carry {
+        headers: [[0; HEADER_LEN]; MAX_FRAMES],
+        payloads: [(0, 0); MAX_FRAMES],
+        first: 0,
+        count: 0,
+        skip: 0,
+    };
+
+    fn is_empty(&self) -> bool {
+        self.first == self.count
+    }
+
+    /// Marks `n` more bytes written.
+    fn advance(&mut self, n: usize) {
+        let mut left = self.skip + n;
+        while self.first < self.count {
+            let len = HEADER_LEN + self.payloads[self.first].1;
+            if left < len {
+                break;
+            }
+            left -= len;
+            self.first += 1;
+        }
+        self.skip = left;
+    }
+}
+
+struct Tx {
+    /// Slices not yet handed to a writer.
+    unsent: VecDeque<Slice>,
+    /// Slices written (or being written, see `carry`), in wire order, awaiting responses.
+    sent: VecDeque<Slice>,
+    carry: Carry,
+    busy: bool,
+    dead: Option<Error>,
+    next_id: u64,
+}
+
+impl Tx {
+    /// Everything still on the connection, once it is dead and nobody writes.
+    fn drain(&mut self) -> Vec<Slice> {
+        self.carry = Carry::EMPTY;
+        self.sent.drain(..).chain(self.unsent.drain(..)).collect()
+    }
+}
+
+/// One data connection to a peer.
+pub(crate) struct Conn {
+    stream: TcpStream,
+    fd: RawFd,
+    label: String,
+    tx: Mutex<Tx>,
+    wake: Condvar,
+    dead: AtomicBool,
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conn")
+            .field("peer", &self.label)
+            .field("dead", &self.is_dead())
+            .finish()
+    }
+}
+
+fn unreachable(label: &str, what: &str, e: std::io::Error) -> Error {
+    Error::new(
+        ErrorKind::PeerUnreachable,
+        format!("data connection to {label}: {what}"),
+    )
+    .with_source(e)
+}
+
+/// Runs the initiator's side of the handshake on a fresh stream.
+fn handshake(s: &mut TcpStream, label: &str, instance: u64, token: Option<&[u8]>) -> Result<()> {
+    let io = |what: &str| {
+        let what = what.to_string();
+        move |e: std::io::Error| unreachable(label, &what, e)
+    };
+    let proto = |e: wire::WireError| {
+        Error::new(
+            ErrorKind::Protocol,
+            format!("data connection to {label}: the peer's handshake is malformed: {e}"),
+        )
+    };
+    let nonce: [u8; wire::NONCE_LEN] = rand::random();
+    let hello = Hello {
+        version: wire::VERSION,
+        instance,
+        nonce,
+    };
+    s.write_all(&hello.encode()).map_err(io("sending hello"))?;
+    let mut b = [0u8; Challenge::LEN];
+    s.read_exact(&mut b).map_err(io("reading the challenge"))?;
+    let ch = Challenge::decode(&b).map_err(proto)?;
+    match ch.status {
+        Status::Ok => {}
+        Status::WrongInstance => {
+            return Err(Error::new(
+                ErrorKind::PeerRestarted,
+                format!(
+                    "{label} is a new instance of the peer (it restarted); its old descriptor is void: connect again"
+                ),
+            ))
+        }
+        Status::Version => {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "{label} speaks te-tcp protocol {} and this side {}; run the same te version on both",
+                    ch.version,
+                    wire::VERSION
+                ),
+            ))
+        }
+        Status::AuthFailed => return Err(proto(wire::WireError::Field("status"))),
+    }
+    let mac = match (token, ch.auth) {
+        (Some(t), true) => wire::mac(t, b"initiator", &nonce, &ch.nonce, instance),
+        (None, false) => [0; crate::auth::MAC_LEN],
+        (None, true) => {
+            // Send a proof that cannot match, so the target logs the refusal too.
+            [0; crate::auth::MAC_LEN]
+        }
+        (Some(_), false) => {
+            return Err(Error::new(
+                ErrorKind::ConfigInvalid,
+                format!(
+                    "{label} does not require an auth_token but this side has one; set the same [backends.tcp] auth_token on both sides"
+                ),
+            ))
+        }
+    };
+    s.write_all(&Proof { mac }.encode())
+        .map_err(io("sending the proof"))?;
+    let mut b = [0u8; Welcome::LEN];
+    s.read_exact(&mut b).map_err(io("reading the welcome"))?;
+    let w = Welcome::decode(&b).map_err(proto)?;
+    if w.status == Status::AuthFailed {
+        return Err(Error::new(
+            ErrorKind::ConfigInvalid,
+            format!(
+                "{label} refused the data connection: {}; set the same [backends.tcp] auth_token on both sides",
+                if token.is_some() { "wrong auth_token" } else { "it requires an auth_token and this side has none" }
+            ),
+        ));
+    }
+    if w.status != Status::Ok {
+        return Err(proto(wire::WireError::Field("status")));
+    }
+    if let Some(t) = token {
+        let want = wire::mac(t, b"target", &ch.nonce, &nonce, instance);
+        if !crate::auth::same(&want, &w.mac) {
+            return Err(Error::new(
+                ErrorKind::ConfigInvalid,
+                format!("{label} could not prove the auth_token: it is not the peer it claims to be, or its token differs"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Spawns a named thread, recording its handle in `threads`.
+pub(crate) fn spawn(
+    threads: &Mutex<Vec<std::thread::JoinHandle<()>>>,
+    name: &str,
+    f: impl FnOnce() + Send + 'static,
+) -> Result<()> {
+    let t = std::thread::Builder::new()
+        .name(name.to_string())
+        .spawn(f)
+        .map_err(|e| {
+            Error::new(ErrorKind::Io, format!("cannot start thread {name}")).with_source(e)
+        })?;
+    let mut ts = threads.lock().unwrap_or_else(|p| p.into_inner());
+    ts.retain(|t| !t.is_finished());
+    ts.push(t);
+    Ok(())
+}
+
+impl Conn {
+    /// Opens, tunes and authenticates a data connection to `addr`, which must be the
+    /// target instance `instance`, and starts its sender and receiver threads.
+    ///
+    /// # Errors
+    /// `PeerUnreachable` if it cannot be reached in `connect_timeout`; `PeerRestarted`
+    /// if another instance answers; `ConfigInvalid` if the tokens differ; `Protocol`
+    /// if it is not a te-tcp target.
+    pub(crate) fn open(
+        addr: SocketAddr,
+        instance: u64,
+        config: &TcpConfig,
+        threads: &Mutex<Vec<std::thread::JoinHandle<()>>>,
+    ) -> Result<Arc<Conn>> {
+        let label = addr.to_string();
+        let mut s = TcpStream::connect_timeout(&addr, config.connect_timeout)
+            .map_err(|e| unreachable(&label, "cannot connect", e))?;
+        sock::tune(&s, config).map_err(|e| unreachable(&label, "cannot set options", e))?;
+        sock::timeouts(&s, config.connect_timeout)
+            .map_err(|e| unreachable(&label, "cannot set timeouts", e))?;
+        handshake(
+            &mut s,
+            &label,
+            instance,
+            config.auth_token.as_deref().map(str::as_bytes),
+        )?;
+        sock::timeouts(&s, config.io_timeout)
+            .map_err(|e| unreachable(&label, "cannot set timeouts", e))?;
+        let conn = Arc::new(Conn {
+            fd: s.as_raw_fd(),
+            stream: s,
+            label,
+            tx: Mutex::new(Tx {
+                unsent: VecDeque::new(),
+                sent: VecDeque::new(),
+                carry: Carry::EMPTY,
+                busy: false,
+                dead: None,
+                next_id: 1,
+            }),
+            wake: Condvar::new(),
+            dead: AtomicBool::new(false),
+        });
+        let (c1, c2) = (conn.clone(), conn.clone());
+        spawn(threads, "te-tcp-recv", move || c1.receive())?;
+        if let Err(e) = spawn(threads, "te-tcp-send", move || c2.send_loop()) {
+            conn.kill(e.clone());
+            return Err(e);
+        }
+        Ok(conn)
+    }
+
+    pub(crate) fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Tx> {
+        self.tx.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues slices and, if the connection is idle and `budget` allows, starts writing
+    /// them in this thread without blocking. Returns the bytes written here.
+    pub(crate) fn submit(&self, slices: impl Iterator<Item = Slice>, budget: usize) -> usize {
+        let mut tx = self.lock();
+        if let Some(e) = tx.dead.clone() {
+            drop(tx);
+            for s in slices {
+                s.batch.finish_slice(Err(e.clone()));
+            }
+            return 0;
+        }
+        for mut s in slices {
+            s.id = tx.next_id;
+            tx.next_id += 1;
+            tx.unsent.push_back(s);
+        }
+        if tx.busy {
+            return 0;
+        }
+        tx.busy = true;
+        drop(tx);
+        if budget == 0 {
+            self.hand_off();
+            return 0;
+        }
+        self.pump(false, budget)
+    }
+
+    /// Gives up writing; the sender thread takes over whatever is left.
+    fn hand_off(&self) {
+        let mut tx = self.lock();
+        tx.busy = false;
+        let dead = tx.dead.is_some();
+        let left = if dead { tx.drain() } else { Vec::new() };
+        drop(tx);
+        self.wake.notify_one();
+        fail(left, self.dead_error());
+    }
+
+    fn dead_error(&self) -> Error {
+        self.lock().dead.clone().unwrap_or_else(|| {
+            Error::new(
+                ErrorKind::PeerUnreachable,
+                format!("data connection to {} is closed", self.label),
+            )
+        })
+    }
+
+    /// Writes queued frames while this thread holds `busy`: until none are left, or,
+    /// non-blocking, until the socket is full or `budget` bytes are out. Returns the
+    /// bytes written.
+    fn pump(&self, blocking: bool, budget: usize) -> usize {
+        let mut written = 0usize;
+        let mut expired = Vec::new();
+        loop {
+            let carry = {
+                let mut tx = self.lock();
+                if tx.dead.is_some() {
+                    tx.busy = false;
+                    let left = tx.drain();
+                    let e = tx.dead.clone();
+                    drop(tx);
+                    fail(left, e.unwrap_or_else(|| self.dead_error()));
+                    fail(expired, timeout_error());
+                    return written;
+                }
+                if tx.carry.is_empty() {
+                    let mut c = Carry::EMPTY;
+                    while c.count < MAX_FRAMES {
+                        let Some(s) = tx.unsent.pop_front() else {
+                            break;
+                        };
+                        if s.batch.expired() {
+                            expired.push(s);
+                            continue;
+                        }
+                        c.headers[c.count] = s.header().encode();
+                        c.payloads[c.count] = match s.op {
+                            Op::Write => (s.local, s.len as usize),
+                            Op::Read => (0, 0),
+                        };
+                        c.count += 1;
+                        tx.sent.push_back(s);
+                    }
+                    tx.carry = c;
+                }
+                if tx.carry.is_empty() || (!blocking && written >= budget) {
+                    tx.busy = false;
+                    let more = !tx.unsent.is_empty() || !tx.carry.is_empty();
+                    drop(tx);
+                    if more {
+                        self.wake.notify_one();
+                    }
+                    fail(expired, timeout_error());
+                    return written;
+                }
+                tx.carry
+            };
+            fail(std::mem::take(&mut expired), timeout_error());
+            let mut v = [sock::iov(std::ptr::null(), 0); 2 * MAX_FRAMES];
+            let mut n = 0;
+            for i in carry.first..carry.count {
+                v[n] = sock::iov(carry.headers[i].as_ptr(), HEADER_LEN);
+                n += 1;
+                let (ptr, len) = carry.payloads[i];
+                if len > 0 {
+                    v[n] = sock::iov(ptr as *const u8, len);
+                    n += 1;
+                }
+            }
+            // Skip what an earlier writer already sent of the first frame.
+            let mut skip = carry.skip;
+            let mut at = 0;
+            while skip > 0 {
+                if skip >= v[at].iov_len {
+                    skip -= v[at].iov_len;
+                    at += 1;
+                } else {
+                    v[at] = sock::iov(
+                        // SAFETY: `skip < iov_len`: the pointer stays inside the span.
+                        unsafe { (v[at].iov_base as *const u8).add(skip) },
+                        v[at].iov_len - skip,
+                    );
+                    skip = 0;
+                }
+            }
+            // The payload spans are registered memory pinned by the slices' batches;
+            // those slices sit in `sent` and cannot fail while this thread is `busy`.
+            match sock::send(self.fd, &v[at..n], !blocking) {
+                Ok(k) => {
+                    written += k;
+                    self.lock().carry.advance(k);
+                }
+                Err(e) if !blocking && e.kind() == std::io::ErrorKind::WouldBlock => {
+                    self.hand_off();
+                    return written;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    self.kill(unreachable(
+                        &self.label,
+                        "the peer took nothing for io_timeout",
+                        e,
+                    ));
+                }
+                Err(e) => self.kill(unreachable(&self.label, "send failed", e)),
+            }
+        }
+    }
+
+    /// The sender thread: writes whatever submitting threads left, blocking.
+    fn send_loop(self: Arc<Self>) {
+        loop {
+            {
+                let mut tx = self.lock();
+                loop {
+                    if tx.dead.is_some() {
+                        return;
+                    }
+                    if !tx.busy && (!tx.unsent.is_empty() || !tx.carry.is_empty()) {
+                        break;
+                    }
+                    tx = self.wake.wait(tx).unwrap_or_else(|p| p.into_inner());
+                }
+                tx.busy = true;
+            }
+            self.pump(true, usize::MAX);
+        }
+    }
+
+    /// Marks the connection dead and shuts the socket, waking both threads; the slices
+    /// on it fail with `e` as soon as no writer holds them.
+    pub(crate) fn kill(&self, e: Error) {
+        let left = {
+            let mut tx = self.lock();
+            if tx.dead.is_none() {
+                tx.dead = Some(e.clone());
+            }
+            self.dead.store(true, Ordering::Release);
+            if tx.busy {
+                Vec::new()
+            } else {
+                tx.drain()
+            }
+        };
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        self.wake.notify_all();
+        let e = self.dead_error();
+        fail(left, e);
+    }
+
+    /// The receiver thread: matches each response to the oldest written slice.
+    fn receive(self: Arc<Self>) {
+        let mut inb = Inbound::new(self.fd);
+        let e = loop {
+            match self.receive_one(&mut inb) {
+                Ok(()) => {}
+                Err(e) => break e,
+            }
+        };
+        if !self.is_dead() && e.kind() == ErrorKind::Protocol {
+            tracing::warn!(peer = %self.label, error = %e, "closing a data connection");
+        }
+        self.kill(e);
+    }
+
+    fn receive_one(&self, inb: &mut Inbound) -> Result<()> {
+        let mut on_timeout = |_mid: bool| self.lock().sent.is_empty();
+        inb.fill(HEADER_LEN, &mut on_timeout)
+            .map_err(|e| unreachable(&self.label, "receive failed", e))?;
+        let h = Header::decode(&inb.buffered()[..HEADER_LEN]).map_err(|e| self.protocol(e))?;
+        inb.consume(HEADER_LEN);
+        let Some(slice) = self.lock().sent.pop_front() else {
+            return Err(self.protocol(format!("a {:?} answering no request", h.kind)));
+        };
+        let result = self.answer(inb, &h, &slice);
+        let fatal = match &result {
+            Err(e) if matches!(e.kind(), ErrorKind::PeerUnreachable | ErrorKind::Protocol) => {
+                Some(e.clone())
+            }
+            _ => None,
+        };
+        slice.batch.finish_slice(result);
+        match fatal {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Handles the response `h` to `slice`; an error here fails the slice.
+    fn answer(&self, inb: &mut Inbound, h: &Header, slice: &Slice) -> Result<()> {
+        if h.id != slice.id {
+            return Err(self.protocol(format!(
+                "response {} while request {} was next",
+                h.id, slice.id
+            )));
+        }
+        let mut on_timeout = |_mid: bool| false;
+        match (h.kind, slice.op) {
+            (Kind::WriteAck, Op::Write) => Ok(()),
+            (Kind::ReadData, Op::Read) if h.len == slice.len => {
+                // The destination is registered memory pinned by the slice's batch; the
+                // slice is out of `sent`, so only this thread touches it.
+                inb.read_into(slice.local as *mut u8, slice.len as usize, &mut on_timeout)
+                    .map_err(|e| unreachable(&self.label, "receive failed", e))
+            }
+            (Kind::Error, _) => {
+                let len = h.len.min(MAX_MESSAGE) as usize;
+                inb.fill(len, &mut on_timeout)
+                    .map_err(|e| unreachable(&self.label, "receive failed", e))?;
+                let msg = String::from_utf8_lossy(&inb.buffered()[..len]).into_owned();
+                inb.consume(len);
+                Err(Error::new(
+                    ErrorKind::from_code(h.code),
+                    format!("the target refused the request: {msg}"),
+                )
+                .with_context("peer", &self.label))
+            }
+            _ => Err(self.protocol(format!(
+                "a {:?} of {} bytes answering a {} of {} bytes",
+                h.kind, h.len, slice.op, slice.len
+            ))),
+        }
+    }
+
+    fn protocol(&self, what: impl std::fmt::Display) -> Error {
+        Error::new(
+            ErrorKind::Protocol,
+            format!(
+                "{} broke the te-tcp protocol ({what}); the connection was closed",
+                self.label
+            ),
+        )
+    }
+}
+
+fn timeout_error() -> Error {
+    Error::new(
+        ErrorKind::Timeout,
+        "the batch's deadline passed before this slice was sent",
+    )
+}
+
+fn fail(slices: Vec<Slice>, e: Error) {
+    for s in slices {
+        s.batch.finish_slice(Err(e.clone()));
+    }
+}
