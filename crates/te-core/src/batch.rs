@@ -216,10 +216,21 @@ impl Ord for Due {
 }
 
 #[derive(Default)]
+struct Deadlines {
+    heap: BinaryHeap<Reverse<Due>>,
+    stop: bool,
+    /// The heap size at which finished batches are swept out.
+    sweep_at: usize,
+}
+
+#[derive(Default)]
 struct TimerShared {
-    heap: Mutex<(BinaryHeap<Reverse<Due>>, bool)>,
+    heap: Mutex<Deadlines>,
     cond: Condvar,
 }
+
+/// The smallest heap worth sweeping.
+const SWEEP_MIN: usize = 4096;
 
 impl Timer {
     pub(crate) fn start() -> Result<Timer> {
@@ -237,10 +248,19 @@ impl Timer {
 
     pub(crate) fn add(&self, state: &Arc<BatchState>) {
         let mut guard = self.shared.heap.lock().unwrap_or_else(|p| p.into_inner());
-        let earliest = guard.0.peek().map(|Reverse(d)| d.0);
+        let earliest = guard.heap.peek().map(|Reverse(d)| d.0);
         guard
-            .0
+            .heap
             .push(Reverse(Due(state.deadline, Arc::downgrade(state))));
+        // Batches that finish before their deadline leave entries behind. Sweeping them
+        // whenever the heap has doubled since the last sweep keeps it proportional to
+        // the batches in flight, at amortised constant cost per batch.
+        if guard.heap.len() >= guard.sweep_at.max(SWEEP_MIN) {
+            guard
+                .heap
+                .retain(|Reverse(d)| d.1.upgrade().is_some_and(|b| !b.is_done()));
+            guard.sweep_at = 2 * guard.heap.len();
+        }
         drop(guard);
         if earliest.is_none_or(|e| state.deadline < e) {
             self.shared.cond.notify_one();
@@ -251,31 +271,22 @@ impl Timer {
 fn run_timer(shared: &TimerShared) {
     let mut guard = shared.heap.lock().unwrap_or_else(|p| p.into_inner());
     loop {
-        if guard.1 {
+        if guard.stop {
             return;
         }
         let now = Instant::now();
-        while let Some(Reverse(d)) = guard.0.peek() {
+        while let Some(Reverse(d)) = guard.heap.peek() {
             if d.0 > now {
                 break;
             }
-            let Some(Reverse(Due(_, batch))) = guard.0.pop() else {
+            let Some(Reverse(Due(_, batch))) = guard.heap.pop() else {
                 break;
             };
             if let Some(b) = batch.upgrade() {
                 b.timed_out();
             }
         }
-        // Batches that finished early leave dead entries; drop them when they pile up.
-        if guard.0.len() > 4096 {
-            let live: Vec<_> = guard
-                .0
-                .drain()
-                .filter(|Reverse(d)| d.1.upgrade().is_some_and(|b| !b.is_done()))
-                .collect();
-            guard.0.extend(live);
-        }
-        guard = match guard.0.peek().map(|Reverse(d)| d.0) {
+        guard = match guard.heap.peek().map(|Reverse(d)| d.0) {
             Some(next) => {
                 let wait = next.saturating_duration_since(Instant::now());
                 shared
@@ -291,7 +302,11 @@ fn run_timer(shared: &TimerShared) {
 
 impl Drop for Timer {
     fn drop(&mut self) {
-        self.shared.heap.lock().unwrap_or_else(|p| p.into_inner()).1 = true;
+        self.shared
+            .heap
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .stop = true;
         self.shared.cond.notify_all();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -316,6 +331,18 @@ mod tests {
             TransferHandle::new(late).status(),
             TransferStatus::Pending
         ));
+    }
+
+    #[test]
+    fn finished_batches_do_not_pile_up_in_the_timer() {
+        let timer = Timer::start().unwrap();
+        for _ in 0..100_000 {
+            let b = BatchState::new(Instant::now() + Duration::from_secs(60));
+            timer.add(&b);
+            b.finish(Ok(()));
+        }
+        let len = timer.shared.heap.lock().unwrap().heap.len();
+        assert!(len <= 2 * SWEEP_MIN, "{len} entries for no batch in flight");
     }
 
     #[test]
