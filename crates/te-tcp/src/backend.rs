@@ -199,6 +199,11 @@ impl TcpBackend {
             .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)))
     }
 
+    #[cfg(test)]
+    pub(crate) fn shared(&self) -> &Shared {
+        &self.shared
+    }
+
     /// The options in force.
     pub fn config(&self) -> &TcpConfig {
         &self.shared.config

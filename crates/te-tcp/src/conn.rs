@@ -201,7 +201,12 @@ fn unreachable(label: &str, what: &str, e: std::io::Error) -> Error {
 }
 
 /// Runs the initiator's side of the handshake on a fresh stream.
-fn handshake(s: &mut TcpStream, label: &str, instance: u64, token: Option<&[u8]>) -> Result<()> {
+pub(crate) fn handshake(
+    s: &mut TcpStream,
+    label: &str,
+    instance: u64,
+    token: Option<&[u8]>,
+) -> Result<()> {
     let io = |what: &str| {
         let what = what.to_string();
         move |e: std::io::Error| unreachable(label, &what, e)

@@ -69,6 +69,8 @@ mod conn;
 mod regions;
 mod serve;
 mod sock;
+#[cfg(test)]
+mod tests;
 mod wire;
 
 pub use backend::TcpBackend;
