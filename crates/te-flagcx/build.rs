@@ -1,0 +1,94 @@
+//! Builds the two shared libraries the backend can load; neither is linked into the crate.
+//!
+//! - The FAKE shim (`fake/fake_shim.c`), always, into `OUT_DIR`, for tests; its path is
+//!   exported as `TE_FLAGCX_FAKE_SHIM_PATH`. Without a C compiler the build goes on
+//!   without it and the tests say so.
+//! - The real shim (`shim/te_flagcx_shim.cc`) over an installed FlagCX, only when
+//!   `FLAGCX_HOME` is set; its path is exported as `TE_FLAGCX_BUILT_SHIM_PATH`, where the
+//!   backend looks when neither the configuration nor `TE_FLAGCX_SHIM` names one. Nothing
+//!   is downloaded; with `FLAGCX_HOME` unset this step does nothing.
+
+use std::env;
+use std::path::{Path, PathBuf};
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=shim/te_flagcx_shim.h");
+    println!("cargo:rerun-if-changed=shim/te_flagcx_shim.cc");
+    println!("cargo:rerun-if-changed=fake/fake_shim.c");
+    println!("cargo:rerun-if-env-changed=FLAGCX_HOME");
+    println!("cargo:rerun-if-env-changed=CC");
+    println!("cargo:rerun-if-env-changed=CXX");
+
+    let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    build_fake(&out);
+    if let Some(home) = env::var_os("FLAGCX_HOME").filter(|h| !h.is_empty()) {
+        build_real(&out, Path::new(&home));
+    }
+}
+
+fn build_fake(out: &Path) {
+    let lib = out.join("libte_flagcx_fake_shim.so");
+    let compiler = cc::Build::new()
+        .cargo_metadata(false)
+        .cargo_warnings(false)
+        .get_compiler();
+    let status = compiler
+        .to_command()
+        .args(["-std=c11", "-O2", "-g", "-shared", "-fPIC", "-pthread"])
+        .args(["-Wall", "-Wextra"])
+        .arg("-o")
+        .arg(&lib)
+        .arg("fake/fake_shim.c")
+        .status();
+    match status {
+        Ok(s) if s.success() => {
+            println!("cargo:rustc-env=TE_FLAGCX_FAKE_SHIM_PATH={}", lib.display());
+        }
+        Ok(s) => println!(
+            "cargo:warning=the fake FlagCX shim did not compile ({s}); its tests will fail with that reason"
+        ),
+        Err(e) => println!(
+            "cargo:warning=no C compiler for the fake FlagCX shim ({e}); its tests will fail with that reason"
+        ),
+    }
+}
+
+fn build_real(out: &Path, home: &Path) {
+    let include = home.join("include");
+    let libdir = home.join("lib");
+    if !include.join("flagcx_p2p.h").exists() {
+        panic!(
+            "FLAGCX_HOME={} has no include/flagcx_p2p.h (FlagCX 0.13 or later, installed with `make install PREFIX=…`); unset FLAGCX_HOME to build without the real shim",
+            home.display()
+        );
+    }
+    let lib = out.join("libte_flagcx_shim.so");
+    let compiler = cc::Build::new()
+        .cpp(true)
+        .cargo_metadata(false)
+        .get_compiler();
+    let status = compiler
+        .to_command()
+        .args(["-std=c++17", "-O2", "-g", "-shared", "-fPIC", "-pthread"])
+        .arg("-Ishim")
+        .arg(format!("-I{}", include.display()))
+        .arg("-o")
+        .arg(&lib)
+        .arg("shim/te_flagcx_shim.cc")
+        .arg(format!("-L{}", libdir.display()))
+        .arg("-lflagcx")
+        .arg(format!("-Wl,-rpath,{}", libdir.display()))
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run the C++ compiler for the FlagCX shim: {e}"));
+    if !status.success() {
+        panic!(
+            "the FlagCX shim did not compile against FLAGCX_HOME={} ({status})",
+            home.display()
+        );
+    }
+    println!(
+        "cargo:rustc-env=TE_FLAGCX_BUILT_SHIM_PATH={}",
+        lib.display()
+    );
+}

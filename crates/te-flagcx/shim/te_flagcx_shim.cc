@@ -1,0 +1,340 @@
+/*
+ * te_flagcx_shim.h over FlagCX's point-to-point engine (flagcx_p2p.h, FlagCX >= 0.13).
+ *
+ * Built by crates/te-flagcx/build.rs only when FLAGCX_HOME is set:
+ *   c++ -std=c++17 -shared -fPIC -I$FLAGCX_HOME/include te_flagcx_shim.cc
+ *       -L$FLAGCX_HOME/lib -lflagcx -Wl,-rpath,$FLAGCX_HOME/lib
+ *
+ * What FlagCX gives and how it is used here:
+ * - flagcxP2pEngineCreate / StartRpcServer / GetMetadata: an engine, its accept daemon
+ *   and its "ip:port?gpu?notif" metadata, whose "ip:port" part is the endpoint.
+ * - flagcxP2pEngineConnect: a new connection; its handshake copies the peer's
+ *   registered-region table into the connection (a snapshot). The cached
+ *   flagcxP2pEngineGetConn is not used, because its connections can never be renewed.
+ * - flagcxP2pEngineMakeDesc: resolves a remote address against that snapshot; a miss
+ *   is TE_FLAGCX_E_STALE, so the caller reconnects.
+ * - flagcxP2pEngineReadVector / WriteVector: post, non-blocking.
+ * - flagcxP2pEngineXferStatus: true once every slice has finished, then the id is
+ *   released. It does not say whether a slice failed (FlagCX only logs a warning), so
+ *   this shim reports TE_FLAGCX_OK for a finished transfer; see docs/flagcx.md.
+ * - A descriptor's size is a uint32_t in FlagCX (FlagcxP2pRdmaDesc::size, MakeDesc),
+ *   so te_flagcx_max_desc_len is below 4 GiB and the caller splits larger copies.
+ */
+#include "te_flagcx_shim.h"
+
+#include "flagcx_p2p.h"
+
+#include <cerrno>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <new>
+#include <string>
+#include <vector>
+
+namespace {
+
+thread_local char lastError[512];
+
+int fail(int code, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(lastError, sizeof lastError, fmt, ap);
+  va_end(ap);
+  return code;
+}
+
+/* FlagCX slices at 1 GiB by default; one descriptor never exceeds it, so neither the
+   uint32_t descriptor size nor a slice length can truncate. */
+constexpr uint64_t kDefaultMaxDesc = 1ull << 30;
+constexpr uint64_t kHardMaxDesc = 0xFFFFFFFFull;
+
+} // namespace
+
+struct te_flagcx_engine {
+  FlagcxP2pEngine *engine = nullptr;
+  uint64_t maxDesc = kDefaultMaxDesc;
+  std::string memory = "host,cuda";
+  std::mutex lock; /* guards endpoint */
+  std::string endpoint;
+  bool serving = false;
+};
+
+struct te_flagcx_conn {
+  te_flagcx_engine *engine = nullptr;
+  FlagcxP2pConn *conn = nullptr;
+  std::string peer;
+};
+
+static int parseOptions(te_flagcx_engine *e, const char *options) {
+  if (options == nullptr)
+    return TE_FLAGCX_OK;
+  std::string all(options);
+  size_t start = 0;
+  while (start <= all.size()) {
+    size_t end = all.find(',', start);
+    if (end == std::string::npos)
+      end = all.size();
+    std::string item = all.substr(start, end - start);
+    start = end + 1;
+    while (!item.empty() && item.front() == ' ')
+      item.erase(0, 1);
+    if (item.empty())
+      continue;
+    size_t eq = item.find('=');
+    if (eq == std::string::npos)
+      return fail(TE_FLAGCX_E_INVALID, "shim option `%s` is not key=value",
+                  item.c_str());
+    std::string key = item.substr(0, eq), value = item.substr(eq + 1);
+    if (key == "max_desc") {
+      char *endp = nullptr;
+      errno = 0;
+      unsigned long long v = std::strtoull(value.c_str(), &endp, 10);
+      if (errno != 0 || endp == nullptr || *endp != 0 || v == 0 ||
+          v > kHardMaxDesc || value[0] == '-')
+        return fail(TE_FLAGCX_E_INVALID,
+                    "shim option max_desc=%s must be 1..=%llu", value.c_str(),
+                    (unsigned long long)kHardMaxDesc);
+      e->maxDesc = v;
+    } else if (key == "memory") {
+      std::string kinds;
+      for (char ch : value)
+        kinds.push_back(ch == '+' ? ',' : ch);
+      e->memory = kinds;
+    } else {
+      return fail(TE_FLAGCX_E_INVALID,
+                  "unknown shim option `%s` (known: max_desc, memory)",
+                  key.c_str());
+    }
+  }
+  return TE_FLAGCX_OK;
+}
+
+/* "host" or "RUNTIME:N" -> whether it is host memory. */
+static bool isHost(const char *memory) {
+  return std::strcmp(memory, "host") == 0;
+}
+
+static bool runtimeAllowed(const te_flagcx_engine *e, const char *memory) {
+  std::string runtime(memory);
+  size_t colon = runtime.find(':');
+  if (colon != std::string::npos)
+    runtime.resize(colon);
+  std::string list = "," + e->memory + ",";
+  return list.find("," + runtime + ",") != std::string::npos;
+}
+
+extern "C" {
+
+uint32_t te_flagcx_shim_abi(void) { return TE_FLAGCX_SHIM_ABI; }
+
+const char *te_flagcx_shim_version(void) {
+  return "te-flagcx shim 1 over FlagCX p2p (flagcx_p2p.h)";
+}
+
+const char *te_flagcx_last_error(void) { return lastError; }
+
+int te_flagcx_engine_create(const char *options, te_flagcx_engine **out) {
+  if (out == nullptr)
+    return fail(TE_FLAGCX_E_INVALID, "engine_create: null out pointer");
+  te_flagcx_engine *e = new (std::nothrow) te_flagcx_engine();
+  if (e == nullptr)
+    return fail(TE_FLAGCX_E_INTERNAL, "out of memory");
+  int rc = parseOptions(e, options);
+  if (rc != TE_FLAGCX_OK) {
+    delete e;
+    return rc;
+  }
+  e->engine = flagcxP2pEngineCreate();
+  if (e->engine == nullptr) {
+    delete e;
+    return fail(TE_FLAGCX_E_INTERNAL,
+                "flagcxP2pEngineCreate failed (no usable RDMA device or device "
+                "runtime? run with FLAGCX_DEBUG=INFO for FlagCX's reason)");
+  }
+  *out = e;
+  return TE_FLAGCX_OK;
+}
+
+void te_flagcx_engine_destroy(te_flagcx_engine *e) {
+  if (e == nullptr)
+    return;
+  flagcxP2pEngineDestroy(e->engine);
+  delete e;
+}
+
+int te_flagcx_start_server(te_flagcx_engine *e) {
+  if (e == nullptr)
+    return fail(TE_FLAGCX_E_INVALID, "start_server: null engine");
+  std::lock_guard<std::mutex> guard(e->lock);
+  if (e->serving)
+    return TE_FLAGCX_OK;
+  if (flagcxP2pEngineStartRpcServer(e->engine) != 0)
+    return fail(TE_FLAGCX_E_INTERNAL, "flagcxP2pEngineStartRpcServer failed");
+  char *metadata = nullptr;
+  if (flagcxP2pEngineGetMetadata(e->engine, &metadata) != 0 ||
+      metadata == nullptr)
+    return fail(TE_FLAGCX_E_INTERNAL, "flagcxP2pEngineGetMetadata failed");
+  /* "ip:port?gpu?notif" (or "[v6]:port?..."): the session part is before '?'. */
+  std::string text(metadata);
+  delete[] metadata;
+  e->endpoint = text.substr(0, text.find('?'));
+  if (e->endpoint.empty())
+    return fail(TE_FLAGCX_E_INTERNAL, "FlagCX metadata `%s` has no address",
+                text.c_str());
+  e->serving = true;
+  return TE_FLAGCX_OK;
+}
+
+const char *te_flagcx_endpoint(te_flagcx_engine *e) {
+  if (e == nullptr) {
+    fail(TE_FLAGCX_E_INVALID, "endpoint: null engine");
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> guard(e->lock);
+  if (!e->serving) {
+    fail(TE_FLAGCX_E_INVALID, "the engine has no endpoint before start_server");
+    return nullptr;
+  }
+  /* Set once before serving became true and never changed afterwards. */
+  return e->endpoint.c_str();
+}
+
+uint64_t te_flagcx_max_desc_len(te_flagcx_engine *e) {
+  return e == nullptr ? 0 : e->maxDesc;
+}
+
+const char *te_flagcx_memory_kinds(te_flagcx_engine *e) {
+  return e == nullptr ? "" : e->memory.c_str();
+}
+
+int te_flagcx_register(te_flagcx_engine *e, uint64_t addr, uint64_t len,
+                       const char *memory, uint64_t *mr_out) {
+  if (e == nullptr || mr_out == nullptr || addr == 0 || len == 0)
+    return fail(TE_FLAGCX_E_INVALID, "register: null engine or empty range");
+  if (memory == nullptr || !runtimeAllowed(e, memory))
+    return fail(TE_FLAGCX_E_UNSUPPORTED,
+                "memory `%s` is not among this shim's kinds (%s)",
+                memory ? memory : "(null)", e->memory.c_str());
+  uint64_t mr = 0;
+  int rc = isHost(memory)
+               ? flagcxP2pRpcRegisterHost(e->engine, addr, len, &mr)
+               : flagcxP2pRpcRegister(e->engine, addr, len, &mr);
+  if (rc != 0)
+    return fail(TE_FLAGCX_E_INTERNAL,
+                "FlagCX refused to register %s memory 0x%llx+%llu (rc %d)",
+                memory, (unsigned long long)addr, (unsigned long long)len, rc);
+  *mr_out = mr;
+  return TE_FLAGCX_OK;
+}
+
+int te_flagcx_deregister(te_flagcx_engine *e, uint64_t mr) {
+  if (e == nullptr)
+    return fail(TE_FLAGCX_E_INVALID, "deregister: null engine");
+  /* Deregisters the verbs MR, after which the NIC no longer touches the memory. */
+  flagcxP2pEngineMrDestroy(e->engine, static_cast<FlagcxP2pMr>(mr));
+  return TE_FLAGCX_OK;
+}
+
+int te_flagcx_connect(te_flagcx_engine *e, const char *endpoint,
+                      te_flagcx_conn **out) {
+  if (e == nullptr || endpoint == nullptr || out == nullptr)
+    return fail(TE_FLAGCX_E_INVALID, "connect: null argument");
+  std::string key(endpoint);
+  size_t colon = key.rfind(':');
+  if (colon == std::string::npos || colon + 1 >= key.size())
+    return fail(TE_FLAGCX_E_INVALID, "endpoint `%s` is not host:port", endpoint);
+  std::string host = key.substr(0, colon);
+  char *endp = nullptr;
+  long port = std::strtol(key.c_str() + colon + 1, &endp, 10);
+  if (endp == nullptr || *endp != 0 || port <= 0 || port > 65535)
+    return fail(TE_FLAGCX_E_INVALID, "endpoint `%s` has no valid port", endpoint);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
+  FlagcxP2pConn *conn =
+      flagcxP2pEngineConnect(e->engine, host.c_str(), -1, (int)port, false);
+  if (conn == nullptr)
+    return fail(TE_FLAGCX_E_UNREACHABLE,
+                "flagcxP2pEngineConnect to %s failed (is the peer's server "
+                "running and its RDMA device reachable?)",
+                endpoint);
+  te_flagcx_conn *c = new (std::nothrow) te_flagcx_conn();
+  if (c == nullptr) {
+    flagcxP2pEngineConnDestroy(conn);
+    return fail(TE_FLAGCX_E_INTERNAL, "out of memory");
+  }
+  c->engine = e;
+  c->conn = conn;
+  c->peer = key;
+  *out = c;
+  return TE_FLAGCX_OK;
+}
+
+void te_flagcx_disconnect(te_flagcx_conn *c) {
+  if (c == nullptr)
+    return;
+  flagcxP2pEngineConnDestroy(c->conn);
+  delete c;
+}
+
+int te_flagcx_post(te_flagcx_conn *c, int op, const te_flagcx_desc *descs,
+                   uint32_t count, uint64_t *xfer_out) {
+  if (c == nullptr || descs == nullptr || count == 0 || xfer_out == nullptr)
+    return fail(TE_FLAGCX_E_INVALID, "post: null argument or no descriptors");
+  if (op != TE_FLAGCX_OP_READ && op != TE_FLAGCX_OP_WRITE)
+    return fail(TE_FLAGCX_E_INVALID, "post: unknown operation %d", op);
+  const uint64_t limit = c->engine->maxDesc;
+  try {
+    std::vector<FlagcxP2pMr> mrs(count);
+    std::vector<void *> addrs(count);
+    std::vector<size_t> sizes(count);
+    std::vector<FlagcxP2pRdmaDesc> remote(count);
+    for (uint32_t i = 0; i < count; i++) {
+      const te_flagcx_desc &d = descs[i];
+      if (d.len == 0 || d.len > limit)
+        return fail(TE_FLAGCX_E_INVALID,
+                    "descriptor %u has %llu bytes; the per-descriptor limit is "
+                    "%llu (split larger copies)",
+                    i, (unsigned long long)d.len, (unsigned long long)limit);
+      if (flagcxP2pEngineMakeDesc(c->conn, d.remote_addr,
+                                  static_cast<uint32_t>(d.len),
+                                  &remote[i]) != 0)
+        return fail(TE_FLAGCX_E_STALE,
+                    "remote range 0x%llx+%llu is not in the region table taken "
+                    "when connecting to %s (registered since? connect again)",
+                    (unsigned long long)d.remote_addr,
+                    (unsigned long long)d.len, c->peer.c_str());
+      mrs[i] = static_cast<FlagcxP2pMr>(d.local_mr);
+      addrs[i] = reinterpret_cast<void *>(static_cast<uintptr_t>(d.local_addr));
+      sizes[i] = static_cast<size_t>(d.len);
+    }
+    uint64_t id = 0;
+    int rc = op == TE_FLAGCX_OP_WRITE
+                 ? flagcxP2pEngineWriteVector(c->conn, mrs, addrs, sizes, remote,
+                                              static_cast<int>(count), &id)
+                 : flagcxP2pEngineReadVector(c->conn, mrs, addrs, sizes, remote,
+                                             static_cast<int>(count), &id);
+    if (rc != 0)
+      return fail(TE_FLAGCX_E_TRANSFER,
+                  "FlagCX refused to post %u %s descriptor(s) to %s (rc %d; a "
+                  "local buffer not registered, or on another NIC?)",
+                  count, op == TE_FLAGCX_OP_WRITE ? "WRITE" : "READ",
+                  c->peer.c_str(), rc);
+    *xfer_out = id;
+    return TE_FLAGCX_OK;
+  } catch (const std::bad_alloc &) {
+    return fail(TE_FLAGCX_E_INTERNAL, "out of memory");
+  }
+}
+
+int te_flagcx_query(te_flagcx_conn *c, uint64_t xfer) {
+  if (c == nullptr)
+    return fail(TE_FLAGCX_E_INVALID, "query: null connection");
+  /* True releases the transfer inside FlagCX; the caller never asks again. */
+  return flagcxP2pEngineXferStatus(c->conn, xfer) ? TE_FLAGCX_OK
+                                                  : TE_FLAGCX_PENDING;
+}
+
+} // extern "C"

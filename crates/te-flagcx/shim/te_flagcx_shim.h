@@ -1,0 +1,135 @@
+/*
+ * te_flagcx_shim.h: the C ABI between te's FlagCX backend (crates/te-flagcx) and a
+ * FlagCX point-to-point engine.
+ *
+ * FlagCX's P2P engine (flagcx_p2p.h) is a C++ API: mangled names, std::vector
+ * parameters, and a completion query that returns only "finished". This header is the
+ * small C surface te needs, implemented twice:
+ *
+ *   te_flagcx_shim.cc   over flagcx_p2p.h, built by build.rs when FLAGCX_HOME is set;
+ *   ../fake/fake_shim.c a FAKE for tests: moves bytes between processes over loopback
+ *                       TCP, with error injection. It is not FlagCX.
+ *
+ * The Rust backend loads an implementation at run time (dlopen) and resolves every
+ * symbol below once; a missing symbol makes the backend unavailable, naming it.
+ *
+ * Conventions
+ * - Functions returning int return TE_FLAGCX_OK (0) or a negative TE_FLAGCX_E_* code.
+ *   After a failure, te_flagcx_last_error() gives a one-line message on the same thread.
+ * - Every function may be called from any thread, concurrently, except that an engine
+ *   or connection must not be destroyed while another call uses it.
+ */
+#ifndef TE_FLAGCX_SHIM_H
+#define TE_FLAGCX_SHIM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The ABI version this header describes; te_flagcx_shim_abi() must return it. */
+#define TE_FLAGCX_SHIM_ABI 1
+
+/* Status codes. */
+#define TE_FLAGCX_OK 0
+/* te_flagcx_query only: the transfer has not finished. */
+#define TE_FLAGCX_PENDING 1
+/* An argument is malformed (null pointer, zero length, descriptor over the limit). */
+#define TE_FLAGCX_E_INVALID (-1)
+/* The peer cannot be reached, or the connection to it broke. */
+#define TE_FLAGCX_E_UNREACHABLE (-2)
+/* A local memory handle or a remote range is not (or no longer) registered. */
+#define TE_FLAGCX_E_NOT_REGISTERED (-3)
+/* A remote range is not in the connection's region table: the table is a snapshot
+   taken at connect time and the peer has registered (or re-registered) since.
+   Connecting again takes a fresh snapshot. */
+#define TE_FLAGCX_E_STALE (-4)
+/* The memory kind or operation is not supported by this implementation. */
+#define TE_FLAGCX_E_UNSUPPORTED (-5)
+/* The transfer failed after it was posted (a failed slice, a remote error). */
+#define TE_FLAGCX_E_TRANSFER (-6)
+/* Anything else: the library under the shim failed, out of memory. */
+#define TE_FLAGCX_E_INTERNAL (-7)
+
+/* Operations. */
+#define TE_FLAGCX_OP_READ 0  /* remote -> local */
+#define TE_FLAGCX_OP_WRITE 1 /* local -> remote */
+
+typedef struct te_flagcx_engine te_flagcx_engine;
+typedef struct te_flagcx_conn te_flagcx_conn;
+
+/* One contiguous copy. len must be 1..=te_flagcx_max_desc_len(engine). */
+typedef struct te_flagcx_desc {
+  uint64_t local_mr;    /* handle from te_flagcx_register on this engine */
+  uint64_t local_addr;  /* inside that registration */
+  uint64_t remote_addr; /* absolute address in the peer's address space */
+  uint64_t len;         /* bytes */
+} te_flagcx_desc;
+
+/* TE_FLAGCX_SHIM_ABI of the implementation. */
+uint32_t te_flagcx_shim_abi(void);
+
+/* A human-readable name and version of the implementation (static storage). */
+const char *te_flagcx_shim_version(void);
+
+/* The message of the last failed call on this thread (thread-local storage, valid
+   until the next call on this thread); "" if none. */
+const char *te_flagcx_last_error(void);
+
+/* Creates an engine. `options` is a comma-separated list of key=value pairs that the
+   implementation interprets (may be "" or NULL); an unknown key is TE_FLAGCX_E_INVALID. */
+int te_flagcx_engine_create(const char *options, te_flagcx_engine **out);
+
+/* Destroys an engine: its server, its connections' transfers are abandoned. */
+void te_flagcx_engine_destroy(te_flagcx_engine *engine);
+
+/* Starts accepting connections from peers. Idempotent. */
+int te_flagcx_start_server(te_flagcx_engine *engine);
+
+/* The string a peer passes to te_flagcx_connect to reach this engine ("host:port"),
+   valid until the engine is destroyed; NULL (with last_error set) before
+   te_flagcx_start_server succeeded. */
+const char *te_flagcx_endpoint(te_flagcx_engine *engine);
+
+/* The largest `len` of one descriptor. Callers split larger copies. */
+uint64_t te_flagcx_max_desc_len(te_flagcx_engine *engine);
+
+/* The memory runtimes register accepts, comma-separated ("host,cuda"); static or
+   engine-lifetime storage. */
+const char *te_flagcx_memory_kinds(te_flagcx_engine *engine);
+
+/* Registers [addr, addr+len) of memory kind `memory` ("host", "cuda:0", ...) for
+   local use and remote access; writes its handle to *mr_out. */
+int te_flagcx_register(te_flagcx_engine *engine, uint64_t addr, uint64_t len,
+                       const char *memory, uint64_t *mr_out);
+
+/* Forgets a registration. When it returns, no transfer of this engine touches the
+   memory any more (transfers still using it fail). */
+int te_flagcx_deregister(te_flagcx_engine *engine, uint64_t mr);
+
+/* Opens a new connection to the engine at `endpoint` and takes a snapshot of the
+   peer's registered regions. Each call opens a new connection. */
+int te_flagcx_connect(te_flagcx_engine *engine, const char *endpoint,
+                      te_flagcx_conn **out);
+
+/* Closes a connection. Transfers still pending on it are abandoned: their ids must not
+   be queried any more. */
+void te_flagcx_disconnect(te_flagcx_conn *conn);
+
+/* Posts `count` descriptors of one operation as one transfer; writes its id to
+   *xfer_out. Does not wait for the data. On failure nothing was posted. */
+int te_flagcx_post(te_flagcx_conn *conn, int op, const te_flagcx_desc *descs,
+                   uint32_t count, uint64_t *xfer_out);
+
+/* The state of a transfer: TE_FLAGCX_PENDING, TE_FLAGCX_OK, or a negative code with
+   last_error set. Once it returned anything but TE_FLAGCX_PENDING the id is released
+   and must not be queried again (implementations may reuse it). */
+int te_flagcx_query(te_flagcx_conn *conn, uint64_t xfer);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TE_FLAGCX_SHIM_H */
