@@ -152,17 +152,19 @@ impl Entry {
 
     /// Creates the backend.
     ///
+    /// The probe answers for the default settings; a configuration may name what the
+    /// probe could not find (a vendor library's path), so creation is always tried, and
+    /// a backend that cannot run returns the reason from its constructor.
+    ///
     /// # Errors
-    /// The probe's reason if it is unavailable; whatever the backend's constructor
-    /// returns (an invalid table, a vendor library failing).
+    /// Whatever the backend's constructor returns: an invalid table, a missing device
+    /// or vendor library.
     pub fn create(&self, ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
-        self.available
-            .clone()
-            .map_err(|e| e.with_operation("create backend"))?;
-        match self.source {
+        let created = match self.source {
             Source::BuiltIn(f) => (f.create)(ctx),
             Source::Plugin(m) => plugin::create(m, ctx),
-        }
+        };
+        created.map_err(|e| e.with_operation("create backend"))
     }
 }
 
