@@ -7,6 +7,8 @@
 //! |---|---|
 //! | `stub` (default) | in-process memcpy backend for hardware-free tests |
 //! | `tcp` (default) | TCP backend |
+//! | `flagcx` (default) | FlagCX backend (its C shim is loaded at run time) |
+//! | `cuda` (default) | the `cuda` device runtime (the driver is loaded at run time) |
 //!
 //! Backends not linked in can be loaded from plugin directories (`plugin_dirs`).
 
@@ -22,6 +24,8 @@ pub use te_core::*;
 extern crate te_stub as _;
 #[cfg(feature = "tcp")]
 extern crate te_tcp as _;
+#[cfg(feature = "flagcx")]
+extern crate te_flagcx as _;
 
 /// The names of the backends this build links in, by Cargo feature.
 pub fn linked_backends() -> &'static [&'static str] {
@@ -30,5 +34,7 @@ pub fn linked_backends() -> &'static [&'static str] {
         te_stub::NAME,
         #[cfg(feature = "tcp")]
         te_tcp::NAME,
+        #[cfg(feature = "flagcx")]
+        te_flagcx::NAME,
     ]
 }
