@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
@@ -40,7 +40,6 @@ struct PeerConns {
     addr: SocketAddr,
     instance: u64,
     conns: RwLock<Vec<Arc<Conn>>>,
-    next: AtomicUsize,
 }
 
 /// The TCP backend.
@@ -376,7 +375,6 @@ impl TransferBackend for TcpBackend {
             addr,
             instance,
             conns: RwLock::new(Vec::new()),
-            next: AtomicUsize::new(0),
         });
         self.fill_pool(&pc)?;
         let mut by = self.by_endpoint.lock().unwrap_or_else(|p| p.into_inner());
@@ -461,7 +459,10 @@ impl TransferBackend for TcpBackend {
             .collect();
         let b = Arc::new(Batch::new(total, done, pins));
         let n = conns.len();
-        let start = pc.next.fetch_add(total, Ordering::Relaxed);
+        // Start on the least loaded connection, the lowest on a tie: a lone small batch
+        // then always finds the same warm connection and threads, while concurrent
+        // batches and the slices of a large one still spread over the whole pool.
+        let start = (0..n).min_by_key(|&k| conns[k].load()).unwrap_or(0);
         let slice = self.shared.config.slice_size;
         let mut budget = self.shared.config.inline_send as usize;
         // Connection `k` carries the slices whose global number is `k` modulo `n`;

@@ -181,6 +181,7 @@ pub(crate) struct Conn {
     tx: Mutex<Tx>,
     wake: Condvar,
     dead: AtomicBool,
+    inflight: AtomicUsize,
 }
 
 impl std::fmt::Debug for Conn {
@@ -354,6 +355,7 @@ impl Conn {
             }),
             wake: Condvar::new(),
             dead: AtomicBool::new(false),
+            inflight: AtomicUsize::new(0),
         });
         let (c1, c2) = (conn.clone(), conn.clone());
         spawn(threads, "te-tcp-recv", move || c1.receive())?;
@@ -383,11 +385,14 @@ impl Conn {
             }
             return 0;
         }
+        let before = tx.next_id;
         for mut s in slices {
             s.id = tx.next_id;
             tx.next_id += 1;
             tx.unsent.push_back(s);
         }
+        self.inflight
+            .fetch_add((tx.next_id - before) as usize, Ordering::Relaxed);
         if tx.busy {
             return 0;
         }
@@ -408,7 +413,7 @@ impl Conn {
         let left = if dead { tx.drain() } else { Vec::new() };
         drop(tx);
         self.wake.notify_one();
-        fail(left, self.dead_error());
+        self.fail(left, self.dead_error());
     }
 
     fn dead_error(&self) -> Error {
@@ -434,8 +439,8 @@ impl Conn {
                     let left = tx.drain();
                     let e = tx.dead.clone();
                     drop(tx);
-                    fail(left, e.unwrap_or_else(|| self.dead_error()));
-                    fail(expired, timeout_error());
+                    self.fail(left, e.unwrap_or_else(|| self.dead_error()));
+                    self.fail(expired, timeout_error());
                     return written;
                 }
                 if tx.carry.is_empty() {
@@ -465,12 +470,12 @@ impl Conn {
                     if more {
                         self.wake.notify_one();
                     }
-                    fail(expired, timeout_error());
+                    self.fail(expired, timeout_error());
                     return written;
                 }
                 tx.carry
             };
-            fail(std::mem::take(&mut expired), timeout_error());
+            self.fail(std::mem::take(&mut expired), timeout_error());
             let mut v = [sock::iov(std::ptr::null(), 0); 2 * MAX_FRAMES];
             let mut n = 0;
             for i in carry.first..carry.count {
@@ -559,7 +564,7 @@ impl Conn {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
         self.wake.notify_all();
         let e = self.dead_error();
-        fail(left, e);
+        self.fail(left, e);
     }
 
     /// The receiver thread: matches each response to the oldest written slice.
@@ -593,6 +598,7 @@ impl Conn {
             }
             _ => None,
         };
+        self.inflight.fetch_sub(1, Ordering::Relaxed);
         slice.batch.finish_slice(result);
         match fatal {
             Some(e) => Err(e),
@@ -636,6 +642,19 @@ impl Conn {
         }
     }
 
+    /// Fails slices that were queued on this connection.
+    fn fail(&self, slices: Vec<Slice>, e: Error) {
+        self.inflight.fetch_sub(slices.len(), Ordering::Relaxed);
+        for s in slices {
+            s.batch.finish_slice(Err(e.clone()));
+        }
+    }
+
+    /// Slices queued on this connection and not yet answered.
+    pub(crate) fn load(&self) -> usize {
+        self.inflight.load(Ordering::Relaxed)
+    }
+
     fn protocol(&self, what: impl std::fmt::Display) -> Error {
         Error::new(
             ErrorKind::Protocol,
@@ -652,10 +671,4 @@ fn timeout_error() -> Error {
         ErrorKind::Timeout,
         "the batch's deadline passed before this slice was sent",
     )
-}
-
-fn fail(slices: Vec<Slice>, e: Error) {
-    for s in slices {
-        s.batch.finish_slice(Err(e.clone()));
-    }
 }
