@@ -31,28 +31,28 @@ fn engine(table: &str, name: &str) -> Engine {
     Engine::with_backend(ec, backend, Origin::BuiltIn).expect("engine")
 }
 
-fn throughput(
-    init: &Engine,
-    peer: &te_core::Peer,
-    local: &te_core::Buffer,
+/// What every measurement uses.
+struct Setup {
+    init: Engine,
+    peer: te_core::Peer,
+    local: te_core::Buffer,
     remote: te_core::RegionId,
-    op: Op,
-    block: u64,
-    batch: u64,
-    secs: f64,
-) -> f64 {
+}
+
+fn throughput(s: &Setup, op: Op, block: u64, batch: u64, secs: f64) -> f64 {
+    let (l, r) = (s.local.id(), s.remote);
     let reqs: Vec<TransferRequest> = (0..batch)
         .map(|i| match op {
-            Op::Write => TransferRequest::write(local.id(), i * block, remote, i * block, block),
-            Op::Read => TransferRequest::read(local.id(), i * block, remote, i * block, block),
+            Op::Write => TransferRequest::write(l, i * block, r, i * block, block),
+            Op::Read => TransferRequest::read(l, i * block, r, i * block, block),
         })
         .collect();
     // Two batches in flight, so the pipe never drains between batches.
     let mut bytes = 0u64;
     let start = Instant::now();
-    let mut prev = init.transfer(peer, &reqs).expect("submit");
+    let mut prev = s.init.transfer(&s.peer, &reqs).expect("submit");
     while start.elapsed().as_secs_f64() < secs {
-        let next = init.transfer(peer, &reqs).expect("submit");
+        let next = s.init.transfer(&s.peer, &reqs).expect("submit");
         prev.wait().expect("batch");
         bytes += block * batch;
         prev = next;
@@ -62,19 +62,14 @@ fn throughput(
     bytes as f64 / start.elapsed().as_secs_f64() / 1e9
 }
 
-fn latency(
-    init: &Engine,
-    peer: &te_core::Peer,
-    local: &te_core::Buffer,
-    remote: te_core::RegionId,
-    secs: f64,
-) -> (f64, f64) {
-    let req = [TransferRequest::write(local.id(), 0, remote, 0, 4096)];
+fn latency(s: &Setup, secs: f64) -> (f64, f64) {
+    let req = [TransferRequest::write(s.local.id(), 0, s.remote, 0, 4096)];
     let mut samples = Vec::new();
     let start = Instant::now();
     while start.elapsed().as_secs_f64() < secs {
         let t = Instant::now();
-        init.transfer(peer, &req)
+        s.init
+            .transfer(&s.peer, &req)
             .expect("submit")
             .wait()
             .expect("batch");
@@ -172,11 +167,16 @@ fn main() {
     let peer = init
         .connect(&target.address().to_string())
         .expect("connect");
-    let rid = remote.id();
+    let s = Setup {
+        remote: remote.id(),
+        init,
+        peer,
+        local,
+    };
     println!("options: {}", table.replace('\n', " "));
     for (block, batch) in [(1u64 << 20, 64u64), (64 << 10, 128)] {
-        let w = throughput(&init, &peer, &local, rid, Op::Write, block, batch, secs);
-        let r = throughput(&init, &peer, &local, rid, Op::Read, block, batch, secs);
+        let w = throughput(&s, Op::Write, block, batch, secs);
+        let r = throughput(&s, Op::Read, block, batch, secs);
         let raw = raw_pump(block as usize, secs);
         println!(
             "{:>5} KiB x {batch:<3}  write {w:6.2} GB/s  read {r:6.2} GB/s  raw pump {raw:6.2} GB/s  write/raw {:4.0}%",
@@ -184,10 +184,12 @@ fn main() {
             100.0 * w / raw
         );
     }
-    let (p50, p99) = latency(&init, &peer, &local, rid, secs);
+    let (p50, p99) = latency(&s, secs);
     let raw = raw_latency(secs);
     println!(
         "    4 KiB x 1    write p50 {p50:6.1} us  p99 {p99:6.1} us  raw ping-pong p50 {raw:6.1} us"
     );
+    drop(s);
+    drop(remote);
     std::thread::sleep(Duration::from_millis(10));
 }
