@@ -1,0 +1,963 @@
+//! The mlu backend's `TransferBackend`: one-sided copies between MLU memory of engines
+//! on one host, over MLU-Link.
+//!
+//! - Endpoint: the backend instance's id, its process id, the descriptor of its region
+//!   table (see `shm`), the host's identity (host name and boot id) and the PCI bus ids
+//!   of the MLUs this process sees (ordinals differ between processes with different
+//!   `MLU_VISIBLE_DEVICES`; bus ids do not).
+//! - `register`: a remotely accessible `mlu:N` region's key carries the IPC handle of
+//!   its allocation (`cnrtAcquireMemHandle`) and the region's offset in it, plus its
+//!   slot in the region table.
+//! - `connect`: refuses peers on other hosts; maps each of the peer's regions into this
+//!   process (`cnrtMapMemHandle`, once per allocation) or, for a peer in this process,
+//!   uses its addresses as they are.
+//! - `submit`: checks every request against both sides' regions again, counts the batch
+//!   in on each region it touches (so deregistration on either side waits for it), and
+//!   hands it to a worker thread, which enqueues the copies (`cnrtMemcpyAsync*`, or
+//!   `cnrtMemcpyPeerAsync` between two MLUs) on its own queue per MLU and then waits:
+//!   `cnrtQueueQuery`, and if work remains, `cnrtQueueSync` (blocking in CNRT).
+//!   A failed enqueue or sync fails that batch only; the queue is replaced.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
+use std::thread::{JoinHandle, ThreadId};
+use std::time::Instant;
+
+use te_core::{
+    Access, BackendInfo, Capabilities, Completion, Error, ErrorKind, MemoryDesc, MemoryKind, Op,
+    PeerId, RegionId, Result, SegmentDesc, TransferBackend, TransferRequest,
+};
+
+use crate::config::{IpcMode, MluConfig};
+use crate::ffi::{dir, Cnrt, IpcHandle, Queue};
+use crate::runtime::{self, MluRuntime, RUNTIME};
+use crate::shm::Table;
+
+/// Where a region's bytes are, as this process addresses them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mem {
+    Host,
+    /// A local MLU ordinal.
+    Mlu(u32),
+}
+
+#[derive(Debug)]
+struct Local {
+    addr: u64,
+    len: u64,
+    mem: Mem,
+    slot: u32,
+}
+
+/// A peer's allocation mapped into this process; unmapped when the last user goes.
+#[derive(Debug)]
+struct Mapping {
+    rt: Arc<MluRuntime>,
+    ordinal: u32,
+    addr: u64,
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        if let Err(e) = self.rt.unmap(self.ordinal, self.addr) {
+            tracing::warn!(error = %e, "unmapping a peer's MLU memory failed");
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Remote {
+    /// The address usable here, or why the region cannot be reached from here.
+    addr: std::result::Result<u64, Error>,
+    mapping: Option<Arc<Mapping>>,
+    len: u64,
+    mem: Mem,
+    access: Access,
+    slot: u32,
+}
+
+#[derive(Debug)]
+struct PeerState {
+    endpoint: Endpoint,
+    table: Arc<Table>,
+    regions: RwLock<HashMap<RegionId, Arc<Remote>>>,
+    maps: Mutex<HashMap<IpcHandle, Weak<Mapping>>>,
+}
+
+/// What a peer learns about this backend instance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Endpoint {
+    instance: u64,
+    pid: u32,
+    table_fd: u32,
+    host: String,
+    buses: Vec<String>,
+}
+
+const ENDPOINT_MAGIC: &[u8; 6] = b"TEMLU\x01";
+
+impl Endpoint {
+    fn encode(&self) -> Vec<u8> {
+        let mut v = ENDPOINT_MAGIC.to_vec();
+        v.extend_from_slice(&self.instance.to_le_bytes());
+        v.extend_from_slice(&self.pid.to_le_bytes());
+        v.extend_from_slice(&self.table_fd.to_le_bytes());
+        v.extend_from_slice(&(self.host.len() as u16).to_le_bytes());
+        v.extend_from_slice(self.host.as_bytes());
+        v.extend_from_slice(&(self.buses.len() as u16).to_le_bytes());
+        for b in &self.buses {
+            v.push(b.len() as u8);
+            v.extend_from_slice(b.as_bytes());
+        }
+        v
+    }
+
+    fn decode(b: &[u8]) -> Result<Endpoint> {
+        let bad = || {
+            Error::new(
+                ErrorKind::Protocol,
+                "the peer's endpoint is not an mlu endpoint of this version",
+            )
+        };
+        let mut r = Reader(b);
+        if r.take(6).ok_or_else(bad)? != ENDPOINT_MAGIC {
+            return Err(bad());
+        }
+        let instance = r.u64().ok_or_else(bad)?;
+        let pid = r.u32().ok_or_else(bad)?;
+        let table_fd = r.u32().ok_or_else(bad)?;
+        let n = r.u16().ok_or_else(bad)? as usize;
+        let host = String::from_utf8_lossy(r.take(n).ok_or_else(bad)?).into_owned();
+        let count = r.u16().ok_or_else(bad)?;
+        let mut buses = Vec::new();
+        for _ in 0..count {
+            let n = r.take(1).ok_or_else(bad)?[0] as usize;
+            buses.push(String::from_utf8_lossy(r.take(n).ok_or_else(bad)?).into_owned());
+        }
+        Ok(Endpoint {
+            instance,
+            pid,
+            table_fd,
+            host,
+            buses,
+        })
+    }
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Some(a)
+    }
+    fn u16(&mut self) -> Option<u16> {
+        self.take(2).map(|b| u16::from_le_bytes([b[0], b[1]]))
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4)
+            .and_then(|b| b.try_into().ok())
+            .map(u32::from_le_bytes)
+    }
+    fn u64(&mut self) -> Option<u64> {
+        self.take(8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+    }
+}
+
+/// A region's remote key: its table slot and, for MLU memory, the IPC handle of its
+/// allocation and its offset there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Key {
+    slot: u32,
+    handle: Option<(IpcHandle, u64)>,
+}
+
+impl Key {
+    fn encode(&self) -> Vec<u8> {
+        let mut v = self.slot.to_le_bytes().to_vec();
+        match self.handle {
+            None => v.push(0),
+            Some((h, off)) => {
+                v.push(1);
+                v.extend_from_slice(&h);
+                v.extend_from_slice(&off.to_le_bytes());
+            }
+        }
+        v
+    }
+
+    fn decode(b: &[u8]) -> Result<Key> {
+        let bad = || Error::new(ErrorKind::Protocol, "a region key is not an mlu key");
+        let mut r = Reader(b);
+        let slot = r.u32().ok_or_else(bad)?;
+        let handle = match r.take(1).ok_or_else(bad)?[0] {
+            0 => None,
+            1 => {
+                let h: IpcHandle = r.take(8).ok_or_else(bad)?.try_into().map_err(|_| bad())?;
+                Some((h, r.u64().ok_or_else(bad)?))
+            }
+            _ => return Err(bad()),
+        };
+        Ok(Key { slot, handle })
+    }
+}
+
+/// A batch's claim on one region: counted out again when dropped.
+struct Guard {
+    table: Arc<Table>,
+    slot: u32,
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        self.table.leave(self.slot);
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    HostToHost,
+    /// One queue on `dev`, direction `dir`.
+    Queue {
+        dev: u32,
+        dir: i32,
+    },
+    /// Between two MLUs, on a queue of `dev`.
+    Peer {
+        dev: u32,
+        dst: u32,
+        src: u32,
+    },
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Copy {
+    dst: u64,
+    src: u64,
+    len: usize,
+    kind: Kind,
+}
+
+struct Job {
+    copies: Vec<Copy>,
+    guards: Vec<Guard>,
+    _maps: Vec<Arc<Mapping>>,
+    due: Instant,
+    done: Completion,
+}
+
+#[derive(Default)]
+struct Work {
+    jobs: VecDeque<Job>,
+    stop: bool,
+}
+
+#[derive(Default)]
+struct Shared {
+    work: Mutex<Work>,
+    cond: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Work> {
+        self.work.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The intra-host MLU-Link backend.
+pub struct MluBackend {
+    info: BackendInfo,
+    config: MluConfig,
+    rt: Arc<MluRuntime>,
+    endpoint: Endpoint,
+    /// `peerable[a][b]`: mlu:a can copy to and from mlu:b (cnrtGetPeerAccessibility).
+    peerable: Vec<Vec<bool>>,
+    table: Arc<Table>,
+    locals: RwLock<HashMap<RegionId, Local>>,
+    peers: RwLock<HashMap<PeerId, Arc<PeerState>>>,
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+    thread_ids: Vec<ThreadId>,
+}
+
+impl std::fmt::Debug for MluBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MluBackend")
+            .field("instance", &self.endpoint.instance)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+/// This host's identity: host name and boot id, so that two containers with one host
+/// name on different machines, or one machine rebooted, never look alike.
+fn host_identity() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer and its length are valid.
+    let name = if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0 {
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        String::from_utf8_lossy(&buf[..end]).into_owned()
+    } else {
+        "unknown-host".into()
+    };
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    format!("{name}/{}", boot.trim())
+}
+
+fn region_error(kind: ErrorKind, m: String) -> Error {
+    Error::new(kind, m).with_operation("transfer")
+}
+
+impl MluBackend {
+    /// A backend instance with its region table and worker threads.
+    ///
+    /// # Errors
+    /// `Unavailable` without CNRT or MLUs; `ConfigInvalid` for a bad option; `Io` if
+    /// the table or the threads cannot be created.
+    pub fn new(config: MluConfig) -> Result<MluBackend> {
+        if !(1..=64).contains(&config.workers) {
+            return Err(Error::new(
+                ErrorKind::ConfigInvalid,
+                format!(
+                    "[backends.mlu] workers = {} is outside 1..=64",
+                    config.workers
+                ),
+            ));
+        }
+        let rt = runtime::instance()?;
+        let cnrt = rt.cnrt().clone();
+        let devices = te_core::device::DeviceRuntime::device_count(&*rt)?;
+        let buses = (0..devices)
+            .map(|d| cnrt.pci_bus_id(d))
+            .collect::<Result<Vec<_>>>()?;
+        let peerable = (0..devices)
+            .map(|a| {
+                (0..devices)
+                    .map(|b| a == b || cnrt.peer_accessible(a, b).unwrap_or(false))
+                    .collect()
+            })
+            .collect();
+        let instance = rand::random::<u64>() | 1;
+        let table = Arc::new(Table::create(instance)?);
+        let endpoint = Endpoint {
+            instance,
+            pid: std::process::id(),
+            table_fd: table.fd(),
+            host: host_identity(),
+            buses,
+        };
+        let shared = Arc::new(Shared::default());
+        let mut threads = Vec::new();
+        for i in 0..config.workers {
+            let (s, c) = (shared.clone(), cnrt.clone());
+            let t = std::thread::Builder::new()
+                .name(format!("te-mlu-{i}"))
+                .spawn(move || worker(&s, &c))
+                .map_err(|e| {
+                    Error::new(ErrorKind::Io, "cannot start an mlu worker thread").with_source(e)
+                })?;
+            threads.push(t);
+        }
+        Ok(MluBackend {
+            info: BackendInfo {
+                name: crate::NAME.to_string(),
+                version: env!("CARGO_PKG_VERSION").to_string(),
+                capabilities: Capabilities {
+                    memory: vec![RUNTIME.to_string(), "host".to_string()],
+                    read: true,
+                    write: true,
+                    cross_process: true,
+                    same_host_only: true,
+                    max_request_size: isize::MAX as u64,
+                },
+            },
+            thread_ids: threads.iter().map(|t| t.thread().id()).collect(),
+            threads,
+            config,
+            rt,
+            endpoint,
+            peerable,
+            table,
+            locals: RwLock::new(HashMap::new()),
+            peers: RwLock::new(HashMap::new()),
+            shared,
+        })
+    }
+
+    fn local_ordinal(&self, ep: &Endpoint, remote: u32) -> Result<u32> {
+        if ep.pid == self.endpoint.pid {
+            return Ok(remote);
+        }
+        let bus = ep.buses.get(remote as usize).ok_or_else(|| {
+            Error::new(
+                ErrorKind::Protocol,
+                format!(
+                    "the peer names mlu:{remote} but lists only {} MLUs",
+                    ep.buses.len()
+                ),
+            )
+        })?;
+        self.endpoint
+            .buses
+            .iter()
+            .position(|b| b == bus)
+            .map(|p| p as u32)
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Unsupported,
+                    format!("the peer's mlu:{remote} (PCI {bus}) is not visible to this process (check MLU_VISIBLE_DEVICES)"),
+                )
+            })
+    }
+
+    fn map(&self, peer: &PeerState, ordinal: u32, handle: IpcHandle) -> Result<Arc<Mapping>> {
+        let mut maps = peer.maps.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(m) = maps.get(&handle).and_then(Weak::upgrade) {
+            return Ok(m);
+        }
+        let addr = self.rt.map(ordinal, handle)?;
+        let m = Arc::new(Mapping {
+            rt: self.rt.clone(),
+            ordinal,
+            addr,
+        });
+        maps.insert(handle, Arc::downgrade(&m));
+        Ok(m)
+    }
+
+    fn remote(&self, peer: &PeerState, r: &te_core::RegionDesc) -> Result<Remote> {
+        let key = Key::decode(&r.key)?;
+        let same_process = peer.endpoint.pid == self.endpoint.pid;
+        let direct = same_process && self.config.ipc == IpcMode::Auto;
+        let mut remote = Remote {
+            addr: Ok(r.addr),
+            mapping: None,
+            len: r.len,
+            mem: Mem::Host,
+            access: r.access,
+            slot: key.slot,
+        };
+        match &r.kind {
+            MemoryKind::Host if same_process => {}
+            MemoryKind::Host => {
+                remote.addr = Err(Error::new(
+                    ErrorKind::Unsupported,
+                    format!("region {} of the peer is host memory of another process, which MLU-Link cannot reach; register mlu:N memory there, or use the tcp backend for host memory", r.id),
+                ));
+            }
+            MemoryKind::Device { runtime, ordinal } if runtime == RUNTIME => {
+                match self.local_ordinal(&peer.endpoint, *ordinal) {
+                    Ok(local) => {
+                        remote.mem = Mem::Mlu(local);
+                        if !direct {
+                            remote.addr = match key.handle {
+                                Some((h, off)) => self.map(peer, local, h).map(|m| {
+                                    let a = m.addr + off;
+                                    remote.mapping = Some(m);
+                                    a
+                                }),
+                                None => Err(Error::new(
+                                    ErrorKind::Unsupported,
+                                    format!("region {} of the peer has no IPC handle", r.id),
+                                )),
+                            };
+                        }
+                    }
+                    Err(e) => remote.addr = Err(e),
+                }
+            }
+            other => {
+                remote.addr = Err(Error::new(
+                    ErrorKind::Unsupported,
+                    format!("region {} of the peer is {other} memory, which the mlu backend does not move", r.id),
+                ));
+            }
+        }
+        Ok(remote)
+    }
+}
+
+impl TransferBackend for MluBackend {
+    fn info(&self) -> &BackendInfo {
+        &self.info
+    }
+
+    fn endpoint(&self) -> Vec<u8> {
+        self.endpoint.encode()
+    }
+
+    fn register(&self, id: RegionId, mem: &MemoryDesc) -> Result<Vec<u8>> {
+        let remote = mem.access.remote_read || mem.access.remote_write;
+        let (kind, handle) = match &mem.kind {
+            MemoryKind::Host => (Mem::Host, None),
+            MemoryKind::Device { runtime, ordinal } if runtime == RUNTIME => {
+                let info = te_core::device::DeviceRuntime::pointer_info(&*self.rt, mem.addr)?;
+                let handle = if remote {
+                    Some((
+                        self.rt.ipc_handle(info.ordinal, info.base)?,
+                        mem.addr - info.base,
+                    ))
+                } else {
+                    None
+                };
+                (Mem::Mlu(*ordinal), handle)
+            }
+            other => {
+                return Err(Error::new(
+                    ErrorKind::Unsupported,
+                    format!("the mlu backend moves mlu:N and host memory, not {other}"),
+                ))
+            }
+        };
+        let slot = self.table.claim(id.0)?;
+        self.locals
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(
+                id,
+                Local {
+                    addr: mem.addr,
+                    len: mem.len,
+                    mem: kind,
+                    slot,
+                },
+            );
+        Ok(Key { slot, handle }.encode())
+    }
+
+    fn deregister(&self, id: RegionId) -> Result<()> {
+        let Some(local) = self
+            .locals
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id)
+        else {
+            return Err(Error::new(
+                ErrorKind::NotRegistered,
+                format!("region {id} is not registered with the mlu backend"),
+            ));
+        };
+        if !self
+            .table
+            .retire(local.slot, self.config.deregister_timeout)
+        {
+            tracing::warn!(
+                region = %id,
+                timeout = ?self.config.deregister_timeout,
+                "batches of a peer still held the region when deregister gave up waiting (did a peer process die?)"
+            );
+        }
+        Ok(())
+    }
+
+    fn connect(&self, peer: &SegmentDesc) -> Result<PeerId> {
+        let ep = Endpoint::decode(&peer.endpoint)?;
+        if ep.host != self.endpoint.host {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "engine `{}` is on another host ({}; this is {}): the mlu backend connects engines on one host over MLU-Link; across hosts use the tcp or rdma backend with mlu:N memory",
+                    peer.engine, ep.host, self.endpoint.host
+                ),
+            ));
+        }
+        let id = PeerId(ep.instance);
+        let existing = self
+            .peers
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&id)
+            .cloned();
+        let state = match existing {
+            Some(s) if s.endpoint == ep => s,
+            _ => {
+                let table = if ep.instance == self.endpoint.instance {
+                    self.table.clone()
+                } else {
+                    Arc::new(Table::open(ep.pid, ep.table_fd, ep.instance)?)
+                };
+                Arc::new(PeerState {
+                    endpoint: ep,
+                    table,
+                    regions: RwLock::new(HashMap::new()),
+                    maps: Mutex::new(HashMap::new()),
+                })
+            }
+        };
+        let old = state
+            .regions
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let mut regions = HashMap::new();
+        for r in &peer.regions {
+            let remote = match old.get(&r.id) {
+                Some(known) => known.clone(),
+                None => Arc::new(self.remote(&state, r)?),
+            };
+            regions.insert(r.id, remote);
+        }
+        *state.regions.write().unwrap_or_else(|p| p.into_inner()) = regions;
+        self.peers
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, state);
+        Ok(id)
+    }
+
+    fn disconnect(&self, peer: PeerId) -> Result<()> {
+        match self
+            .peers
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&peer)
+        {
+            Some(_) => Ok(()),
+            None => Err(Error::new(ErrorKind::PeerUnreachable, "unknown mlu peer")),
+        }
+    }
+
+    fn submit(&self, peer: PeerId, batch: &[TransferRequest], done: Completion) -> Result<()> {
+        let Some(p) = self
+            .peers
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&peer)
+            .cloned()
+        else {
+            return Err(Error::new(
+                ErrorKind::PeerUnreachable,
+                "the mlu backend is not connected to that peer",
+            ));
+        };
+        let mut copies = Vec::with_capacity(batch.len());
+        let mut guards: Vec<Guard> = Vec::new();
+        let mut maps = Vec::new();
+        let mut entered: Vec<(bool, u32)> = Vec::new();
+        {
+            let locals = self.locals.read().unwrap_or_else(|p| p.into_inner());
+            let remotes = p.regions.read().unwrap_or_else(|p| p.into_inner());
+            for r in batch {
+                let l = locals.get(&r.local).ok_or_else(|| {
+                    region_error(
+                        ErrorKind::NotRegistered,
+                        format!("local region {} is not registered", r.local),
+                    )
+                })?;
+                let rm = remotes.get(&r.remote).ok_or_else(|| {
+                    region_error(
+                        ErrorKind::NotRegistered,
+                        format!("region {} is not in the peer's descriptor as this backend knows it (connect again)", r.remote),
+                    )
+                })?;
+                for (side, id, off, size) in [
+                    ("local", r.local, r.local_offset, l.len),
+                    ("remote", r.remote, r.remote_offset, rm.len),
+                ] {
+                    if off.checked_add(r.len).is_none_or(|end| end > size) || r.len == 0 {
+                        return Err(region_error(
+                            ErrorKind::OutOfBounds,
+                            format!(
+                                "{side} range {off}+{} is outside region {id} of {size} bytes",
+                                r.len
+                            ),
+                        ));
+                    }
+                }
+                let allowed = match r.op {
+                    Op::Read => rm.access.remote_read,
+                    Op::Write => rm.access.remote_write,
+                };
+                if !allowed {
+                    return Err(region_error(
+                        ErrorKind::InvalidRequest,
+                        format!(
+                            "the peer's region {} does not allow remote {}s",
+                            r.remote, r.op
+                        ),
+                    ));
+                }
+                let raddr = rm.addr.clone()?;
+                if let Some(m) = &rm.mapping {
+                    maps.push(m.clone());
+                }
+                let (l_at, r_at) = (l.addr + r.local_offset, raddr + r.remote_offset);
+                let ((src, smem), (dst, dmem)) = match r.op {
+                    Op::Write => ((l_at, l.mem), (r_at, rm.mem)),
+                    Op::Read => ((r_at, rm.mem), (l_at, l.mem)),
+                };
+                let kind = match (smem, dmem) {
+                    (Mem::Host, Mem::Host) => Kind::HostToHost,
+                    (Mem::Host, Mem::Mlu(d)) => Kind::Queue {
+                        dev: d,
+                        dir: dir::HOST_TO_DEV,
+                    },
+                    (Mem::Mlu(s), Mem::Host) => Kind::Queue {
+                        dev: s,
+                        dir: dir::DEV_TO_HOST,
+                    },
+                    (Mem::Mlu(s), Mem::Mlu(d)) if s == d => Kind::Queue {
+                        dev: s,
+                        dir: dir::DEV_TO_DEV,
+                    },
+                    (Mem::Mlu(s), Mem::Mlu(d))
+                        if !self
+                            .peerable
+                            .get(s as usize)
+                            .and_then(|row| row.get(d as usize))
+                            .copied()
+                            .unwrap_or(false) =>
+                    {
+                        return Err(region_error(
+                            ErrorKind::Unsupported,
+                            format!("mlu:{s} and mlu:{d} cannot reach each other (cnrtGetPeerAccessibility says no MLU-Link between them); stage through host memory or use another device"),
+                        ));
+                    }
+                    (Mem::Mlu(s), Mem::Mlu(d)) => Kind::Peer {
+                        dev: match l.mem {
+                            Mem::Mlu(x) => x,
+                            Mem::Host => s,
+                        },
+                        dst: d,
+                        src: s,
+                    },
+                };
+                copies.push(Copy {
+                    dst,
+                    src,
+                    len: r.len as usize,
+                    kind,
+                });
+                for (is_local, table, slot, region) in [
+                    (true, &self.table, l.slot, r.local.0),
+                    (false, &p.table, rm.slot, r.remote.0),
+                ] {
+                    if entered.contains(&(is_local, slot)) {
+                        continue;
+                    }
+                    if !table.enter(slot, region) {
+                        let side = if is_local { "local" } else { "the peer's" };
+                        return Err(region_error(
+                            ErrorKind::NotRegistered,
+                            format!("{side} region {region} was deregistered"),
+                        ));
+                    }
+                    entered.push((is_local, slot));
+                    guards.push(Guard {
+                        table: table.clone(),
+                        slot,
+                    });
+                }
+            }
+        }
+        let job = Job {
+            copies,
+            guards,
+            _maps: maps,
+            due: Instant::now() + self.config.debug_delay,
+            done,
+        };
+        let mut w = self.shared.lock();
+        if w.stop {
+            return Err(Error::new(
+                ErrorKind::Cancelled,
+                "the mlu backend is shutting down",
+            ));
+        }
+        w.jobs.push_back(job);
+        drop(w);
+        self.shared.cond.notify_one();
+        Ok(())
+    }
+}
+
+impl Drop for MluBackend {
+    fn drop(&mut self) {
+        let jobs = {
+            let mut w = self.shared.lock();
+            w.stop = true;
+            std::mem::take(&mut w.jobs)
+        };
+        self.shared.cond.notify_all();
+        // Queued batches complete as cancelled when their completions drop here.
+        drop(jobs);
+        let me = std::thread::current().id();
+        if !self.thread_ids.contains(&me) {
+            for t in self.threads.drain(..) {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+fn worker(shared: &Shared, cnrt: &Cnrt) {
+    let mut queues: HashMap<u32, Queue> = HashMap::new();
+    loop {
+        let job = {
+            let mut w = shared.lock();
+            loop {
+                if w.stop {
+                    drop(w);
+                    for (_, q) in queues.drain() {
+                        let _ = cnrt.queue_destroy(q);
+                    }
+                    return;
+                }
+                let now = Instant::now();
+                match w.jobs.iter().position(|j| j.due <= now) {
+                    Some(i) => break w.jobs.remove(i),
+                    None => {
+                        let wait = w
+                            .jobs
+                            .iter()
+                            .map(|j| j.due.saturating_duration_since(now))
+                            .min();
+                        w = match wait {
+                            Some(d) => {
+                                shared
+                                    .cond
+                                    .wait_timeout(w, d)
+                                    .unwrap_or_else(|p| p.into_inner())
+                                    .0
+                            }
+                            None => shared.cond.wait(w).unwrap_or_else(|p| p.into_inner()),
+                        };
+                    }
+                }
+            }
+        };
+        let Some(job) = job else { continue };
+        let result = if job.done.remaining().is_zero() {
+            Err(Error::new(
+                ErrorKind::Timeout,
+                "the batch's deadline passed before its copies started",
+            ))
+        } else {
+            run(&job.copies, cnrt, &mut queues)
+        };
+        let Job { guards, done, .. } = job;
+        drop(guards);
+        done.complete(result);
+    }
+}
+
+fn queue(cnrt: &Cnrt, queues: &mut HashMap<u32, Queue>, dev: u32) -> Result<Queue> {
+    cnrt.set_device(dev)?;
+    if let Some(q) = queues.get(&dev) {
+        return Ok(*q);
+    }
+    let q = cnrt.queue_create()?;
+    queues.insert(dev, q);
+    Ok(q)
+}
+
+/// Enqueues every copy, then waits for the queues used; the first error wins, and a
+/// queue that failed is destroyed so the next batch starts on a fresh one.
+fn run(copies: &[Copy], cnrt: &Cnrt, queues: &mut HashMap<u32, Queue>) -> Result<()> {
+    let mut used: Vec<u32> = Vec::new();
+    let mut first: Option<Error> = None;
+    for (i, c) in copies.iter().enumerate() {
+        let r = match c.kind {
+            Kind::HostToHost => {
+                // SAFETY: both ranges were checked against live registrations, which
+                // the batch's guards keep registered until it completes; `copy`
+                // allows overlap (an engine writing into itself).
+                unsafe { std::ptr::copy(c.src as *const u8, c.dst as *mut u8, c.len) };
+                Ok(())
+            }
+            Kind::Queue { dev, dir } => queue(cnrt, queues, dev).and_then(|q| {
+                if !used.contains(&dev) {
+                    used.push(dev);
+                }
+                // SAFETY: as above; the queue is synchronized below before the guards
+                // are released.
+                unsafe { cnrt.memcpy_async(c.dst, c.src, c.len, q, dir) }
+            }),
+            Kind::Peer { dev, dst, src } => queue(cnrt, queues, dev).and_then(|q| {
+                if !used.contains(&dev) {
+                    used.push(dev);
+                }
+                // SAFETY: as above.
+                unsafe { cnrt.memcpy_peer_async(c.dst, dst, c.src, src, c.len, q) }
+            }),
+        };
+        if let Err(e) = r {
+            first = Some(e.with_context("request", i));
+            break;
+        }
+    }
+    for dev in used {
+        let Some(&q) = queues.get(&dev) else { continue };
+        let r = match cnrt.queue_query(q) {
+            Ok(true) => Ok(()),
+            Ok(false) => cnrt.queue_sync(q),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = r {
+            queues.remove(&dev);
+            let _ = cnrt.queue_sync(q);
+            let _ = cnrt.queue_destroy(q);
+            first.get_or_insert(e.with_context("mlu", dev));
+        }
+    }
+    match first {
+        Some(e) => Err(e.with_operation("transfer")),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_and_keys_round_trip() {
+        let ep = Endpoint {
+            instance: 7,
+            pid: 42,
+            table_fd: 9,
+            host: "h/boot".into(),
+            buses: vec!["0000:1a:00.0".into(), "0000:1b:00.0".into()],
+        };
+        assert_eq!(Endpoint::decode(&ep.encode()).unwrap(), ep);
+        assert!(Endpoint::decode(&ep.encode()[..10]).is_err());
+        for k in [
+            Key {
+                slot: 3,
+                handle: None,
+            },
+            Key {
+                slot: 4,
+                handle: Some(([1, 2, 3, 4, 5, 6, 7, 8], 4096)),
+            },
+        ] {
+            assert_eq!(Key::decode(&k.encode()).unwrap(), k);
+        }
+    }
+
+    #[test]
+    fn a_peer_on_another_host_is_refused_naming_tcp_and_rdma() {
+        let b = MluBackend::new(MluConfig::default()).expect("the fake libcnrt loads");
+        let mut ep = Endpoint::decode(&b.endpoint()).unwrap();
+        ep.host = "elsewhere/0000".into();
+        let seg = SegmentDesc {
+            engine: "far".into(),
+            epoch: 1,
+            backend: crate::NAME.into(),
+            endpoint: ep.encode(),
+            regions: Vec::new(),
+            layouts: Vec::new(),
+        };
+        let e = b.connect(&seg).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unsupported);
+        let m = e.to_string();
+        assert!(m.contains("tcp or rdma backend with mlu:N memory"), "{m}");
+        assert!(m.contains("elsewhere"), "{m}");
+    }
+}

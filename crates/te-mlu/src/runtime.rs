@@ -1,0 +1,290 @@
+//! The `mlu` device runtime: Cambricon MLU memory for every te backend.
+//!
+//! It answers where an MLU address lives (`cnrtPointerGetAttributes`), allocates device
+//! memory (`cnrtMalloc`) and page-locked host memory (`cnrtHostMalloc`), and copies
+//! between the two on its own thread: each copy is enqueued on a per-device queue with
+//! the bound `cnrtMemcpyAsync*`, and the thread then asks `cnrtQueueQuery` and, if the
+//! copy is not done, blocks in `cnrtQueueSync` (set the device flag to
+//! `cnrtDeviceScheduleBlock` for CNRT to sleep there rather than spin). The caller's
+//! thread never waits on CNRT.
+//!
+//! Calls that depend on the current device save and restore the calling thread's
+//! device, so an application using CNRT on the same thread keeps its setting.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use te_core::device::{CopyDone, DeviceCopy, DeviceRuntime, PointerInfo};
+use te_core::{Error, ErrorKind, Result};
+
+use crate::ffi::{self, dir, Cnrt, IpcHandle, Queue, MEM_TYPE_DEVICE};
+
+/// The runtime's name: memory kinds `mlu:N`.
+pub const RUNTIME: &str = "mlu";
+
+/// The process's MLU runtime.
+#[derive(Debug)]
+pub struct MluRuntime {
+    cnrt: Arc<Cnrt>,
+    devices: u32,
+    jobs: Mutex<Sender<(DeviceCopy, CopyDone)>>,
+    /// IPC handles by allocation base: CNRT refuses a second acquire for one base.
+    handles: Mutex<HashMap<u64, IpcHandle>>,
+}
+
+static INSTANCE: OnceLock<Result<Arc<MluRuntime>>> = OnceLock::new();
+
+/// The process's instance, started on first use.
+///
+/// # Errors
+/// `Unavailable` if CNRT cannot be loaded or reports no MLU.
+pub fn instance() -> Result<Arc<MluRuntime>> {
+    INSTANCE.get_or_init(MluRuntime::start).clone()
+}
+
+fn create() -> Result<Arc<dyn DeviceRuntime>> {
+    instance().map(|r| r as Arc<dyn DeviceRuntime>)
+}
+
+te_core::register_runtime!(
+    RUNTIME,
+    "Cambricon MLUs through CNRT (libcnrt.so, loaded at run time)",
+    create
+);
+
+/// A queue owned by the copy thread; queues are used only there.
+struct Queues {
+    cnrt: Arc<Cnrt>,
+    by_device: HashMap<u32, Queue>,
+}
+
+impl Queues {
+    fn get(&mut self, ordinal: u32) -> Result<Queue> {
+        if let Some(q) = self.by_device.get(&ordinal) {
+            return Ok(*q);
+        }
+        self.cnrt.set_device(ordinal)?;
+        let q = self.cnrt.queue_create()?;
+        self.by_device.insert(ordinal, q);
+        Ok(q)
+    }
+
+    /// Waits for everything on `ordinal`'s queue; a queue that failed is replaced, so
+    /// one failed copy does not poison the next.
+    fn finish(&mut self, ordinal: u32, q: Queue) -> Result<()> {
+        let r = match self.cnrt.queue_query(q) {
+            Ok(true) => Ok(()),
+            Ok(false) => self.cnrt.queue_sync(q),
+            Err(e) => Err(e),
+        };
+        if r.is_err() {
+            self.by_device.remove(&ordinal);
+            let _ = self.cnrt.queue_sync(q);
+            let _ = self.cnrt.queue_destroy(q);
+        }
+        r
+    }
+
+    fn run(&mut self, copy: DeviceCopy) -> Result<()> {
+        let (ordinal, dst, src, len, d) = match copy {
+            DeviceCopy::ToDevice {
+                ordinal,
+                device,
+                host,
+                len,
+            } => (ordinal, device, host as u64, len, dir::HOST_TO_DEV),
+            DeviceCopy::ToHost {
+                ordinal,
+                device,
+                host,
+                len,
+            } => (ordinal, host as u64, device, len, dir::DEV_TO_HOST),
+        };
+        if len == 0 {
+            return Ok(());
+        }
+        let q = self.get(ordinal)?;
+        // SAFETY: the submitter guarantees both ranges until `done` runs (the
+        // `DeviceRuntime::copy` contract), and `finish` waits for the copy before that.
+        if let Err(e) = unsafe { self.cnrt.memcpy_async(dst, src, len, q, d) } {
+            let _ = self.finish(ordinal, q);
+            return Err(e);
+        }
+        self.finish(ordinal, q)
+    }
+}
+
+impl MluRuntime {
+    fn start() -> Result<Arc<MluRuntime>> {
+        let cnrt = ffi::cnrt()?;
+        let devices = cnrt
+            .device_count()
+            .map_err(|e| Error::new(ErrorKind::Unavailable, e.to_string()))?;
+        if devices == 0 {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "CNRT ({}) reports no MLU devices (check the driver and MLU_VISIBLE_DEVICES)",
+                    cnrt.path()
+                ),
+            ));
+        }
+        let (tx, rx) = mpsc::channel::<(DeviceCopy, CopyDone)>();
+        let c = cnrt.clone();
+        std::thread::Builder::new()
+            .name("te-mlu-copy".into())
+            .spawn(move || {
+                let mut queues = Queues {
+                    cnrt: c,
+                    by_device: HashMap::new(),
+                };
+                for (copy, done) in rx {
+                    done(queues.run(copy).map_err(|e| e.with_operation("MLU copy")));
+                }
+            })
+            .map_err(|e| {
+                Error::new(ErrorKind::Io, "cannot start the MLU copy thread").with_source(e)
+            })?;
+        tracing::info!(
+            library = cnrt.path(),
+            version = ?cnrt.version(),
+            memcpy_async = cnrt.memcpy_async_name(),
+            devices,
+            "mlu runtime started"
+        );
+        Ok(Arc::new(MluRuntime {
+            cnrt,
+            devices,
+            jobs: Mutex::new(tx),
+            handles: Mutex::new(HashMap::new()),
+        }))
+    }
+
+    pub(crate) fn cnrt(&self) -> &Arc<Cnrt> {
+        &self.cnrt
+    }
+
+    fn ordinal_ok(&self, ordinal: u32) -> Result<()> {
+        if ordinal < self.devices {
+            Ok(())
+        } else {
+            Err(Error::new(
+                ErrorKind::InvalidRequest,
+                format!(
+                    "there is no mlu:{ordinal}: this process sees {} MLUs",
+                    self.devices
+                ),
+            ))
+        }
+    }
+
+    /// The IPC handle of the allocation starting at `base`, acquired once.
+    ///
+    /// # Errors
+    /// CNRT's error from `cnrtAcquireMemHandle`.
+    pub(crate) fn ipc_handle(&self, ordinal: u32, base: u64) -> Result<IpcHandle> {
+        let mut handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(h) = handles.get(&base) {
+            return Ok(*h);
+        }
+        let h = self
+            .cnrt
+            .with_device(ordinal, || self.cnrt.acquire_mem_handle(base))?;
+        handles.insert(base, h);
+        Ok(h)
+    }
+
+    /// Maps a peer's IPC handle; the memory is on local device `ordinal`.
+    pub(crate) fn map(&self, ordinal: u32, handle: IpcHandle) -> Result<u64> {
+        self.cnrt
+            .with_device(ordinal, || self.cnrt.map_mem_handle(handle))
+    }
+
+    /// Undoes [`MluRuntime::map`].
+    pub(crate) fn unmap(&self, ordinal: u32, addr: u64) -> Result<()> {
+        self.cnrt
+            .with_device(ordinal, || self.cnrt.unmap_mem_handle(addr))
+    }
+}
+
+fn not_mlu(addr: u64) -> Error {
+    Error::new(
+        ErrorKind::InvalidRequest,
+        format!("{addr:#x} is not MLU device memory (allocate it with cnrtMalloc or Engine::alloc_on(mlu:N))"),
+    )
+}
+
+impl DeviceRuntime for MluRuntime {
+    fn name(&self) -> &str {
+        RUNTIME
+    }
+
+    fn device_count(&self) -> Result<u32> {
+        Ok(self.devices)
+    }
+
+    fn pointer_info(&self, addr: u64) -> Result<PointerInfo> {
+        let a = self
+            .cnrt
+            .pointer_attributes(addr)
+            .map_err(|_| not_mlu(addr))?;
+        if a.kind != MEM_TYPE_DEVICE || a.device < 0 || a.size == 0 {
+            return Err(not_mlu(addr));
+        }
+        let base = if a.device_base_pointer.is_null() {
+            addr
+        } else {
+            a.device_base_pointer as u64
+        };
+        Ok(PointerInfo {
+            ordinal: a.device as u32,
+            base,
+            len: a.size as u64,
+        })
+    }
+
+    fn alloc(&self, ordinal: u32, len: usize) -> Result<u64> {
+        self.ordinal_ok(ordinal)?;
+        if len == 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidRequest,
+                "cannot allocate zero bytes",
+            ));
+        }
+        self.cnrt
+            .with_device(ordinal, || self.cnrt.malloc(len))
+            .map_err(|e| e.with_context("mlu", ordinal).with_context("bytes", len))
+    }
+
+    fn free(&self, ordinal: u32, addr: u64) -> Result<()> {
+        self.handles
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&addr);
+        self.cnrt.with_device(ordinal, || self.cnrt.free(addr))
+    }
+
+    fn alloc_pinned(&self, len: usize) -> Result<*mut u8> {
+        self.cnrt.host_malloc(len.max(1))
+    }
+
+    unsafe fn free_pinned(&self, ptr: *mut u8, _len: usize) {
+        // SAFETY: the caller passes a pointer from `alloc_pinned`, unused afterwards.
+        if let Err(e) = unsafe { self.cnrt.free_host(ptr) } {
+            tracing::warn!(error = %e, "freeing pinned memory failed");
+        }
+    }
+
+    unsafe fn copy(&self, copy: DeviceCopy, done: CopyDone) -> Result<()> {
+        let ordinal = match copy {
+            DeviceCopy::ToDevice { ordinal, .. } | DeviceCopy::ToHost { ordinal, .. } => ordinal,
+        };
+        self.ordinal_ok(ordinal)?;
+        self.jobs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send((copy, done))
+            .map_err(|_| Error::new(ErrorKind::Unavailable, "the MLU copy thread is gone"))
+    }
+}

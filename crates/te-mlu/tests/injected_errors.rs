@@ -1,0 +1,182 @@
+//! Errors injected into the FAKE libcnrt surface as clear te errors and fail only the
+//! batch (or allocation) they hit; the next one succeeds with every byte right.
+//!
+//! The tests run one at a time: an injected error hits the next call of its function
+//! anywhere in the process. Copies are slowed to 50 ms, so a batch's queue is always
+//! still busy when the backend first queries it and it has to synchronize.
+
+mod common;
+
+use common::*;
+use libtest_mimic::{Arguments, Failed, Trial};
+use te_core::{Access, Engine, ErrorKind, Peer, TransferRequest};
+
+type Inject = unsafe extern "C" fn(*const std::ffi::c_char, i32, i32);
+
+const NO_MEM: i32 = 100100;
+const ARGS_INVALID: i32 = 100006;
+const NOT_READY: i32 = 1;
+
+/// Injects `code` into the next `count` calls of `name` in the fake te-mlu loaded.
+fn inject(name: &str, code: i32, count: i32) {
+    // SAFETY: the same file te-mlu loaded, so dlopen returns the same instance; its
+    // initialisers only read environment variables.
+    let lib = unsafe { libloading::Library::new(env!("TE_MLU_FAKE_CNRT")) }.expect("fake");
+    // SAFETY: the fake-only function's prototype.
+    let f: libloading::Symbol<'_, Inject> =
+        unsafe { lib.get(b"te_fake_cnrt_inject\0") }.expect("te_fake_cnrt_inject");
+    let name = std::ffi::CString::new(name).expect("name");
+    // SAFETY: a NUL-terminated name.
+    unsafe { f(name.as_ptr(), code, count) };
+}
+
+fn e2f(e: te_core::Error) -> Failed {
+    e.to_string().into()
+}
+
+struct Pair {
+    src: te_core::Buffer,
+    dst: te_core::Buffer,
+    peer: Peer,
+    remote: te_core::RegionId,
+    initiator: Engine,
+    _target: Engine,
+}
+
+fn pair(backend: &str) -> Result<Pair, Failed> {
+    let target = Engine::from_config(&config(backend, "")).map_err(e2f)?;
+    let initiator = Engine::from_config(&config(backend, "")).map_err(e2f)?;
+    let dst = target
+        .alloc_on(&mlu(1), "dst", 64 << 10, Access::REMOTE_READ_WRITE)
+        .map_err(e2f)?;
+    let src = filled(&initiator, &mlu(0), "src", 64 << 10, Access::LOCAL, 3);
+    let peer = initiator
+        .connect(&target.address().to_string())
+        .map_err(e2f)?;
+    let remote = peer.region("dst").ok_or("no dst")?.id;
+    Ok(Pair {
+        src,
+        dst,
+        peer,
+        remote,
+        initiator,
+        _target: target,
+    })
+}
+
+/// Injects, runs one batch that must fail naming `needle`, then one that must succeed.
+fn one_batch_fails(backend: &str, name: &str, code: i32, needle: &str) -> Result<(), Failed> {
+    let p = pair(backend)?;
+    let req = [TransferRequest::write(p.src.id(), 0, p.remote, 0, 64 << 10)];
+    inject(name, code, 1);
+    let e = match p.initiator.transfer(&p.peer, &req) {
+        Err(e) => e,
+        Ok(h) => match h.wait() {
+            Err(e) => e,
+            Ok(()) => return Err(format!("the batch with {name} failing succeeded").into()),
+        },
+    };
+    if e.kind() != ErrorKind::Backend || !e.to_string().contains(needle) {
+        return Err(format!("expected a Backend error naming `{needle}`, got {e:?}").into());
+    }
+    p.initiator
+        .transfer(&p.peer, &req)
+        .map_err(e2f)?
+        .wait()
+        .map_err(|e| format!("the batch after the failed one failed too: {e}"))?;
+    if p.dst.to_vec().map_err(e2f)? != p.src.to_vec().map_err(e2f)? {
+        return Err("the batch after the failed one left wrong bytes".into());
+    }
+    Ok(())
+}
+
+fn an_allocation_without_device_memory_fails_clearly_and_the_next_succeeds() -> Result<(), Failed> {
+    let e = Engine::from_config(&config("mlu", "")).map_err(e2f)?;
+    inject("cnrtMalloc", NO_MEM, 1);
+    let err = e
+        .alloc_on(&mlu(0), "big", 1 << 20, Access::LOCAL)
+        .expect_err("the injected NoMem");
+    let m = err.to_string();
+    if !m.contains("cnrtMalloc failed: cnrtErrorNoMem (100100)") || !m.contains("mlu=0") {
+        return Err(format!("unclear error: {m}").into());
+    }
+    e.alloc_on(&mlu(0), "big", 1 << 20, Access::LOCAL)
+        .map_err(e2f)?;
+    Ok(())
+}
+
+fn an_invalid_argument_from_the_copy_fails_only_its_batch() -> Result<(), Failed> {
+    one_batch_fails(
+        "mlu",
+        "cnrtMemcpyPeerAsync",
+        ARGS_INVALID,
+        "cnrtMemcpyPeerAsync failed: cnrtErrorArgsInvalid (100006)",
+    )
+}
+
+fn a_queue_that_is_not_ready_at_sync_fails_only_its_batch() -> Result<(), Failed> {
+    one_batch_fails(
+        "mlu",
+        "cnrtQueueSync",
+        NOT_READY,
+        "cnrtQueueSync failed: cnrtErrorNotReady (1)",
+    )
+}
+
+fn not_ready_from_a_queue_query_only_means_wait() -> Result<(), Failed> {
+    let p = pair("mlu")?;
+    inject("cnrtQueueQuery", NOT_READY, 3);
+    let req = [TransferRequest::write(p.src.id(), 0, p.remote, 0, 64 << 10)];
+    p.initiator
+        .transfer(&p.peer, &req)
+        .map_err(e2f)?
+        .wait()
+        .map_err(e2f)?;
+    if p.dst.to_vec().map_err(e2f)? != p.src.to_vec().map_err(e2f)? {
+        return Err("wrong bytes after a NotReady query".into());
+    }
+    Ok(())
+}
+
+fn a_failing_runtime_copy_fails_only_its_stub_batch() -> Result<(), Failed> {
+    one_batch_fails(
+        "stub",
+        "cnrtMemcpyAsync_V3",
+        ARGS_INVALID,
+        "cnrtMemcpyAsync_V3 failed: cnrtErrorArgsInvalid (100006)",
+    )
+}
+
+fn main() {
+    use_fake_cnrt(&[("TE_FAKE_CNRT_COPY_DELAY_US", "50000")]);
+    type Test = fn() -> Result<(), Failed>;
+    let tests: [(&str, Test); 5] = [
+        (
+            "mlu::an_allocation_without_device_memory_fails_clearly_and_the_next_succeeds",
+            an_allocation_without_device_memory_fails_clearly_and_the_next_succeeds,
+        ),
+        (
+            "mlu::an_invalid_argument_from_the_copy_fails_only_its_batch",
+            an_invalid_argument_from_the_copy_fails_only_its_batch,
+        ),
+        (
+            "mlu::a_queue_that_is_not_ready_at_sync_fails_only_its_batch",
+            a_queue_that_is_not_ready_at_sync_fails_only_its_batch,
+        ),
+        (
+            "mlu::not_ready_from_a_queue_query_only_means_wait",
+            not_ready_from_a_queue_query_only_means_wait,
+        ),
+        (
+            "stub_mlu::a_failing_runtime_copy_fails_only_its_stub_batch",
+            a_failing_runtime_copy_fails_only_its_stub_batch,
+        ),
+    ];
+    let trials = tests
+        .into_iter()
+        .map(|(name, f)| Trial::test(name, f))
+        .collect();
+    let mut args = Arguments::from_args();
+    args.test_threads = Some(1);
+    libtest_mimic::run(&args, trials).exit()
+}
