@@ -1,0 +1,164 @@
+//! Results: per-batch latencies, their summary, and the record printed for a point.
+
+use serde::Serialize;
+
+/// Per-batch latency summary, in microseconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Summary {
+    /// Mean.
+    pub(crate) avg: f64,
+    /// Median.
+    pub(crate) p50: f64,
+    /// 99th percentile.
+    pub(crate) p99: f64,
+    /// 99.9th percentile.
+    pub(crate) p999: f64,
+}
+
+/// Summarises latencies given in nanoseconds; sorts them in place. `None` if empty.
+///
+/// Percentiles are nearest-rank: p99 of 100 samples is the 99th smallest.
+pub(crate) fn summarise(ns: &mut [u64]) -> Option<Summary> {
+    if ns.is_empty() {
+        return None;
+    }
+    ns.sort_unstable();
+    let rank = |p: f64| {
+        let r = (p * ns.len() as f64).ceil() as usize;
+        ns[r.clamp(1, ns.len()) - 1] as f64 / 1e3
+    };
+    let sum: u128 = ns.iter().map(|&n| u128::from(n)).sum();
+    Some(Summary {
+        avg: sum as f64 / ns.len() as f64 / 1e3,
+        p50: rank(0.50),
+        p99: rank(0.99),
+        p999: rank(0.999),
+    })
+}
+
+/// One result line: a measured te point, or a baseline.
+///
+/// These are exactly the fields of `--json`; baselines use the same fields, with
+/// `null` where a number was not measured (a socket pump has no per-batch latency).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(crate) struct Record {
+    /// The backend, or `baseline-memcpy`, `baseline-socket`, `baseline-qperf`.
+    pub(crate) backend: String,
+    /// `write` or `read` (`write` for baselines: bytes flow one way).
+    pub(crate) op: String,
+    /// Bytes per request (per copy, per socket write).
+    pub(crate) block_size: u64,
+    /// Requests per batch.
+    pub(crate) batch_size: u64,
+    /// Initiator threads (connections for the socket pump).
+    pub(crate) threads: u64,
+    /// Bytes moved in the measured time.
+    pub(crate) bytes: Option<u64>,
+    /// The measured time.
+    pub(crate) seconds: Option<f64>,
+    /// `bytes / seconds / 1e9`.
+    pub(crate) gb_per_s: f64,
+    /// Mean per-batch latency.
+    pub(crate) lat_us_avg: Option<f64>,
+    /// Median per-batch latency.
+    pub(crate) lat_us_p50: Option<f64>,
+    /// 99th percentile per-batch latency.
+    pub(crate) lat_us_p99: Option<f64>,
+    /// 99.9th percentile per-batch latency.
+    pub(crate) lat_us_p999: Option<f64>,
+}
+
+impl Record {
+    /// A record of `bytes` moved in `seconds`, with latencies if measured.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn measured(
+        backend: &str,
+        op: te::Op,
+        block_size: u64,
+        batch_size: u64,
+        threads: u64,
+        bytes: u64,
+        seconds: f64,
+        lat: Option<Summary>,
+    ) -> Record {
+        Record {
+            backend: backend.to_string(),
+            op: op.to_string(),
+            block_size,
+            batch_size,
+            threads,
+            bytes: Some(bytes),
+            seconds: Some(seconds),
+            gb_per_s: gb_per_s(bytes, seconds),
+            lat_us_avg: lat.map(|l| l.avg),
+            lat_us_p50: lat.map(|l| l.p50),
+            lat_us_p99: lat.map(|l| l.p99),
+            lat_us_p999: lat.map(|l| l.p999),
+        }
+    }
+
+    /// Whether this is a baseline rather than a te measurement.
+    pub(crate) fn is_baseline(&self) -> bool {
+        self.backend.starts_with("baseline-")
+    }
+}
+
+/// Decimal gigabytes per second, as Mooncake and NIXL report; 0 for no time.
+pub(crate) fn gb_per_s(bytes: u64, seconds: f64) -> f64 {
+    if seconds > 0.0 {
+        bytes as f64 / seconds / 1e9
+    } else {
+        0.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank_in_microseconds() {
+        let mut ns: Vec<u64> = (1..=1000).rev().map(|i| i * 1000).collect();
+        let s = summarise(&mut ns).unwrap();
+        assert_eq!(s.p50, 500.0);
+        assert_eq!(s.p99, 990.0);
+        assert_eq!(s.p999, 999.0);
+        assert_eq!(s.avg, 500.5);
+        let one = summarise(&mut [2500]).unwrap();
+        assert_eq!((one.p50, one.p999), (2.5, 2.5));
+        assert!(summarise(&mut []).is_none());
+    }
+
+    #[test]
+    fn throughput_is_decimal_gigabytes_per_second() {
+        assert_eq!(gb_per_s(3_000_000_000, 1.5), 2.0);
+        assert_eq!(gb_per_s(1, 0.0), 0.0);
+    }
+
+    #[test]
+    fn a_record_serialises_to_exactly_the_documented_fields() {
+        let r = Record::measured("stub", te::Op::Write, 4096, 8, 1, 1 << 20, 0.5, None);
+        let v = serde_json::to_value(&r).unwrap();
+        let keys: Vec<_> = v.as_object().unwrap().keys().cloned().collect();
+        let mut want = vec![
+            "backend",
+            "op",
+            "block_size",
+            "batch_size",
+            "threads",
+            "bytes",
+            "seconds",
+            "gb_per_s",
+            "lat_us_avg",
+            "lat_us_p50",
+            "lat_us_p99",
+            "lat_us_p999",
+        ];
+        want.sort_unstable();
+        let mut keys = keys;
+        keys.sort_unstable();
+        assert_eq!(keys, want);
+        assert!(v["lat_us_p99"].is_null());
+        assert_eq!(v["op"], "write");
+    }
+}
