@@ -1,0 +1,395 @@
+//! `te bench` as a user runs it: JSON lines, verify, sweeps with a plot, bad input,
+//! and against a `te serve` in another process.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+
+/// Every field of a `--json` result line.
+const FIELDS: [&str; 12] = [
+    "backend",
+    "op",
+    "block_size",
+    "batch_size",
+    "threads",
+    "bytes",
+    "seconds",
+    "gb_per_s",
+    "lat_us_avg",
+    "lat_us_p50",
+    "lat_us_p99",
+    "lat_us_p999",
+];
+
+fn te() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_te"));
+    c.env_remove("TE_CONFIG").env_remove("RUST_LOG");
+    c
+}
+
+fn bench(args: &[&str]) -> Output {
+    te().arg("bench").args(args).output().unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Parses every stdout line as a JSON object with exactly the documented fields.
+fn json_lines(out: &Output) -> Vec<serde_json::Value> {
+    assert!(
+        out.status.success(),
+        "exit {:?}: {}",
+        out.status,
+        text(&out.stderr)
+    );
+    let stdout = text(&out.stdout);
+    let lines: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    assert!(!lines.is_empty(), "no output");
+    for v in &lines {
+        let obj = v.as_object().unwrap();
+        let mut keys: Vec<&str> = obj.keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        let mut want = FIELDS.to_vec();
+        want.sort_unstable();
+        assert_eq!(keys, want, "{v}");
+    }
+    lines
+}
+
+fn te_result(v: &serde_json::Value) -> bool {
+    !v["backend"].as_str().unwrap().starts_with("baseline-")
+}
+
+#[test]
+fn the_acceptance_command_prints_valid_json_lines_and_verifies() {
+    let out = bench(&[
+        "--backend",
+        "stub",
+        "--block-size",
+        "1MiB",
+        "--batch",
+        "64",
+        "--duration",
+        "300ms",
+        "--warmup",
+        "0s",
+        "--json",
+        "--verify",
+    ]);
+    let lines = json_lines(&out);
+    assert_eq!(lines.len(), 1);
+    let v = &lines[0];
+    assert_eq!(v["backend"], "stub");
+    assert_eq!(v["op"], "write");
+    assert_eq!(v["block_size"], 1 << 20);
+    assert_eq!(v["batch_size"], 64);
+    assert_eq!(v["threads"], 1);
+    let bytes = v["bytes"].as_u64().unwrap();
+    assert!(bytes > 0 && bytes % (64 << 20) == 0, "{v}");
+    let (secs, gbps) = (
+        v["seconds"].as_f64().unwrap(),
+        v["gb_per_s"].as_f64().unwrap(),
+    );
+    assert!(
+        (gbps - bytes as f64 / secs / 1e9).abs() < 1e-6 * gbps,
+        "{v}"
+    );
+    let p50 = v["lat_us_p50"].as_f64().unwrap();
+    let p999 = v["lat_us_p999"].as_f64().unwrap();
+    assert!(
+        p50 > 0.0 && p50 <= v["lat_us_p99"].as_f64().unwrap() && p999 >= p50,
+        "{v}"
+    );
+}
+
+#[test]
+fn reads_with_several_threads_verify_too() {
+    let out = bench(&[
+        "--op",
+        "read",
+        "--block-size",
+        "64KiB",
+        "--batch",
+        "8",
+        "--threads",
+        "2",
+        "--iters",
+        "20",
+        "--warmup",
+        "0s",
+        "--json",
+        "--verify",
+    ]);
+    let v = &json_lines(&out)[0];
+    assert_eq!(v["op"], "read");
+    assert_eq!(v["threads"], 2);
+    assert_eq!(v["bytes"], 2 * 20 * 8 * (64 << 10));
+}
+
+#[test]
+fn a_sweep_writes_a_table_and_an_svg_plot_with_one_line_per_batch_size() {
+    let svg = std::env::temp_dir().join(format!("te-bench-{}.svg", std::process::id()));
+    let out = bench(&[
+        "--block-sizes",
+        "4KiB,16KiB,64KiB",
+        "--batch-sizes",
+        "1,4",
+        "--duration",
+        "40ms",
+        "--warmup",
+        "0s",
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let rows = stdout.lines().filter(|l| l.starts_with("stub ")).count();
+    assert_eq!(rows, 6, "{stdout}");
+    assert!(
+        stdout.contains("GB/S") && stdout.contains("P99.9"),
+        "{stdout}"
+    );
+    // Not a terminal: plain progress lines, one per start and end of each point.
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("te bench: [6/6]"), "{stderr}");
+    let plot = std::fs::read_to_string(&svg).unwrap();
+    let _ = std::fs::remove_file(&svg);
+    assert!(plot.starts_with("<svg"), "{plot}");
+    assert_eq!(plot.matches("<polyline").count(), 2);
+    assert!(plot.contains("batch 1") && plot.contains("batch 4"));
+    assert!(plot.contains(">4K<") && plot.contains(">64K<"));
+}
+
+#[test]
+fn baselines_come_as_their_own_json_lines_and_a_missing_qperf_is_one_line() {
+    let out = te()
+        .args([
+            "bench",
+            "--block-size",
+            "256KiB",
+            "--batch",
+            "4",
+            "--duration",
+            "100ms",
+        ])
+        .args(["--warmup", "0s", "--baseline", "--json"])
+        .env("PATH", "")
+        .output()
+        .unwrap();
+    let lines = json_lines(&out);
+    let backends: Vec<&str> = lines
+        .iter()
+        .map(|v| v["backend"].as_str().unwrap())
+        .collect();
+    assert_eq!(backends, ["stub", "baseline-memcpy", "baseline-socket"]);
+    assert!(lines.iter().all(|v| v["gb_per_s"].as_f64().unwrap() > 0.0));
+    assert!(lines[2]["lat_us_p50"].is_null());
+    assert!(!te_result(&lines[1]));
+    let stderr = text(&out.stderr);
+    assert_eq!(
+        stderr.matches("qperf is not installed").count(),
+        1,
+        "{stderr}"
+    );
+}
+
+#[test]
+fn the_human_report_compares_with_memcpy_and_the_socket_pump() {
+    let out = te()
+        .args([
+            "bench",
+            "--block-size",
+            "256KiB",
+            "--batch",
+            "4",
+            "--duration",
+            "100ms",
+        ])
+        .args(["--warmup", "0s", "--baseline"])
+        .env("PATH", "")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("of single-thread memcpy"), "{stdout}");
+    assert!(stdout.contains("raw loopback TCP socket pump"), "{stdout}");
+    assert!(
+        stdout.contains("×MEMCPY") && stdout.contains("baseline-socket"),
+        "{stdout}"
+    );
+}
+
+/// Runs `te bench ARGS` and expects exit status 1 with one line on stderr containing
+/// every needle: input refused before anything runs.
+fn refused(args: &[&str], needles: &[&str]) {
+    let stderr = failed(args, needles);
+    assert_eq!(stderr.lines().count(), 1, "{args:?} => {stderr}");
+}
+
+/// Runs `te bench ARGS` and expects exit status 1, its last stderr line (after any
+/// progress lines) the one error, containing every needle.
+fn failed(args: &[&str], needles: &[&str]) -> String {
+    let out = bench(args);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{args:?} => {stderr}");
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(last.starts_with("te: error: "), "{stderr}");
+    assert_eq!(stderr.matches("te: error:").count(), 1, "{stderr}");
+    for n in needles {
+        assert!(last.contains(n), "{args:?}: `{n}` not in {stderr}");
+    }
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    stderr
+}
+
+#[test]
+fn bad_input_is_one_line_and_a_non_zero_exit() {
+    refused(
+        &["--block-size", "0"],
+        &["--block-size", "greater than zero"],
+    );
+    refused(&["--block-size", "lots"], &["--block-size", "4096, 64KiB"]);
+    refused(&["--batch", "0"], &["--batch"]);
+    refused(&["--threads", "0"], &["--threads"]);
+    refused(&["--iters", "0"], &["--iters"]);
+    refused(&["--duration", "0s"], &["--duration"]);
+    refused(
+        &["--block-sizes", "4KiB,,8KiB"],
+        &["--block-sizes", "empty"],
+    );
+    refused(&["--op", "copy"], &["copy", "read", "write"]);
+    refused(
+        &["--block-size", "4MiB", "--buffer-size", "1MiB"],
+        &["4 MiB", "does not fit", "1 MiB"],
+    );
+    refused(&["--backend", "nope"], &["nope", "stub"]);
+}
+
+#[test]
+fn an_unreachable_target_is_one_line_and_a_non_zero_exit() {
+    // A port that was free a moment ago: nothing listens there.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    refused(&["--target", &addr, "--duration", "100ms"], &[&addr]);
+}
+
+/// `te serve` in its own process, killed when dropped.
+struct Serve {
+    child: Child,
+    addr: String,
+}
+
+impl Serve {
+    fn start(backend: &str, size: &str) -> Serve {
+        let mut child = te()
+            .args(["serve", "--backend", backend, "--buffer-size", size])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line.trim().to_string();
+        assert!(addr.contains(':'), "te serve printed `{addr}` first");
+        Serve { child, addr }
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn bench_and_serve_work_as_two_processes_over_tcp() {
+    let serve = Serve::start("tcp", "8MiB");
+    for op in ["write", "read"] {
+        let out = bench(&[
+            "--backend",
+            "tcp",
+            "--target",
+            &serve.addr,
+            "--op",
+            op,
+            "--block-size",
+            "256KiB",
+            "--batch",
+            "8",
+            "--threads",
+            "2",
+            "--duration",
+            "300ms",
+            "--warmup",
+            "0s",
+            "--verify",
+            "--json",
+        ]);
+        let v = &json_lines(&out)[0];
+        assert_eq!(v["backend"], "tcp");
+        assert_eq!(v["op"], op);
+        assert!(v["gb_per_s"].as_f64().unwrap() > 0.0, "{v}");
+    }
+    // The target's 8 MiB buffer cannot hold 2 threads × 8 MiB blocks.
+    refused(
+        &[
+            "--backend",
+            "tcp",
+            "--target",
+            &serve.addr,
+            "--block-size",
+            "8MiB",
+            "--threads",
+            "2",
+        ],
+        &["8 MiB", "does not fit", "te serve --buffer-size"],
+    );
+}
+
+#[test]
+fn a_stub_target_in_another_process_is_refused_with_the_reason() {
+    let serve = Serve::start("stub", "1MiB");
+    refused(
+        &["--backend", "stub", "--target", &serve.addr],
+        &["one process", "tcp"],
+    );
+}
+
+#[test]
+fn verify_fails_the_run_when_bytes_do_not_arrive() {
+    // The stub's noop mode completes every batch without moving a byte.
+    let cfg = std::env::temp_dir().join(format!("te-bench-noop-{}.toml", std::process::id()));
+    std::fs::write(&cfg, "[backends.stub]\nmode = \"noop\"\n").unwrap();
+    for op in ["write", "read"] {
+        failed(
+            &[
+                "--config",
+                cfg.to_str().unwrap(),
+                "--op",
+                op,
+                "--block-size",
+                "4KiB",
+                "--batch",
+                "4",
+                "--iters",
+                "3",
+                "--warmup",
+                "0s",
+                "--verify",
+                "--json",
+            ],
+            &["verify failed", "16384 of 16384 bytes", "offset 0"],
+        );
+    }
+    let _ = std::fs::remove_file(&cfg);
+}
