@@ -6,15 +6,21 @@ use std::path::Path;
 
 use te_core::{Access, Buffer, Config, Engine, KvGroup, KvLayout, KvSlot, MemoryKind, RegionId};
 
-/// Points te-mlu at the fake libcnrt. Call first thing in `main`, before any thread
-/// starts (it sets environment variables).
+/// Points te-mlu at the fake libcnrt, or at the real one `TE_MLU_REAL_CNRT` names (to
+/// run these tests on MLUs). Call first thing in `main`, before any thread starts (it
+/// sets environment variables).
 pub fn use_fake_cnrt(extra_env: &[(&str, &str)]) {
-    let fake = env!("TE_MLU_FAKE_CNRT");
-    assert!(
-        !fake.is_empty(),
-        "the fake libcnrt was not built (is a C compiler installed?); see the build script's warnings"
-    );
-    std::env::set_var("TE_MLU_CNRT_LIB", fake);
+    if let Ok(real) = std::env::var("TE_MLU_REAL_CNRT") {
+        println!("te-mlu tests: using the real CNRT at {real}");
+        std::env::set_var("TE_MLU_CNRT_LIB", real);
+    } else {
+        let fake = env!("TE_MLU_FAKE_CNRT");
+        assert!(
+            !fake.is_empty(),
+            "the fake libcnrt was not built (is a C compiler installed?); see the build script's warnings"
+        );
+        std::env::set_var("TE_MLU_CNRT_LIB", fake);
+    }
     for (k, v) in extra_env {
         std::env::set_var(k, v);
     }
