@@ -1,0 +1,223 @@
+//! The `[backends.rdma]` table. Every knob is described in the crate docs and in
+//! `docs/rdma.md`.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+use te_core::{Error, ErrorKind, Result};
+
+/// The RDMA backend's options.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+#[non_exhaustive]
+pub struct RdmaConfig {
+    /// The RDMA devices to use (`mlx5_0`, …); empty uses every device with an active port.
+    pub devices: Vec<String>,
+    /// The port of each device (ports are numbered from 1).
+    pub port: u8,
+    /// The GID index for RoCE; `None` picks the first RoCE v2 GID of the port.
+    pub gid_index: Option<u8>,
+    /// Where the connect side channel listens (`HOST:PORT`; port 0 picks a free port).
+    pub listen: String,
+    /// The host or IP peers use to reach the side channel; default: the `listen` host.
+    /// Required when `listen` binds every interface.
+    pub advertise: Option<String>,
+    /// Requests longer than this are cut into slices, striped across NICs and QPs.
+    #[serde(deserialize_with = "size")]
+    pub slice_size: u64,
+    /// Reliable-connection QPs per (local NIC, peer NIC) path.
+    pub qps_per_path: usize,
+    /// Work requests one QP may have outstanding; more wait in the QP's queue.
+    pub max_outstanding: u32,
+    /// One work request in this many is signalled (the last one of every post always is).
+    pub signal_every: u32,
+    /// After the completion queue runs dry, keep polling this long before sleeping on
+    /// the completion channel again; 0 never polls without an event.
+    #[serde(deserialize_with = "duration")]
+    pub adaptive_poll: Duration,
+    /// Limit for the connect exchange with one peer.
+    #[serde(deserialize_with = "duration")]
+    pub connect_timeout: Duration,
+    /// Path MTU cap in bytes (256, 512, 1024, 2048, 4096); the port's active MTU and the
+    /// peer's are used when smaller.
+    pub mtu: u32,
+    /// Local ACK timeout exponent: 4.096 µs × 2^timeout (14 ≈ 67 ms).
+    pub timeout: u8,
+    /// Transport retries before a work request fails with `RETRY_EXC_ERR` (0–7).
+    pub retry_count: u8,
+    /// RNR retries (7 = infinite).
+    pub rnr_retry: u8,
+    /// Service level.
+    pub service_level: u8,
+    /// RoCE traffic class (DSCP << 2).
+    pub traffic_class: u8,
+}
+
+impl Default for RdmaConfig {
+    fn default() -> Self {
+        RdmaConfig {
+            devices: Vec::new(),
+            port: 1,
+            gid_index: None,
+            listen: "127.0.0.1:0".to_string(),
+            advertise: None,
+            slice_size: 64 << 10,
+            qps_per_path: 2,
+            max_outstanding: 128,
+            signal_every: 16,
+            adaptive_poll: Duration::ZERO,
+            connect_timeout: Duration::from_secs(5),
+            mtu: 4096,
+            timeout: 14,
+            retry_count: 7,
+            rnr_retry: 7,
+            service_level: 0,
+            traffic_class: 0,
+        }
+    }
+}
+
+/// The largest slice: one work request moves at most 2^31 bytes, and slices this big
+/// would defeat striping anyway.
+pub(crate) const MAX_SLICE: u64 = 1 << 30;
+
+impl RdmaConfig {
+    /// Checks values serde cannot.
+    ///
+    /// # Errors
+    /// `ConfigInvalid`, naming the key and the accepted range.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| {
+            Err(
+                Error::new(ErrorKind::ConfigInvalid, format!("[backends.rdma] {m}"))
+                    .with_operation("create backend"),
+            )
+        };
+        if self.port == 0 {
+            return bad("port = 0: ports are numbered from 1".into());
+        }
+        if !(4096..=MAX_SLICE).contains(&self.slice_size) {
+            return bad(format!(
+                "slice_size = {} is outside 4KiB..=1GiB",
+                self.slice_size
+            ));
+        }
+        if !(1..=16).contains(&self.qps_per_path) {
+            return bad(format!(
+                "qps_per_path = {} is outside 1..=16",
+                self.qps_per_path
+            ));
+        }
+        if !(1..=16384).contains(&self.max_outstanding) {
+            return bad(format!(
+                "max_outstanding = {} is outside 1..=16384",
+                self.max_outstanding
+            ));
+        }
+        if self.signal_every == 0 || self.signal_every > self.max_outstanding {
+            return bad(format!(
+                "signal_every = {} must be between 1 and max_outstanding ({})",
+                self.signal_every, self.max_outstanding
+            ));
+        }
+        if crate::qp::mtu_enum(self.mtu).is_none() {
+            return bad(format!(
+                "mtu = {} is not one of 256, 512, 1024, 2048, 4096",
+                self.mtu
+            ));
+        }
+        if self.timeout > 31 || self.retry_count > 7 || self.rnr_retry > 7 {
+            return bad("timeout is 0–31, retry_count and rnr_retry are 0–7".into());
+        }
+        if self.service_level > 15 {
+            return bad(format!(
+                "service_level = {} is outside 0–15",
+                self.service_level
+            ));
+        }
+        if self.adaptive_poll > Duration::from_millis(10) {
+            return bad("adaptive_poll is at most 10ms: it burns a core while it polls".into());
+        }
+        if self.connect_timeout.is_zero() {
+            return bad("connect_timeout must be greater than zero".into());
+        }
+        Ok(())
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum SizeValue {
+    Int(u64),
+    Text(String),
+}
+
+fn size<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
+    match SizeValue::deserialize(d)? {
+        SizeValue::Int(n) => Ok(n),
+        SizeValue::Text(s) => te_core::config::parse_size(&s)
+            .map_err(|e| serde::de::Error::custom(e.message().to_string())),
+    }
+}
+
+fn duration<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Duration, D::Error> {
+    let s = String::deserialize(d)?;
+    te_core::config::parse_duration(&s).map_err(serde::de::Error::custom)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use te_core::BackendContext;
+
+    fn parse(text: &str) -> Result<RdmaConfig> {
+        let ctx = BackendContext {
+            engine: "t".into(),
+            table: text.parse().expect("toml"),
+            source: "test.toml".into(),
+        };
+        let c: RdmaConfig = ctx.parse(crate::NAME)?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    #[test]
+    fn defaults_are_valid_and_the_slice_is_64_kib() {
+        let c = parse("").unwrap();
+        assert_eq!(c, RdmaConfig::default());
+        assert_eq!(c.slice_size, 64 << 10);
+    }
+
+    #[test]
+    fn options_parse_with_units() {
+        let c = parse(
+            "devices = [\"mlx5_0\", \"mlx5_1\"]\ngid_index = 3\nslice_size = \"1MiB\"\nadaptive_poll = \"20us\"",
+        )
+        .unwrap();
+        assert_eq!(c.devices, ["mlx5_0", "mlx5_1"]);
+        assert_eq!(c.gid_index, Some(3));
+        assert_eq!(c.slice_size, 1 << 20);
+        assert_eq!(c.adaptive_poll, Duration::from_micros(20));
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_refused_with_the_key() {
+        let e = parse("device = [\"mlx5_0\"]").unwrap_err();
+        assert!(e.to_string().contains("device"), "{e}");
+        assert!(e.to_string().contains("test.toml"), "{e}");
+        for (text, key) in [
+            ("slice_size = 100", "slice_size"),
+            ("qps_per_path = 0", "qps_per_path"),
+            ("signal_every = 0", "signal_every"),
+            ("max_outstanding = 8\nsignal_every = 9", "signal_every"),
+            ("mtu = 1500", "mtu"),
+            ("port = 0", "port"),
+            ("retry_count = 8", "retry_count"),
+            ("adaptive_poll = \"1s\"", "adaptive_poll"),
+        ] {
+            let e = parse(text).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::ConfigInvalid, "{text}");
+            assert!(e.to_string().contains(key), "{text}: {e}");
+        }
+    }
+}

@@ -1,0 +1,672 @@
+//! What travels between two RDMA backends: the endpoint bytes (in the segment
+//! descriptor), the per-region key bytes (rkeys), and the connect exchange on the side
+//! channel that swaps queue-pair numbers.
+//!
+//! Every format is little-endian, starts with a version, and is decoded strictly:
+//! wrong versions, short or trailing bytes, and out-of-range fields are `Protocol`
+//! errors naming what was wrong.
+//!
+//! **Endpoint** (`SegmentDesc::endpoint`):
+//! `version u8 = 1 · family u8 (4|6) · port u16 · ip [4|16] · instance u64 ·
+//! devices u8 (1–32) · per device: link_layer u8 (1 = InfiniBand, 2 = Ethernet) ·
+//! name_len u8 · name`.
+//!
+//! **Region key** (`RegionDesc::key`): `version u8 = 1 · n u8 · n × rkey u32`, one
+//! rkey per device of the owner, in its endpoint's device order.
+//!
+//! **Connect exchange** (side channel, TCP): each message is a frame
+//! `len u32 · body`, with `len` ≤ [`MAX_MESSAGE`]; a body is
+//! `magic "TERC" · version u16 = 1 · kind u8` and then
+//! - kind 1, request (initiator → target): `initiator instance u64 · target instance
+//!   u64 · n u16 · n × path`;
+//! - kind 2, accept (target → initiator): `n u16 · n × path`, one per requested path,
+//!   in the same order;
+//! - kind 3, refuse: `len u16 · UTF-8 reason`.
+//!
+//! A path is `sender's device u8 · receiver's device u8 · qpn u32 · psn u32 · lid u16
+//! · gid [16] · mtu u8 (IBV_MTU_256 = 1 … IBV_MTU_4096 = 5) · link_layer u8 · port u8`.
+//! QP numbers and PSNs are 24-bit. The target keeps its side of the QPs for as long as
+//! the side channel stays open; closing it is the disconnect.
+
+use std::net::{IpAddr, SocketAddr};
+
+use te_core::{Error, ErrorKind, Result};
+
+/// The endpoint format's version.
+pub(crate) const ENDPOINT_VERSION: u8 = 1;
+/// The region-key format's version.
+pub(crate) const KEY_VERSION: u8 = 1;
+/// The connect exchange's version.
+pub(crate) const EXCHANGE_VERSION: u16 = 1;
+/// The connect exchange's magic.
+pub(crate) const MAGIC: [u8; 4] = *b"TERC";
+/// The largest connect-exchange frame body.
+pub(crate) const MAX_MESSAGE: usize = 64 << 10;
+/// The most devices an endpoint may name.
+pub(crate) const MAX_DEVICES: usize = 32;
+/// The most paths one request may carry.
+pub(crate) const MAX_PATHS: usize = 1024;
+const PATH_LEN: usize = 1 + 1 + 4 + 4 + 2 + 16 + 1 + 1 + 1;
+
+/// A device's link layer; the two ends of a path must agree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LinkLayer {
+    /// InfiniBand: addressed by LID.
+    InfiniBand = 1,
+    /// Ethernet (RoCE): addressed by GID.
+    Ethernet = 2,
+}
+
+impl LinkLayer {
+    fn from_u8(v: u8) -> Option<LinkLayer> {
+        match v {
+            1 => Some(LinkLayer::InfiniBand),
+            2 => Some(LinkLayer::Ethernet),
+            _ => None,
+        }
+    }
+}
+
+/// One device as a peer sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct DeviceInfo {
+    pub(crate) name: String,
+    pub(crate) link_layer: LinkLayer,
+}
+
+/// A backend's endpoint: its side channel, instance and devices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Endpoint {
+    pub(crate) addr: SocketAddr,
+    pub(crate) instance: u64,
+    pub(crate) devices: Vec<DeviceInfo>,
+}
+
+/// One QP's half of a path, as the sender describes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PathInfo {
+    /// The sender's device index (in its endpoint).
+    pub(crate) local_device: u8,
+    /// The receiver's device index (in its endpoint).
+    pub(crate) remote_device: u8,
+    pub(crate) qpn: u32,
+    pub(crate) psn: u32,
+    pub(crate) lid: u16,
+    pub(crate) gid: [u8; 16],
+    /// `ibv_mtu` value, 1–5.
+    pub(crate) mtu: u8,
+    pub(crate) link_layer: LinkLayer,
+    pub(crate) port: u8,
+}
+
+/// A connect-exchange message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Message {
+    Request {
+        initiator: u64,
+        target: u64,
+        paths: Vec<PathInfo>,
+    },
+    Accept {
+        paths: Vec<PathInfo>,
+    },
+    Refuse {
+        reason: String,
+    },
+}
+
+fn protocol(what: &str, m: impl std::fmt::Display) -> Error {
+    Error::new(ErrorKind::Protocol, format!("rdma {what}: {m}"))
+}
+
+/// A little-endian reader that fails with the name of what it was reading.
+struct Reader<'a> {
+    b: &'a [u8],
+    what: &'static str,
+}
+
+impl<'a> Reader<'a> {
+    fn take<const N: usize>(&mut self, field: &str) -> Result<[u8; N]> {
+        let (head, rest) = self
+            .b
+            .split_first_chunk::<N>()
+            .ok_or_else(|| protocol(self.what, format!("truncated at {field}")))?;
+        self.b = rest;
+        Ok(*head)
+    }
+    fn u8(&mut self, field: &str) -> Result<u8> {
+        Ok(self.take::<1>(field)?[0])
+    }
+    fn u16(&mut self, field: &str) -> Result<u16> {
+        Ok(u16::from_le_bytes(self.take(field)?))
+    }
+    fn u32(&mut self, field: &str) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.take(field)?))
+    }
+    fn u64(&mut self, field: &str) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.take(field)?))
+    }
+    fn bytes(&mut self, n: usize, field: &str) -> Result<&'a [u8]> {
+        if self.b.len() < n {
+            return Err(protocol(self.what, format!("truncated at {field}")));
+        }
+        let (head, rest) = self.b.split_at(n);
+        self.b = rest;
+        Ok(head)
+    }
+    fn end(&self) -> Result<()> {
+        if self.b.is_empty() {
+            Ok(())
+        } else {
+            Err(protocol(
+                self.what,
+                format!("{} unexpected trailing bytes", self.b.len()),
+            ))
+        }
+    }
+}
+
+/// Encodes an endpoint.
+pub(crate) fn encode_endpoint(e: &Endpoint) -> Vec<u8> {
+    let mut v = vec![ENDPOINT_VERSION];
+    match e.addr.ip() {
+        IpAddr::V4(ip) => {
+            v.push(4);
+            v.extend_from_slice(&e.addr.port().to_le_bytes());
+            v.extend_from_slice(&ip.octets());
+        }
+        IpAddr::V6(ip) => {
+            v.push(6);
+            v.extend_from_slice(&e.addr.port().to_le_bytes());
+            v.extend_from_slice(&ip.octets());
+        }
+    }
+    v.extend_from_slice(&e.instance.to_le_bytes());
+    v.push(e.devices.len() as u8);
+    for d in &e.devices {
+        v.push(d.link_layer as u8);
+        let name = &d.name.as_bytes()[..d.name.len().min(255)];
+        v.push(name.len() as u8);
+        v.extend_from_slice(name);
+    }
+    v
+}
+
+/// Decodes [`encode_endpoint`]'s bytes.
+///
+/// # Errors
+/// `Protocol` for anything else (another version, another backend's bytes).
+pub(crate) fn decode_endpoint(b: &[u8]) -> Result<Endpoint> {
+    let mut r = Reader {
+        b,
+        what: "endpoint",
+    };
+    let version = r.u8("version")?;
+    if version != ENDPOINT_VERSION {
+        return Err(protocol(
+            "endpoint",
+            format!("version {version}, this build understands {ENDPOINT_VERSION}"),
+        ));
+    }
+    let family = r.u8("address family")?;
+    let port = r.u16("port")?;
+    let ip: IpAddr = match family {
+        4 => r.take::<4>("ip")?.into(),
+        6 => r.take::<16>("ip")?.into(),
+        f => return Err(protocol("endpoint", format!("address family {f}"))),
+    };
+    let instance = r.u64("instance")?;
+    let n = r.u8("device count")? as usize;
+    if n == 0 || n > MAX_DEVICES {
+        return Err(protocol(
+            "endpoint",
+            format!("{n} devices (1–{MAX_DEVICES})"),
+        ));
+    }
+    let mut devices = Vec::with_capacity(n);
+    for _ in 0..n {
+        let ll = r.u8("link layer")?;
+        let link_layer = LinkLayer::from_u8(ll)
+            .ok_or_else(|| protocol("endpoint", format!("link layer {ll}")))?;
+        let len = r.u8("device name length")? as usize;
+        let name = std::str::from_utf8(r.bytes(len, "device name")?)
+            .map_err(|_| protocol("endpoint", "a device name is not UTF-8"))?;
+        devices.push(DeviceInfo {
+            name: name.to_string(),
+            link_layer,
+        });
+    }
+    r.end()?;
+    Ok(Endpoint {
+        addr: SocketAddr::new(ip, port),
+        instance,
+        devices,
+    })
+}
+
+/// Encodes a region's rkeys, one per device.
+pub(crate) fn encode_key(rkeys: &[u32]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(2 + 4 * rkeys.len());
+    v.push(KEY_VERSION);
+    v.push(rkeys.len() as u8);
+    for k in rkeys {
+        v.extend_from_slice(&k.to_le_bytes());
+    }
+    v
+}
+
+/// Decodes [`encode_key`]'s bytes, expecting one rkey per device of the owner.
+///
+/// # Errors
+/// `Protocol` for another version, a count that does not match `devices`, or bad length.
+pub(crate) fn decode_key(b: &[u8], devices: usize) -> Result<Vec<u32>> {
+    let mut r = Reader {
+        b,
+        what: "region key",
+    };
+    let version = r.u8("version")?;
+    if version != KEY_VERSION {
+        return Err(protocol(
+            "region key",
+            format!("version {version}, this build understands {KEY_VERSION}"),
+        ));
+    }
+    let n = r.u8("count")? as usize;
+    if n != devices {
+        return Err(protocol(
+            "region key",
+            format!("{n} rkeys for a peer with {devices} devices"),
+        ));
+    }
+    let keys = (0..n).map(|_| r.u32("rkey")).collect::<Result<Vec<_>>>()?;
+    r.end()?;
+    Ok(keys)
+}
+
+fn put_path(v: &mut Vec<u8>, p: &PathInfo) {
+    v.push(p.local_device);
+    v.push(p.remote_device);
+    v.extend_from_slice(&p.qpn.to_le_bytes());
+    v.extend_from_slice(&p.psn.to_le_bytes());
+    v.extend_from_slice(&p.lid.to_le_bytes());
+    v.extend_from_slice(&p.gid);
+    v.push(p.mtu);
+    v.push(p.link_layer as u8);
+    v.push(p.port);
+}
+
+fn get_path(r: &mut Reader<'_>) -> Result<PathInfo> {
+    let local_device = r.u8("device")?;
+    let remote_device = r.u8("peer device")?;
+    let qpn = r.u32("qpn")?;
+    let psn = r.u32("psn")?;
+    let lid = r.u16("lid")?;
+    let gid = r.take::<16>("gid")?;
+    let mtu = r.u8("mtu")?;
+    let ll = r.u8("link layer")?;
+    let port = r.u8("port")?;
+    if qpn >= 1 << 24 || psn >= 1 << 24 {
+        return Err(protocol(
+            "connect exchange",
+            format!("qpn {qpn:#x} or psn {psn:#x} is wider than 24 bits"),
+        ));
+    }
+    if !(1..=5).contains(&mtu) {
+        return Err(protocol("connect exchange", format!("mtu code {mtu}")));
+    }
+    let link_layer = LinkLayer::from_u8(ll)
+        .ok_or_else(|| protocol("connect exchange", format!("link layer {ll}")))?;
+    if port == 0 {
+        return Err(protocol("connect exchange", "port 0"));
+    }
+    Ok(PathInfo {
+        local_device,
+        remote_device,
+        qpn,
+        psn,
+        lid,
+        gid,
+        mtu,
+        link_layer,
+        port,
+    })
+}
+
+fn put_paths(v: &mut Vec<u8>, paths: &[PathInfo]) {
+    v.extend_from_slice(&(paths.len() as u16).to_le_bytes());
+    for p in paths {
+        put_path(v, p);
+    }
+}
+
+fn get_paths(r: &mut Reader<'_>) -> Result<Vec<PathInfo>> {
+    let n = r.u16("path count")? as usize;
+    if n == 0 || n > MAX_PATHS {
+        return Err(protocol(
+            "connect exchange",
+            format!("{n} paths (1–{MAX_PATHS})"),
+        ));
+    }
+    if r.b.len() < n * PATH_LEN {
+        return Err(protocol("connect exchange", "truncated at paths"));
+    }
+    (0..n).map(|_| get_path(r)).collect()
+}
+
+/// Encodes a message body (without the frame's length).
+pub(crate) fn encode(m: &Message) -> Vec<u8> {
+    let mut v = MAGIC.to_vec();
+    v.extend_from_slice(&EXCHANGE_VERSION.to_le_bytes());
+    match m {
+        Message::Request {
+            initiator,
+            target,
+            paths,
+        } => {
+            v.push(1);
+            v.extend_from_slice(&initiator.to_le_bytes());
+            v.extend_from_slice(&target.to_le_bytes());
+            put_paths(&mut v, paths);
+        }
+        Message::Accept { paths } => {
+            v.push(2);
+            put_paths(&mut v, paths);
+        }
+        Message::Refuse { reason } => {
+            v.push(3);
+            let mut end = reason.len().min(1024);
+            while !reason.is_char_boundary(end) {
+                end -= 1;
+            }
+            v.extend_from_slice(&(end as u16).to_le_bytes());
+            v.extend_from_slice(&reason.as_bytes()[..end]);
+        }
+    }
+    v
+}
+
+/// Decodes a message body.
+///
+/// # Errors
+/// `Protocol`: wrong magic or version, unknown kind, out-of-range fields, bad lengths.
+pub(crate) fn decode(b: &[u8]) -> Result<Message> {
+    let mut r = Reader {
+        b,
+        what: "connect exchange",
+    };
+    if r.take::<4>("magic")? != MAGIC {
+        return Err(protocol(
+            "connect exchange",
+            "bad magic: the peer's side channel is not a te rdma backend",
+        ));
+    }
+    let version = r.u16("version")?;
+    if version != EXCHANGE_VERSION {
+        return Err(protocol(
+            "connect exchange",
+            format!("version {version}, this build speaks {EXCHANGE_VERSION}"),
+        ));
+    }
+    let m = match r.u8("kind")? {
+        1 => Message::Request {
+            initiator: r.u64("initiator instance")?,
+            target: r.u64("target instance")?,
+            paths: get_paths(&mut r)?,
+        },
+        2 => Message::Accept {
+            paths: get_paths(&mut r)?,
+        },
+        3 => {
+            let n = r.u16("reason length")? as usize;
+            let reason = String::from_utf8_lossy(r.bytes(n, "reason")?).into_owned();
+            Message::Refuse { reason }
+        }
+        k => return Err(protocol("connect exchange", format!("message kind {k}"))),
+    };
+    r.end()?;
+    Ok(m)
+}
+
+/// Writes one framed message.
+///
+/// # Errors
+/// `Io` if the stream fails.
+pub(crate) fn write_message(w: &mut impl std::io::Write, m: &Message) -> Result<()> {
+    let body = encode(m);
+    let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+    frame.extend_from_slice(&body);
+    w.write_all(&frame)
+        .and_then(|()| w.flush())
+        .map_err(|e| Error::new(ErrorKind::Io, "rdma side channel: write failed").with_source(e))
+}
+
+/// Reads one framed message.
+///
+/// # Errors
+/// `Io` if the stream fails or closes; `Protocol` for an oversized or malformed frame.
+pub(crate) fn read_message(r: &mut impl std::io::Read) -> Result<Message> {
+    let io = |e: std::io::Error| {
+        Error::new(ErrorKind::Io, "rdma side channel: read failed").with_source(e)
+    };
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len).map_err(io)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_MESSAGE {
+        return Err(protocol(
+            "connect exchange",
+            format!("a {len}-byte frame exceeds the {MAX_MESSAGE}-byte limit"),
+        ));
+    }
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body).map_err(io)?;
+    decode(&body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn path(i: u8) -> PathInfo {
+        PathInfo {
+            local_device: i,
+            remote_device: i + 1,
+            qpn: 0x00ab_cdef,
+            psn: 0x0012_3456,
+            lid: 0x1234,
+            gid: [i; 16],
+            mtu: 5,
+            link_layer: LinkLayer::Ethernet,
+            port: 1,
+        }
+    }
+
+    fn endpoint() -> Endpoint {
+        Endpoint {
+            addr: "10.0.0.7:7000".parse().unwrap(),
+            instance: 0x0102_0304_0506_0708,
+            devices: vec![
+                DeviceInfo {
+                    name: "mlx5_0".into(),
+                    link_layer: LinkLayer::Ethernet,
+                },
+                DeviceInfo {
+                    name: "mlx5_1".into(),
+                    link_layer: LinkLayer::InfiniBand,
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn an_endpoint_round_trips_and_its_layout_is_little_endian() {
+        let e = endpoint();
+        let b = encode_endpoint(&e);
+        assert_eq!(
+            &b[..4],
+            &[1, 4, 0x58, 0x1b],
+            "version, family, port 7000 LE"
+        );
+        assert_eq!(&b[4..8], &[10, 0, 0, 7]);
+        assert_eq!(&b[8..16], &0x0102_0304_0506_0708u64.to_le_bytes());
+        assert_eq!(b[16], 2);
+        assert_eq!(decode_endpoint(&b).unwrap(), e);
+        let v6 = Endpoint {
+            addr: "[fe80::1]:1".parse().unwrap(),
+            ..endpoint()
+        };
+        assert_eq!(decode_endpoint(&encode_endpoint(&v6)).unwrap(), v6);
+    }
+
+    #[test]
+    fn a_malformed_endpoint_is_a_protocol_error() {
+        let good = encode_endpoint(&endpoint());
+        let mut cases: Vec<Vec<u8>> = (0..good.len()).map(|n| good[..n].to_vec()).collect();
+        let mut v = good.clone();
+        v[0] = 2;
+        cases.push(v);
+        let mut v = good.clone();
+        v.push(0);
+        cases.push(v);
+        let mut v = good.clone();
+        v[16] = 0;
+        cases.push(v);
+        let mut v = good.clone();
+        v[17] = 9;
+        cases.push(v);
+        for c in cases {
+            let e = decode_endpoint(&c).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Protocol, "{c:?}");
+        }
+    }
+
+    #[test]
+    fn region_keys_carry_one_rkey_per_device() {
+        let b = encode_key(&[0x11223344, 7]);
+        assert_eq!(b, [1, 2, 0x44, 0x33, 0x22, 0x11, 7, 0, 0, 0]);
+        assert_eq!(decode_key(&b, 2).unwrap(), [0x11223344, 7]);
+        let e = decode_key(&b, 3).unwrap_err();
+        assert!(e.to_string().contains("3 devices"), "{e}");
+        assert!(decode_key(&b[..9], 2).is_err());
+        assert!(decode_key(&[2, 0], 0).is_err());
+        assert!(decode_key(&[], 0).is_err(), "a tcp or stub key is refused");
+    }
+
+    #[test]
+    fn messages_round_trip_through_frames() {
+        for m in [
+            Message::Request {
+                initiator: 1,
+                target: u64::MAX,
+                paths: vec![path(0), path(3)],
+            },
+            Message::Accept {
+                paths: vec![path(2)],
+            },
+            Message::Refuse {
+                reason: "instance mismatch: the target restarted".into(),
+            },
+        ] {
+            let mut buf = Vec::new();
+            write_message(&mut buf, &m).unwrap();
+            assert_eq!(
+                u32::from_le_bytes(buf[..4].try_into().unwrap()) as usize,
+                buf.len() - 4
+            );
+            assert_eq!(&buf[4..8], b"TERC");
+            assert_eq!(read_message(&mut buf.as_slice()).unwrap(), m);
+        }
+    }
+
+    #[test]
+    fn a_path_is_encoded_field_by_field_little_endian() {
+        let b = encode(&Message::Accept {
+            paths: vec![path(1)],
+        });
+        let p = &b[4 + 2 + 1 + 2..];
+        assert_eq!(p.len(), PATH_LEN);
+        assert_eq!(&p[..2], &[1, 2]);
+        assert_eq!(&p[2..6], &[0xef, 0xcd, 0xab, 0]);
+        assert_eq!(&p[6..10], &[0x56, 0x34, 0x12, 0]);
+        assert_eq!(&p[10..12], &[0x34, 0x12]);
+        assert_eq!(&p[12..28], &[1; 16]);
+        assert_eq!(&p[28..], &[5, 2, 1]);
+    }
+
+    #[test]
+    fn invalid_messages_are_refused_with_what_was_wrong() {
+        let good = encode(&Message::Accept {
+            paths: vec![path(0)],
+        });
+        let field = 4 + 2 + 1 + 2; // the path's start
+        let cases: Vec<(Vec<u8>, &str)> = vec![
+            (b"XXXX".to_vec(), "magic"),
+            ([&good[..4], &[2, 0], &good[6..]].concat(), "version"),
+            ([&good[..6], &[9]].concat(), "kind"),
+            (good[..good.len() - 1].to_vec(), "truncated"),
+            ([&good[..], &[0]].concat(), "trailing"),
+            ([&good[..7], &[0, 0]].concat(), "0 paths"),
+            (
+                {
+                    let mut v = good.clone();
+                    v[field + 5] = 1; // qpn's fourth byte
+                    v
+                },
+                "24 bits",
+            ),
+            (
+                {
+                    let mut v = good.clone();
+                    v[field + 28] = 6;
+                    v
+                },
+                "mtu",
+            ),
+            (
+                {
+                    let mut v = good.clone();
+                    v[field + 29] = 3;
+                    v
+                },
+                "link layer",
+            ),
+            (
+                {
+                    let mut v = good.clone();
+                    v[field + 30] = 0;
+                    v
+                },
+                "port 0",
+            ),
+        ];
+        for (bytes, what) in cases {
+            let e = decode(&bytes).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Protocol, "{what}");
+            assert!(e.to_string().contains(what), "{what}: {e}");
+        }
+        let mut huge = ((MAX_MESSAGE + 1) as u32).to_le_bytes().to_vec();
+        huge.extend_from_slice(b"TERC");
+        let e = read_message(&mut huge.as_slice()).unwrap_err();
+        assert!(e.to_string().contains("limit"), "{e}");
+    }
+
+    #[test]
+    fn a_long_refusal_is_cut_at_a_character_boundary() {
+        let reason = "é".repeat(2000);
+        let Message::Refuse { reason: back } =
+            decode(&encode(&Message::Refuse { reason })).unwrap()
+        else {
+            panic!("not a refusal")
+        };
+        assert!(back.len() <= 1024 && back.chars().all(|c| c == 'é'));
+    }
+
+    proptest! {
+        #[test]
+        fn decoding_arbitrary_bytes_never_panics(b in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = decode(&b);
+            let _ = decode_endpoint(&b);
+            let _ = decode_key(&b, 2);
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! te-rdma: the RDMA backend, on ibverbs, for host memory and CUDA memory.
+//!
+//! The engine's control plane exchanges segment descriptors; this backend's endpoint in
+//! them names its devices (name and link layer), a random **instance id**, and the
+//! address of a small TCP **side channel**. Each region is registered with every device
+//! and its key bytes carry one rkey per device. `connect` opens the side channel to the
+//! peer and runs the connect exchange (module `exchange`): for each path — an RC queue
+//! pair per (local NIC, peer NIC) pair, `qps_per_path` times — it sends its QP number,
+//! PSN, LID, GID and MTU, the target builds its half, moves it INIT → RTR → RTS and
+//! answers with its own, and the initiator does the same (module `qp` lists every
+//! attribute). The target keeps its QPs while the side channel stays open; the
+//! initiator watches the channel, so a peer that dies is noticed at once and its QPs
+//! are moved to the error state, failing what was in flight with `PeerUnreachable`.
+//!
+//! A batch is cut into slices of at most `slice_size` bytes (default 64 KiB), dealt
+//! round-robin over the peer's healthy paths, NIC pairs first (module `plan`). Each
+//! slice is one RDMA WRITE or READ work request with one scatter-gather entry (module
+//! `wr`); a QP has at most `max_outstanding` work requests posted, the rest wait in its
+//! queue and are posted as completions free room; one in `signal_every` work requests
+//! is signalled, and always the last of a post (module `track`).
+//!
+//! Completion: one thread per device waits in poll(2) on the device's completion
+//! channel, takes the event (`ibv_get_cq_event`), acknowledges it, re-arms the CQ and
+//! drains it; nothing spins unless `adaptive_poll` asks it to keep polling a busy CQ for
+//! a few microseconds before sleeping again. A work-completion error fails only its own
+//! slice: the QP is marked for reset (it takes no new work; the next `connect` rebuilds
+//! the peer's QPs), the slice is retried on another healthy path of the same peer, and
+//! only if none is left does its batch fail, once, with the status text.
+//!
+//! CUDA memory (`cuda:N`) is exported as a DMA-BUF (`cuMemGetHandleForAddressRange`,
+//! the driver loaded at run time through cudarc) and registered with
+//! `ibv_reg_dmabuf_mr`; where that fails, plain `ibv_reg_mr` (nvidia-peermem) is tried;
+//! where both fail, or no driver is present, registration is refused saying why.
+//!
+//! libibverbs is loaded at run time (`dlopen`), so the backend registers everywhere:
+//! on a machine without libibverbs, RDMA devices or an active port, [`probe`] and
+//! `te info` say why, and creating the backend returns that error.
+//!
+//! # Options (`[backends.rdma]`)
+//!
+//! | key | default | meaning |
+//! |-----|---------|---------|
+//! | `devices` | all with an active port | RDMA devices to use, e.g. `["mlx5_0", "mlx5_1"]` |
+//! | `port` | `1` | the port of each device |
+//! | `gid_index` | first RoCE v2 GID | GID index for RoCE (ignored on InfiniBand, which uses the LID) |
+//! | `listen` | `"127.0.0.1:0"` | where the side channel binds |
+//! | `advertise` | the `listen` host | the address peers reach the side channel at; required with `0.0.0.0` |
+//! | `slice_size` | `"64KiB"` | requests are cut into slices this big, striped over NICs and QPs |
+//! | `qps_per_path` | `2` | RC QPs per (local NIC, peer NIC) pair |
+//! | `max_outstanding` | `128` | work requests one QP may have posted |
+//! | `signal_every` | `16` | one work request in this many is signalled |
+//! | `adaptive_poll` | `"0s"` | keep polling a busy CQ this long before sleeping (≤ 10ms) |
+//! | `connect_timeout` | `"5s"` | limit for the connect exchange |
+//! | `mtu` | `4096` | path MTU cap; the smaller of this, the port's and the peer's is used |
+//! | `timeout` | `14` | ACK timeout exponent (4.096 µs × 2^14 ≈ 67 ms) |
+//! | `retry_count` | `7` | transport retries |
+//! | `rnr_retry` | `7` | RNR retries (7 = infinite) |
+//! | `service_level` | `0` | IB service level |
+//! | `traffic_class` | `0` | RoCE traffic class |
+//!
+//! See `docs/rdma.md` for requirements, two-host commands and what was verified.
+
+#![warn(missing_debug_implementations, missing_docs, unreachable_pub)]
+#![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
+
+use std::sync::Arc;
+
+use te_core::{BackendContext, Result, TransferBackend};
+
+mod backend;
+mod config;
+#[cfg(feature = "cuda")]
+mod cuda;
+mod exchange;
+mod ffi;
+mod plan;
+mod qp;
+mod track;
+mod wr;
+
+pub use backend::RdmaBackend;
+pub use config::RdmaConfig;
+
+/// The RDMA backend's registry name.
+pub const NAME: &str = "rdma";
+
+/// Says whether the backend can run here: libibverbs loads and lists RDMA devices.
+///
+/// # Errors
+/// `Unavailable` with the reason (`libibverbs not found …`, `no RDMA devices: …`).
+pub fn probe() -> Result<()> {
+    backend::probe()
+}
+
+fn create(ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
+    let config: RdmaConfig = ctx.parse(NAME)?;
+    Ok(Arc::new(RdmaBackend::new(config)?))
+}
+
+te_core::register_backend!(NAME, probe, create);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use te_core::ErrorKind;
+
+    #[test]
+    fn without_rdma_devices_probe_and_create_say_why_instead_of_panicking() {
+        let Err(why) = probe() else {
+            return; // A machine with RDMA devices: covered by the hardware test in docs/rdma.md.
+        };
+        assert_eq!(why.kind(), ErrorKind::Unavailable);
+        let text = why.to_string();
+        assert!(
+            text.contains("no RDMA devices") || text.contains("libibverbs not found"),
+            "{text}"
+        );
+        let ctx = BackendContext {
+            engine: "t".into(),
+            table: toml::Table::new(),
+            source: "test".into(),
+        };
+        let e = create(&ctx).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unavailable);
+        assert_eq!(e.message(), why.message());
+    }
+
+    #[test]
+    fn the_backend_is_in_the_registry_even_where_it_cannot_run() {
+        let r = te_core::Registry::discover(&[]);
+        let entry = r.get(NAME).expect("rdma registers itself");
+        assert_eq!(entry.available().is_ok(), probe().is_ok());
+    }
+
+    #[test]
+    fn a_bad_table_is_refused_before_any_device_is_touched() {
+        let ctx = BackendContext {
+            engine: "t".into(),
+            table: "slice_sise = 4096".parse().unwrap(),
+            source: "rdma.toml".into(),
+        };
+        let e = create(&ctx).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ConfigInvalid);
+        assert!(e.to_string().contains("slice_sise"), "{e}");
+    }
+}
