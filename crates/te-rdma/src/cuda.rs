@@ -136,4 +136,29 @@ mod tests {
         let e = export_dmabuf(0, 0x1000, 16).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Unavailable);
     }
+
+    /// Needs an NVIDIA GPU: `cargo test -p te-rdma -- --ignored gpu`. Registers device
+    /// memory with the driver and exports it as a DMA-BUF, the last step before
+    /// `ibv_reg_dmabuf_mr` (which needs a NIC).
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn gpu_device_memory_exports_as_a_dmabuf() {
+        let rt = te_core::device::runtime("cuda").expect("a CUDA driver");
+        let len = 4 << 20;
+        let addr = rt.alloc(0, len).expect("cuMemAlloc");
+        check_pointer(0, addr + 4096, 65536).expect("inside the allocation");
+        let e = check_pointer(0, addr, len as u64 + 1).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidRequest, "{e}");
+        let buf = export_dmabuf(0, addr + 100, 65536).expect("DMA-BUF export");
+        assert_eq!(buf.offset, 100);
+        // SAFETY: `stat` is plain data; all-zero is a valid value.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat on a descriptor we own, into a valid stat.
+        assert_eq!(
+            unsafe { libc::fstat(std::os::fd::AsRawFd::as_raw_fd(&buf.fd), &mut st) },
+            0
+        );
+        drop(buf);
+        rt.free(0, addr).expect("cuMemFree");
+    }
 }
