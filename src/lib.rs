@@ -8,6 +8,7 @@
 //! | `stub` (default) | in-process memcpy backend for hardware-free tests |
 //! | `tcp` (default) | TCP backend |
 //! | `flagcx` (default) | FlagCX backend (its C shim is loaded at run time) |
+//! | `mlu` (default) | the `mlu` device runtime and MLU-Link backend (CNRT is loaded at run time) |
 //! | `cuda` (default) | the `cuda` device runtime (the driver is loaded at run time) |
 //!
 //! Backends not linked in can be loaded from plugin directories (`plugin_dirs`).
@@ -20,12 +21,14 @@ pub use te_core::*;
 
 // rustc links no crate nothing refers to; these make each enabled backend's
 // registration part of the program.
+#[cfg(feature = "flagcx")]
+extern crate te_flagcx as _;
+#[cfg(feature = "mlu")]
+extern crate te_mlu as _;
 #[cfg(feature = "stub")]
 extern crate te_stub as _;
 #[cfg(feature = "tcp")]
 extern crate te_tcp as _;
-#[cfg(feature = "flagcx")]
-extern crate te_flagcx as _;
 
 /// The names of the backends this build links in, by Cargo feature.
 pub fn linked_backends() -> &'static [&'static str] {
@@ -36,5 +39,7 @@ pub fn linked_backends() -> &'static [&'static str] {
         te_tcp::NAME,
         #[cfg(feature = "flagcx")]
         te_flagcx::NAME,
+        #[cfg(feature = "mlu")]
+        te_mlu::NAME,
     ]
 }

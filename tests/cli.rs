@@ -18,19 +18,35 @@ fn config(tag: &str, text: &str) -> PathBuf {
 }
 
 fn target_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_te")).parent().unwrap().to_path_buf()
+    PathBuf::from(env!("CARGO_BIN_EXE_te"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 fn json(out: &std::process::Output) -> serde_json::Value {
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
 }
 
 #[test]
 fn info_lists_stub_as_built_in_and_selected() {
-    let out = te().args(["info", "--json", "--config", "plugins.toml"]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = te()
+        .args(["info", "--json", "--config", "plugins.toml"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v = json(&out);
-    let stub = v["backends"].as_array().unwrap().iter().find(|b| b["name"] == "stub").expect("stub listed");
+    let stub = v["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["name"] == "stub")
+        .expect("stub listed");
     assert_eq!(stub["origin"], "built-in");
     assert_eq!(stub["available"], true);
 }
@@ -38,20 +54,45 @@ fn info_lists_stub_as_built_in_and_selected() {
 #[test]
 fn info_lists_plugins_from_plugin_dirs_with_their_path() {
     let dir = target_dir();
-    let cfg = config("plugins", &format!("[engine]\nplugin_dirs = [{:?}]\n", dir.display().to_string()));
-    let out = te().args(["info", "--json", "--config"]).arg(&cfg).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let cfg = config(
+        "plugins",
+        &format!(
+            "[engine]\nplugin_dirs = [{:?}]\n",
+            dir.display().to_string()
+        ),
+    );
+    let out = te()
+        .args(["info", "--json", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v = json(&out);
-    let stubs: Vec<_> = v["backends"].as_array().unwrap().iter().filter(|b| b["name"] == "stub").collect();
+    let stubs: Vec<_> = v["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|b| b["name"] == "stub")
+        .collect();
     assert_eq!(stubs.len(), 2, "{v}");
     assert_eq!(stubs[0]["origin"], "plugin");
-    assert!(stubs[0]["path"].as_str().unwrap().ends_with("libte_stub.so"));
+    assert!(stubs[0]["path"]
+        .as_str()
+        .unwrap()
+        .ends_with("libte_stub.so"));
     assert_eq!(stubs[0]["selected"], true);
     assert_eq!(stubs[1]["origin"], "built-in");
     assert_eq!(stubs[1]["shadowed"], true);
     let human = te().args(["info", "--config"]).arg(&cfg).output().unwrap();
     let text = String::from_utf8_lossy(&human.stdout);
-    assert!(text.contains("shadowed") && text.contains("libte_stub.so"), "{text}");
+    assert!(
+        text.contains("shadowed") && text.contains("libte_stub.so"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -62,21 +103,41 @@ fn an_unknown_backend_exits_non_zero_listing_the_available_ones() {
         assert!(!out.status.success(), "{cmd} succeeded");
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(err.lines().count(), 1, "{err}");
-        assert!(err.contains("no backend named `nope`") && err.contains("available: ") && err.contains("stub"), "{err}");
+        assert!(
+            err.contains("no backend named `nope`")
+                && err.contains("available: ")
+                && err.contains("stub"),
+            "{err}"
+        );
     }
 }
 
 #[test]
 fn check_accepts_the_shipped_config_and_names_bad_keys() {
-    let out = te().args(["check", "--config", "plugins.toml"]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(String::from_utf8_lossy(&out.stdout).trim_end().ends_with("ok"));
+    let out = te()
+        .args(["check", "--config", "plugins.toml"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout)
+        .trim_end()
+        .ends_with("ok"));
     let cfg = config("badkey", "[engine]\nbackend = \"stub\"\ntimeout = \"1s\"\n");
     let out = te().args(["check", "--config"]).arg(&cfg).output().unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("unknown field `timeout`") && err.contains(":3"), "{err}");
-    let out = te().args(["check", "--config", "/nonexistent/te.toml"]).output().unwrap();
+    assert!(
+        err.contains("unknown field `timeout`") && err.contains(":3"),
+        "{err}"
+    );
+    let out = te()
+        .args(["check", "--config", "/nonexistent/te.toml"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read config file"));
 }
@@ -96,8 +157,13 @@ fn serve_prints_its_address_first_and_stops_on_sigterm() {
         .spawn()
         .unwrap();
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let addr: std::net::SocketAddr = line.trim().parse().unwrap_or_else(|_| panic!("first line is not an address: {line:?}"));
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr: std::net::SocketAddr = line
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("first line is not an address: {line:?}"));
     assert!(std::net::TcpStream::connect(addr).is_ok());
     // SAFETY: sending a signal to our own child process.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
@@ -115,7 +181,10 @@ fn serve_prints_its_address_first_and_stops_on_sigterm() {
 #[test]
 fn serve_refuses_bad_sizes_with_one_line() {
     for size in ["0", "12XB", "-5"] {
-        let out = te().args(["serve", "--buffer-size", size]).output().unwrap();
+        let out = te()
+            .args(["serve", "--buffer-size", size])
+            .output()
+            .unwrap();
         assert_eq!(out.status.code(), Some(2), "{size}");
     }
 }

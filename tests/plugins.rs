@@ -7,12 +7,19 @@ use te::{Config, Engine, ErrorKind, Origin, Registry};
 
 fn target_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
-    exe.parent().and_then(|d| d.parent()).expect("target/<profile>").to_path_buf()
+    exe.parent()
+        .and_then(|d| d.parent())
+        .expect("target/<profile>")
+        .to_path_buf()
 }
 
 fn built(name: &str) -> PathBuf {
     let p = target_dir().join(format!("lib{name}{}", std::env::consts::DLL_SUFFIX));
-    assert!(p.exists(), "{} is missing: run `cargo build --workspace` first", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing: run `cargo build --workspace` first",
+        p.display()
+    );
     p
 }
 
@@ -42,7 +49,10 @@ fn a_plugin_built_against_another_te_core_layout_is_refused_with_a_message() {
         .unwrap_or_else(|| panic!("the mismatched plugin was not refused: {registry:?}"));
     assert_eq!(problem.error.kind(), ErrorKind::Unavailable);
     let msg = problem.error.to_string();
-    assert!(msg.contains("incompatible te-core") && msg.contains("rebuild"), "{msg}");
+    assert!(
+        msg.contains("incompatible te-core") && msg.contains("rebuild"),
+        "{msg}"
+    );
     // The good plugin next to it still loads.
     let stub = registry.get("stub").expect("stub");
     assert_eq!(stub.origin(), &Origin::Plugin(good));
@@ -54,13 +64,35 @@ fn a_library_that_is_no_plugin_is_refused_with_a_message() {
     let dir = scratch("noplugin");
     // The fixture exports only `te_plugin_te_abi_mismatch`, not `te_plugin_te_other`.
     let lib = copy(&built("abi_mismatch_fixture"), &dir, "te_other");
-    std::fs::write(dir.join(format!("libte_garbage{}", std::env::consts::DLL_SUFFIX)), b"not elf").unwrap();
+    std::fs::write(
+        dir.join(format!("libte_garbage{}", std::env::consts::DLL_SUFFIX)),
+        b"not elf",
+    )
+    .unwrap();
     let registry = Registry::discover(std::slice::from_ref(&dir));
-    let msgs: Vec<String> = registry.problems().iter().map(|p| p.error.to_string()).collect();
+    let msgs: Vec<String> = registry
+        .problems()
+        .iter()
+        .map(|p| p.error.to_string())
+        .collect();
     assert_eq!(msgs.len(), 2, "{msgs:?}");
-    let other = registry.problems().iter().find(|p| p.path == lib).expect("te_other refused");
-    assert!(other.error.to_string().contains("exports no `te_plugin_te_other`"), "{}", other.error);
-    assert!(msgs.iter().any(|m| m.contains("cannot load the library")), "{msgs:?}");
+    let other = registry
+        .problems()
+        .iter()
+        .find(|p| p.path == lib)
+        .expect("te_other refused");
+    assert!(
+        other
+            .error
+            .to_string()
+            .contains("exports no `te_plugin_te_other`"),
+        "{}",
+        other.error
+    );
+    assert!(
+        msgs.iter().any(|m| m.contains("cannot load the library")),
+        "{msgs:?}"
+    );
 }
 
 #[test]
@@ -95,9 +127,17 @@ fn every_backend_this_build_links_is_in_the_registry() {
 
 #[test]
 fn an_unknown_key_in_a_backend_table_names_the_key_and_the_file() {
-    let c = Config::from_toml("[backends.stub]\nmod = \"copy\"\n", "my.toml", Path::new(".")).unwrap();
+    let c = Config::from_toml(
+        "[backends.stub]\nmod = \"copy\"\n",
+        "my.toml",
+        Path::new("."),
+    )
+    .unwrap();
     let e = Engine::from_config(&c).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::ConfigInvalid);
     let msg = e.to_string();
-    assert!(msg.contains("mod") && msg.contains("my.toml") && msg.contains("[backends.stub]"), "{msg}");
+    assert!(
+        msg.contains("mod") && msg.contains("my.toml") && msg.contains("[backends.stub]"),
+        "{msg}"
+    );
 }

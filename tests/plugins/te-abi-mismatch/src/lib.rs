@@ -3,7 +3,9 @@
 //! `libte_abi_mismatch.so` — but whose root module has another layout, as a plugin
 //! built against a different te-core would. te must refuse it at load time.
 
-use abi_stable::library::{CheckTypeLayout, LibHeader, RootModule, RootModuleResult, __call_root_module_loader};
+use abi_stable::library::{
+    __call_root_module_loader, CheckTypeLayout, LibHeader, RootModule, RootModuleResult,
+};
 use abi_stable::prefix_type::PrefixTypeTrait;
 use abi_stable::std_types::RStr;
 use abi_stable::{declare_root_module_statics, sabi_types::VersionStrings, StableAbi};
