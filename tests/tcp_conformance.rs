@@ -1,17 +1,51 @@
 //! The conformance suite on the tcp backend, both engines in this process, talking over
-//! loopback sockets exactly as two processes would.
+//! loopback sockets exactly as two processes would: te-tcp built in, and te-tcp loaded
+//! as a plugin from the cdylib `cargo build --workspace` produced.
+
+use std::path::PathBuf;
 
 use te::testkit::{self, Harness};
-use te::Config;
+use te::{Config, Origin, Registry};
 
-fn tcp_config(table: &str) -> Config {
+fn tcp_config(plugin_dir: Option<PathBuf>, table: &str) -> Config {
     let text = format!("[engine]\nbackend = \"tcp\"\n[backends.tcp]\n{table}\n");
-    Config::from_toml(&text, "tcp_conformance.toml", std::path::Path::new("."))
-        .expect("valid config")
+    let mut c = Config::from_toml(&text, "tcp_conformance.toml", std::path::Path::new("."))
+        .expect("valid config");
+    c.engine.plugin_dirs = plugin_dir.into_iter().collect();
+    c
+}
+
+/// The directory cargo puts the workspace's cdylibs in (`target/<profile>`).
+fn plugin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    exe.parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>")
+        .to_path_buf()
 }
 
 fn main() {
     // The slow configuration holds every request 200 ms at the target.
-    let h = Harness::new("tcp", tcp_config("")).with_slow(tcp_config("debug_delay = \"200ms\""));
-    testkit::run(testkit::trials(&h));
+    let slow = "debug_delay = \"200ms\"";
+    let builtin =
+        Harness::new("tcp_builtin", tcp_config(None, "")).with_slow(tcp_config(None, slow));
+    let mut trials = testkit::trials(&builtin);
+    let dir = plugin_dir();
+    let lib = dir.join(format!("libte_tcp{}", std::env::consts::DLL_SUFFIX));
+    assert!(
+        lib.exists(),
+        "{} is missing: run `cargo build --workspace` before `cargo test` (the README's test command does)",
+        lib.display()
+    );
+    let registry = Registry::discover(std::slice::from_ref(&dir));
+    let resolved = registry.get("tcp").expect("tcp is registered");
+    assert_eq!(
+        resolved.origin(),
+        &Origin::Plugin(lib),
+        "the tcp plugin must shadow the built-in tcp"
+    );
+    let plugin = Harness::new("tcp_plugin", tcp_config(Some(dir.clone()), ""))
+        .with_slow(tcp_config(Some(dir), slow));
+    trials.extend(testkit::trials(&plugin));
+    testkit::run(trials);
 }
