@@ -24,6 +24,7 @@ fn plugin_dir() -> PathBuf {
 }
 
 fn main() {
+    testkit::serve_target_if_asked();
     let dir = plugin_dir();
     let lib = dir.join(format!("libte_stub{}", std::env::consts::DLL_SUFFIX));
     assert!(

@@ -1,6 +1,7 @@
 //! The conformance suite on the tcp backend, both engines in this process, talking over
 //! loopback sockets exactly as two processes would: te-tcp built in, and te-tcp loaded
-//! as a plugin from the cdylib `cargo build --workspace` produced.
+//! as a plugin from the cdylib `cargo build --workspace` produced; and with every target
+//! engine in a child process, so the suite runs across two processes.
 
 use std::path::PathBuf;
 
@@ -25,6 +26,7 @@ fn plugin_dir() -> PathBuf {
 }
 
 fn main() {
+    testkit::serve_target_if_asked();
     // The slow configuration holds every request 200 ms at the target.
     let slow = "debug_delay = \"200ms\"";
     let builtin =
@@ -47,5 +49,10 @@ fn main() {
     let plugin = Harness::new("tcp_plugin", tcp_config(Some(dir.clone()), ""))
         .with_slow(tcp_config(Some(dir), slow));
     trials.extend(testkit::trials(&plugin));
+    let toml = |table: &str| format!("[engine]\nbackend = \"tcp\"\n[backends.tcp]\n{table}\n");
+    let two_process = Harness::new("tcp_two_process", tcp_config(None, ""))
+        .with_slow(tcp_config(None, slow))
+        .with_remote_target(&toml(""), Some(&toml(slow)));
+    trials.extend(testkit::trials(&two_process));
     testkit::run(trials);
 }
