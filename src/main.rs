@@ -169,6 +169,18 @@ fn check(config: Option<PathBuf>) -> te::Result<()> {
     let entry = registry.get(name)?;
     // Creating the backend validates its own table; it is dropped at once.
     let backend = entry.create(&config.backend_context(name))?;
+    // The other backends' tables are checked too, so a typo waits for no switch of backend.
+    for other in config.backends.keys().filter(|k| *k != name) {
+        let entry = registry.get(other).map_err(|e| {
+            te::Error::new(
+                te::ErrorKind::ConfigInvalid,
+                format!("[backends.{other}] in {}: {}", config.source, e.message()),
+            )
+        })?;
+        if entry.available().is_ok() {
+            entry.create(&config.backend_context(other))?;
+        }
+    }
     let e = &config.engine;
     println!("config: {}", config.source);
     println!(

@@ -57,7 +57,7 @@ fn info_lists_plugins_from_plugin_dirs_with_their_path() {
     let cfg = config(
         "plugins",
         &format!(
-            "[engine]\nplugin_dirs = [{:?}]\n",
+            "[engine]\nbackend = \"stub\"\nplugin_dirs = [{:?}]\n",
             dir.display().to_string()
         ),
     );
@@ -133,6 +133,22 @@ fn check_accepts_the_shipped_config_and_names_bad_keys() {
     assert!(
         err.contains("unknown field `timeout`") && err.contains(":3"),
         "{err}"
+    );
+    let cfg = config(
+        "badtable",
+        "[backends.stub]\nmod = \"copy\"\n[backends.tpc]\n",
+    );
+    let out = te().args(["check", "--config"]).arg(&cfg).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("mod"),
+        "a bad key in another backend's table is caught"
+    );
+    let cfg = config("typo", "[backends.tpc]\n");
+    let out = te().args(["check", "--config"]).arg(&cfg).output().unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("[backends.tpc]"),
+        "a misspelt backend table is caught"
     );
     let out = te()
         .args(["check", "--config", "/nonexistent/te.toml"])

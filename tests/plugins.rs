@@ -128,7 +128,7 @@ fn every_backend_this_build_links_is_in_the_registry() {
 #[test]
 fn an_unknown_key_in_a_backend_table_names_the_key_and_the_file() {
     let c = Config::from_toml(
-        "[backends.stub]\nmod = \"copy\"\n",
+        "[engine]\nbackend = \"stub\"\n[backends.stub]\nmod = \"copy\"\n",
         "my.toml",
         Path::new("."),
     )

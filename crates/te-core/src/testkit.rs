@@ -15,17 +15,18 @@
 //! stub's `delay`); tests about deadlines, waiting and shutdown with work in flight need
 //! it and are skipped, with the reason in their name, without it.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use libtest_mimic::{Arguments, Failed, Trial};
 
 use crate::{
-    Access, Buffer, Completion, Config, Engine, ErrorKind, MemoryDesc, MemoryKind, Notification, Peer,
-    RegionDesc, RegionId, Registry, SegmentDesc, TransferOptions, TransferRequest, TransferStatus,
+    Access, Buffer, Completion, Config, Engine, ErrorKind, MemoryDesc, MemoryKind, Notification,
+    Peer, RegionDesc, RegionId, Registry, SegmentDesc, TransferOptions, TransferRequest,
+    TransferStatus,
 };
 
 /// How the suite makes engines of the backend under test.
@@ -86,12 +87,26 @@ impl Harness {
     fn target(&self, slow: bool) -> Result<Target, Failed> {
         match &self.remote {
             None => {
-                let config = if slow { self.slow.as_ref().unwrap_or(&self.config) } else { &self.config };
-                Ok(Target::Local(self.engine(config, "target")?, self.memory.1.clone()))
+                let config = if slow {
+                    self.slow.as_ref().unwrap_or(&self.config)
+                } else {
+                    &self.config
+                };
+                Ok(Target::Local(
+                    self.engine(config, "target")?,
+                    self.memory.1.clone(),
+                ))
             }
             Some((normal, slow_toml)) => {
-                let toml = if slow { slow_toml.as_ref().unwrap_or(normal) } else { normal };
-                Ok(Target::Remote(Arc::new(RemoteTarget::spawn(toml, &self.memory.1)?)))
+                let toml = if slow {
+                    slow_toml.as_ref().unwrap_or(normal)
+                } else {
+                    normal
+                };
+                Ok(Target::Remote(Arc::new(RemoteTarget::spawn(
+                    toml,
+                    &self.memory.1,
+                )?)))
             }
         }
     }
@@ -100,18 +115,34 @@ impl Harness {
     /// buffer, and the initiator's peer for the target.
     fn pair(&self, slow: bool, len: usize) -> Result<Pair, Failed> {
         let target = self.target(slow)?;
-        let config = if slow { self.slow.as_ref().unwrap_or(&self.config) } else { &self.config };
+        let config = if slow {
+            self.slow.as_ref().unwrap_or(&self.config)
+        } else {
+            &self.config
+        };
         let initiator = self.engine(config, "initiator")?;
         let remote = target.alloc("dst", len, Access::REMOTE_READ_WRITE)?;
-        let local = initiator.alloc_on(&self.memory.0, "src", len, Access::LOCAL).map_err(e2f)?;
+        let local = initiator
+            .alloc_on(&self.memory.0, "src", len, Access::LOCAL)
+            .map_err(e2f)?;
         let peer = initiator.connect(&target.address()).map_err(e2f)?;
         let remote_desc = peer
             .region("dst")
             .ok_or_else(|| fail("the target's region is not in its descriptor"))?;
         if remote_desc.kind != self.memory.1 {
-            return Err(fail(format!("the target's buffer is {} memory, not {}", remote_desc.kind, self.memory.1)));
+            return Err(fail(format!(
+                "the target's buffer is {} memory, not {}",
+                remote_desc.kind, self.memory.1
+            )));
         }
-        Ok(Pair { remote_desc, peer, local, remote, initiator, target })
+        Ok(Pair {
+            remote_desc,
+            peer,
+            local,
+            remote,
+            initiator,
+            target,
+        })
     }
 }
 
@@ -153,11 +184,20 @@ impl Target {
 
     fn alloc(&self, name: &str, len: usize, access: Access) -> Result<TargetBuffer, Failed> {
         match self {
-            Target::Local(e, kind) => e.alloc_on(kind, name, len, access).map(TargetBuffer::Local).map_err(e2f),
+            Target::Local(e, kind) => e
+                .alloc_on(kind, name, len, access)
+                .map(TargetBuffer::Local)
+                .map_err(e2f),
             Target::Remote(r) => {
-                let access = format!("{}{}", u8::from(access.remote_read), u8::from(access.remote_write));
+                let access = format!(
+                    "{}{}",
+                    u8::from(access.remote_read),
+                    u8::from(access.remote_write)
+                );
                 let id = r.call(&format!("alloc {name} {len} {access}"))?;
-                let id = id.parse().map_err(|_| fail(format!("bad region id from the target: {id}")))?;
+                let id = id
+                    .parse()
+                    .map_err(|_| fail(format!("bad region id from the target: {id}")))?;
                 Ok(TargetBuffer::Remote(r.clone(), RegionId(id)))
             }
         }
@@ -175,7 +215,9 @@ impl Target {
                 let (epoch, message) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
                 Ok(Some(Notification {
                     from: String::new(),
-                    from_epoch: epoch.parse().map_err(|_| fail(format!("bad notification: {reply}")))?,
+                    from_epoch: epoch
+                        .parse()
+                        .map_err(|_| fail(format!("bad notification: {reply}")))?,
                     message: unhex(message)?,
                 }))
             }
@@ -197,13 +239,18 @@ impl TargetBuffer {
             TargetBuffer::Remote(r, id) => r
                 .call(&format!("read {}", id.0))
                 .map_err(|e| crate::Error::new(ErrorKind::Io, format!("{e:?}")))
-                .and_then(|hex| unhex(&hex).map_err(|e| crate::Error::new(ErrorKind::Protocol, format!("{e:?}")))),
+                .and_then(|hex| {
+                    unhex(&hex)
+                        .map_err(|e| crate::Error::new(ErrorKind::Protocol, format!("{e:?}")))
+                }),
         }
     }
 
     fn read(&self, offset: usize, out: &mut [u8]) -> crate::Result<()> {
         let all = self.to_vec()?;
-        let src = all.get(offset..offset + out.len()).ok_or_else(|| crate::Error::new(ErrorKind::OutOfBounds, "read past the buffer"))?;
+        let src = all
+            .get(offset..offset + out.len())
+            .ok_or_else(|| crate::Error::new(ErrorKind::OutOfBounds, "read past the buffer"))?;
         out.copy_from_slice(src);
         Ok(())
     }
@@ -253,20 +300,34 @@ impl RemoteTarget {
         let mut stdout = BufReader::new(stdout);
         let mut line = String::new();
         let _ = stdout.read_line(&mut line);
-        let mut parts = line.trim().strip_prefix("ready ").unwrap_or_default().split(' ');
-        let (address, epoch) = (parts.next().unwrap_or_default().to_string(), parts.next().unwrap_or_default());
+        let mut parts = line
+            .trim()
+            .strip_prefix("ready ")
+            .unwrap_or_default()
+            .split(' ');
+        let (address, epoch) = (
+            parts.next().unwrap_or_default().to_string(),
+            parts.next().unwrap_or_default(),
+        );
         let Ok(epoch) = epoch.parse() else {
             let _ = child.kill();
             return Err(fail(format!("the target process did not start: {line:?}")));
         };
-        Ok(RemoteTarget { io: Mutex::new((stdin, stdout)), child: Mutex::new(child), address, epoch })
+        Ok(RemoteTarget {
+            io: Mutex::new((stdin, stdout)),
+            child: Mutex::new(child),
+            address,
+            epoch,
+        })
     }
 
     fn call(&self, command: &str) -> Result<String, Failed> {
         let mut io = self.io.lock().unwrap_or_else(|p| p.into_inner());
-        writeln!(io.0, "{command}").map_err(|e| fail(format!("the target process is gone: {e}")))?;
+        writeln!(io.0, "{command}")
+            .map_err(|e| fail(format!("the target process is gone: {e}")))?;
         let mut line = String::new();
-        io.1.read_line(&mut line).map_err(|e| fail(format!("the target process is gone: {e}")))?;
+        io.1.read_line(&mut line)
+            .map_err(|e| fail(format!("the target process is gone: {e}")))?;
         let line = line.trim_end();
         match line.strip_prefix("ok") {
             Some(rest) => Ok(rest.trim_start().to_string()),
@@ -286,7 +347,9 @@ impl Drop for RemoteTarget {
 /// If this process was started as a remote conformance target, serves as one and
 /// exits; otherwise returns at once. Call it first in a test binary's `main`.
 pub fn serve_target_if_asked() {
-    let Ok(toml) = std::env::var(TARGET_ENV) else { return };
+    let Ok(toml) = std::env::var(TARGET_ENV) else {
+        return;
+    };
     let code = match serve_target(&toml) {
         Ok(()) => 0,
         Err(e) => {
@@ -299,7 +362,9 @@ pub fn serve_target_if_asked() {
 
 fn serve_target(toml: &str) -> crate::Result<()> {
     let config = Config::from_toml(toml, "remote target", std::path::Path::new("."))?;
-    let memory: MemoryKind = std::env::var(TARGET_MEMORY_ENV).unwrap_or_else(|_| "host".into()).parse()?;
+    let memory: MemoryKind = std::env::var(TARGET_MEMORY_ENV)
+        .unwrap_or_else(|_| "host".into())
+        .parse()?;
     let engine = Engine::from_config(&config)?;
     let mut buffers: std::collections::HashMap<u64, Buffer> = std::collections::HashMap::new();
     let mut out = std::io::stdout();
@@ -310,7 +375,10 @@ fn serve_target(toml: &str) -> crate::Result<()> {
         let reply: crate::Result<String> = match words.as_slice() {
             ["alloc", name, len, access] => {
                 let len = len.parse().unwrap_or(0);
-                let access = Access { remote_read: access.starts_with('1'), remote_write: access.ends_with('1') };
+                let access = Access {
+                    remote_read: access.starts_with('1'),
+                    remote_write: access.ends_with('1'),
+                };
                 engine.alloc_on(&memory, name, len, access).map(|b| {
                     let id = b.id().0;
                     buffers.insert(id, b);
@@ -319,7 +387,10 @@ fn serve_target(toml: &str) -> crate::Result<()> {
             }
             ["read", id] => match buffers.get(&id.parse().unwrap_or(0)) {
                 Some(b) => b.to_vec().map(|v| hex(&v)),
-                None => Err(crate::Error::new(ErrorKind::NotRegistered, "no such buffer")),
+                None => Err(crate::Error::new(
+                    ErrorKind::NotRegistered,
+                    "no such buffer",
+                )),
             },
             ["free", id] => {
                 buffers.remove(&id.parse().unwrap_or(0));
@@ -332,7 +403,10 @@ fn serve_target(toml: &str) -> crate::Result<()> {
                     None => "none".into(),
                 })
             }
-            _ => Err(crate::Error::new(ErrorKind::InvalidRequest, format!("unknown command {line:?}"))),
+            _ => Err(crate::Error::new(
+                ErrorKind::InvalidRequest,
+                format!("unknown command {line:?}"),
+            )),
         };
         let _ = match reply {
             Ok(r) => writeln!(out, "ok {r}"),
@@ -699,9 +773,7 @@ fn deregistered_regions_are_refused(h: &Harness) -> Result<(), Failed> {
     )?;
     // A remote region deregistered after the initiator fetched the descriptor is still
     // listed there; the target's own check refuses it and the batch fails.
-    let target_extra = p
-        .target
-        .alloc("gone", 4096, Access::REMOTE_READ_WRITE)?;
+    let target_extra = p.target.alloc("gone", 4096, Access::REMOTE_READ_WRITE)?;
     let peer = p
         .initiator
         .connect(&p.target.address().to_string())
@@ -731,9 +803,7 @@ fn deregistered_regions_are_refused(h: &Harness) -> Result<(), Failed> {
 
 fn a_write_into_a_region_without_remote_write_is_refused(h: &Harness) -> Result<(), Failed> {
     let p = h.pair(false, 4096)?;
-    let ro = p
-        .target
-        .alloc("ro", 4096, Access::REMOTE_READ)?;
+    let ro = p.target.alloc("ro", 4096, Access::REMOTE_READ)?;
     let peer = p
         .initiator
         .connect(&p.target.address().to_string())
@@ -748,16 +818,14 @@ fn a_write_into_a_region_without_remote_write_is_refused(h: &Harness) -> Result<
 
 fn a_read_of_a_region_without_remote_read_is_refused(h: &Harness) -> Result<(), Failed> {
     let p = h.pair(false, 4096)?;
-    let wo = p
-        .target
-        .alloc(
-            "wo",
-            4096,
-            Access {
-                remote_read: false,
-                remote_write: true,
-            },
-        )?;
+    let wo = p.target.alloc(
+        "wo",
+        4096,
+        Access {
+            remote_read: false,
+            remote_write: true,
+        },
+    )?;
     let peer = p
         .initiator
         .connect(&p.target.address().to_string())
@@ -878,9 +946,7 @@ fn a_second_connect_returns_the_cached_peer(h: &Harness) -> Result<(), Failed> {
 
 fn regions_registered_after_connect_are_reachable(h: &Harness) -> Result<(), Failed> {
     let p = h.pair(false, 4096)?;
-    let late = p
-        .target
-        .alloc("late", 4096, Access::REMOTE_READ_WRITE)?;
+    let late = p.target.alloc("late", 4096, Access::REMOTE_READ_WRITE)?;
     p.local.write(0, &[5; 64]).map_err(e2f)?;
     let req = TransferRequest::write(p.local.id(), 0, late.id(), 0, 64);
     p.initiator
