@@ -204,3 +204,56 @@ fn serve_refuses_bad_sizes_with_one_line() {
         assert_eq!(out.status.code(), Some(2), "{size}");
     }
 }
+
+#[test]
+fn bench_kv_reports_contiguous_random_and_plain_modes() {
+    let out = te()
+        .args([
+            "bench",
+            "--kv",
+            "--backend",
+            "stub",
+            "--kv-layers",
+            "2",
+            "--kv-blocks",
+            "16",
+        ])
+        .args(["--batch", "4", "--duration", "200ms", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let modes: Vec<&str> = lines.iter().map(|v| v["mode"].as_str().unwrap()).collect();
+    assert_eq!(modes, ["contiguous", "random", "plain-1MiB"]);
+    for v in &lines {
+        assert!(
+            v["blocks_per_s"].as_f64().unwrap() > 0.0 && v["gb_per_s"].as_f64().unwrap() > 0.0,
+            "{v}"
+        );
+        assert_eq!(v["block_size"], 32768);
+    }
+    // Contiguous ids merge into one request per buffer: 2 layers × 2 buffers.
+    assert_eq!(lines[0]["requests_per_batch"], 4);
+    let out = te()
+        .args([
+            "bench",
+            "--kv",
+            "--backend",
+            "stub",
+            "--kv-blocks",
+            "16",
+            "--batch",
+            "100",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("more blocks than the cache has"));
+}

@@ -11,6 +11,7 @@
 use std::path::PathBuf;
 
 mod baseline;
+mod kv;
 mod pattern;
 mod plan;
 mod plot;
@@ -77,6 +78,28 @@ pub(crate) struct BenchArgs {
     /// Also measure single-thread memcpy, a loopback TCP socket pump and (if installed) qperf.
     #[arg(long)]
     pub(crate) baseline: bool,
+    /// Move a simulated model's KV cache by block id (contiguous, random, and as plain
+    /// 1 MiB requests); --batch is blocks per batch, --op read (default) pulls them.
+    #[arg(long)]
+    pub(crate) kv: bool,
+    /// --kv: layers [default: 32].
+    #[arg(long, value_name = "N", requires = "kv")]
+    pub(crate) kv_layers: Option<String>,
+    /// --kv: KV heads [default: 8].
+    #[arg(long, value_name = "N", requires = "kv")]
+    pub(crate) kv_heads: Option<String>,
+    /// --kv: head dimension [default: 128].
+    #[arg(long, value_name = "N", requires = "kv")]
+    pub(crate) kv_head_dim: Option<String>,
+    /// --kv: tokens per block [default: 16].
+    #[arg(long, value_name = "N", requires = "kv")]
+    pub(crate) kv_block_tokens: Option<String>,
+    /// --kv: bytes per element (2 for fp16/bf16) [default: 2].
+    #[arg(long, value_name = "N", requires = "kv")]
+    pub(crate) kv_dtype_bytes: Option<String>,
+    /// --kv: blocks per buffer on each side [default: 256].
+    #[arg(long, value_name = "N", requires = "kv")]
+    pub(crate) kv_blocks: Option<String>,
 }
 
 /// Runs `te bench`.
@@ -86,6 +109,9 @@ pub(crate) struct BenchArgs {
 /// the target cannot be reached or a batch fails; `InvalidRequest` if `--verify` finds
 /// a byte that differs from the pattern.
 pub(crate) fn run(args: BenchArgs) -> te::Result<()> {
+    if args.kv {
+        return kv::run(&args);
+    }
     let plan = plan::Plan::from_args(&args)?;
     runner::run(&plan)
 }

@@ -1,0 +1,324 @@
+//! `te bench --kv`: a model's KV cache moved by block id.
+//!
+//! Both sides register the same `KvLayout`: per layer, a `key` and a `value` buffer of
+//! `--kv-blocks` blocks of `kv_heads × head_dim × block_tokens × dtype_bytes` bytes (an
+//! 8B-class model by default: 32 layers, 8 KV heads × 128 × 16 tokens × 2 bytes = 32 KiB
+//! per block per buffer). Each batch moves `--batch` blocks of every buffer with
+//! `pull_blocks` (`--op read`, the decode side's view) or `push_blocks` (`--op write`),
+//! three ways in one run: block ids in one contiguous run on both sides (merged into
+//! one request per buffer), random distinct ids (one request per block per buffer),
+//! and the same bytes as plain 1 MiB requests.
+
+use std::time::{Duration, Instant};
+
+use te::{
+    Access, BlockOptions, Config, Engine, KvGroup, KvLayout, KvSlot, Op, RegionId, TransferRequest,
+};
+
+use super::BenchArgs;
+
+/// The simulated model.
+#[derive(Debug, Clone, Copy)]
+struct Model {
+    layers: u64,
+    kv_heads: u64,
+    head_dim: u64,
+    block_tokens: u64,
+    dtype_bytes: u64,
+}
+
+impl Model {
+    fn bytes_per_block(&self) -> u64 {
+        self.kv_heads * self.head_dim * self.block_tokens * self.dtype_bytes
+    }
+}
+
+fn bad(m: String) -> te::Error {
+    te::Error::new(te::ErrorKind::InvalidRequest, m).with_operation("bench --kv")
+}
+
+fn number(value: &Option<String>, default: u64, what: &str) -> te::Result<u64> {
+    match value {
+        None => Ok(default),
+        Some(v) => match v.parse::<u64>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(bad(format!(
+                "--{what} must be a whole number greater than zero, not `{v}`"
+            ))),
+        },
+    }
+}
+
+fn layout(model: &Model, region: RegionId, blocks: u64) -> KvLayout {
+    let bpb = model.bytes_per_block();
+    KvLayout {
+        name: "bench".into(),
+        groups: (0..model.layers)
+            .map(|l| KvGroup {
+                name: format!("layer{l}"),
+                slots: ["key", "value"]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, name)| KvSlot {
+                        name: (*name).to_string(),
+                        region,
+                        offset: (2 * l + i as u64) * blocks * bpb,
+                        bytes_per_block: bpb,
+                        blocks,
+                    })
+                    .collect(),
+            })
+            .collect(),
+    }
+}
+
+/// One measured way of moving blocks.
+struct Outcome {
+    mode: &'static str,
+    batches: u64,
+    requests: usize,
+    bytes: u64,
+    seconds: f64,
+    latencies: Vec<f64>,
+}
+
+pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
+    let model = Model {
+        layers: number(&args.kv_layers, 32, "kv-layers")?,
+        kv_heads: number(&args.kv_heads, 8, "kv-heads")?,
+        head_dim: number(&args.kv_head_dim, 128, "kv-head-dim")?,
+        block_tokens: number(&args.kv_block_tokens, 16, "kv-block-tokens")?,
+        dtype_bytes: number(&args.kv_dtype_bytes, 2, "kv-dtype-bytes")?,
+    };
+    let blocks = number(&args.kv_blocks, 256, "kv-blocks")?;
+    let batch = number(&args.batch, 32, "batch")?;
+    if batch > blocks {
+        return Err(bad(format!(
+            "--batch {batch} is more blocks than the cache has (--kv-blocks {blocks})"
+        )));
+    }
+    if args.target.is_some() {
+        return Err(bad(
+            "--kv runs both engines in this process; it does not take --target".into(),
+        ));
+    }
+    let op = match args.op.as_deref().unwrap_or("read") {
+        "read" => Op::Read,
+        "write" => Op::Write,
+        other => return Err(bad(format!("--op must be read or write, not `{other}`"))),
+    };
+    let duration = match &args.duration {
+        Some(d) => te::config::parse_duration(d)?,
+        None => Duration::from_secs(3),
+    };
+    let bpb = model.bytes_per_block();
+    let side = (2 * model.layers)
+        .checked_mul(blocks)
+        .and_then(|n| n.checked_mul(bpb))
+        .filter(|&n| n <= 16 << 30)
+        .ok_or_else(|| {
+            bad("the simulated cache is larger than 16 GiB per side; lower --kv-blocks".into())
+        })?;
+
+    let mut config = Config::resolve(args.config.as_deref())?;
+    if let Some(b) = &args.backend {
+        config.engine.backend = b.clone();
+    }
+    let target = Engine::from_config(&config)?;
+    let initiator = Engine::from_config(&config)?;
+    let remote = target.alloc("kv", side as usize, Access::REMOTE_READ_WRITE)?;
+    let local = initiator.alloc("kv", side as usize, Access::REMOTE_READ_WRITE)?;
+    target.register_layout(layout(&model, remote.id(), blocks))?;
+    initiator.register_layout(layout(&model, local.id(), blocks))?;
+    let peer = initiator.connect(&target.address().to_string())?;
+    let remote_id = peer
+        .region("kv")
+        .map(|r| r.id)
+        .ok_or_else(|| bad("the target's buffer is missing".into()))?;
+
+    let per_batch = batch * bpb * 2 * model.layers;
+    eprintln!(
+        "te bench --kv: backend {}, {op}, {} layers × (key, value) × {blocks} blocks of {} bytes; {batch} blocks per batch ({:.1} MiB), {:?} per mode",
+        initiator.backend_info().name,
+        model.layers,
+        bpb,
+        per_batch as f64 / (1u64 << 20) as f64,
+        duration
+    );
+    let options = BlockOptions::default();
+    let mut rng = Rng(std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64)
+        | 1);
+    let mut ids: Vec<u64> = (0..blocks).collect();
+    let mut outcomes = Vec::new();
+    for mode in ["contiguous", "random", "plain-1MiB"] {
+        let mut o = Outcome {
+            mode,
+            batches: 0,
+            requests: 0,
+            bytes: 0,
+            seconds: 0.0,
+            latencies: Vec::new(),
+        };
+        let plain: Vec<TransferRequest> = {
+            let chunk = 1u64 << 20;
+            (0..per_batch.div_ceil(chunk))
+                .map(|i| {
+                    let off = i * chunk;
+                    let len = chunk.min(per_batch - off);
+                    match op {
+                        Op::Read => TransferRequest::read(local.id(), off, remote_id, off, len),
+                        Op::Write => TransferRequest::write(local.id(), off, remote_id, off, len),
+                    }
+                })
+                .collect()
+        };
+        let start = Instant::now();
+        while start.elapsed() < duration {
+            let (remote_ids, local_ids): (Vec<u64>, Vec<u64>) = match mode {
+                "contiguous" => {
+                    let first = rng.below(blocks - batch + 1);
+                    (
+                        (first..first + batch).collect(),
+                        (first..first + batch).collect(),
+                    )
+                }
+                _ => {
+                    rng.shuffle(&mut ids);
+                    let r = ids[..batch as usize].to_vec();
+                    rng.shuffle(&mut ids);
+                    (r, ids[..batch as usize].to_vec())
+                }
+            };
+            let t = Instant::now();
+            let handle = match (mode, op) {
+                ("plain-1MiB", _) => {
+                    o.requests = plain.len();
+                    initiator.transfer(&peer, &plain)?
+                }
+                (_, Op::Read) => {
+                    initiator.pull_blocks(&peer, "bench", &remote_ids, &local_ids, &options)?
+                }
+                (_, Op::Write) => {
+                    initiator.push_blocks(&peer, "bench", &remote_ids, &local_ids, &options)?
+                }
+            };
+            handle.wait()?;
+            o.latencies.push(t.elapsed().as_secs_f64() * 1e6);
+            o.batches += 1;
+            o.bytes += per_batch;
+            if mode != "plain-1MiB" {
+                o.requests = 2 * model.layers as usize * runs(&remote_ids, &local_ids);
+            }
+        }
+        o.seconds = start.elapsed().as_secs_f64();
+        outcomes.push(o);
+    }
+    report(
+        args.json,
+        &initiator.backend_info().name,
+        op,
+        batch,
+        bpb,
+        &outcomes,
+    );
+    Ok(())
+}
+
+/// xorshift64: block ids only need to be scattered, not unpredictable.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn shuffle(&mut self, v: &mut [u64]) {
+        for i in (1..v.len()).rev() {
+            v.swap(i, self.below(i as u64 + 1) as usize);
+        }
+    }
+}
+
+/// Runs consecutive on both sides, as the planner merges them (after sorting by remote id).
+fn runs(remote: &[u64], local: &[u64]) -> usize {
+    let mut pairs: Vec<(u64, u64)> = remote.iter().copied().zip(local.iter().copied()).collect();
+    pairs.sort_unstable();
+    1 + pairs
+        .windows(2)
+        .filter(|w| w[1] != (w[0].0 + 1, w[0].1 + 1))
+        .count()
+}
+
+fn report(json: bool, backend: &str, op: Op, batch: u64, bpb: u64, outcomes: &[Outcome]) {
+    if !json {
+        println!("MODE          BLOCKS/S      GB/S  REQUESTS/BATCH  AVG µs  P50 µs  P99 µs");
+    }
+    for o in outcomes {
+        let mut lat = o.latencies.clone();
+        lat.sort_by(f64::total_cmp);
+        let pct = |p: f64| {
+            lat.get(((lat.len() as f64 - 1.0) * p).round() as usize)
+                .copied()
+                .unwrap_or(0.0)
+        };
+        let avg = lat.iter().sum::<f64>() / lat.len().max(1) as f64;
+        let gbps = o.bytes as f64 / o.seconds / 1e9;
+        let blocks_per_s = (o.batches * batch) as f64 / o.seconds;
+        if json {
+            let v = serde_json::json!({
+                "backend": backend, "op": op.to_string(), "mode": o.mode, "block_size": bpb,
+                "batch_size": batch, "requests_per_batch": o.requests, "bytes": o.bytes,
+                "seconds": o.seconds, "blocks_per_s": blocks_per_s, "gb_per_s": gbps,
+                "lat_us_avg": avg, "lat_us_p50": pct(0.5), "lat_us_p99": pct(0.99),
+            });
+            println!("{v}");
+        } else {
+            println!(
+                "{:<12} {:>9.0} {:>9.3} {:>15} {:>7.1} {:>7.1} {:>7.1}",
+                o.mode,
+                blocks_per_s,
+                gbps,
+                o.requests,
+                avg,
+                pct(0.5),
+                pct(0.99)
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_count_what_the_planner_merges() {
+        assert_eq!(runs(&[1, 2, 3], &[5, 6, 7]), 1);
+        assert_eq!(runs(&[3, 1, 2], &[7, 5, 6]), 1);
+        assert_eq!(runs(&[1, 2, 3], &[5, 6, 9]), 2);
+        assert_eq!(runs(&[9, 1], &[1, 9]), 2);
+    }
+
+    #[test]
+    fn the_default_model_has_32_kib_blocks() {
+        let m = Model {
+            layers: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            block_tokens: 16,
+            dtype_bytes: 2,
+        };
+        assert_eq!(m.bytes_per_block(), 32 << 10);
+        let l = layout(&m, RegionId(1), 4);
+        assert_eq!(l.groups.len(), 32);
+        assert_eq!(l.groups[31].slots[1].offset, 63 * 4 * (32 << 10));
+        l.validate().unwrap();
+    }
+}
