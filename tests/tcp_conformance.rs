@@ -1,7 +1,8 @@
 //! The conformance suite on the tcp backend, both engines in this process, talking over
 //! loopback sockets exactly as two processes would: te-tcp built in, and te-tcp loaded
 //! as a plugin from the cdylib `cargo build --workspace` produced; and with every target
-//! engine in a child process, so the suite runs across two processes.
+//! engine in a child process, so the suite runs across two processes. With fake-device
+//! memory on both sides and mixed with host memory, it runs every staging path.
 
 use std::path::PathBuf;
 
@@ -54,5 +55,22 @@ fn main() {
         .with_slow(tcp_config(None, slow))
         .with_remote_target(&toml(""), Some(&toml(slow)));
     trials.extend(testkit::trials(&two_process));
+    // Device memory, staged through pinned host buffers: the fake device on both sides
+    // and mixed with host memory, in this process; and on both sides across processes.
+    for (label, initiator, target) in [
+        ("tcp_fakedev", "fakedev:0", "fakedev:1"),
+        ("tcp_host_to_fakedev", "host", "fakedev:0"),
+        ("tcp_fakedev_to_host", "fakedev:0", "host"),
+    ] {
+        let h = Harness::new(label, tcp_config(None, ""))
+            .with_slow(tcp_config(None, slow))
+            .with_memory(initiator.parse().unwrap(), target.parse().unwrap());
+        trials.extend(testkit::trials(&h));
+    }
+    let two_process_fakedev = Harness::new("tcp_two_process_fakedev", tcp_config(None, ""))
+        .with_slow(tcp_config(None, slow))
+        .with_memory("fakedev:0".parse().unwrap(), "fakedev:0".parse().unwrap())
+        .with_remote_target(&toml(""), Some(&toml(slow)));
+    trials.extend(testkit::trials(&two_process_fakedev));
     testkit::run(trials);
 }

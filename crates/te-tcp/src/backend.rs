@@ -16,6 +16,7 @@ use te_core::{
 use crate::config::TcpConfig;
 use crate::conn::{Batch, Conn, Slice};
 use crate::regions::{Pin, Regions};
+use crate::stage::Dev;
 
 /// The endpoint format's version (its first byte).
 const ENDPOINT_VERSION: u8 = 1;
@@ -174,7 +175,11 @@ impl TcpBackend {
                 name: crate::NAME.to_string(),
                 version: env!("CARGO_PKG_VERSION").to_string(),
                 capabilities: Capabilities {
-                    memory: vec!["host".to_string()],
+                    // Device memory is staged through pinned host buffers.
+                    memory: std::iter::once("host")
+                        .chain(te_core::device::runtimes().into_iter().map(|r| r.0))
+                        .map(str::to_string)
+                        .collect(),
                     read: true,
                     write: true,
                     cross_process: true,
@@ -291,7 +296,7 @@ impl TcpBackend {
 /// The slices of `batch` that go to connection `k` of `n`, counting from `start`.
 fn slices_for<'a>(
     batch: &'a [TransferRequest],
-    pins: &'a [usize],
+    pins: &'a [(usize, Option<Dev>)],
     slice: u64,
     start: usize,
     n: usize,
@@ -299,7 +304,8 @@ fn slices_for<'a>(
     b: &'a Arc<Batch>,
 ) -> impl Iterator<Item = Slice> + 'a {
     let mut g = start;
-    batch.iter().zip(pins).flat_map(move |(r, &base)| {
+    batch.iter().zip(pins).flat_map(move |(r, (base, dev))| {
+        let base = *base;
         let pieces = r.len.div_ceil(slice);
         let first = g;
         g = g.wrapping_add(pieces as usize);
@@ -316,6 +322,7 @@ fn slices_for<'a>(
                 r.remote,
                 r.remote_offset + off,
                 len,
+                dev.clone(),
             ))
         })
     })
@@ -331,19 +338,20 @@ impl TransferBackend for TcpBackend {
     }
 
     fn register(&self, id: RegionId, mem: &MemoryDesc) -> Result<Vec<u8>> {
-        if mem.kind != MemoryKind::Host {
-            return Err(Error::new(
-                ErrorKind::Unsupported,
-                format!("the tcp backend moves host memory only, not {}", mem.kind),
-            ));
-        }
+        let device = match &mem.kind {
+            MemoryKind::Host => None,
+            // Device memory is staged through pinned host buffers by its runtime.
+            MemoryKind::Device { runtime, ordinal } => {
+                Some((te_core::device::runtime(runtime)?, *ordinal))
+            }
+        };
         if usize::try_from(mem.addr.saturating_add(mem.len)).is_err() {
             return Err(Error::new(
                 ErrorKind::InvalidRequest,
                 "the region does not fit in this process's address space",
             ));
         }
-        self.shared.regions.insert(id, mem);
+        self.shared.regions.insert(id, mem, device);
         Ok(Vec::new())
     }
 
@@ -449,12 +457,14 @@ impl TransferBackend for TcpBackend {
             return Ok(());
         }
         let (pins, total) = self.pin_locals(batch)?;
-        let bases: Vec<usize> = batch
+        let bases: Vec<(usize, Option<Dev>)> = batch
             .iter()
             .map(|r| {
                 pins.iter()
                     .find(|p| p.region().id == r.local)
-                    .map_or(0, |p| p.region().addr as usize)
+                    .map_or((0, None), |p| {
+                        (p.region().addr as usize, p.region().device.clone())
+                    })
             })
             .collect();
         let b = Arc::new(Batch::new(total, done, pins));

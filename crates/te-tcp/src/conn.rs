@@ -17,14 +17,16 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::Instant;
 
+use te_core::device::DeviceCopy;
 use te_core::{Completion, Error, ErrorKind, Op, RegionId, Result};
 
 use crate::config::TcpConfig;
 use crate::regions::Pin;
 use crate::sock::{self, Inbound};
+use crate::stage::{self, Dev, Pools, StageBuf};
 use crate::wire::{
     self, Challenge, Header, Hello, Kind, Proof, Status, Welcome, HEADER_LEN, MAX_MESSAGE,
 };
@@ -37,7 +39,7 @@ const MAX_FRAMES: usize = 32;
 pub(crate) struct Batch {
     remaining: AtomicUsize,
     error: OnceLock<Error>,
-    done: Mutex<Option<(Completion, Vec<Pin>)>>,
+    done: Mutex<Option<(Completion, Arc<Vec<Pin>>)>>,
     deadline: Instant,
 }
 
@@ -47,8 +49,19 @@ impl Batch {
             remaining: AtomicUsize::new(slices),
             error: OnceLock::new(),
             deadline: Instant::now() + done.remaining(),
-            done: Mutex::new(Some((done, pins))),
+            done: Mutex::new(Some((done, Arc::new(pins)))),
         }
+    }
+
+    /// The batch's pins, held by a device copy until it completes, so that the regions
+    /// stay registered while a copy runs even if the batch has ended; `None` once the
+    /// batch has ended.
+    fn hold(&self) -> Option<Arc<Vec<Pin>>> {
+        self.done
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|d| d.1.clone())
     }
 
     /// Records one slice's end; the last one releases the pins, then completes.
@@ -83,7 +96,23 @@ pub(crate) struct Slice {
     pub(crate) remote: RegionId,
     pub(crate) remote_offset: u64,
     pub(crate) len: u64,
+    /// The local region's device, when it is device memory.
+    device: Option<Dev>,
+    /// A device WRITE's staging: its copy into a pinned buffer.
+    stage: Option<Arc<Mutex<Stage>>>,
     id: u64,
+}
+
+/// Where a device WRITE slice's bytes are on their way to the socket.
+enum Stage {
+    /// Waiting for a buffer.
+    Idle,
+    /// Being copied from the device.
+    Copying,
+    /// In this buffer, ready to send.
+    Ready(StageBuf),
+    /// The copy failed.
+    Failed(Error),
 }
 
 impl Slice {
@@ -94,7 +123,12 @@ impl Slice {
         remote: RegionId,
         remote_offset: u64,
         len: u64,
+        device: Option<Dev>,
     ) -> Slice {
+        let stage = match (&device, op) {
+            (Some(_), Op::Write) => Some(Arc::new(Mutex::new(Stage::Idle))),
+            _ => None,
+        };
         Slice {
             batch,
             op,
@@ -102,6 +136,8 @@ impl Slice {
             remote,
             remote_offset,
             len,
+            device,
+            stage,
             id: 0,
         }
     }
@@ -182,6 +218,12 @@ pub(crate) struct Conn {
     wake: Condvar,
     dead: AtomicBool,
     inflight: AtomicUsize,
+    /// This connection, for device copies' completions.
+    me: Weak<Conn>,
+    /// Pinned buffers for device WRITEs (device → host → socket).
+    send_pools: Pools,
+    /// Pinned buffers for device READs (socket → host → device).
+    recv_pools: Pools,
 }
 
 impl std::fmt::Debug for Conn {
@@ -341,7 +383,7 @@ impl Conn {
         )?;
         sock::timeouts(&s, config.io_timeout)
             .map_err(|e| unreachable(&label, "cannot set timeouts", e))?;
-        let conn = Arc::new(Conn {
+        let conn = Arc::new_cyclic(|me| Conn {
             fd: s.as_raw_fd(),
             stream: s,
             label,
@@ -356,6 +398,9 @@ impl Conn {
             wake: Condvar::new(),
             dead: AtomicBool::new(false),
             inflight: AtomicUsize::new(0),
+            me: me.clone(),
+            send_pools: Pools::new(config.slice_size),
+            recv_pools: Pools::new(config.slice_size),
         });
         let (c1, c2) = (conn.clone(), conn.clone());
         spawn(threads, "te-tcp-recv", move || c1.receive())?;
@@ -431,7 +476,10 @@ impl Conn {
     fn pump(&self, blocking: bool, budget: usize) -> usize {
         let mut written = 0usize;
         let mut expired = Vec::new();
+        let mut failed = Vec::new();
         loop {
+            let copies = self.stage_next();
+            self.start_copies(copies);
             let carry = {
                 let mut tx = self.lock();
                 if tx.dead.is_some() {
@@ -441,11 +489,38 @@ impl Conn {
                     drop(tx);
                     self.fail(left, e.unwrap_or_else(|| self.dead_error()));
                     self.fail(expired, timeout_error());
+                    self.fail_each(failed);
                     return written;
                 }
+                let mut waiting = false;
                 if tx.carry.is_empty() {
                     let mut c = Carry::EMPTY;
                     while c.count < MAX_FRAMES {
+                        let Some(front) = tx.unsent.front() else {
+                            break;
+                        };
+                        // A device WRITE goes out once its bytes are staged, in order.
+                        let staged = match &front.stage {
+                            None => Ok(Some(front.local)),
+                            Some(st) => match &*st.lock().unwrap_or_else(|p| p.into_inner()) {
+                                Stage::Ready(buf) => Ok(Some(buf.ptr() as usize)),
+                                Stage::Failed(e) => Err(e.clone()),
+                                Stage::Idle | Stage::Copying => Ok(None),
+                            },
+                        };
+                        let staged = match staged {
+                            Ok(staged) => staged,
+                            Err(e) => {
+                                if let Some(s) = tx.unsent.pop_front() {
+                                    failed.push((s, e));
+                                }
+                                continue;
+                            }
+                        };
+                        let Some(payload) = staged else {
+                            waiting = c.count == 0;
+                            break;
+                        };
                         let Some(s) = tx.unsent.pop_front() else {
                             break;
                         };
@@ -455,13 +530,21 @@ impl Conn {
                         }
                         c.headers[c.count] = s.header().encode();
                         c.payloads[c.count] = match s.op {
-                            Op::Write => (s.local, s.len as usize),
+                            Op::Write => (payload, s.len as usize),
                             Op::Read => (0, 0),
                         };
                         c.count += 1;
                         tx.sent.push_back(s);
                     }
                     tx.carry = c;
+                }
+                if waiting && blocking {
+                    // The next slice's copy (or a buffer for it) is not done; its
+                    // completion wakes this thread.
+                    drop(self.wake.wait(tx).unwrap_or_else(|p| p.into_inner()));
+                    self.fail(std::mem::take(&mut expired), timeout_error());
+                    self.fail_each(std::mem::take(&mut failed));
+                    continue;
                 }
                 if tx.carry.is_empty() || (!blocking && written >= budget) {
                     tx.busy = false;
@@ -471,11 +554,13 @@ impl Conn {
                         self.wake.notify_one();
                     }
                     self.fail(expired, timeout_error());
+                    self.fail_each(failed);
                     return written;
                 }
                 tx.carry
             };
             self.fail(std::mem::take(&mut expired), timeout_error());
+            self.fail_each(std::mem::take(&mut failed));
             let mut v = [sock::iov(std::ptr::null(), 0); 2 * MAX_FRAMES];
             let mut n = 0;
             for i in carry.first..carry.count {
@@ -523,6 +608,84 @@ impl Conn {
                 }
                 Err(e) => self.kill(unreachable(&self.label, "send failed", e)),
             }
+        }
+    }
+
+    /// Gives free staging buffers to the next device WRITE slices waiting for one, in
+    /// order, and returns the copies to start (outside the lock).
+    fn stage_next(&self) -> Vec<Staging> {
+        let mut copies = Vec::new();
+        let tx = self.lock();
+        for s in tx.unsent.iter() {
+            let (Some(st), Some((rt, ordinal))) = (&s.stage, &s.device) else {
+                continue;
+            };
+            let mut st = st.lock().unwrap_or_else(|p| p.into_inner());
+            if !matches!(*st, Stage::Idle) {
+                continue;
+            }
+            let buf = match self.send_pools.get(rt) {
+                Ok(pool) => match pool.try_take() {
+                    Some(b) => b,
+                    // The rest wait for buffers that responses return.
+                    None => break,
+                },
+                Err(e) => {
+                    *st = Stage::Failed(e);
+                    continue;
+                }
+            };
+            let Some(pins) = s.batch.hold() else {
+                *st = Stage::Failed(timeout_error());
+                continue;
+            };
+            *st = Stage::Copying;
+            copies.push(Staging {
+                copy: DeviceCopy::ToHost {
+                    ordinal: *ordinal,
+                    device: s.local as u64,
+                    host: buf.ptr(),
+                    len: s.len as usize,
+                },
+                rt: rt.clone(),
+                buf,
+                slot: s.stage.clone(),
+                pins,
+            });
+        }
+        copies
+    }
+
+    /// Starts device → host copies; each one's completion makes its slice ready (or
+    /// failed) and wakes the writer.
+    fn start_copies(&self, copies: Vec<Staging>) {
+        for c in copies {
+            let me = self.me.clone();
+            let Staging {
+                copy,
+                rt,
+                buf,
+                slot,
+                pins,
+            } = c;
+            let done = move |r: Result<()>| {
+                drop(pins);
+                if let Some(slot) = slot {
+                    *slot.lock().unwrap_or_else(|p| p.into_inner()) = match r {
+                        Ok(()) => Stage::Ready(buf),
+                        Err(e) => Stage::Failed(e),
+                    };
+                }
+                if let Some(conn) = me.upgrade() {
+                    drop(conn.lock());
+                    conn.wake.notify_all();
+                }
+            };
+            // SAFETY: the device range lies in a region the batch's pins (held by
+            // `done` until the copy ends) keep registered, and was checked against it at
+            // submission; the buffer is this copy's alone (owned by `done`) and holds
+            // `slice_size >= len` bytes.
+            unsafe { stage::start(&rt, copy, done) };
         }
     }
 
@@ -599,7 +762,18 @@ impl Conn {
             _ => None,
         };
         self.inflight.fetch_sub(1, Ordering::Relaxed);
-        slice.batch.finish_slice(result);
+        match result {
+            // A host → device copy finishes the slice when it completes.
+            Ok(Answer::Copying) => {}
+            Ok(Answer::Done) => slice.batch.finish_slice(Ok(())),
+            Err(e) => slice.batch.finish_slice(Err(e)),
+        }
+        if slice.stage.is_some() {
+            // Its staging buffer goes back to the pool: wake a writer waiting for one.
+            drop(slice);
+            drop(self.lock());
+            self.wake.notify_all();
+        }
         match fatal {
             Some(e) => Err(e),
             None => Ok(()),
@@ -607,7 +781,7 @@ impl Conn {
     }
 
     /// Handles the response `h` to `slice`; an error here fails the slice.
-    fn answer(&self, inb: &mut Inbound, h: &Header, slice: &Slice) -> Result<()> {
+    fn answer(&self, inb: &mut Inbound, h: &Header, slice: &Slice) -> Result<Answer> {
         if h.id != slice.id {
             return Err(self.protocol(format!(
                 "response {} while request {} was next",
@@ -616,12 +790,16 @@ impl Conn {
         }
         let mut on_timeout = |_mid: bool| false;
         match (h.kind, slice.op) {
-            (Kind::WriteAck, Op::Write) => Ok(()),
+            (Kind::WriteAck, Op::Write) => Ok(Answer::Done),
+            (Kind::ReadData, Op::Read) if h.len == slice.len && slice.device.is_some() => {
+                self.receive_staged(inb, slice)
+            }
             (Kind::ReadData, Op::Read) if h.len == slice.len => {
                 // The destination is registered memory pinned by the slice's batch; the
                 // slice is out of `sent`, so only this thread touches it.
                 inb.read_into(slice.local as *mut u8, slice.len as usize, &mut on_timeout)
-                    .map_err(|e| unreachable(&self.label, "receive failed", e))
+                    .map_err(|e| unreachable(&self.label, "receive failed", e))?;
+                Ok(Answer::Done)
             }
             (Kind::Error, _) => {
                 let len = h.len.min(MAX_MESSAGE) as usize;
@@ -639,6 +817,46 @@ impl Conn {
                 "a {:?} of {} bytes answering a {} of {} bytes",
                 h.kind, h.len, slice.op, slice.len
             ))),
+        }
+    }
+
+    /// Receives a device READ's data into a staging buffer and starts its copy to the
+    /// device; the copy's completion finishes the slice. The next response is received
+    /// while the copy runs.
+    fn receive_staged(&self, inb: &mut Inbound, slice: &Slice) -> Result<Answer> {
+        let Some((rt, ordinal)) = &slice.device else {
+            return Err(self.protocol("a staged read without a device"));
+        };
+        let pool = self.recv_pools.get(rt)?;
+        // Waits only for this direction's own copies to finish.
+        let buf = pool.take();
+        let len = slice.len as usize;
+        let mut on_timeout = |_mid: bool| false;
+        // The buffer is ours and holds `slice_size >= len` bytes.
+        inb.read_into(buf.ptr(), len, &mut on_timeout)
+            .map_err(|e| unreachable(&self.label, "receive failed", e))?;
+        let copy = DeviceCopy::ToDevice {
+            ordinal: *ordinal,
+            device: slice.local as u64,
+            host: buf.ptr(),
+            len,
+        };
+        let batch = slice.batch.clone();
+        let done = move |r: Result<()>| {
+            drop(buf);
+            batch.finish_slice(r);
+        };
+        // SAFETY: the device range lies in a region the batch pins until this slice
+        // finishes, which `done` does after the copy; the buffer is owned by `done`.
+        unsafe { stage::start(rt, copy, done) };
+        Ok(Answer::Copying)
+    }
+
+    /// Fails slices that were queued on this connection, each with its own error.
+    fn fail_each(&self, slices: Vec<(Slice, Error)>) {
+        self.inflight.fetch_sub(slices.len(), Ordering::Relaxed);
+        for (s, e) in slices {
+            s.batch.finish_slice(Err(e));
         }
     }
 
@@ -664,6 +882,23 @@ impl Conn {
             ),
         )
     }
+}
+
+/// How a response ended its slice.
+enum Answer {
+    /// The slice is done.
+    Done,
+    /// A copy to the device finishes it.
+    Copying,
+}
+
+/// A device → host copy about to start for a WRITE slice.
+struct Staging {
+    copy: DeviceCopy,
+    rt: Arc<dyn te_core::device::DeviceRuntime>,
+    buf: StageBuf,
+    slot: Option<Arc<Mutex<Stage>>>,
+    pins: Arc<Vec<Pin>>,
 }
 
 fn timeout_error() -> Error {

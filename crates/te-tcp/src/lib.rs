@@ -29,6 +29,17 @@
 //! on next use. Deregistration waits for transfers touching the region on either side,
 //! so no byte is read or written after `deregister` returns.
 //!
+//! Device memory (`cuda:0`, `fakedev:0`, any runtime in `te_core::device`): sockets
+//! cannot touch it, so its slices are staged through pinned host buffers, a small pool
+//! per connection, direction and runtime, allocated once with the runtime's
+//! `alloc_pinned` and reused. A sender copies slice k+1 from the device while slice k
+//! goes out on the socket; a receiver receives slice k+1 while slice k is copied to the
+//! device, and the target acknowledges a WRITE once its copy has completed (a responder
+//! thread sends that connection's responses in order as their copies complete).
+//! Copies complete through the runtime's callback. A failed copy fails its batch with
+//! the runtime's error; checks, rights and deregistration work as for host memory
+//! (deregistration also waits for copies of the region in flight).
+//!
 //! # Options (`[backends.tcp]`)
 //!
 //! | key | default | meaning |
@@ -51,7 +62,7 @@
 //! `docs/decisions.md`.
 //!
 //! # Limits
-//! Host memory only. A target that vanishes without a reset (a host that loses power)
+//! A target that vanishes without a reset (a host that loses power)
 //! is found by the `io_timeout` or TCP keepalive, not at once; the batch's own deadline
 //! still ends the wait for its caller.
 
@@ -69,6 +80,7 @@ mod conn;
 mod regions;
 mod serve;
 mod sock;
+mod stage;
 #[cfg(test)]
 mod tests;
 mod wire;

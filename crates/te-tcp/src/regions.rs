@@ -10,6 +10,8 @@ use std::sync::{Arc, Condvar, Mutex, RwLock};
 
 use te_core::{Access, Error, ErrorKind, MemoryDesc, RegionId, Result};
 
+use crate::stage::Dev;
+
 /// One registered region.
 #[derive(Debug)]
 pub(crate) struct Region {
@@ -17,6 +19,8 @@ pub(crate) struct Region {
     pub(crate) addr: u64,
     pub(crate) len: u64,
     pub(crate) access: Access,
+    /// The runtime and device of a device region; `None` for host memory.
+    pub(crate) device: Option<Dev>,
     gate: Mutex<Gate>,
     closed: Condvar,
 }
@@ -54,12 +58,13 @@ pub(crate) struct Regions {
 }
 
 impl Regions {
-    pub(crate) fn insert(&self, id: RegionId, mem: &MemoryDesc) {
+    pub(crate) fn insert(&self, id: RegionId, mem: &MemoryDesc, device: Option<Dev>) {
         let region = Arc::new(Region {
             id,
             addr: mem.addr,
             len: mem.len,
             access: mem.access,
+            device,
             gate: Mutex::new(Gate {
                 open: true,
                 users: 0,
@@ -154,7 +159,7 @@ mod tests {
     #[test]
     fn deregistration_waits_for_the_last_pin() {
         let regions = Arc::new(Regions::default());
-        regions.insert(RegionId(1), &mem(100));
+        regions.insert(RegionId(1), &mem(100), None);
         let pin = regions.pin(RegionId(1), 0, 100).unwrap();
         let r = regions.clone();
         let t = std::thread::spawn(move || r.remove(RegionId(1)));
@@ -172,7 +177,7 @@ mod tests {
     #[test]
     fn ranges_outside_the_region_are_refused() {
         let regions = Regions::default();
-        regions.insert(RegionId(1), &mem(100));
+        regions.insert(RegionId(1), &mem(100), None);
         for (off, len) in [(0, 101), (100, 1), (u64::MAX, 2)] {
             assert_eq!(
                 regions.pin(RegionId(1), off, len).unwrap_err().kind(),

@@ -7,17 +7,20 @@
 //! payload is received and dropped, so the connection stays usable; a READ streams
 //! straight from the registered region.
 
+use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 
+use te_core::device::DeviceCopy;
 use te_core::{Error, ErrorKind, RegionId, Result};
 
 use crate::backend::Shared;
 use crate::regions::Pin;
 use crate::sock::{self, Inbound};
+use crate::stage::{self, Pools, StageBuf};
 use crate::wire::{self, Challenge, Header, Hello, Kind, Proof, Status, Welcome, HEADER_LEN};
 
 /// Accepts data connections until the backend closes the listener.
@@ -157,12 +160,22 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
     sock::timeouts(&s, c.io_timeout).map_err(|e| io_err(peer, "cannot set timeouts", e))?;
     let fd = s.as_raw_fd();
     let mut inb = Inbound::new(fd);
+    // Device regions: staging buffers, and a responder thread that sends responses in
+    // order once their copies complete; both made at the first device request.
+    let send_pools = Pools::new(c.slice_size);
+    let recv_pools = Pools::new(c.slice_size);
+    let mut responder: Option<ResponderGuard> = None;
     // Acknowledgements and refusals not yet sent: flushed before this thread would
     // block on a receive, and in front of the next READ's data.
     let mut out: Vec<u8> = Vec::with_capacity(64 * HEADER_LEN);
     // Waiting for the next request may take forever; a request stalled halfway may not.
     let mut on_timeout = |mid: bool| !mid;
     loop {
+        if let Some(r) = &responder {
+            if !out.is_empty() {
+                r.push(Item::Bytes(std::mem::take(&mut out)));
+            }
+        }
         if inb.buffered().len() < HEADER_LEN && !out.is_empty() {
             sock::send_all(fd, &mut [sock::iov(out.as_ptr(), out.len())])
                 .map_err(|e| io_err(peer, "send failed", e))?;
@@ -178,6 +191,10 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
         match h.kind {
             Kind::Write => {
                 match admit(shared, &h, peer) {
+                    Ok(pin) if pin.region().device.is_some() => {
+                        let r = responder_for(&mut responder, fd, peer, &mut out)?;
+                        write_staged(&recv_pools, r, &mut inb, &h, pin, peer)?;
+                    }
                     Ok(pin) => {
                         let dst = pin.region().addr + h.offset;
                         if !out.is_empty() && inb.buffered().len() < h.len as usize {
@@ -191,9 +208,11 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
                         inb.read_into(dst as *mut u8, h.len as usize, &mut on_timeout)
                             .map_err(|e| io_err(peer, "receive failed", e))?;
                         drop(pin);
-                        out.extend_from_slice(
-                            &Header::response(Kind::WriteAck, 0, h.id, 0).encode(),
-                        );
+                        let ack = Header::response(Kind::WriteAck, 0, h.id, 0).encode();
+                        match &responder {
+                            Some(r) => r.push(Item::Bytes(ack.to_vec())),
+                            None => out.extend_from_slice(&ack),
+                        }
                     }
                     Err(e) => {
                         inb.discard(h.len, &mut on_timeout)
@@ -203,6 +222,20 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
                 }
             }
             Kind::Read => match admit(shared, &h, peer) {
+                Ok(pin) if pin.region().device.is_some() => {
+                    let r = responder_for(&mut responder, fd, peer, &mut out)?;
+                    read_staged(&send_pools, r, &h, pin)?;
+                }
+                Ok(pin) if responder.is_some() => {
+                    if let Some(r) = &responder {
+                        r.push(Item::HostRead {
+                            header: Header::response(Kind::ReadData, 0, h.id, h.len).encode(),
+                            src: (pin.region().addr + h.offset) as usize,
+                            len: h.len as usize,
+                            pin,
+                        });
+                    }
+                }
                 Ok(pin) => {
                     let header = Header::response(Kind::ReadData, 0, h.id, h.len).encode();
                     let src = (pin.region().addr + h.offset) as *const u8;
@@ -265,4 +298,305 @@ fn refuse(out: &mut Vec<u8>, h: &Header, e: &Error) {
         &Header::response(Kind::Error, e.kind().code(), h.id, msg.len() as u64).encode(),
     );
     out.extend_from_slice(msg);
+}
+
+/// A response the responder thread sends, in request order.
+enum Item {
+    /// Ready frames (acknowledgements, refusals).
+    Bytes(Vec<u8>),
+    /// A READ of host memory, sent straight from the region the pin holds.
+    HostRead {
+        header: [u8; HEADER_LEN],
+        pin: Pin,
+        src: usize,
+        len: usize,
+    },
+    /// A request on device memory, answered once its copy completes.
+    Staged { h: Header, slot: Arc<Slot> },
+}
+
+/// A device copy's result and, for a READ, the staged bytes.
+type Slot = Mutex<Option<(Result<()>, Option<StageBuf>)>>;
+
+/// The responses of one served connection that has seen device memory.
+struct Responder {
+    queue: Mutex<Queue>,
+    ready: Condvar,
+}
+
+struct Queue {
+    items: VecDeque<Item>,
+    closed: bool,
+}
+
+impl Responder {
+    fn push(&self, item: Item) {
+        self.queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .items
+            .push_back(item);
+        self.ready.notify_all();
+    }
+
+    /// A copy completed: wake the responder if it waits for that one.
+    fn copied(&self) {
+        drop(self.queue.lock().unwrap_or_else(|p| p.into_inner()));
+        self.ready.notify_all();
+    }
+
+    /// The next response once it is ready; `None` once closed.
+    fn next(&self) -> Option<Item> {
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if q.closed {
+                return None;
+            }
+            let ready = match q.items.front() {
+                Some(Item::Staged { slot, .. }) => {
+                    slot.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+                }
+                Some(_) => true,
+                None => false,
+            };
+            if ready {
+                return q.items.pop_front();
+            }
+            q = self.ready.wait(q).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// The responder thread: sends responses in order until closed or the socket fails.
+    fn run(&self, fd: RawFd, peer: &str) {
+        while let Some(item) = self.next() {
+            let sent = match item {
+                Item::Bytes(b) => sock::send_all(fd, &mut [sock::iov(b.as_ptr(), b.len())]),
+                Item::HostRead {
+                    header,
+                    pin,
+                    src,
+                    len,
+                } => {
+                    // The source range was checked by `admit` and stays registered
+                    // while the pin lives.
+                    let r = sock::send_all(
+                        fd,
+                        &mut [
+                            sock::iov(header.as_ptr(), HEADER_LEN),
+                            sock::iov(src as *const u8, len),
+                        ],
+                    );
+                    drop(pin);
+                    r
+                }
+                Item::Staged { h, slot } => {
+                    let taken = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+                    match taken {
+                        Some((Ok(()), Some(buf))) => {
+                            let header = Header::response(Kind::ReadData, 0, h.id, h.len).encode();
+                            // The copy filled `h.len` bytes of the buffer, ours until
+                            // it drops after this send.
+                            sock::send_all(
+                                fd,
+                                &mut [
+                                    sock::iov(header.as_ptr(), HEADER_LEN),
+                                    sock::iov(buf.ptr(), h.len as usize),
+                                ],
+                            )
+                        }
+                        Some((Ok(()), None)) => {
+                            let ack = Header::response(Kind::WriteAck, 0, h.id, 0).encode();
+                            sock::send_all(fd, &mut [sock::iov(ack.as_ptr(), HEADER_LEN)])
+                        }
+                        Some((Err(e), _)) => {
+                            tracing::warn!(peer = %peer, op = ?h.kind, region = h.region, error = %e, "a device copy failed");
+                            let mut b = Vec::new();
+                            refuse(&mut b, &h, &e);
+                            sock::send_all(fd, &mut [sock::iov(b.as_ptr(), b.len())])
+                        }
+                        None => Ok(()),
+                    }
+                }
+            };
+            if let Err(e) = sent {
+                tracing::debug!(peer = %peer, error = %e, "sending a response failed");
+                // Wake the receiving thread; it ends the connection.
+                // SAFETY: the serve thread keeps the socket open until this thread ends.
+                unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+                return;
+            }
+        }
+    }
+}
+
+/// The responder of one served connection; dropping it stops the thread and waits for
+/// it, so it never writes to a closed socket.
+struct ResponderGuard {
+    responder: Arc<Responder>,
+    fd: RawFd,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::ops::Deref for ResponderGuard {
+    type Target = Arc<Responder>;
+    fn deref(&self) -> &Arc<Responder> {
+        &self.responder
+    }
+}
+
+impl Drop for ResponderGuard {
+    fn drop(&mut self) {
+        self.responder
+            .queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .closed = true;
+        self.responder.ready.notify_all();
+        // SAFETY: the socket is still open (the serve thread owns it and is here); a
+        // responder blocked in a send returns.
+        unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The connection's responder, started at its first device request; what `out` holds
+/// goes first.
+fn responder_for<'a>(
+    responder: &'a mut Option<ResponderGuard>,
+    fd: RawFd,
+    peer: &str,
+    out: &mut Vec<u8>,
+) -> Result<&'a Arc<Responder>> {
+    if responder.is_none() {
+        let r = Arc::new(Responder {
+            queue: Mutex::new(Queue {
+                items: VecDeque::new(),
+                closed: false,
+            }),
+            ready: Condvar::new(),
+        });
+        let (theirs, label) = (r.clone(), peer.to_string());
+        let thread = std::thread::Builder::new()
+            .name("te-tcp-respond".into())
+            .spawn(move || theirs.run(fd, &label))
+            .map_err(|e| {
+                Error::new(ErrorKind::Io, "cannot start thread te-tcp-respond").with_source(e)
+            })?;
+        *responder = Some(ResponderGuard {
+            responder: r,
+            fd,
+            thread: Some(thread),
+        });
+    }
+    let Some(r) = responder.as_ref() else {
+        return Err(Error::new(ErrorKind::Io, "no responder"));
+    };
+    if !out.is_empty() {
+        r.push(Item::Bytes(std::mem::take(out)));
+    }
+    Ok(&r.responder)
+}
+
+/// Refuses `h` through the responder with `e`.
+fn refuse_later(r: &Responder, h: &Header, e: &Error) {
+    let mut b = Vec::new();
+    refuse(&mut b, h, e);
+    r.push(Item::Bytes(b));
+}
+
+/// A WRITE to device memory: its payload lands in a staging buffer, and a copy moves
+/// it to the device while the next request is received; the acknowledgement follows
+/// the copy.
+fn write_staged(
+    pools: &Pools,
+    r: &Arc<Responder>,
+    inb: &mut Inbound,
+    h: &Header,
+    pin: Pin,
+    peer: &str,
+) -> Result<()> {
+    let Some((rt, ordinal)) = pin.region().device.clone() else {
+        return Err(protocol(peer, "a staged write to host memory"));
+    };
+    let mut on_timeout = |mid: bool| !mid;
+    let pool = match pools.get(&rt) {
+        Ok(p) => p,
+        Err(e) => {
+            inb.discard(h.len, &mut on_timeout)
+                .map_err(|e| io_err(peer, "receive failed", e))?;
+            refuse_later(r, h, &e);
+            return Ok(());
+        }
+    };
+    // Waits only for this direction's own copies to finish.
+    let buf = pool.take();
+    let len = h.len as usize;
+    // The buffer is ours and holds `slice_size >= len` bytes.
+    inb.read_into(buf.ptr(), len, &mut on_timeout)
+        .map_err(|e| io_err(peer, "receive failed", e))?;
+    let slot: Arc<Slot> = Arc::new(Mutex::new(None));
+    r.push(Item::Staged {
+        h: *h,
+        slot: slot.clone(),
+    });
+    let copy = DeviceCopy::ToDevice {
+        ordinal,
+        device: pin.region().addr + h.offset,
+        host: buf.ptr(),
+        len,
+    };
+    let r = r.clone();
+    let done = move |res: Result<()>| {
+        drop(pin);
+        drop(buf);
+        *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some((res, None));
+        r.copied();
+    };
+    // SAFETY: `admit` checked the range inside the region, which the pin (owned by
+    // `done`) keeps registered until the copy ends; the buffer is owned by `done`.
+    unsafe { stage::start(&rt, copy, done) };
+    Ok(())
+}
+
+/// A READ of device memory: a copy stages it while other requests are served; the
+/// responder sends it once the copy completes.
+fn read_staged(pools: &Pools, r: &Arc<Responder>, h: &Header, pin: Pin) -> Result<()> {
+    let Some((rt, ordinal)) = pin.region().device.clone() else {
+        return Err(Error::new(
+            ErrorKind::Protocol,
+            "a staged read of host memory",
+        ));
+    };
+    let pool = match pools.get(&rt) {
+        Ok(p) => p,
+        Err(e) => {
+            refuse_later(r, h, &e);
+            return Ok(());
+        }
+    };
+    // Waits for the responder to send earlier staged reads.
+    let buf = pool.take();
+    let slot: Arc<Slot> = Arc::new(Mutex::new(None));
+    r.push(Item::Staged {
+        h: *h,
+        slot: slot.clone(),
+    });
+    let copy = DeviceCopy::ToHost {
+        ordinal,
+        device: pin.region().addr + h.offset,
+        host: buf.ptr(),
+        len: h.len as usize,
+    };
+    let r = r.clone();
+    let done = move |res: Result<()>| {
+        drop(pin);
+        *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some((res, Some(buf)));
+        r.copied();
+    };
+    // SAFETY: `admit` checked the range inside the region, which the pin (owned by
+    // `done`) keeps registered until the copy ends; the buffer is owned by `done`.
+    unsafe { stage::start(&rt, copy, done) };
+    Ok(())
 }

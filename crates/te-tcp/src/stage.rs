@@ -1,0 +1,186 @@
+//! Staging device memory through pinned host buffers.
+//!
+//! Sockets cannot read or write device memory, so a slice of a device region travels
+//! through a pinned host buffer: on the sending side the device→host copy of a slice
+//! fills a buffer the socket then sends from, on the receiving side the socket fills a
+//! buffer a host→device copy then empties. Each direction of each connection has its
+//! own small [`Pool`] of buffers per runtime, allocated once with the runtime's
+//! `alloc_pinned` and reused, so no slice allocates; while copies of some buffers run,
+//! the socket works on others, which is the pipeline. A direction's buffers are only
+//! ever waited for by that direction, and are freed by copies or by the socket alone,
+//! so the two directions cannot wait on each other.
+
+use std::sync::{Arc, Condvar, Mutex};
+
+use te_core::device::{DeviceCopy, DeviceRuntime};
+use te_core::Result;
+
+/// A device region's runtime and device ordinal.
+pub(crate) type Dev = (Arc<dyn DeviceRuntime>, u32);
+
+/// Staged bytes kept in flight per direction and runtime, at most.
+const POOL_BYTES: usize = 8 << 20;
+
+/// Pinned host buffers of one runtime, each `size` bytes.
+pub(crate) struct Pool {
+    rt: Arc<dyn DeviceRuntime>,
+    size: usize,
+    all: Vec<usize>,
+    free: Mutex<Vec<usize>>,
+    returned: Condvar,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("runtime", &self.rt.name())
+            .field("buffers", &self.all.len())
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+impl Pool {
+    fn new(rt: Arc<dyn DeviceRuntime>, count: usize, size: usize) -> Result<Pool> {
+        let mut pool = Pool {
+            rt,
+            size,
+            all: Vec::with_capacity(count),
+            free: Mutex::new(Vec::with_capacity(count)),
+            returned: Condvar::new(),
+        };
+        for _ in 0..count {
+            // On an error `pool` drops and frees what was allocated.
+            let p = pool.rt.alloc_pinned(size)? as usize;
+            pool.all.push(p);
+        }
+        *pool.free.get_mut().unwrap_or_else(|p| p.into_inner()) = pool.all.clone();
+        Ok(pool)
+    }
+
+    /// A free buffer, if there is one.
+    pub(crate) fn try_take(self: &Arc<Self>) -> Option<StageBuf> {
+        let p = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
+        Some(StageBuf {
+            pool: self.clone(),
+            ptr: p,
+        })
+    }
+
+    /// A free buffer, waiting until a copy or a send returns one.
+    pub(crate) fn take(self: &Arc<Self>) -> StageBuf {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(p) = free.pop() {
+                return StageBuf {
+                    pool: self.clone(),
+                    ptr: p,
+                };
+            }
+            free = self.returned.wait(free).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        for &p in &self.all {
+            // SAFETY: every buffer came from this runtime's `alloc_pinned(size)`; the
+            // pool drops only when no `StageBuf` (which holds an `Arc` of it) is left.
+            unsafe { self.rt.free_pinned(p as *mut u8, self.size) };
+        }
+    }
+}
+
+/// One buffer taken from a [`Pool`]; dropping it gives it back.
+#[derive(Debug)]
+pub(crate) struct StageBuf {
+    pool: Arc<Pool>,
+    ptr: usize,
+}
+
+impl StageBuf {
+    /// The buffer's start; it holds the pool's `size` bytes (at least `slice_size`).
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr as *mut u8
+    }
+}
+
+impl Drop for StageBuf {
+    fn drop(&mut self) {
+        self.pool
+            .free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(self.ptr);
+        self.pool.returned.notify_one();
+    }
+}
+
+/// One direction's pools, one per runtime, made on first use.
+#[derive(Debug)]
+pub(crate) struct Pools {
+    size: usize,
+    count: usize,
+    pools: Mutex<Vec<Arc<Pool>>>,
+}
+
+impl Pools {
+    /// Pools of buffers of `slice` bytes.
+    pub(crate) fn new(slice: u64) -> Pools {
+        let size = usize::try_from(slice).unwrap_or(usize::MAX);
+        Pools {
+            size,
+            count: (POOL_BYTES / size.max(1)).clamp(2, 8),
+            pools: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The pool of `rt`, allocating its buffers the first time.
+    ///
+    /// # Errors
+    /// The runtime's error if pinned memory cannot be allocated.
+    pub(crate) fn get(&self, rt: &Arc<dyn DeviceRuntime>) -> Result<Arc<Pool>> {
+        let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = pools.iter().find(|p| p.rt.name() == rt.name()) {
+            return Ok(p.clone());
+        }
+        let p = Arc::new(Pool::new(rt.clone(), self.count, self.size)?);
+        pools.push(p.clone());
+        Ok(p)
+    }
+}
+
+/// Starts `copy` on `rt`; `done` runs exactly once with the result, from the runtime's
+/// thread when the copy completes, or here if it cannot start.
+///
+/// # Safety
+/// As [`DeviceRuntime::copy`]: whatever `done` owns (buffers, pins) must keep both
+/// ranges valid until it runs.
+pub(crate) unsafe fn start(
+    rt: &Arc<dyn DeviceRuntime>,
+    copy: DeviceCopy,
+    done: impl FnOnce(Result<()>) + Send + 'static,
+) {
+    let once = Arc::new(Mutex::new(Some(done)));
+    let theirs = once.clone();
+    // SAFETY: forwarded from the caller.
+    let started = unsafe {
+        rt.copy(
+            copy,
+            Box::new(move |r| {
+                let f = theirs.lock().unwrap_or_else(|p| p.into_inner()).take();
+                if let Some(f) = f {
+                    f(r);
+                }
+            }),
+        )
+    };
+    if let Err(e) = started {
+        // The runtime will not run its callback: report the error ourselves.
+        let f = once.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(f) = f {
+            f(Err(e));
+        }
+    }
+}
