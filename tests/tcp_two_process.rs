@@ -291,7 +291,7 @@ fn a_wrong_or_missing_auth_token_is_refused() {
     for token in [None, Some("open sesame!")] {
         let e = initiator(token);
         let err = e.connect(&server.addr).unwrap_err();
-        assert_eq!(err.kind(), ErrorKind::ConfigInvalid, "{token:?}: {err}");
+        assert_eq!(err.kind(), ErrorKind::Unauthorized, "{token:?}: {err}");
         assert!(err.to_string().contains("auth_token"), "{err}");
     }
     let e = initiator(Some("open sesame"));

@@ -70,6 +70,8 @@ error_kinds! {
     Io = 13,
     /// A bounded queue is full; retry later or read what is queued.
     Busy = 14,
+    /// The peer failed to prove a shared secret (auth_token).
+    Unauthorized = 15,
 }
 
 impl fmt::Display for ErrorKind {

@@ -301,7 +301,7 @@ pub(crate) fn handshake(
         }
         (Some(_), false) => {
             return Err(Error::new(
-                ErrorKind::ConfigInvalid,
+                ErrorKind::Unauthorized,
                 format!(
                     "{label} does not require an auth_token but this side has one; set the same [backends.tcp] auth_token on both sides"
                 ),
@@ -315,7 +315,7 @@ pub(crate) fn handshake(
     let w = Welcome::decode(&b).map_err(proto)?;
     if w.status == Status::AuthFailed {
         return Err(Error::new(
-            ErrorKind::ConfigInvalid,
+            ErrorKind::Unauthorized,
             format!(
                 "{label} refused the data connection: {}; set the same [backends.tcp] auth_token on both sides",
                 if token.is_some() { "wrong auth_token" } else { "it requires an auth_token and this side has none" }
@@ -329,7 +329,7 @@ pub(crate) fn handshake(
         let want = wire::mac(t, b"target", &ch.nonce, &nonce, instance);
         if !crate::auth::same(&want, &w.mac) {
             return Err(Error::new(
-                ErrorKind::ConfigInvalid,
+                ErrorKind::Unauthorized,
                 format!("{label} could not prove the auth_token: it is not the peer it claims to be, or its token differs"),
             ));
         }
@@ -361,7 +361,7 @@ impl Conn {
     ///
     /// # Errors
     /// `PeerUnreachable` if it cannot be reached in `connect_timeout`; `PeerRestarted`
-    /// if another instance answers; `ConfigInvalid` if the tokens differ; `Protocol`
+    /// if another instance answers; `Unauthorized` if the tokens differ; `Protocol`
     /// if it is not a te-tcp target.
     pub(crate) fn open(
         addr: SocketAddr,

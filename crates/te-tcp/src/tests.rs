@@ -77,14 +77,14 @@ fn a_peer_without_the_right_auth_token_is_refused_before_any_data_moves() {
     for token in [None, Some("wrong"), Some("s3cret ")] {
         let init = backend(|c| c.auth_token = token.map(String::from));
         let e = init.connect(&seg).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::ConfigInvalid, "{token:?}: {e}");
+        assert_eq!(e.kind(), ErrorKind::Unauthorized, "{token:?}: {e}");
         assert!(e.to_string().contains("auth_token"), "{e}");
     }
     // A target without a token cannot prove one to an initiator that has one.
     let open = backend(|_| {});
     let init = backend(|c| c.auth_token = Some("s3cret".into()));
     let e = init.connect(&segment(&open)).unwrap_err();
-    assert_eq!(e.kind(), ErrorKind::ConfigInvalid, "{e}");
+    assert_eq!(e.kind(), ErrorKind::Unauthorized, "{e}");
     // The same token on both sides works.
     init.connect(&seg).expect("same token");
 }
