@@ -6,7 +6,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use te::{Access, Config, Engine};
+use te::{Access, Config, Engine, MemoryKind};
 
 /// Options of `te serve`.
 #[derive(clap::Args, Debug)]
@@ -23,6 +23,9 @@ pub(crate) struct ServeArgs {
     /// Size of the buffer registered as "buffer" (remote read and write): 64MiB, 1GiB, …
     #[arg(long, default_value = "64MiB", value_parser = parse_size)]
     pub(crate) buffer_size: u64,
+    /// Memory of the buffer: host, fakedev:0, cuda:0, … (`te info` lists the runtimes).
+    #[arg(long, value_name = "KIND", default_value = "host")]
+    pub(crate) mem: String,
 }
 
 /// clap value parser for sizes.
@@ -71,13 +74,19 @@ pub(crate) fn run(args: ServeArgs) -> te::Result<()> {
             "buffer size does not fit in memory",
         )
     })?;
+    let mem: MemoryKind = args.mem.parse().map_err(|e: te::Error| {
+        te::Error::new(
+            te::ErrorKind::InvalidRequest,
+            format!("--mem {}: {}", args.mem, e.message()),
+        )
+    })?;
     let engine = Engine::from_config(&config)?;
-    let buffer = engine.alloc("buffer", len, Access::REMOTE_READ_WRITE)?;
+    let buffer = engine.alloc_on(&mem, "buffer", len, Access::REMOTE_READ_WRITE)?;
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{}", engine.address());
     let _ = writeln!(
         out,
-        "serving {} bytes as \"buffer\" on backend {} (epoch {:016x}); Ctrl-C stops",
+        "serving {} bytes of {mem} memory as \"buffer\" on backend {} (epoch {:016x}); Ctrl-C stops",
         buffer.len(),
         engine.backend_info().name,
         engine.epoch()

@@ -288,8 +288,13 @@ struct Serve {
 
 impl Serve {
     fn start(backend: &str, size: &str) -> Serve {
+        Serve::start_on(backend, size, "host")
+    }
+
+    fn start_on(backend: &str, size: &str, mem: &str) -> Serve {
         let mut child = te()
             .args(["serve", "--backend", backend, "--buffer-size", size])
+            .args(["--mem", mem])
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -353,6 +358,47 @@ fn bench_and_serve_work_as_two_processes_over_tcp() {
             "2",
         ],
         &["8 MiB", "does not fit", "te serve --buffer-size"],
+    );
+}
+
+#[test]
+fn fakedev_memory_moves_over_tcp_verified_in_one_process_and_across_two() {
+    let args = |op: &'static str| {
+        vec![
+            "--backend",
+            "tcp",
+            "--mem",
+            "fakedev:0",
+            "--op",
+            op,
+            "--block-size",
+            "1MiB",
+            "--batch",
+            "8",
+            "--duration",
+            "300ms",
+            "--warmup",
+            "0s",
+            "--verify",
+            "--json",
+        ]
+    };
+    for op in ["write", "read"] {
+        let v = &json_lines(&bench(&args(op)))[0];
+        assert_eq!(v["backend"], "tcp");
+        assert!(v["gb_per_s"].as_f64().unwrap() > 0.0, "{v}");
+    }
+    let serve = Serve::start_on("tcp", "16MiB", "fakedev:0");
+    for op in ["write", "read"] {
+        let mut a = args(op);
+        a.extend(["--target", &serve.addr]);
+        let v = &json_lines(&bench(&a))[0];
+        assert_eq!(v["op"], op);
+        assert!(v["gb_per_s"].as_f64().unwrap() > 0.0, "{v}");
+    }
+    refused(
+        &["--backend", "tcp", "--mem", "nope:0"],
+        &["no device runtime named `nope`", "fakedev"],
     );
 }
 

@@ -75,6 +75,10 @@ pub(crate) struct BenchArgs {
     /// The most each side allocates; batches that need more reuse block slots [default: 1GiB].
     #[arg(long, value_name = "SIZE")]
     pub(crate) buffer_size: Option<String>,
+    /// Memory of both sides' buffers: host, fakedev:0, cuda:0, … (`te info` lists the
+    /// runtimes); with --target the remote buffer is what `te serve --mem` allocated [default: host].
+    #[arg(long, value_name = "KIND", conflicts_with = "kv")]
+    pub(crate) mem: Option<String>,
     /// Also measure single-thread memcpy, a loopback TCP socket pump and (if installed) qperf.
     #[arg(long)]
     pub(crate) baseline: bool,

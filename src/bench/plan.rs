@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use te::{Error, ErrorKind, Op, Result};
+use te::{Error, ErrorKind, MemoryKind, Op, Result};
 
 use super::BenchArgs;
 
@@ -61,6 +61,8 @@ pub(crate) struct Plan {
     pub(crate) buffer_size: u64,
     /// Also measure memcpy, a loopback socket pump and (if installed) qperf.
     pub(crate) baseline: bool,
+    /// Memory of the buffers this process allocates (`host`, `fakedev:0`, `cuda:0`).
+    pub(crate) mem: MemoryKind,
 }
 
 impl Plan {
@@ -141,6 +143,15 @@ impl Plan {
             target: a.target.clone(),
             buffer_size,
             baseline: a.baseline,
+            mem: match &a.mem {
+                Some(m) => m.parse().map_err(|e: Error| {
+                    Error::new(
+                        ErrorKind::InvalidRequest,
+                        format!("--mem {m}: {}", e.message()),
+                    )
+                })?,
+                None => MemoryKind::Host,
+            },
         };
         if plan.target.is_none() {
             plan.check_fits(plan.buffer_size, "--buffer-size")?;

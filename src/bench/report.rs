@@ -8,6 +8,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use te::MemoryKind;
 
 use super::baseline::{MEMCPY, QPERF, SOCKET};
 use super::plan::{human_size, Layout, Plan, Stop};
@@ -174,12 +175,16 @@ pub(crate) fn header(plan: &Plan, backend: &str, target: String) {
         Stop::Iters(n) => format!("{n} batches per thread per point"),
     };
     println!(
-        "  blocks: {}; batch sizes: {}; {} thread(s); {stop} after {:.2} s warm-up{}",
+        "  blocks: {}; batch sizes: {}; {} thread(s); {stop} after {:.2} s warm-up{}{}",
         sizes(&plan.block_sizes, &human_size),
         sizes(&plan.batch_sizes, &|n| n.to_string()),
         plan.threads,
         plan.warmup.as_secs_f64(),
-        if plan.verify { "; verify on" } else { "" }
+        if plan.verify { "; verify on" } else { "" },
+        match plan.mem {
+            MemoryKind::Host => String::new(),
+            ref m => format!("; {m} memory"),
+        }
     );
 }
 

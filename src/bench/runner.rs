@@ -132,7 +132,8 @@ impl<'p> Bench<'p> {
                         "the buffer does not fit in memory",
                     )
                 })?;
-                let buffer = target.alloc("buffer", len, Access::REMOTE_READ_WRITE)?;
+                let buffer =
+                    target.alloc_on(&plan.mem, "buffer", len, Access::REMOTE_READ_WRITE)?;
                 let addr = target.address().to_string();
                 (Some(target), Some(buffer), addr)
             }
@@ -159,7 +160,7 @@ impl<'p> Bench<'p> {
                 "the buffer does not fit in memory",
             )
         })?;
-        let local = initiator.alloc("bench", local_len, Access::LOCAL)?;
+        let local = initiator.alloc_on(&plan.mem, "bench", local_len, Access::LOCAL)?;
         let backend = initiator.backend_info().name.clone();
         let bench = Bench {
             plan,
