@@ -351,3 +351,124 @@ fn block_lists_that_do_not_fit_are_refused_before_anything_moves() {
     assert_eq!(e.kind(), ErrorKind::NotRegistered);
     assert!(tb.to_vec().unwrap().iter().all(|&b| b == 0));
 }
+
+/// The target side of the two-process test: run by the test binary itself, in a child
+/// process, when `TE_KV_TARGET` is set. It serves an MLA cache over tcp until its stdin
+/// closes.
+#[test]
+#[ignore = "runs only as the child process of an_mla_cache_moves_across_two_processes_over_tcp"]
+fn mla_target_process() {
+    if std::env::var_os("TE_KV_TARGET").is_none() {
+        return;
+    }
+    let (layers, blocks) = (32usize, 1000u64);
+    let mut config = Config::defaults();
+    config.engine.backend = "tcp".into();
+    let target = Engine::from_config(&config).unwrap();
+    let tk = filled(
+        &target,
+        "key",
+        576 * blocks * layers as u64,
+        Access::REMOTE_READ,
+        1,
+    );
+    let ti = filled(
+        &target,
+        "index",
+        132 * blocks * layers as u64,
+        Access::REMOTE_READ,
+        2,
+    );
+    target
+        .register_layout(mla(tk.id(), ti.id(), layers, blocks))
+        .unwrap();
+    println!("TARGET {} {}", target.address(), std::process::id());
+    let mut line = String::new();
+    let _ = std::io::stdin().read_line(&mut line);
+}
+
+#[test]
+fn an_mla_cache_moves_across_two_processes_over_tcp() {
+    use std::io::BufRead;
+    let (layers, blocks) = (32usize, 1000u64);
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "mla_target_process",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("TE_KV_TARGET", "1")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let line = stdout
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|l| l.split_once("TARGET ").map(|(_, rest)| rest.to_string()))
+        .expect("the target process printed its address");
+    let mut words = line.split(' ');
+    let (addr, pid) = (words.next().unwrap().to_string(), words.next().unwrap());
+    assert_ne!(
+        pid,
+        std::process::id().to_string(),
+        "the target runs in another process"
+    );
+
+    let mut config = Config::defaults();
+    config.engine.backend = "tcp".into();
+    let initiator = Engine::from_config(&config).unwrap();
+    let lk = initiator
+        .alloc("key", 576 * blocks as usize * layers, Access::LOCAL)
+        .unwrap();
+    let li = initiator
+        .alloc("index", 132 * blocks as usize * layers, Access::LOCAL)
+        .unwrap();
+    initiator
+        .register_layout(mla(lk.id(), li.id(), layers, blocks))
+        .unwrap();
+    let peer = initiator.connect(&addr).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut ids: Vec<u64> = (0..blocks).collect();
+    ids.shuffle(&mut rng);
+    let remote_ids = ids[..300].to_vec();
+    ids.shuffle(&mut rng);
+    let local_ids = ids[..300].to_vec();
+    initiator
+        .pull_blocks(
+            &peer,
+            "mla",
+            &remote_ids,
+            &local_ids,
+            &BlockOptions::default(),
+        )
+        .unwrap()
+        .wait()
+        .unwrap();
+    drop(child.stdin.take());
+    let _ = child.wait();
+
+    // The target filled byte i of each buffer with i × 29 + seed (see `filled`).
+    let expect = |i: u64, seed: u8| (i as u8).wrapping_mul(29).wrapping_add(seed);
+    for (bpb, buf, seed) in [
+        (576u64, lk.to_vec().unwrap(), 1u8),
+        (132, li.to_vec().unwrap(), 2),
+    ] {
+        for layer in 0..layers as u64 {
+            let base = layer * bpb * blocks;
+            for (&r, &d) in remote_ids.iter().zip(&local_ids) {
+                for k in 0..bpb {
+                    let got = buf[(base + d * bpb + k) as usize];
+                    assert_eq!(
+                        got,
+                        expect(base + r * bpb + k, seed),
+                        "layer {layer} block {r}->{d} byte {k}"
+                    );
+                }
+            }
+        }
+    }
+}
