@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::{Deserialize, Deserializer};
+use serde::Deserialize;
 
 use crate::backend::BackendContext;
 use crate::error::{Error, ErrorKind, Result};
@@ -40,7 +40,7 @@ pub struct EngineConfig {
     /// Where peers find descriptors: `p2p` (from each engine's control plane).
     pub metadata: String,
     /// The deadline of a batch or connect that sets none.
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "de::duration")]
     pub default_timeout: Duration,
     /// Received notifications kept until read; senders get `Busy` beyond it.
     pub notification_queue: usize,
@@ -80,10 +80,41 @@ struct File {
     backends: BTreeMap<String, toml::Table>,
 }
 
-/// Parses `"30s"`, `"250ms"`, `"1m 30s"`.
-fn duration<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Duration, D::Error> {
-    let s = String::deserialize(d)?;
-    parse_duration(&s).map_err(serde::de::Error::custom)
+/// Serde helpers for backend config structs, so every table spells sizes and
+/// durations the same way: `#[serde(deserialize_with = "te_core::config::de::size")]`.
+pub mod de {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer};
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum SizeValue {
+        Int(u64),
+        Text(String),
+    }
+
+    /// A byte size: a number, or a string like `"64KiB"` ([`super::parse_size`]).
+    ///
+    /// # Errors
+    /// The parse error, which serde places at the key.
+    pub fn size<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+        match SizeValue::deserialize(d)? {
+            SizeValue::Int(n) => Ok(n),
+            SizeValue::Text(s) => {
+                super::parse_size(&s).map_err(|e| serde::de::Error::custom(e.message().to_string()))
+            }
+        }
+    }
+
+    /// A duration string like `"30s"` or `"250ms"` ([`super::parse_duration`]).
+    ///
+    /// # Errors
+    /// The parse error, which serde places at the key.
+    pub fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let s = String::deserialize(d)?;
+        super::parse_duration(&s).map_err(serde::de::Error::custom)
+    }
 }
 
 /// Parses a human duration (`"30s"`, `"5ms"`, `"1m 30s"`).

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use serde::{Deserialize, Deserializer};
+use serde::Deserialize;
 
 /// The FlagCX backend's options.
 ///
@@ -27,7 +27,7 @@ pub struct FlagcxConfig {
     pub shim_options: String,
     /// While transfers are in flight, the completion thread queries them again after
     /// a pause that starts at a few microseconds and doubles up to this. Default 1 ms.
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "te_core::config::de::duration")]
     pub max_poll_interval: Duration,
 }
 
@@ -39,9 +39,4 @@ impl Default for FlagcxConfig {
             max_poll_interval: Duration::from_millis(1),
         }
     }
-}
-
-fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-    let s = String::deserialize(d)?;
-    te_core::config::parse_duration(&s).map_err(serde::de::Error::custom)
 }

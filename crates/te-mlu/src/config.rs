@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use serde::{Deserialize, Deserializer};
+use serde::Deserialize;
 
 /// When a peer's memory is reached through IPC handles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -29,10 +29,10 @@ pub struct MluConfig {
     /// parallel (1–64).
     pub workers: usize,
     /// The longest `deregister` waits for peers' batches still using a region.
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "te_core::config::de::duration")]
     pub deregister_timeout: Duration,
     /// For tests only: every batch is held this long before its copies start.
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "te_core::config::de::duration")]
     pub debug_delay: Duration,
 }
 
@@ -45,9 +45,4 @@ impl Default for MluConfig {
             debug_delay: Duration::ZERO,
         }
     }
-}
-
-fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-    let s = String::deserialize(d)?;
-    te_core::config::parse_duration(&s).map_err(serde::de::Error::custom)
 }

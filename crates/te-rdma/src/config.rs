@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use serde::{Deserialize, Deserializer};
+use serde::Deserialize;
 use te_core::{Error, ErrorKind, Result};
 
 /// The RDMA backend's options.
@@ -23,7 +23,7 @@ pub struct RdmaConfig {
     /// Required when `listen` binds every interface.
     pub advertise: Option<String>,
     /// Requests longer than this are cut into slices, striped across NICs and QPs.
-    #[serde(deserialize_with = "size")]
+    #[serde(deserialize_with = "te_core::config::de::size")]
     pub slice_size: u64,
     /// Reliable-connection QPs per (local NIC, peer NIC) path.
     pub qps_per_path: usize,
@@ -33,10 +33,10 @@ pub struct RdmaConfig {
     pub signal_every: u32,
     /// After the completion queue runs dry, keep polling this long before sleeping on
     /// the completion channel again; 0 never polls without an event.
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "te_core::config::de::duration")]
     pub adaptive_poll: Duration,
     /// Limit for the connect exchange with one peer.
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "te_core::config::de::duration")]
     pub connect_timeout: Duration,
     /// Path MTU cap in bytes (256, 512, 1024, 2048, 4096); the port's active MTU and the
     /// peer's are used when smaller.
@@ -143,26 +143,6 @@ impl RdmaConfig {
         }
         Ok(())
     }
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum SizeValue {
-    Int(u64),
-    Text(String),
-}
-
-fn size<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
-    match SizeValue::deserialize(d)? {
-        SizeValue::Int(n) => Ok(n),
-        SizeValue::Text(s) => te_core::config::parse_size(&s)
-            .map_err(|e| serde::de::Error::custom(e.message().to_string())),
-    }
-}
-
-fn duration<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Duration, D::Error> {
-    let s = String::deserialize(d)?;
-    te_core::config::parse_duration(&s).map_err(serde::de::Error::custom)
 }
 
 #[cfg(test)]

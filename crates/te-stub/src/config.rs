@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use serde::{Deserialize, Deserializer};
+use serde::Deserialize;
 
 /// Whether batches move bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -25,11 +25,6 @@ pub struct StubConfig {
     /// Fail every Nth batch with an injected `Backend` error; 0 never fails.
     pub fail_every: u64,
     /// Complete each batch no sooner than this after submission.
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "te_core::config::de::duration")]
     pub delay: Duration,
-}
-
-fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-    let s = String::deserialize(d)?;
-    te_core::config::parse_duration(&s).map_err(serde::de::Error::custom)
 }
