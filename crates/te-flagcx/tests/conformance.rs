@@ -1,6 +1,6 @@
 //! The conformance suite against the flagcx backend over the FAKE shim (engines of one
-//! process, connected over loopback TCP through the fake). `two_process.rs` crosses
-//! processes. With `TE_FLAGCX_REAL_SHIM` set it runs against real FlagCX instead.
+//! process, connected over loopback TCP through the fake, and with every target engine
+//! in a child process). `two_process.rs` covers more across processes. With `TE_FLAGCX_REAL_SHIM` set it runs against real FlagCX instead.
 
 use std::path::Path;
 
@@ -10,11 +10,19 @@ use te_core::Config;
 // Link the backend so its registration is in this test's registry.
 use te_flagcx as _;
 
-fn config(shim: &str, options: &str) -> Config {
-    let text = format!(
+fn toml(shim: &str, options: &str) -> String {
+    format!(
         "[engine]\nbackend = \"flagcx\"\n[backends.flagcx]\nshim = \"{shim}\"\nshim_options = \"{options}\"\n"
-    );
-    Config::from_toml(&text, "flagcx-conformance.toml", Path::new(".")).expect("valid config")
+    )
+}
+
+fn config(shim: &str, options: &str) -> Config {
+    Config::from_toml(
+        &toml(shim, options),
+        "flagcx-conformance.toml",
+        Path::new("."),
+    )
+    .expect("valid config")
 }
 
 /// Set to a real shim (`libte_flagcx_shim.so` built with `FLAGCX_HOME`) to run the
@@ -22,6 +30,7 @@ fn config(shim: &str, options: &str) -> Config {
 const REAL_SHIM: &str = "TE_FLAGCX_REAL_SHIM";
 
 fn main() {
+    testkit::serve_target_if_asked();
     if let Some(real) = std::env::var_os(REAL_SHIM).filter(|p| !p.is_empty()) {
         let real = real.to_string_lossy().into_owned();
         std::env::set_var(te_flagcx::SHIM_ENV, &real);
@@ -45,7 +54,11 @@ fn main() {
     // The same contract with every request split into 4 KiB descriptors.
     let split = Harness::new("flagcx_fake_split", config(shim, "max_desc=4096"))
         .with_slow(config(shim, "max_desc=4096,delay_ms=200"));
+    let two_process = Harness::new("flagcx_fake_two_process", config(shim, ""))
+        .with_slow(config(shim, "delay_ms=200"))
+        .with_remote_target(&toml(shim, ""), Some(&toml(shim, "delay_ms=200")));
     let mut trials = testkit::trials(&small);
     trials.extend(testkit::trials(&split));
+    trials.extend(testkit::trials(&two_process));
     testkit::run(trials);
 }

@@ -1,7 +1,8 @@
 //! Against the FAKE libcnrt: the conformance suite on the mlu backend (in one process,
 //! directly and through IPC handles) and on the stub with `mlu:N` memory; two processes
 //! exchanging MLU memory over the mlu backend, MLA caches moved with `pull_blocks`,
-//! every byte verified.
+//! every byte verified; the tcp backend staging `mlu:N` memory, in one process and
+//! across two.
 //!
 //! Run as `cargo test -p te-mlu --test fake_cnrt`. The binary re-executes itself with
 //! `TE_MLU_TEST_ROLE=target` to serve as the second process.
@@ -21,6 +22,20 @@ fn mlu_harness(label: &str, table: &str, initiator: MemoryKind, target: MemoryKi
     Harness::new(label, config("mlu", table))
         .with_slow(config("mlu", &slow))
         .with_memory(initiator, target)
+}
+
+fn tcp_harness(label: &str, initiator: MemoryKind, target: MemoryKind) -> Harness {
+    Harness::new(label, config("tcp", ""))
+        .with_slow(config("tcp", "debug_delay = \"200ms\""))
+        .with_memory(initiator, target)
+}
+
+fn an_mla_cache_in_mlu_memory_moves_over_tcp_with_pull_blocks() -> Result<(), Failed> {
+    let target = Engine::from_config(&config("tcp", "")).map_err(e2f)?;
+    let _cache = mla_target(&target, &mlu(0), &mlu(0));
+    let initiator = Engine::from_config(&config("tcp", "")).map_err(e2f)?;
+    pull_and_verify(&initiator, &target.address().to_string(), &mlu(0), &mlu(0))?;
+    Ok(())
 }
 
 fn stub_harness(label: &str, initiator: MemoryKind, target: MemoryKind) -> Harness {
@@ -162,6 +177,7 @@ fn an_mla_cache_moves_over_the_mlu_backend_through_ipc_handles_in_one_process() 
 
 fn main() {
     use_fake_cnrt(&[]);
+    testkit::serve_target_if_asked();
     if std::env::var("TE_MLU_TEST_ROLE").as_deref() == Ok("target") {
         target_main();
         return;
@@ -191,8 +207,28 @@ fn main() {
         mlu(1),
         MemoryKind::Host,
     )));
+    trials.extend(testkit::trials(&tcp_harness("tcp_mlu", mlu(0), mlu(0))));
+    trials.extend(testkit::trials(&tcp_harness(
+        "tcp_host_to_mlu",
+        MemoryKind::Host,
+        mlu(1),
+    )));
+    let tcp_toml = |table: &str| format!("[engine]\nbackend = \"tcp\"\n[backends.tcp]\n{table}\n");
+    trials.extend(testkit::trials(
+        &tcp_harness("tcp_mlu_two_processes", mlu(0), mlu(0))
+            .with_remote_target(&tcp_toml(""), Some(&tcp_toml("debug_delay = \"200ms\""))),
+    ));
+    let mlu_toml = |table: &str| format!("[engine]\nbackend = \"mlu\"\n[backends.mlu]\n{table}\n");
+    trials.extend(testkit::trials(
+        &mlu_harness("mlu_two_processes", "", mlu(0), mlu(0))
+            .with_remote_target(&mlu_toml(""), Some(&mlu_toml("debug_delay = \"200ms\""))),
+    ));
     type Test = fn() -> Result<(), Failed>;
-    let own: [(&str, Test); 4] = [
+    let own: [(&str, Test); 5] = [
+        (
+            "tcp_mlu::an_mla_cache_in_mlu_memory_moves_over_tcp_with_pull_blocks",
+            an_mla_cache_in_mlu_memory_moves_over_tcp_with_pull_blocks,
+        ),
         (
             "mlu_two_processes::writes_and_reads_cross_two_processes_with_every_byte_verified",
             writes_and_reads_cross_two_processes_with_every_byte_verified,

@@ -24,9 +24,10 @@ pub fn use_fake_cnrt(extra_env: &[(&str, &str)]) {
     for (k, v) in extra_env {
         std::env::set_var(k, v);
     }
-    // Link te-mlu and te-stub, so their runtime and backends are registered here.
+    // Link te-mlu, te-stub and te-tcp, so their runtime and backends are registered here.
     assert_eq!(te_mlu::NAME, "mlu");
     assert_eq!(te_stub::NAME, "stub");
+    assert_eq!(te_tcp::NAME, "tcp");
 }
 
 /// A configuration of `backend` with `table` as its `[backends.NAME]` table.
