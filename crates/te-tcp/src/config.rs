@@ -3,7 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use serde::{Deserialize, Deserializer};
+use serde::Deserialize;
 use te_core::{Error, ErrorKind, Result};
 
 use crate::wire::MAX_PAYLOAD;
@@ -21,7 +21,7 @@ pub struct TcpConfig {
     /// Persistent data connections opened to each peer.
     pub connections_per_peer: usize,
     /// Requests longer than this are cut into slices spread over the connections.
-    #[serde(deserialize_with = "size")]
+    #[serde(deserialize_with = "te_core::config::de::size")]
     pub slice_size: u64,
     /// A shared secret both sides must prove (HMAC challenge–response) before any data
     /// moves; `None` accepts any peer.
@@ -29,24 +29,24 @@ pub struct TcpConfig {
     /// Sets `TCP_NODELAY` on data connections.
     pub nodelay: bool,
     /// `SO_SNDBUF` of data connections; 0 keeps the kernel's auto-tuning.
-    #[serde(deserialize_with = "size")]
+    #[serde(deserialize_with = "te_core::config::de::size")]
     pub send_buffer: u64,
     /// `SO_RCVBUF` of data connections; 0 keeps the kernel's auto-tuning.
-    #[serde(deserialize_with = "size")]
+    #[serde(deserialize_with = "te_core::config::de::size")]
     pub recv_buffer: u64,
     /// Bytes a submitting thread may send itself, without blocking, before it hands the
     /// rest of its batch to the connection's sender thread; 0 always hands over.
-    #[serde(deserialize_with = "size")]
+    #[serde(deserialize_with = "te_core::config::de::size")]
     pub inline_send: u64,
     /// How long opening a data connection (TCP connect and handshake) may take.
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "te_core::config::de::duration")]
     pub connect_timeout: Duration,
     /// A connection on which nothing moves for this long while requests wait on it is
     /// declared dead, and its requests fail with `PeerUnreachable`.
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "te_core::config::de::duration")]
     pub io_timeout: Duration,
     /// For tests only: the target holds every request this long before serving it.
-    #[serde(deserialize_with = "duration")]
+    #[serde(deserialize_with = "te_core::config::de::duration")]
     pub debug_delay: Duration,
 }
 
@@ -126,26 +126,6 @@ impl TcpConfig {
         }
         Ok(())
     }
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum SizeValue {
-    Int(u64),
-    Text(String),
-}
-
-fn size<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
-    match SizeValue::deserialize(d)? {
-        SizeValue::Int(n) => Ok(n),
-        SizeValue::Text(s) => te_core::config::parse_size(&s)
-            .map_err(|e| serde::de::Error::custom(e.message().to_string())),
-    }
-}
-
-fn duration<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Duration, D::Error> {
-    let s = String::deserialize(d)?;
-    te_core::config::parse_duration(&s).map_err(serde::de::Error::custom)
 }
 
 #[cfg(test)]
