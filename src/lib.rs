@@ -7,6 +7,7 @@
 //! |---|---|
 //! | `stub` (default) | in-process memcpy backend for hardware-free tests |
 //! | `tcp` (default) | TCP backend |
+//! | `rdma` (default) | RDMA backend (libibverbs is loaded at run time) |
 //! | `flagcx` (default) | FlagCX backend (its C shim is loaded at run time) |
 //! | `mlu` (default) | the `mlu` device runtime and MLU-Link backend (CNRT is loaded at run time) |
 //! | `cuda` (default) | the `cuda` device runtime (the driver is loaded at run time) |
@@ -25,6 +26,8 @@ pub use te_core::*;
 extern crate te_flagcx as _;
 #[cfg(feature = "mlu")]
 extern crate te_mlu as _;
+#[cfg(feature = "rdma")]
+extern crate te_rdma as _;
 #[cfg(feature = "stub")]
 extern crate te_stub as _;
 #[cfg(feature = "tcp")]
@@ -37,6 +40,8 @@ pub fn linked_backends() -> &'static [&'static str] {
         te_stub::NAME,
         #[cfg(feature = "tcp")]
         te_tcp::NAME,
+        #[cfg(feature = "rdma")]
+        te_rdma::NAME,
         #[cfg(feature = "flagcx")]
         te_flagcx::NAME,
         #[cfg(feature = "mlu")]

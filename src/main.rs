@@ -64,6 +64,12 @@ fn init_logging(verbose: u8) {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.verbose);
+    if matches!(cli.command, Command::Info { .. } | Command::Check { .. }) {
+        // Printing commands end quietly when their reader goes away (`te info | head`),
+        // as other command-line tools do, instead of failing on a broken pipe.
+        // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     let result = match cli.command {
         Command::Info { config, json } => info(config, json),
         Command::Check { config } => check(config),
