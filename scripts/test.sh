@@ -31,4 +31,8 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== cargo build --workspace"
 cargo build --workspace --all-targets --locked
 echo "== cargo test --workspace"
-cargo test --workspace --locked
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+cargo test --workspace --locked 2>&1 | tee "$log"
+# One closing line for the whole run (cargo's last line is a crate's doc tests).
+awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "tests: %d passed, %d failed, %d skipped\n", p, f, i }' "$log"
