@@ -154,37 +154,42 @@ fn mla(region_k: RegionId, region_i: RegionId, layers: usize, blocks: u64) -> Kv
     }
 }
 
-#[test]
-fn an_mla_cache_moves_300_random_blocks_with_every_byte_verified() {
-    let (layers, blocks) = (32usize, 1000u64);
-    let config = Config::defaults();
-    let target = Engine::from_config(&config).unwrap();
-    let tk = filled(
-        &target,
-        "key",
-        576 * blocks * layers as u64,
-        Access::REMOTE_READ,
-        1,
-    );
+const MLA_LAYERS: usize = 32;
+const MLA_BLOCKS: u64 = 1000;
+
+/// A target's MLA cache: key and index buffers filled with `filled`'s pattern (seeds 1
+/// and 2), registered as layout `mla`.
+fn mla_target(target: &Engine) -> (Buffer, Buffer) {
+    let (layers, blocks) = (MLA_LAYERS as u64, MLA_BLOCKS);
+    let tk = filled(target, "key", 576 * blocks * layers, Access::REMOTE_READ, 1);
     let ti = filled(
-        &target,
+        target,
         "index",
-        132 * blocks * layers as u64,
+        132 * blocks * layers,
         Access::REMOTE_READ,
         2,
     );
     target
-        .register_layout(mla(tk.id(), ti.id(), layers, blocks))
+        .register_layout(mla(tk.id(), ti.id(), MLA_LAYERS, blocks))
         .unwrap();
-    let initiator = Engine::from_config(&config).unwrap();
-    let lk = initiator.alloc("key", tk.len(), Access::LOCAL).unwrap();
-    let li = initiator.alloc("index", ti.len(), Access::LOCAL).unwrap();
+    (tk, ti)
+}
+
+/// An initiator's empty MLA cache, and 300 random remote blocks pulled from the target
+/// at `addr` into 300 random local ones; returns the buffers and the id lists.
+fn mla_pull(initiator: &Engine, addr: &str, seed: u64) -> (Buffer, Buffer, Vec<u64>, Vec<u64>) {
+    let (layers, blocks) = (MLA_LAYERS, MLA_BLOCKS);
+    let lk = initiator
+        .alloc("key", 576 * blocks as usize * layers, Access::LOCAL)
+        .unwrap();
+    let li = initiator
+        .alloc("index", 132 * blocks as usize * layers, Access::LOCAL)
+        .unwrap();
     initiator
         .register_layout(mla(lk.id(), li.id(), layers, blocks))
         .unwrap();
-    let peer = initiator.connect(&target.address().to_string()).unwrap();
-
-    let mut rng = rand::rngs::StdRng::seed_from_u64(42);
+    let peer = initiator.connect(addr).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut ids: Vec<u64> = (0..blocks).collect();
     ids.shuffle(&mut rng);
     let remote_ids = ids[..300].to_vec();
@@ -201,6 +206,17 @@ fn an_mla_cache_moves_300_random_blocks_with_every_byte_verified() {
         .unwrap()
         .wait()
         .unwrap();
+    (lk, li, remote_ids, local_ids)
+}
+
+#[test]
+fn an_mla_cache_moves_300_random_blocks_with_every_byte_verified() {
+    let (layers, blocks) = (MLA_LAYERS, MLA_BLOCKS);
+    let config = Config::defaults();
+    let target = Engine::from_config(&config).unwrap();
+    let (tk, ti) = mla_target(&target);
+    let initiator = Engine::from_config(&config).unwrap();
+    let (lk, li, remote_ids, local_ids) = mla_pull(&initiator, &target.address().to_string(), 42);
 
     let (tk, ti, lk, li) = (
         tk.to_vec().unwrap(),
@@ -361,27 +377,10 @@ fn mla_target_process() {
     if std::env::var_os("TE_KV_TARGET").is_none() {
         return;
     }
-    let (layers, blocks) = (32usize, 1000u64);
     let mut config = Config::defaults();
     config.engine.backend = "tcp".into();
     let target = Engine::from_config(&config).unwrap();
-    let tk = filled(
-        &target,
-        "key",
-        576 * blocks * layers as u64,
-        Access::REMOTE_READ,
-        1,
-    );
-    let ti = filled(
-        &target,
-        "index",
-        132 * blocks * layers as u64,
-        Access::REMOTE_READ,
-        2,
-    );
-    target
-        .register_layout(mla(tk.id(), ti.id(), layers, blocks))
-        .unwrap();
+    let _cache = mla_target(&target);
     println!("TARGET {} {}", target.address(), std::process::id());
     let mut line = String::new();
     let _ = std::io::stdin().read_line(&mut line);
@@ -390,7 +389,7 @@ fn mla_target_process() {
 #[test]
 fn an_mla_cache_moves_across_two_processes_over_tcp() {
     use std::io::BufRead;
-    let (layers, blocks) = (32usize, 1000u64);
+    let (layers, blocks) = (MLA_LAYERS, MLA_BLOCKS);
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -405,9 +404,9 @@ fn an_mla_cache_moves_across_two_processes_over_tcp() {
         .spawn()
         .unwrap();
     let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
-    let line = stdout
-        .lines()
-        .map_while(Result::ok)
+    let mut lines = stdout.lines().map_while(Result::ok);
+    let line = lines
+        .by_ref()
         .find_map(|l| l.split_once("TARGET ").map(|(_, rest)| rest.to_string()))
         .expect("the target process printed its address");
     let mut words = line.split(' ');
@@ -421,34 +420,10 @@ fn an_mla_cache_moves_across_two_processes_over_tcp() {
     let mut config = Config::defaults();
     config.engine.backend = "tcp".into();
     let initiator = Engine::from_config(&config).unwrap();
-    let lk = initiator
-        .alloc("key", 576 * blocks as usize * layers, Access::LOCAL)
-        .unwrap();
-    let li = initiator
-        .alloc("index", 132 * blocks as usize * layers, Access::LOCAL)
-        .unwrap();
-    initiator
-        .register_layout(mla(lk.id(), li.id(), layers, blocks))
-        .unwrap();
-    let peer = initiator.connect(&addr).unwrap();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    let mut ids: Vec<u64> = (0..blocks).collect();
-    ids.shuffle(&mut rng);
-    let remote_ids = ids[..300].to_vec();
-    ids.shuffle(&mut rng);
-    let local_ids = ids[..300].to_vec();
-    initiator
-        .pull_blocks(
-            &peer,
-            "mla",
-            &remote_ids,
-            &local_ids,
-            &BlockOptions::default(),
-        )
-        .unwrap()
-        .wait()
-        .unwrap();
+    let (lk, li, remote_ids, local_ids) = mla_pull(&initiator, &addr, 7);
     drop(child.stdin.take());
+    // Read the child's last lines, so it never writes into a closed pipe.
+    lines.for_each(drop);
     let _ = child.wait();
 
     // The target filled byte i of each buffer with i × 29 + seed (see `filled`).
