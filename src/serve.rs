@@ -1,10 +1,16 @@
 //! `te serve`: a target engine with one registered buffer, serving until interrupted.
 //!
 //! The first line of stdout is the control-plane address (`HOST:PORT`), so a script can
-//! read it and hand it to `te bench --target`.
+//! read it and hand it to `te bench --target`. Notifications peers send it are read and
+//! dropped (logged at debug level), and peer events logged, so nothing piles up.
 
+use std::future::Future;
 use std::io::Write;
 use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
 
 use te::{Access, Config, Engine, MemoryKind};
 
@@ -93,9 +99,47 @@ pub(crate) fn run(args: ServeArgs) -> te::Result<()> {
     );
     let _ = out.flush();
     drop(out);
-    let sig = wait_for_signal(&set);
-    tracing::info!(signal = sig, "shutting down");
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let reader = scope.spawn(|| read_until(&engine, &stop));
+        let sig = wait_for_signal(&set);
+        tracing::info!(signal = sig, "shutting down");
+        stop.store(true, Ordering::Release);
+        reader.thread().unpark();
+    });
     drop(buffer);
     drop(engine);
     Ok(())
+}
+
+/// Wakes a parked thread.
+struct Unpark(std::thread::Thread);
+
+impl Wake for Unpark {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+/// Reads (and logs) every notification and peer event until `stop`, so that nothing
+/// peers send piles up in a server nobody reads from. It sleeps until one arrives.
+fn read_until(engine: &Engine, stop: &AtomicBool) {
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut count = 0u64;
+    while !stop.load(Ordering::Acquire) {
+        let mut idle = true;
+        if let Poll::Ready(n) = Pin::new(&mut engine.next_notification()).poll(&mut cx) {
+            count += 1;
+            tracing::debug!(from = %n.from, bytes = n.message.len(), count, "notification");
+            idle = false;
+        }
+        if let Poll::Ready(e) = Pin::new(&mut engine.next_event()).poll(&mut cx) {
+            tracing::info!(kind = ?e.kind, peer = %e.name, address = %e.address, "peer event");
+            idle = false;
+        }
+        if idle {
+            std::thread::park();
+        }
+    }
 }

@@ -55,8 +55,17 @@ fn main() {
             .with_slow(stub_config(None, "delay = \"200ms\""))
             .with_memory(initiator.parse().unwrap(), target.parse().unwrap())
     };
+    // The stub as the contract's adversary: completions out of order, and a slow
+    // fabric that cannot stop, so an engine that resolves a handle before the backend
+    // has released its batch is caught writing into handed-back memory.
+    let adversary =
+        Harness::new("stub_adversary", stub_config(None, "reorder = true")).with_slow(stub_config(
+            None,
+            "delay = \"200ms\"\nignore_abort = true\nreorder = true",
+        ));
     let mut trials = testkit::trials(&builtin);
     trials.extend(testkit::trials(&plugin));
+    trials.extend(testkit::trials(&adversary));
     trials.extend(testkit::trials(&fakedev(
         "stub_fakedev",
         "fakedev:0",

@@ -24,6 +24,7 @@ fn header(version: u8, kind: u8, len: u32) -> Vec<u8> {
     h.push(version);
     h.push(kind);
     h.extend_from_slice(&len.to_le_bytes());
+    h.extend_from_slice(&1u64.to_le_bytes());
     h
 }
 
@@ -40,21 +41,21 @@ fn random_and_truncated_frames_do_not_disturb_good_peers() {
         .collect();
 
     let mut rng = rand::rngs::StdRng::seed_from_u64(0x7e);
-    let good_get = header(1, 1, 0);
+    let good_get = header(2, 6, 0);
     let mut frames: Vec<Vec<u8>> = Vec::new();
     for i in 0..3000 {
         let frame = match i % 6 {
             0 => (0..rng.random_range(0..64)).map(|_| rng.random()).collect(),
             1 => good_get[..rng.random_range(0..good_get.len())].to_vec(),
             2 => header(rng.random(), rng.random(), rng.random()),
-            3 => header(1, rng.random_range(0..8), u32::MAX),
+            3 => header(2, rng.random_range(0..16), u32::MAX),
             4 => {
-                let mut f = header(1, rng.random_range(1..6), 40);
+                let mut f = header(2, rng.random_range(1..15), 40);
                 f.extend((0..40).map(|_| rng.random::<u8>()));
                 f
             }
             _ => {
-                let mut f = header(1, 3, 1000);
+                let mut f = header(2, 1, 1000);
                 f.extend((0..rng.random_range(0..999)).map(|_| rng.random::<u8>()));
                 f
             }
@@ -90,13 +91,20 @@ fn random_and_truncated_frames_do_not_disturb_good_peers() {
 }
 
 #[test]
-fn a_valid_descriptor_request_is_answered_on_a_raw_connection() {
+fn a_descriptor_request_without_a_handshake_is_refused_and_says_nothing() {
     let target = Engine::from_config(&Config::defaults()).unwrap();
-    let reply = poke(&target.address().to_string(), &header(1, 1, 0));
-    assert!(reply.len() > 8);
-    assert_eq!(&reply[..4], &[b'T', b'E', 1, 2], "a Segment reply");
-    let len = u32::from_le_bytes(reply[4..8].try_into().unwrap()) as usize;
-    assert_eq!(reply.len(), 8 + len);
+    let _dst = target
+        .alloc("secret-region", 4096, Access::REMOTE_READ_WRITE)
+        .unwrap();
+    let reply = poke(&target.address().to_string(), &header(2, 6, 0));
+    assert!(reply.len() >= 16, "an error frame comes back: {reply:?}");
+    assert_eq!(&reply[..4], &[b'T', b'E', 2, 5], "an Error frame");
+    let text = String::from_utf8_lossy(&reply);
+    assert!(text.contains("hello"), "{text}");
+    assert!(
+        !text.contains("secret-region"),
+        "the descriptor leaked: {text}"
+    );
 }
 
 #[test]

@@ -183,7 +183,12 @@ fn a_write_past_the_region_end_is_refused_with_out_of_bounds_and_memory_is_uncha
         access: Access::LOCAL,
     };
     backend.register(te::RegionId(1), &mem).unwrap();
-    let id = backend.connect(&peer.segment()).unwrap();
+    let id = backend
+        .connect(
+            &peer.segment(),
+            te::Deadline::after(Duration::from_secs(10)),
+        )
+        .unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     let done = Completion::new(Duration::from_secs(10), move |r, _| {
         let _ = tx.send(r);
@@ -192,7 +197,12 @@ fn a_write_past_the_region_end_is_refused_with_out_of_bounds_and_memory_is_uncha
     backend.submit(id, &[bad], done).unwrap();
     let r = rx.recv_timeout(Duration::from_secs(10)).unwrap();
     assert_eq!(r.unwrap_err().kind(), ErrorKind::OutOfBounds);
-    backend.deregister(te::RegionId(1)).unwrap();
+    backend
+        .deregister(
+            te::RegionId(1),
+            te::Deadline::after(Duration::from_secs(10)),
+        )
+        .unwrap();
     drop(backend);
     read_all(&e, &peer, &check, 64 << 10).unwrap();
     assert!(

@@ -9,6 +9,7 @@ const ENCODED: &[&str] = &[
     "src/codec.rs",
     "src/backend.rs",
     "src/plugin.rs",
+    "src/hook.rs",
 ];
 
 /// FNV-1a, 64-bit: stable across Rust releases, unlike `DefaultHasher`.

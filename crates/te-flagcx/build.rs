@@ -6,7 +6,9 @@
 //! - The real shim (`shim/te_flagcx_shim.cc`) over an installed FlagCX, only when
 //!   `FLAGCX_HOME` is set; its path is exported as `TE_FLAGCX_BUILT_SHIM_PATH`, where the
 //!   backend looks when neither the configuration nor `TE_FLAGCX_SHIM` names one. Nothing
-//!   is downloaded; with `FLAGCX_HOME` unset this step does nothing.
+//!   is downloaded; with `FLAGCX_HOME` unset this step does nothing. Where FlagCX's
+//!   header lacks `flagcxP2pEngineXferResult` the shim still builds but refuses to start
+//!   (it could not tell a failed transfer from a finished one).
 
 use std::env;
 use std::path::{Path, PathBuf};
@@ -15,6 +17,7 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=shim/te_flagcx_shim.h");
     println!("cargo:rerun-if-changed=shim/te_flagcx_shim.cc");
+    println!("cargo:rerun-if-changed=shim/te_flagcx_status.h");
     println!("cargo:rerun-if-changed=fake/fake_shim.c");
     println!("cargo:rerun-if-env-changed=FLAGCX_HOME");
     println!("cargo:rerun-if-env-changed=CC");
@@ -63,13 +66,29 @@ fn build_real(out: &Path, home: &Path) {
             home.display()
         );
     }
+    let header = include.join("flagcx_p2p.h");
+    println!("cargo:rerun-if-changed={}", header.display());
+    // FlagCX's XferStatus reports a transfer with failed slices as finished; the shim
+    // needs a query that says how it ended, and refuses to start without one.
+    let reports_failures = std::fs::read_to_string(&header)
+        .map(|h| h.contains("flagcxP2pEngineXferResult"))
+        .unwrap_or(false);
+    if !reports_failures {
+        println!(
+            "cargo:warning={} declares no flagcxP2pEngineXferResult: the FlagCX shim builds, but refuses to start, because this FlagCX reports failed transfers as finished (docs/flagcx.md)",
+            header.display()
+        );
+    }
     let lib = out.join("libte_flagcx_shim.so");
     let compiler = cc::Build::new()
         .cpp(true)
         .cargo_metadata(false)
         .get_compiler();
-    let status = compiler
-        .to_command()
+    let mut command = compiler.to_command();
+    if reports_failures {
+        command.arg("-DTE_FLAGCX_HAVE_XFER_RESULT");
+    }
+    let status = command
         .args(["-std=c++17", "-O2", "-g", "-shared", "-fPIC", "-pthread"])
         .arg("-Ishim")
         .arg(format!("-I{}", include.display()))

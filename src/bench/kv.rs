@@ -124,10 +124,16 @@ pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
     if let Some(b) = &args.backend {
         config.engine.backend = b.clone();
     }
+    let mem: te::MemoryKind = match &args.mem {
+        Some(m) => m
+            .parse()
+            .map_err(|e: te::Error| bad(format!("--mem {m}: {}", e.message())))?,
+        None => te::MemoryKind::Host,
+    };
     let target = Engine::from_config(&config)?;
     let initiator = Engine::from_config(&config)?;
-    let remote = target.alloc("kv", side as usize, Access::REMOTE_READ_WRITE)?;
-    let local = initiator.alloc("kv", side as usize, Access::REMOTE_READ_WRITE)?;
+    let remote = target.alloc_on(&mem, "kv", side as usize, Access::REMOTE_READ_WRITE)?;
+    let local = initiator.alloc_on(&mem, "kv", side as usize, Access::REMOTE_READ_WRITE)?;
     target.register_layout(layout(&model, remote.id(), blocks))?;
     initiator.register_layout(layout(&model, local.id(), blocks))?;
     let peer = initiator.connect(&target.address().to_string())?;
@@ -138,7 +144,7 @@ pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
 
     let per_batch = batch * bpb * 2 * model.layers;
     eprintln!(
-        "te bench --kv: backend {}, {op}, {} layers × (key, value) × {blocks} blocks of {} bytes; {batch} blocks per batch ({:.1} MiB), {:?} per mode",
+        "te bench --kv: backend {}, {mem} memory, {op}, {} layers × (key, value) × {blocks} blocks of {} bytes; {batch} blocks per batch ({:.1} MiB), {:?} per mode",
         initiator.backend_info().name,
         model.layers,
         bpb,

@@ -77,7 +77,7 @@ pub(crate) struct BenchArgs {
     pub(crate) buffer_size: Option<String>,
     /// Memory of both sides' buffers: host, fakedev:0, cuda:0, … (`te info` lists the
     /// runtimes); with --target the remote buffer is what `te serve --mem` allocated [default: host].
-    #[arg(long, value_name = "KIND", conflicts_with = "kv")]
+    #[arg(long, value_name = "KIND")]
     pub(crate) mem: Option<String>,
     /// Also measure single-thread memcpy, a loopback TCP socket pump and (if installed) qperf.
     #[arg(long)]

@@ -2,7 +2,9 @@
 
 use std::fmt;
 use std::mem::ManuallyDrop;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use abi_stable::std_types::{RResult, RString};
 use abi_stable::StableAbi;
@@ -10,18 +12,54 @@ use serde::de::DeserializeOwned;
 
 use crate::desc::{BackendInfo, MemoryDesc, PeerId, RegionId, SegmentDesc, TransferRequest};
 use crate::error::{Error, ErrorKind, Result};
+use crate::hook::ControlHook;
 
 /// One fabric, implemented once per backend crate.
 ///
-/// The engine calls it from many threads at once. Every method is non-blocking in the
-/// sense that it never waits for a peer's data: `submit` posts work and returns, and the
-/// backend later completes the batch's [`Completion`] from its own progress (a
-/// completion thread, an event fd, an I/O thread). There is no poll method; nobody
-/// spins.
+/// The engine calls it from many threads at once. No method waits for a peer's data:
+/// `submit` posts work and returns, and the backend later completes the batch's
+/// [`Completion`] from its own progress (a completion thread, an event fd, an I/O
+/// thread). There is no poll method; nobody spins.
 ///
-/// The engine checks every request against both sides' descriptors (region exists,
-/// rights, bounds) before `submit`, so a backend sees only requests that fit. A backend
-/// that receives data itself must still check them again on the receiving side.
+/// # The contract
+///
+/// **Memory.** After a batch's [`Completion`] is consumed ([`Completion::complete`], or
+/// dropped), the backend touches none of the batch's local memory again: no byte is
+/// read from a WRITE's source, none lands in a READ's destination. A WRITE is completed
+/// with `Ok` only when its data is visible at the target (a peer that reads the region
+/// after being notified sees it); a READ only when its data is in local memory.
+///
+/// **Abort.** At the batch's deadline, or when its caller cancels it, or when one of its
+/// local regions is being deregistered, the engine sets the completion's abort flag
+/// ([`Completion::is_aborted`]) and then calls [`TransferBackend::abort`]. Abort *asks*
+/// the backend to stop: it posts nothing more of the batch, discards data that arrives
+/// for it, and completes the completion as soon as nothing of the batch can touch its
+/// local memory any more. The batch's handle resolves (`Timeout`, `Cancelled`) only
+/// when that completion arrives, so a backend that cannot stop DMA at once makes the
+/// handle wait for it: the contract is about memory, not the clock. The backend's own
+/// result is then replaced by the reason of the abort.
+///
+/// **Regions.** The engine checks every request against both sides' descriptors
+/// (region exists, rights, bounds) and *pins* the batch's local regions from that check
+/// until the batch is released, so a local region named by a batch in flight is never
+/// deregistered under it: the engine waits for (then aborts) pinned batches before it
+/// calls [`TransferBackend::deregister`]. A backend that receives data itself (on
+/// behalf of a peer) must still check every request on the receiving side, against its
+/// own registrations, before a byte lands.
+///
+/// **Deadlines.** Every method that can wait receives the [`Deadline`] of the caller's
+/// one deadline, never a fixed timeout of its own, and returns `Timeout` once it has
+/// passed.
+///
+/// **Lives.** [`BackendContext::epoch`] is the engine's identity for this life; a
+/// backend names itself to peers with it (rather than minting an id of its own), and
+/// binds each peer to the epoch of the descriptor it connected with, so that a
+/// restarted peer is a new peer.
+///
+/// **Threads.** The engine never drops a backend on one of the backend's own threads
+/// (its completion callbacks hold no strong reference to the engine); a backend may
+/// join its threads in `Drop`. Completions may be completed from any thread, and the
+/// callbacks they run do little (they never block on the backend).
 pub trait TransferBackend: Send + Sync + fmt::Debug + 'static {
     /// Name, version and capabilities.
     fn info(&self) -> &BackendInfo;
@@ -29,48 +67,74 @@ pub trait TransferBackend: Send + Sync + fmt::Debug + 'static {
     /// The bytes a peer's backend needs to reach this one (published in the descriptor).
     fn endpoint(&self) -> Vec<u8>;
 
-    /// Makes `mem` usable as region `id` (engine-assigned, never reused in one life)
-    /// and returns the remote key bytes peers need to reach it (may be empty).
+    /// Makes `mem` usable as region `id` (engine-assigned, unique across engine lives)
+    /// and returns the remote key bytes peers need to reach it (may be empty). The range
+    /// may lie inside a region registered before (the engine registers each slot of a
+    /// KV layout as a region of its own, so the receiving side enforces slot bounds);
+    /// the key bytes must carry no right `mem.access` lacks.
     ///
     /// # Errors
     /// `Unsupported` for a memory kind the backend cannot move; `Backend` if the fabric
     /// refuses the memory.
     fn register(&self, id: RegionId, mem: &MemoryDesc) -> Result<Vec<u8>>;
 
-    /// Forgets region `id`. When this returns, no transfer of this backend touches the
-    /// region's memory any more, so its owner may free it.
+    /// Forgets region `id`. Returning `Ok` is a barrier: no transfer of this backend —
+    /// local, or a peer's transfer this backend serves — touches the region's memory
+    /// any more, so its owner may free it. A backend that cannot promise that by
+    /// `deadline` returns an error, and the engine then never frees the memory.
     ///
     /// # Errors
-    /// `NotRegistered` if `id` is unknown.
-    fn deregister(&self, id: RegionId) -> Result<()>;
+    /// `NotRegistered` if `id` is unknown; `Timeout` if transfers on it are still
+    /// running at `deadline`.
+    fn deregister(&self, id: RegionId, deadline: Deadline) -> Result<()>;
 
-    /// Connects to the peer the descriptor describes. Idempotent: connecting to an
-    /// endpoint again updates its descriptor (new regions) and returns the same id.
+    /// Connects to the peer the descriptor describes, before `deadline`. Idempotent:
+    /// connecting to an endpoint again updates its descriptor (new regions) and returns
+    /// the same id; a descriptor of another epoch is another peer.
     ///
     /// # Errors
-    /// `PeerUnreachable` if the peer cannot be reached; `Unsupported` if the backend
-    /// cannot reach it from here (another process, another host).
-    fn connect(&self, peer: &SegmentDesc) -> Result<PeerId>;
+    /// `PeerUnreachable` if the peer cannot be reached; `Timeout` at the deadline;
+    /// `Unsupported` if the backend cannot reach it from here (another process, host).
+    fn connect(&self, peer: &SegmentDesc, deadline: Deadline) -> Result<PeerId>;
 
-    /// Drops a peer and whatever connections it holds. Batches in flight to it fail.
+    /// Drops a peer and whatever connections it holds. Batches in flight to it fail
+    /// (and are released as the memory contract says).
     ///
     /// # Errors
     /// `PeerUnreachable` if `peer` is unknown.
-    fn disconnect(&self, peer: PeerId) -> Result<()>;
+    fn disconnect(&self, peer: PeerId, deadline: Deadline) -> Result<()>;
 
     /// Posts a batch. On `Ok`, `done` is completed exactly once, later or already. On
-    /// `Err`, the batch failed as a whole and `done` is dropped without completing.
+    /// `Err`, the batch failed as a whole before any byte moved, and `done` is dropped
+    /// without completing.
     ///
     /// # Errors
     /// Anything that makes the whole batch impossible before any byte moves.
     fn submit(&self, peer: PeerId, batch: &[TransferRequest], done: Completion) -> Result<()>;
+
+    /// Asks the backend to stop batch `batch` to `peer` (its completion's abort flag is
+    /// already set): see "Abort" above. Called from an engine thread; must not block.
+    /// The default does nothing, for backends that look at [`Completion::is_aborted`]
+    /// often enough on their own.
+    fn abort(&self, peer: PeerId, batch: BatchId) {
+        let _ = (peer, batch);
+    }
 }
 
-/// The context a backend is created in: its own configuration table and where it came from.
+/// The context a backend is created in: the engine's identity, the backend's own
+/// configuration table and where it came from.
 #[derive(Debug, Clone, Default)]
 pub struct BackendContext {
     /// The engine's name.
     pub engine: String,
+    /// The engine's epoch: random and non-zero, new at every start. Backends name
+    /// themselves to peers with it rather than minting an instance id of their own.
+    pub epoch: u64,
+    /// The engine's `auth_token`: a backend's own connections (te-tcp's data plane)
+    /// prove it too.
+    pub auth_token: Option<String>,
+    /// The engine's control plane, for the backend's side traffic.
+    pub hook: ControlHook,
     /// The backend's table (`[backends.NAME]`), empty if the configuration has none.
     pub table: toml::Table,
     /// Where the table came from (a file path, or `defaults`), for messages.
@@ -91,6 +155,26 @@ impl BackendContext {
             )
             .with_operation("create backend")
         })
+    }
+
+    /// The epoch, or a fresh random one where the context has none (a backend created
+    /// outside an engine, in a test).
+    pub fn epoch_or_random(&self) -> u64 {
+        if self.epoch != 0 {
+            self.epoch
+        } else {
+            random_nonzero()
+        }
+    }
+}
+
+/// A random non-zero `u64`: epochs, instance ids, region-id bases.
+pub fn random_nonzero() -> u64 {
+    loop {
+        let v: u64 = rand::random();
+        if v != 0 {
+            return v;
+        }
     }
 }
 
@@ -128,7 +212,7 @@ pub(crate) fn from_ffi<T>(r: RResult<T, FfiError>) -> Result<T> {
 }
 
 /// Nanoseconds on the process's monotonic clock (the clock `Instant` uses on Linux).
-pub(crate) fn monotonic_ns() -> u64 {
+fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
@@ -138,56 +222,206 @@ pub(crate) fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// The one-shot signal a backend completes when a batch is done.
+/// When a call or a batch must be over: a point on the process's monotonic clock.
+///
+/// One deadline is drawn per user call and handed down to everything under it
+/// (handshake, connect, the batch, its notification), each using the time that is
+/// left. It is plain data, so it crosses the plugin boundary as it is.
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, StableAbi)]
+pub struct Deadline(u64);
+
+impl Deadline {
+    /// The deadline `timeout` from now (saturating: a huge timeout never wraps).
+    pub fn after(timeout: Duration) -> Deadline {
+        let ns = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX);
+        Deadline(monotonic_ns().saturating_add(ns))
+    }
+
+    /// The deadline at `instant`.
+    pub fn at(instant: Instant) -> Deadline {
+        let (now, now_ns) = (Instant::now(), monotonic_ns());
+        match instant.checked_duration_since(now) {
+            Some(ahead) => {
+                Deadline(now_ns.saturating_add(u64::try_from(ahead.as_nanos()).unwrap_or(u64::MAX)))
+            }
+            None => Deadline(
+                now_ns
+                    .saturating_sub(u64::try_from((now - instant).as_nanos()).unwrap_or(u64::MAX)),
+            ),
+        }
+    }
+
+    /// The deadline as an `Instant` (far-future deadlines are capped at a century).
+    pub fn instant(self) -> Instant {
+        let now = Instant::now();
+        let left = self
+            .remaining()
+            .min(Duration::from_secs(100 * 365 * 86_400));
+        now.checked_add(left).unwrap_or(now)
+    }
+
+    /// The time left; zero once it has passed.
+    pub fn remaining(self) -> Duration {
+        Duration::from_nanos(self.0.saturating_sub(monotonic_ns()))
+    }
+
+    /// Whether it has passed.
+    pub fn is_past(self) -> bool {
+        self.remaining().is_zero()
+    }
+
+    /// The time left, or a `Timeout` error for `operation` once it has passed.
+    ///
+    /// # Errors
+    /// `Timeout` once the deadline has passed.
+    pub fn left(self, operation: &'static str) -> Result<Duration> {
+        let left = self.remaining();
+        if left.is_zero() {
+            Err(Error::new(
+                ErrorKind::Timeout,
+                "the deadline passed before the operation could finish; raise the timeout or check the peer",
+            )
+            .with_operation(operation))
+        } else {
+            Ok(left)
+        }
+    }
+}
+
+impl fmt::Debug for Deadline {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Deadline(in {:?})", self.remaining())
+    }
+}
+
+/// Identifies a batch within one engine, for [`TransferBackend::abort`].
+#[repr(transparent)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, StableAbi)]
+pub struct BatchId(pub u64);
+
+impl fmt::Display for BatchId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// The one-shot signal a backend completes when a batch is released.
 ///
 /// It must be completed exactly once; [`Completion::complete`] takes `self` by value,
 /// and dropping it uncompleted (a backend shutting down with work in flight) completes
-/// it with `Cancelled`. It is plain data with a C layout, so a backend loaded as a
-/// plugin completes it the same way a built-in one does.
+/// it with `Cancelled`. Either way the backend promises, by consuming it, that nothing
+/// of the batch touches its local memory any more. It is plain data with a C layout,
+/// so a backend loaded as a plugin completes it the same way a built-in one does.
 #[repr(C)]
 #[derive(StableAbi)]
 pub struct Completion {
     ctx: *mut (),
     call: unsafe extern "C" fn(ctx: *mut (), result: RResult<(), FfiError>, dropped: bool),
-    deadline_ns: u64,
+    /// Non-zero once the batch is to be aborted; owned by `ctx`, so valid while the
+    /// completion lives.
+    abort: *const AtomicU8,
+    batch: BatchId,
+    deadline: Deadline,
 }
 
 // SAFETY: the context is a boxed `FnOnce + Send` closure, called at most once, from
-// whichever thread completes; nothing else touches it.
+// whichever thread completes; the abort flag is an atomic the context keeps alive.
 unsafe impl Send for Completion {}
+// SAFETY: `&Completion` only reads the atomic abort flag and plain data.
+unsafe impl Sync for Completion {}
 
 type Callback = Box<dyn FnOnce(Result<()>, bool) + Send>;
 
+struct Context {
+    f: Callback,
+    _abort: Arc<AtomicU8>,
+}
+
 unsafe extern "C" fn call_boxed(ctx: *mut (), result: RResult<(), FfiError>, dropped: bool) {
-    // SAFETY: `ctx` came from `Box::into_raw` in `Completion::new`, and the
+    // SAFETY: `ctx` came from `Box::into_raw` in `Completion::build`, and the
     // `ManuallyDrop` dance in `complete`/`drop` guarantees this runs once per context.
-    let f = unsafe { Box::from_raw(ctx as *mut Callback) };
-    f(from_ffi(result), dropped)
+    let c = unsafe { Box::from_raw(ctx as *mut Context) };
+    (c.f)(from_ffi(result), dropped)
+}
+
+/// Aborts the [`Completion`] it was made with (for backends' own tests; the engine
+/// aborts through its batches).
+#[derive(Debug, Clone)]
+pub struct Aborter(Arc<AtomicU8>);
+
+impl Aborter {
+    /// Sets the completion's abort flag.
+    pub fn abort(&self) {
+        let _ = self
+            .0
+            .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire);
+    }
 }
 
 impl Completion {
     /// A completion that runs `f` once with the batch's result and whether the backend
     /// dropped it without completing. `timeout` is the time the batch has left.
     pub fn new(timeout: Duration, f: impl FnOnce(Result<()>, bool) + Send + 'static) -> Completion {
-        let boxed: Callback = Box::new(f);
-        let timeout_ns = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX);
+        Completion::abortable(Deadline::after(timeout), f).0
+    }
+
+    /// As [`Completion::new`], with a deadline, and the [`Aborter`] that sets its flag.
+    pub fn abortable(
+        deadline: Deadline,
+        f: impl FnOnce(Result<()>, bool) + Send + 'static,
+    ) -> (Completion, Aborter) {
+        let flag = Arc::new(AtomicU8::new(0));
+        let c = Completion::build(BatchId(0), deadline, flag.clone(), Box::new(f));
+        (c, Aborter(flag))
+    }
+
+    /// The engine's completion for batch `batch`, sharing `abort` with its state.
+    pub(crate) fn build(
+        batch: BatchId,
+        deadline: Deadline,
+        abort: Arc<AtomicU8>,
+        f: Callback,
+    ) -> Completion {
+        let flag = Arc::as_ptr(&abort);
+        let ctx = Box::new(Context { f, _abort: abort });
         Completion {
-            ctx: Box::into_raw(Box::new(boxed)) as *mut (),
+            ctx: Box::into_raw(ctx) as *mut (),
             call: call_boxed,
-            deadline_ns: monotonic_ns().saturating_add(timeout_ns),
+            abort: flag,
+            batch,
+            deadline,
         }
     }
 
-    /// Completes the batch with its result.
+    /// Completes the batch with its result: the backend is done with its memory.
     pub fn complete(self, result: Result<()>) {
         let this = ManuallyDrop::new(self);
         // SAFETY: `this` is never dropped, so the context is consumed exactly here.
         unsafe { (this.call)(this.ctx, to_ffi(result), false) }
     }
 
+    /// The batch's id, as [`TransferBackend::abort`] names it.
+    pub fn batch(&self) -> BatchId {
+        self.batch
+    }
+
+    /// The batch's deadline.
+    pub fn deadline(&self) -> Deadline {
+        self.deadline
+    }
+
     /// The time left before the batch's deadline; zero once it has passed.
     pub fn remaining(&self) -> Duration {
-        Duration::from_nanos(self.deadline_ns.saturating_sub(monotonic_ns()))
+        self.deadline.remaining()
+    }
+
+    /// Whether the engine asked to stop the batch (deadline, cancel, deregistration):
+    /// post nothing more of it, discard what arrives for it, and complete it once
+    /// nothing of it touches local memory.
+    pub fn is_aborted(&self) -> bool {
+        // SAFETY: the flag is kept alive by the context, which lives as long as `self`.
+        unsafe { (*self.abort).load(Ordering::Acquire) != 0 }
     }
 }
 
@@ -205,7 +439,9 @@ impl Drop for Completion {
 impl fmt::Debug for Completion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Completion")
+            .field("batch", &self.batch)
             .field("remaining", &self.remaining())
+            .field("aborted", &self.is_aborted())
             .finish()
     }
 }
@@ -233,5 +469,28 @@ mod tests {
         assert_eq!(rx.recv().unwrap(), (true, false));
         assert_eq!(rx.recv().unwrap(), (true, true));
         assert!(rx.try_recv().is_err());
+    }
+
+    #[test]
+    fn an_aborter_raises_its_completions_flag() {
+        let (done, aborter) =
+            Completion::abortable(Deadline::after(Duration::from_secs(1)), |_, _| {});
+        assert!(!done.is_aborted());
+        aborter.abort();
+        assert!(done.is_aborted());
+        done.complete(Ok(()));
+    }
+
+    #[test]
+    fn deadlines_count_down_and_convert_to_instants() {
+        let d = Deadline::after(Duration::from_millis(500));
+        assert!(d.remaining() <= Duration::from_millis(500));
+        assert!(d.remaining() > Duration::from_millis(400));
+        let back = Deadline::at(d.instant());
+        assert!(back.remaining().abs_diff(d.remaining()) < Duration::from_millis(5));
+        let past = Deadline::at(Instant::now() - Duration::from_secs(1));
+        assert!(past.is_past());
+        assert_eq!(past.left("test").unwrap_err().kind(), ErrorKind::Timeout);
+        assert!(!Deadline::after(Duration::MAX).is_past());
     }
 }

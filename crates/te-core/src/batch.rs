@@ -8,87 +8,202 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::backend::{BatchId, Deadline};
 use crate::error::{Error, ErrorKind, Result};
 
 /// Where a batch stands.
 #[derive(Debug, Clone)]
 pub enum TransferStatus {
-    /// Still in flight.
+    /// Still in flight (or, after a cancel or its deadline, still being released).
     Pending,
     /// Every request completed (and the notification, if any, was delivered).
     Done,
-    /// The batch failed; no guarantee is made about which of its bytes moved.
+    /// The batch failed; no guarantee is made about which of its bytes moved, but none
+    /// moves any more.
     Failed(Error),
 }
 
 #[derive(Default)]
 struct Slot {
     result: Option<Result<()>>,
-    waker: Option<Waker>,
+    wakers: Vec<Waker>,
 }
+
+/// Why a batch is being aborted (the value of its abort flag).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Abort {
+    /// Its deadline passed.
+    Deadline = 1,
+    /// Its caller cancelled it.
+    Cancel = 2,
+    /// One of its local regions is being deregistered.
+    Deregister = 3,
+}
+
+impl Abort {
+    fn from_flag(v: u8) -> Option<Abort> {
+        match v {
+            1 => Some(Abort::Deadline),
+            2 => Some(Abort::Cancel),
+            3 => Some(Abort::Deregister),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn error(self) -> Error {
+        let e = match self {
+            Abort::Deadline => Error::new(
+                ErrorKind::Timeout,
+                "the batch did not complete before its deadline; raise the timeout or check the peer",
+            ),
+            Abort::Cancel => Error::new(ErrorKind::Cancelled, "the batch was cancelled"),
+            Abort::Deregister => Error::new(
+                ErrorKind::Cancelled,
+                "a region of the batch was deregistered while the batch was in flight",
+            ),
+        };
+        e.with_operation("transfer")
+    }
+}
+
+/// The batch is with its backend (its memory may be in use).
+const PHASE_BACKEND: u8 = 0;
+/// The backend released the batch; its notification is on its way.
+const PHASE_NOTIFY: u8 = 1;
+
+/// What tells the backend to stop the batch.
+pub(crate) type AbortHook = Arc<dyn Fn() + Send + Sync>;
 
 /// The shared state of one batch.
 pub(crate) struct BatchState {
+    id: BatchId,
     done: AtomicBool,
+    abort: Arc<AtomicU8>,
+    phase: AtomicU8,
+    hook: Mutex<Option<AbortHook>>,
     slot: Mutex<Slot>,
     cond: Condvar,
-    deadline: Instant,
+    deadline: Deadline,
 }
 
 impl BatchState {
-    pub(crate) fn new(deadline: Instant) -> Arc<BatchState> {
+    pub(crate) fn new(id: BatchId, deadline: Deadline) -> Arc<BatchState> {
         Arc::new(BatchState {
+            id,
             done: AtomicBool::new(false),
+            abort: Arc::new(AtomicU8::new(0)),
+            phase: AtomicU8::new(PHASE_BACKEND),
+            hook: Mutex::new(None),
             slot: Mutex::new(Slot::default()),
             cond: Condvar::new(),
             deadline,
         })
     }
 
-    pub(crate) fn deadline(&self) -> Instant {
+    pub(crate) fn id(&self) -> BatchId {
+        self.id
+    }
+
+    pub(crate) fn deadline(&self) -> Deadline {
         self.deadline
+    }
+
+    /// The flag the backend's completion shares.
+    pub(crate) fn abort_flag(&self) -> Arc<AtomicU8> {
+        self.abort.clone()
+    }
+
+    /// Why the batch is being aborted, if it is.
+    pub(crate) fn aborted(&self) -> Option<Abort> {
+        Abort::from_flag(self.abort.load(Ordering::SeqCst))
+    }
+
+    /// Sets how the backend is told to stop (once it has the batch).
+    pub(crate) fn set_hook(&self, hook: AbortHook) {
+        *lock(&self.hook) = Some(hook);
+        // An abort that came before the hook was set is passed on now.
+        if self.aborted().is_some() && !self.is_done() {
+            self.call_hook();
+        }
+    }
+
+    fn call_hook(&self) {
+        // Not under the lock: the backend may release the batch inside the call, and
+        // finishing it takes the lock.
+        let hook = lock(&self.hook).clone();
+        if let Some(h) = hook {
+            h();
+        }
     }
 
     pub(crate) fn is_done(&self) -> bool {
         self.done.load(Ordering::Acquire)
     }
 
+    /// Asks to abort the batch. While the backend holds it, the backend is told and the
+    /// handle resolves when the backend releases it; once only its notification is
+    /// left, the batch ends at once. Returns whether this call set the reason.
+    pub(crate) fn request_abort(&self, why: Abort) -> bool {
+        if self.is_done()
+            || self
+                .abort
+                .compare_exchange(0, why as u8, Ordering::SeqCst, Ordering::SeqCst)
+                .is_err()
+        {
+            return false;
+        }
+        if self.phase.load(Ordering::SeqCst) == PHASE_NOTIFY {
+            self.finish(Err(why.error()));
+        } else {
+            self.call_hook();
+        }
+        true
+    }
+
+    /// The backend released the batch and only its notification is left. Returns the
+    /// abort that overtook it, if any (the batch then ends with that instead).
+    pub(crate) fn enter_notify(&self) -> Option<Abort> {
+        self.phase.store(PHASE_NOTIFY, Ordering::SeqCst);
+        self.aborted()
+    }
+
     /// Sets the result if none is set yet; returns whether this call set it.
     pub(crate) fn finish(&self, result: Result<()>) -> bool {
-        let waker = {
-            let mut slot = self.slot.lock().unwrap_or_else(|p| p.into_inner());
+        let wakers = {
+            let mut slot = lock(&self.slot);
             if slot.result.is_some() {
                 return false;
             }
             slot.result = Some(result);
             self.done.store(true, Ordering::Release);
-            slot.waker.take()
+            std::mem::take(&mut slot.wakers)
         };
+        lock(&self.hook).take();
         self.cond.notify_all();
-        if let Some(w) = waker {
+        for w in wakers {
             w.wake();
         }
         true
     }
-
-    fn timed_out(&self) {
-        self.finish(Err(Error::new(
-            ErrorKind::Timeout,
-            "the batch did not complete before its deadline; raise the timeout or check the peer",
-        )
-        .with_operation("transfer")));
-    }
 }
 
-/// A submitted batch: await it, wait for it, or ask where it stands.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A submitted batch: await it, wait for it, poll it, or cancel it. Clones share the
+/// batch: every clone can be awaited, waited on or polled, and all of them wake.
 ///
-/// Dropping the handle does not cancel the batch; it only stops listening.
+/// A handle resolves only once the backend has released the batch: after that no byte
+/// moves into or out of the memory it named. Dropping a handle does not cancel the
+/// batch; it only stops listening.
 #[derive(Clone)]
 pub struct TransferHandle {
     state: Arc<BatchState>,
@@ -97,6 +212,7 @@ pub struct TransferHandle {
 impl std::fmt::Debug for TransferHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TransferHandle")
+            .field("batch", &self.state.id)
             .field("status", &self.status())
             .finish()
     }
@@ -112,26 +228,34 @@ impl TransferHandle {
         if !self.state.is_done() {
             return TransferStatus::Pending;
         }
-        match &self
-            .state
-            .slot
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .result
-        {
+        match &lock(&self.state.slot).result {
             Some(Ok(())) => TransferStatus::Done,
             Some(Err(e)) => TransferStatus::Failed(e.clone()),
             None => TransferStatus::Pending,
         }
     }
 
-    /// Blocks until the batch completes, fails, or reaches its deadline.
+    /// Whether the batch has resolved (completed, failed, timed out or been cancelled
+    /// and released), without blocking.
+    pub fn is_done(&self) -> bool {
+        self.state.is_done()
+    }
+
+    /// Asks to stop the batch. Returns at once; the handle resolves with `Cancelled`
+    /// when the backend has released the batch (at once if only its notification was
+    /// left). A batch that already completed is not affected.
+    pub fn cancel(&self) {
+        self.state.request_abort(Abort::Cancel);
+    }
+
+    /// Blocks until the batch resolves: completes, fails, or is released after its
+    /// deadline or a cancel.
     ///
     /// # Errors
-    /// The batch's error: `Timeout` at the deadline, `PeerUnreachable`, what the
-    /// backend reported.
+    /// The batch's error: `Timeout` at the deadline, `Cancelled`, `PeerUnreachable`,
+    /// what the backend reported.
     pub fn wait(&self) -> Result<()> {
-        let mut slot = self.state.slot.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = lock(&self.state.slot);
         loop {
             if let Some(r) = &slot.result {
                 return r.clone();
@@ -150,7 +274,7 @@ impl TransferHandle {
     /// As [`TransferHandle::wait`], inside the `Some`.
     pub fn wait_timeout(&self, timeout: Duration) -> Option<Result<()>> {
         let end = Instant::now() + timeout;
-        let mut slot = self.state.slot.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = lock(&self.state.slot);
         loop {
             if let Some(r) = &slot.result {
                 return Some(r.clone());
@@ -170,7 +294,7 @@ impl TransferHandle {
 
     /// The batch's deadline.
     pub fn deadline(&self) -> Instant {
-        self.state.deadline
+        self.state.deadline.instant()
     }
 }
 
@@ -178,11 +302,14 @@ impl Future for TransferHandle {
     type Output = Result<()>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
-        let mut slot = self.state.slot.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = lock(&self.state.slot);
         match &slot.result {
             Some(r) => Poll::Ready(r.clone()),
             None => {
-                slot.waker = Some(cx.waker().clone());
+                let waker = cx.waker();
+                if !slot.wakers.iter().any(|w| w.will_wake(waker)) {
+                    slot.wakers.push(waker.clone());
+                }
                 Poll::Pending
             }
         }
@@ -249,9 +376,10 @@ impl Timer {
     pub(crate) fn add(&self, state: &Arc<BatchState>) {
         let mut guard = self.shared.heap.lock().unwrap_or_else(|p| p.into_inner());
         let earliest = guard.heap.peek().map(|Reverse(d)| d.0);
-        guard
-            .heap
-            .push(Reverse(Due(state.deadline, Arc::downgrade(state))));
+        guard.heap.push(Reverse(Due(
+            state.deadline.instant(),
+            Arc::downgrade(state),
+        )));
         // Batches that finish before their deadline leave entries behind. Sweeping them
         // whenever the heap has doubled since the last sweep keeps it proportional to
         // the batches in flight, at amortised constant cost per batch.
@@ -262,7 +390,7 @@ impl Timer {
             guard.sweep_at = 2 * guard.heap.len();
         }
         drop(guard);
-        if earliest.is_none_or(|e| state.deadline < e) {
+        if earliest.is_none_or(|e| state.deadline.instant() < e) {
             self.shared.cond.notify_one();
         }
     }
@@ -283,7 +411,10 @@ fn run_timer(shared: &TimerShared) {
                 break;
             };
             if let Some(b) = batch.upgrade() {
-                b.timed_out();
+                // The hook may call into the backend: not under the heap's lock.
+                drop(guard);
+                b.request_abort(Abort::Deadline);
+                guard = shared.heap.lock().unwrap_or_else(|p| p.into_inner());
             }
         }
         guard = match guard.heap.peek().map(|Reverse(d)| d.0) {
@@ -317,15 +448,29 @@ impl Drop for Timer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::mpsc;
+
+    fn batch(timeout: Duration) -> Arc<BatchState> {
+        BatchState::new(BatchId(1), Deadline::after(timeout))
+    }
 
     #[test]
-    fn the_timer_fails_a_batch_at_its_deadline_and_not_before() {
+    fn at_its_deadline_the_timer_asks_the_backend_to_stop_and_the_handle_waits_for_it() {
         let timer = Timer::start().unwrap();
-        let late = BatchState::new(Instant::now() + Duration::from_secs(60));
-        let soon = BatchState::new(Instant::now() + Duration::from_millis(20));
+        let late = batch(Duration::from_secs(60));
+        let soon = batch(Duration::from_millis(20));
+        let (tx, rx) = mpsc::channel();
+        soon.set_hook(Arc::new(move || {
+            let _ = tx.send(());
+        }));
         timer.add(&late);
         timer.add(&soon);
-        let h = TransferHandle::new(soon);
+        let h = TransferHandle::new(soon.clone());
+        rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        // Asked, not released: the handle still waits for the backend.
+        assert!(h.wait_timeout(Duration::from_millis(50)).is_none());
+        assert_eq!(soon.aborted(), Some(Abort::Deadline));
+        soon.finish(Err(soon.aborted().unwrap().error()));
         assert_eq!(h.wait().unwrap_err().kind(), ErrorKind::Timeout);
         assert!(matches!(
             TransferHandle::new(late).status(),
@@ -334,10 +479,69 @@ mod tests {
     }
 
     #[test]
+    fn an_abort_before_the_hook_is_set_is_passed_on_when_it_is() {
+        let b = batch(Duration::from_secs(60));
+        TransferHandle::new(b.clone()).cancel();
+        let (tx, rx) = mpsc::channel();
+        b.set_hook(Arc::new(move || {
+            let _ = tx.send(());
+        }));
+        rx.recv_timeout(Duration::from_secs(1)).unwrap();
+    }
+
+    #[test]
+    fn a_cancel_while_only_the_notification_is_left_ends_the_batch_at_once() {
+        let b = batch(Duration::from_secs(60));
+        assert_eq!(b.enter_notify(), None);
+        let h = TransferHandle::new(b);
+        h.cancel();
+        assert_eq!(h.wait().unwrap_err().kind(), ErrorKind::Cancelled);
+    }
+
+    #[test]
+    fn every_clone_of_a_handle_wakes() {
+        use std::task::Wake;
+        struct Count(std::sync::atomic::AtomicUsize);
+        impl Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let b = batch(Duration::from_secs(60));
+        let h = TransferHandle::new(b.clone());
+        let wakes = Arc::new(Count(std::sync::atomic::AtomicUsize::new(0)));
+        for _ in 0..2 {
+            let waker = Waker::from(Arc::new(Count(std::sync::atomic::AtomicUsize::new(0))));
+            let _ = Pin::new(&mut h.clone()).poll(&mut Context::from_waker(&waker));
+        }
+        let waker = Waker::from(wakes.clone());
+        let (mut f1, mut f2) = (h.clone(), h.clone());
+        assert!(Pin::new(&mut f1)
+            .poll(&mut Context::from_waker(&waker))
+            .is_pending());
+        let other = Waker::from(Arc::new(Count(std::sync::atomic::AtomicUsize::new(0))));
+        assert!(Pin::new(&mut f2)
+            .poll(&mut Context::from_waker(&other))
+            .is_pending());
+        let threads: Vec<_> = (0..2)
+            .map(|_| {
+                let h = h.clone();
+                std::thread::spawn(move || h.wait())
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(20));
+        b.finish(Ok(()));
+        for t in threads {
+            t.join().unwrap().unwrap();
+        }
+        assert_eq!(wakes.0.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
     fn finished_batches_do_not_pile_up_in_the_timer() {
         let timer = Timer::start().unwrap();
         for _ in 0..100_000 {
-            let b = BatchState::new(Instant::now() + Duration::from_secs(60));
+            let b = batch(Duration::from_secs(60));
             timer.add(&b);
             b.finish(Ok(()));
         }
@@ -347,7 +551,7 @@ mod tests {
 
     #[test]
     fn only_the_first_result_counts() {
-        let b = BatchState::new(Instant::now() + Duration::from_secs(1));
+        let b = batch(Duration::from_secs(1));
         assert!(b.finish(Ok(())));
         assert!(!b.finish(Err(Error::new(ErrorKind::Backend, "late"))));
         assert!(TransferHandle::new(b).wait().is_ok());

@@ -4,15 +4,11 @@
 use std::alloc::Layout;
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
-use std::time::Duration;
 
 use crate::desc::{Access, MemoryDesc, MemoryKind, RegionId};
 use crate::device::{self, DeviceCopy, DeviceRuntime};
 use crate::engine::Registration;
 use crate::error::{Error, ErrorKind, Result};
-
-/// How long `Buffer::read`/`write` wait for a device copy.
-const COPY_TIMEOUT: Duration = Duration::from_secs(60);
 
 enum Mem {
     Host {
@@ -183,9 +179,10 @@ impl Buffer {
                     host: data.as_ptr(),
                     len: data.len(),
                 };
-                // SAFETY: `data` is borrowed until the synchronous copy returns, and the
-                // device range is inside this buffer's allocation.
-                unsafe { runtime.copy_sync(copy, COPY_TIMEOUT)? }
+                // SAFETY: `data` is borrowed until the copy has completed (`copy_sync`
+                // returns only then), and the device range is inside this buffer's
+                // allocation.
+                unsafe { runtime.copy_sync(copy)? }
             }
         }
         Ok(())
@@ -213,8 +210,8 @@ impl Buffer {
                     host: out.as_mut_ptr(),
                     len: out.len(),
                 };
-                // SAFETY: `out` is borrowed mutably until the synchronous copy returns.
-                unsafe { runtime.copy_sync(copy, COPY_TIMEOUT)? }
+                // SAFETY: `out` is borrowed mutably until the copy has completed.
+                unsafe { runtime.copy_sync(copy)? }
             }
         }
         Ok(())
@@ -249,9 +246,9 @@ fn free(mem: Mem) {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        // SAFETY: dropped exactly once, here; deregistering first guarantees the backend
-        // no longer touches the memory when it is freed.
-        unsafe { ManuallyDrop::drop(&mut self.reg) };
+        // SAFETY: taken exactly once, here; `self.reg` is not used afterwards.
+        let reg = unsafe { ManuallyDrop::take(&mut self.reg) };
+        let (id, len) = (reg.id(), reg.region().len);
         let mem = std::mem::replace(
             &mut self.mem,
             Mem::Host {
@@ -259,6 +256,13 @@ impl Drop for Buffer {
                 layout: Layout::new::<u8>(),
             },
         );
+        // Deregistering first guarantees the backend no longer touches the memory when
+        // it is freed; if the backend cannot promise that, the memory is never freed.
+        if let Err(e) = reg.deregister() {
+            tracing::error!(region = %id, bytes = len, error = %e, "deregistration failed: the buffer's memory is quarantined (leaked) so that no late transfer lands in freed memory");
+            std::mem::forget(mem);
+            return;
+        }
         if let Mem::Host { ptr, .. } = &mem {
             if ptr.is_null() {
                 return;

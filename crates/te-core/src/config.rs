@@ -19,6 +19,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+/// A configuration table (`[backends.NAME]`, `[runtimes.NAME]`), as TOML parsed it.
+pub use toml::Table;
+
 use crate::backend::BackendContext;
 use crate::error::{Error, ErrorKind, Result};
 
@@ -37,13 +40,40 @@ pub struct EngineConfig {
     pub plugin_dirs: Vec<PathBuf>,
     /// The control plane's listen address; port 0 picks a free port.
     pub listen: String,
+    /// The host or IP peers reach the control plane at; required when `listen` binds
+    /// every interface.
+    pub advertise: Option<String>,
+    /// A secret every engine of a deployment shares: peers prove it (HMAC
+    /// challenge–response) before the control plane or any backend's connections say
+    /// or accept anything. Unset: no authentication.
+    pub auth_token: Option<String>,
     /// Where peers find descriptors: `p2p` (from each engine's control plane).
     pub metadata: String,
     /// The deadline of a batch or connect that sets none.
     #[serde(deserialize_with = "de::duration")]
     pub default_timeout: Duration,
-    /// Received notifications kept until read; senders get `Busy` beyond it.
-    pub notification_queue: usize,
+    /// Bytes of received notifications kept until read; senders get `Busy` beyond.
+    #[serde(deserialize_with = "de::size")]
+    pub notification_bytes: u64,
+    /// The largest notification accepted, in bytes.
+    #[serde(deserialize_with = "de::size")]
+    pub notification_max: u64,
+    /// How often a session proves it is alive; a peer silent for three of these is
+    /// lost.
+    #[serde(deserialize_with = "de::duration")]
+    pub heartbeat: Duration,
+    /// The whole control-plane handshake of a new connection must end within this.
+    #[serde(deserialize_with = "de::duration")]
+    pub handshake_timeout: Duration,
+    /// Connections not yet authenticated; past it the oldest is closed.
+    pub max_pending: usize,
+    /// Connections not yet authenticated from one address; past it that source's
+    /// oldest is closed.
+    pub max_pending_per_source: usize,
+    /// Authenticated sessions served at once.
+    pub max_sessions: usize,
+    /// Authenticated sessions served at once for one address.
+    pub max_sessions_per_source: usize,
 }
 
 impl Default for EngineConfig {
@@ -55,7 +85,16 @@ impl Default for EngineConfig {
             listen: "127.0.0.1:0".to_string(),
             metadata: "p2p".to_string(),
             default_timeout: Duration::from_secs(30),
-            notification_queue: 65536,
+            advertise: None,
+            auth_token: None,
+            notification_bytes: 32 << 20,
+            notification_max: 64 << 10,
+            heartbeat: Duration::from_secs(5),
+            handshake_timeout: Duration::from_secs(5),
+            max_pending: 1024,
+            max_pending_per_source: 256,
+            max_sessions: 4096,
+            max_sessions_per_source: 1024,
         }
     }
 }
@@ -67,6 +106,8 @@ pub struct Config {
     pub engine: EngineConfig,
     /// `[backends.NAME]` tables, handed to each backend unparsed.
     pub backends: BTreeMap<String, toml::Table>,
+    /// `[runtimes.NAME]` tables, handed to each device runtime when it starts.
+    pub runtimes: BTreeMap<String, toml::Table>,
     /// Where it came from (a path, or `defaults`), for messages.
     pub source: String,
 }
@@ -78,6 +119,8 @@ struct File {
     engine: EngineConfig,
     #[serde(default)]
     backends: BTreeMap<String, toml::Table>,
+    #[serde(default)]
+    runtimes: BTreeMap<String, toml::Table>,
 }
 
 /// Serde helpers for backend config structs, so every table spells sizes and
@@ -199,6 +242,7 @@ impl Config {
         let config = Config {
             engine,
             backends: file.backends,
+            runtimes: file.runtimes,
             source: source.to_string(),
         };
         config.validate()?;
@@ -256,16 +300,47 @@ impl Config {
         if self.engine.default_timeout.is_zero() {
             return bad("[engine] default_timeout must be greater than zero".into());
         }
-        if self.engine.notification_queue == 0 {
-            return bad("[engine] notification_queue must be at least 1".into());
+        let e = &self.engine;
+        if e.notification_max == 0 || e.notification_max > e.notification_bytes {
+            return bad(
+                "[engine] notification_max must be at least 1 byte and at most notification_bytes"
+                    .into(),
+            );
+        }
+        if e.notification_max > 16 << 20 {
+            return bad(
+                "[engine] notification_max is at most 16MiB; send bulk data as a transfer".into(),
+            );
+        }
+        if e.heartbeat < Duration::from_millis(50) || e.handshake_timeout.is_zero() {
+            return bad(
+                "[engine] heartbeat must be at least 50ms and handshake_timeout above zero".into(),
+            );
+        }
+        if [
+            e.max_pending,
+            e.max_pending_per_source,
+            e.max_sessions,
+            e.max_sessions_per_source,
+        ]
+        .contains(&0)
+        {
+            return bad("[engine] max_pending, max_pending_per_source, max_sessions and max_sessions_per_source must be at least 1".into());
+        }
+        if e.auth_token.as_deref() == Some("") {
+            return bad("[engine] auth_token is empty; set a secret or leave it out".into());
         }
         Ok(())
     }
 
     /// The context handed to backend `name`: its table (empty if absent) and the source.
+    /// The epoch is 0 (unset); the engine that creates the backend sets it.
     pub fn backend_context(&self, name: &str) -> BackendContext {
         BackendContext {
             engine: self.engine.name.clone(),
+            epoch: 0,
+            auth_token: self.engine.auth_token.clone(),
+            hook: Default::default(),
             table: self.backends.get(name).cloned().unwrap_or_default(),
             source: self.source.clone(),
         }

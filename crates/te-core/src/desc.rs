@@ -171,6 +171,10 @@ pub struct SegmentDesc {
     pub engine: String,
     /// Random at every engine start; a new epoch means a restarted peer.
     pub epoch: u64,
+    /// The engine's control-plane address (where its backend takes messages through
+    /// the engine's hook).
+    #[serde(default)]
+    pub address: String,
     /// The backend's registry name; peers with another backend are refused.
     pub backend: String,
     /// The backend's endpoint bytes: what a peer's backend needs to reach this one.
@@ -312,6 +316,12 @@ pub struct Capabilities {
     pub same_host_only: bool,
     /// The largest single request, in bytes.
     pub max_request_size: u64,
+    /// The receiving side checks every request against its own registrations (region,
+    /// bounds, rights) before a byte moves — in its own code, or in hardware that
+    /// enforces the region's key — so a forged or stale descriptor cannot reach
+    /// outside a region or a KV slot. False where the fabric resolves remote addresses
+    /// by itself and only the initiator's check stands (the backend's docs say why).
+    pub checks_at_target: bool,
 }
 
 /// A backend's name, version and capabilities.

@@ -13,7 +13,6 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{mpsc, Arc, Mutex};
-use std::time::Duration;
 
 use crate::error::{Error, ErrorKind, Result};
 
@@ -53,6 +52,45 @@ pub enum DeviceCopy {
         /// Bytes.
         len: usize,
     },
+    /// Device bytes to device bytes, on one device or between two of this runtime.
+    DeviceToDevice {
+        /// Source device ordinal.
+        src_ordinal: u32,
+        /// Source device address.
+        src: u64,
+        /// Destination device ordinal.
+        dst_ordinal: u32,
+        /// Destination device address.
+        dst: u64,
+        /// Bytes.
+        len: usize,
+    },
+}
+
+impl DeviceCopy {
+    /// The device the copy runs on (its queue), and its direction: 0 host → device,
+    /// 1 device → host, 2 device → device.
+    pub fn queue(&self) -> (u32, usize) {
+        match *self {
+            DeviceCopy::ToDevice { ordinal, .. } => (ordinal, 0),
+            DeviceCopy::ToHost { ordinal, .. } => (ordinal, 1),
+            DeviceCopy::DeviceToDevice { src_ordinal, .. } => (src_ordinal, 2),
+        }
+    }
+
+    /// Bytes copied.
+    pub fn len(&self) -> usize {
+        match *self {
+            DeviceCopy::ToDevice { len, .. }
+            | DeviceCopy::ToHost { len, .. }
+            | DeviceCopy::DeviceToDevice { len, .. } => len,
+        }
+    }
+
+    /// Whether it copies nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 // SAFETY: a `DeviceCopy` is a description of memory the submitter guarantees live and
@@ -108,23 +146,101 @@ pub trait DeviceRuntime: Send + Sync + fmt::Debug + 'static {
     ///
     /// # Safety
     /// The host range must be valid (readable for `ToDevice`, writable for `ToHost`)
-    /// and not accessed by anyone else until `done` runs; the device range must lie in
-    /// a live allocation.
+    /// and not accessed by anyone else until `done` runs; the device ranges must lie in
+    /// live allocations.
     ///
     /// # Errors
-    /// If the copy cannot start; `done` is then not run.
+    /// If the copy cannot start; `done` is then not run. `Unsupported` for a kind of
+    /// copy the runtime does not do (device to device between two devices).
     unsafe fn copy(&self, copy: DeviceCopy, done: CopyDone) -> Result<()>;
+
+    /// Starts `copies` as one group: each is enqueued on its device's queue for its
+    /// direction without waiting, and `done` runs once, from a runtime thread, when all
+    /// have completed — one synchronisation per queue for the group, not one per copy.
+    /// The first failure is the group's result. The default runs each through
+    /// [`DeviceRuntime::copy`] and counts them in.
+    ///
+    /// # Safety
+    /// As [`DeviceRuntime::copy`], for every copy of the group.
+    ///
+    /// # Errors
+    /// If the first copy cannot start; `done` is then not run. A later copy that
+    /// cannot start fails the group through `done`, once the others have completed.
+    unsafe fn copy_group(&self, copies: &[DeviceCopy], done: CopyDone) -> Result<()> {
+        let Some((first, rest)) = copies.split_first() else {
+            done(Ok(()));
+            return Ok(());
+        };
+        let group = Group::new(copies.len(), done);
+        let g = group.clone();
+        // SAFETY: forwarded from the caller.
+        unsafe { self.copy(*first, Box::new(move |r| g.arrive(r)))? };
+        for c in rest {
+            let g = group.clone();
+            // SAFETY: forwarded from the caller.
+            if let Err(e) = unsafe { self.copy(*c, Box::new(move |r| g.arrive(r))) } {
+                group.arrive(Err(e));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A countdown over a group of copies: the last to arrive runs `done` with the first
+/// error, if any.
+pub struct Group {
+    left: std::sync::atomic::AtomicUsize,
+    error: std::sync::OnceLock<Error>,
+    done: Mutex<Option<CopyDone>>,
+}
+
+impl fmt::Debug for Group {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Group").field("left", &self.left).finish()
+    }
+}
+
+impl Group {
+    /// A countdown of `n` parts ending in `done`.
+    pub fn new(n: usize, done: CopyDone) -> Arc<Group> {
+        Arc::new(Group {
+            left: std::sync::atomic::AtomicUsize::new(n),
+            error: std::sync::OnceLock::new(),
+            done: Mutex::new(Some(done)),
+        })
+    }
+
+    /// One part ended with `r`.
+    pub fn arrive(&self, r: Result<()>) {
+        if let Err(e) = r {
+            let _ = self.error.set(e);
+        }
+        if self.left.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+            let done = self.done.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(done) = done {
+                done(match self.error.get() {
+                    Some(e) => Err(e.clone()),
+                    None => Ok(()),
+                });
+            }
+        }
+    }
 }
 
 impl dyn DeviceRuntime {
-    /// Copies and waits, at most `timeout`.
+    /// Copies and waits until the copy has completed.
+    ///
+    /// There is no timeout on purpose: until the runtime reports the copy complete it
+    /// holds pointers into both ranges, so returning earlier would leave it writing
+    /// into memory the caller believes is its own again. Runtimes complete every copy
+    /// they accept (a failed copy completes with its error).
     ///
     /// # Safety
     /// As [`DeviceRuntime::copy`].
     ///
     /// # Errors
-    /// The copy's error, or `Timeout`.
-    pub unsafe fn copy_sync(&self, copy: DeviceCopy, timeout: Duration) -> Result<()> {
+    /// The copy's error.
+    pub unsafe fn copy_sync(&self, copy: DeviceCopy) -> Result<()> {
         let (tx, rx) = mpsc::sync_channel(1);
         // SAFETY: forwarded from the caller.
         unsafe {
@@ -135,10 +251,10 @@ impl dyn DeviceRuntime {
                 }),
             )?
         };
-        rx.recv_timeout(timeout).unwrap_or_else(|_| {
+        rx.recv().unwrap_or_else(|_| {
             Err(Error::new(
-                ErrorKind::Timeout,
-                "a device copy did not complete in time",
+                ErrorKind::Backend,
+                "the device runtime dropped a copy without completing it",
             ))
         })
     }
@@ -151,8 +267,9 @@ pub struct RuntimeFactory {
     pub name: &'static str,
     /// What it is, for `te info`.
     pub description: &'static str,
-    /// Creates the process's instance; an error says why the runtime is unavailable.
-    pub create: fn() -> Result<Arc<dyn DeviceRuntime>>,
+    /// Creates the process's instance from its `[runtimes.NAME]` table (empty if the
+    /// configuration has none); an error says why the runtime is unavailable.
+    pub create: fn(&toml::Table) -> Result<Arc<dyn DeviceRuntime>>,
 }
 
 inventory::collect!(RuntimeFactory);
@@ -169,6 +286,30 @@ macro_rules! register_runtime {
 
 type Instances = HashMap<&'static str, Result<Arc<dyn DeviceRuntime>>>;
 static INSTANCES: Mutex<Option<Instances>> = Mutex::new(None);
+static TABLES: Mutex<Option<HashMap<String, toml::Table>>> = Mutex::new(None);
+
+/// Sets the `[runtimes.NAME]` tables runtimes are created with. Runtimes serve the
+/// whole process and are created on first use, so a table counts only if it arrives
+/// before; a different table for a runtime already running is reported and ignored.
+pub fn configure(tables: &std::collections::BTreeMap<String, toml::Table>) {
+    // Never both locks at once: `runtime` takes them the other way round.
+    let running: Vec<&'static str> = INSTANCES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .map(|i| i.keys().copied().collect())
+        .unwrap_or_default();
+    let mut t = TABLES.lock().unwrap_or_else(|p| p.into_inner());
+    let t = t.get_or_insert_with(HashMap::new);
+    for (name, table) in tables {
+        let started = running.contains(&name.as_str());
+        if started && t.get(name) != Some(table) {
+            tracing::warn!(runtime = %name, "the runtime already runs with another [runtimes] table; this one is ignored (runtimes serve the whole process)");
+            continue;
+        }
+        t.insert(name.clone(), table.clone());
+    }
+}
 
 /// The process's instance of runtime `name`, created on first use.
 ///
@@ -194,7 +335,13 @@ pub fn runtime(name: &str) -> Result<Arc<dyn DeviceRuntime>> {
         .get_or_insert_with(HashMap::new)
         .entry(f.name)
         .or_insert_with(|| {
-            std::panic::catch_unwind(f.create).unwrap_or_else(|_| {
+            let table = TABLES
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .and_then(|t| t.get(f.name).cloned())
+                .unwrap_or_default();
+            std::panic::catch_unwind(|| (f.create)(&table)).unwrap_or_else(|_| {
                 Err(Error::new(
                     ErrorKind::Unavailable,
                     format!("the {name} runtime panicked while starting"),

@@ -1,33 +1,50 @@
 //! The engine: what users hold.
 //!
 //! It resolves the backend, serves the control plane, keeps registrations and peers,
-//! checks every request against both sides' descriptors before anything is posted, and
-//! turns backend completions into [`TransferHandle`]s.
+//! checks every request against both sides' descriptors and pins the batch's local
+//! regions before anything is posted, and turns backend completions into
+//! [`TransferHandle`]s. One deadline is drawn per call and covers everything under it.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::backend::{Completion, TransferBackend};
-use crate::batch::{BatchState, Timer, TransferHandle};
+use crate::backend::{random_nonzero, BatchId, Completion, Deadline, TransferBackend};
+use crate::batch::{Abort, BatchState, Timer, TransferHandle};
 use crate::buffer::Buffer;
 use crate::config::{Config, EngineConfig};
-use crate::control::{self, Handler, Msg, Notice, Server};
+use crate::control::{self, wire, ControlPlane, Handler, Identity, Kind, Settings};
 use crate::desc::{
     Access, BackendInfo, MemoryDesc, MemoryKind, Op, PeerId, RegionDesc, RegionId, SegmentDesc,
     TransferRequest,
 };
 use crate::error::{Error, ErrorKind, Result};
+use crate::hook::{ControlHook, HookSlot, HookTarget};
+use crate::inbox::{Mailbox, Next, Notification, PeerEvent};
 use crate::kv::{self, KvLayout, KvSelection};
-use crate::notify::{Inbox, Job, Notification, Notifier};
+use crate::region::{fits, Pins, Region};
 use crate::registry::{Origin, Registry};
+
+fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(|p| p.into_inner())
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// Per-batch options.
 #[derive(Debug, Clone, Default)]
 pub struct TransferOptions {
-    /// The batch's deadline, from submission; the engine's `default_timeout` if `None`.
+    /// The batch's deadline, from the call; the engine's `default_timeout` if `None`.
+    /// It covers everything the call does: refreshing the peer's descriptor, the
+    /// transfer, and the notification.
     pub timeout: Option<Duration>,
     /// A message delivered to the peer after the batch's data is visible there.
     pub notify: Option<Vec<u8>>,
@@ -44,11 +61,22 @@ pub struct BlockOptions {
 
 /// A transfer engine: one backend, one control plane, its registrations and peers.
 ///
-/// Dropping it stops the control plane; batches still in flight fail with
-/// `Cancelled` or complete, and never hang their waiters past their deadline.
+/// Dropping it stops the control plane and disconnects its peers; batches still in
+/// flight fail (with `Cancelled` or `PeerUnreachable`) once their backend has released
+/// them, or complete. Registrations and buffers keep what they need of the engine and
+/// may outlive it.
 pub struct Engine {
     inner: Arc<Inner>,
-    server: Option<Server>,
+    control: Option<ControlPlane>,
+}
+
+/// A KV layout as registered: the caller's version (for planning local requests) and
+/// the published one, whose slots are views registered as regions of their own.
+struct LayoutEntry {
+    local: KvLayout,
+    published: KvLayout,
+    /// `(parent, view)` for every slot.
+    views: Vec<(RegionId, RegionId)>,
 }
 
 struct Inner {
@@ -57,12 +85,13 @@ struct Inner {
     origin: Origin,
     epoch: u64,
     next_region: AtomicU64,
-    regions: RwLock<HashMap<RegionId, RegionDesc>>,
-    layouts: RwLock<HashMap<String, KvLayout>>,
+    next_batch: AtomicU64,
+    regions: RwLock<HashMap<RegionId, Arc<Region>>>,
+    layouts: RwLock<HashMap<String, LayoutEntry>>,
     peers: Mutex<HashMap<String, Peer>>,
-    inbox: Inbox,
+    inbox: Mailbox<Notification>,
     timer: Timer,
-    notifier: Notifier,
+    control: Arc<control::Shared>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -95,13 +124,25 @@ impl Engine {
     /// # Errors
     /// As [`Engine::from_config`].
     pub fn with_registry(config: &Config, registry: &Registry) -> Result<Engine> {
+        crate::device::configure(&config.runtimes);
         let name = &config.engine.backend;
         let entry = registry.get(name)?;
-        let backend = entry.create(&config.backend_context(name))?;
-        Engine::with_backend(config.engine.clone(), backend, entry.origin().clone())
+        let mut ctx = config.backend_context(name);
+        ctx.epoch = random_nonzero();
+        let hook = Arc::new(HookSlot::default());
+        ctx.hook = ControlHook::new(HookTarget::Engine(hook.clone()));
+        let backend = entry.create(&ctx)?;
+        Engine::build(
+            config.engine.clone(),
+            backend,
+            entry.origin().clone(),
+            ctx.epoch,
+            hook,
+        )
     }
 
-    /// Builds an engine around a backend instance.
+    /// Builds an engine around a backend instance created with epoch `epoch` in its
+    /// [`BackendContext`](crate::BackendContext) (0: the engine draws one).
     ///
     /// # Errors
     /// `Io` if the control plane cannot listen or threads cannot start.
@@ -109,31 +150,72 @@ impl Engine {
         config: EngineConfig,
         backend: Arc<dyn TransferBackend>,
         origin: Origin,
+        epoch: u64,
     ) -> Result<Engine> {
-        let inner = Arc::new(Inner {
-            inbox: Inbox::new(config.notification_queue),
+        Engine::build(
+            config,
             backend,
             origin,
-            epoch: new_epoch(),
-            next_region: AtomicU64::new(1),
+            epoch,
+            Arc::new(HookSlot::default()),
+        )
+    }
+
+    fn build(
+        config: EngineConfig,
+        backend: Arc<dyn TransferBackend>,
+        origin: Origin,
+        epoch: u64,
+        hook: Arc<HookSlot>,
+    ) -> Result<Engine> {
+        let epoch = if epoch == 0 { random_nonzero() } else { epoch };
+        let settings = Settings {
+            name: config.name.clone(),
+            epoch,
+            token: config.auth_token.clone().map(String::into_bytes),
+            heartbeat: config.heartbeat,
+            handshake_timeout: config.handshake_timeout,
+            max_pending: config.max_pending,
+            max_pending_per_source: config.max_pending_per_source,
+            max_sessions: config.max_sessions,
+            max_sessions_per_source: config.max_sessions_per_source,
+            notification_max: config.notification_max as usize,
+            versions: control::VERSIONS,
+        };
+        let plane = ControlPlane::start(
+            settings,
+            &config.listen,
+            config.advertise.as_deref(),
+            hook.clone(),
+        )?;
+        hook.attach(Arc::downgrade(&plane.shared()));
+        let inner = Arc::new(Inner {
+            inbox: Mailbox::new(),
+            backend,
+            origin,
+            epoch,
+            // Region ids start at a random point, so an id from an engine's previous
+            // life never names a region of this one.
+            next_region: AtomicU64::new(random_nonzero() >> 2),
+            next_batch: AtomicU64::new(1),
             regions: RwLock::new(HashMap::new()),
             layouts: RwLock::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
             timer: Timer::start()?,
-            notifier: Notifier::start()?,
+            control: plane.shared(),
             config,
         });
         let handler: Weak<dyn Handler> = Arc::downgrade(&inner) as Weak<dyn Handler>;
-        let server = Server::start(&inner.config.listen, handler)?;
+        plane.set_handler(handler);
         tracing::info!(
             engine = %inner.config.name,
             backend = %inner.backend.info().name,
-            address = %server.addr(),
+            address = %inner.control.address(),
             "engine started"
         );
         Ok(Engine {
             inner,
-            server: Some(server),
+            control: Some(plane),
         })
     }
 
@@ -144,10 +226,7 @@ impl Engine {
 
     /// The control-plane address peers pass to [`Engine::connect`].
     pub fn address(&self) -> SocketAddr {
-        match &self.server {
-            Some(s) => s.addr(),
-            None => SocketAddr::from(([0, 0, 0, 0], 0)),
-        }
+        self.inner.control.address()
     }
 
     /// Random at every start; peers use it to notice a restart.
@@ -175,13 +254,15 @@ impl Engine {
         self.inner.segment()
     }
 
-    /// Registers caller-owned memory. Deregistered when the [`Registration`] drops.
+    /// Registers caller-owned memory. Deregistered when the [`Registration`] drops (or
+    /// by [`Registration::deregister`], which reports failure).
     ///
     /// # Safety
     /// `desc.addr .. desc.addr + desc.len` must be memory of `desc.kind` that stays
-    /// valid until the returned registration is dropped, and the caller must accept
-    /// that the backend reads it and (for local READ destinations and remotely writable
-    /// regions) writes it at any time until then.
+    /// valid until the registration is deregistered, and the caller must accept that
+    /// the backend reads it and (for local READ destinations and remotely writable
+    /// regions) writes it at any time until then. If deregistration fails, the memory
+    /// must never be freed (see [`Registration::deregister`]).
     ///
     /// # Errors
     /// `InvalidRequest` for a null address, zero length or overflowing range;
@@ -215,16 +296,25 @@ impl Engine {
         Buffer::new(kind, name, len, access, |desc| self.inner.register(desc))
     }
 
-    /// Connects to the engine whose control plane listens at `addr` (`host:port`).
-    /// Cached: a second call returns the same peer until a failure or a restart
-    /// invalidates it.
+    /// Connects to the engine whose control plane listens at `addr` (`host:port`),
+    /// within the engine's default timeout. Cached: a second call returns the same peer
+    /// until a failure or a restart invalidates it.
     ///
     /// # Errors
-    /// `PeerUnreachable` if nothing answers before the default timeout; `Unsupported`
-    /// if the peer runs another backend; `Protocol` if it is not a te engine.
+    /// As [`Engine::connect_with`].
     pub fn connect(&self, addr: &str) -> Result<Peer> {
-        let deadline = Instant::now() + self.inner.config.default_timeout;
-        self.inner.connect(addr, deadline)
+        self.connect_with(addr, self.inner.config.default_timeout)
+    }
+
+    /// Connects to the engine at `addr`; name resolution, the handshake and the
+    /// backend's connection all happen within `timeout`.
+    ///
+    /// # Errors
+    /// `PeerUnreachable` if nothing answers; `Timeout` once `timeout` has passed;
+    /// `Unsupported` if the peer runs another backend; `Protocol` if it is not a te
+    /// engine.
+    pub fn connect_with(&self, addr: &str, timeout: Duration) -> Result<Peer> {
+        self.inner.connect(addr, Deadline::after(timeout))
     }
 
     /// Submits a batch with the default timeout and no notification.
@@ -237,26 +327,24 @@ impl Engine {
 
     /// Submits a batch. Every request is checked against the local registrations and
     /// the peer's descriptor first; nothing is posted unless all of them pass. An empty
-    /// batch completes at once (after its notification, if any).
+    /// batch completes at once (after its notification, if any). The local regions the
+    /// batch names stay registered until the batch is released.
     ///
     /// # Errors
     /// `InvalidRequest`, `NotRegistered`, `OutOfBounds` or `Unsupported` for a request
     /// that does not fit; `PeerRestarted` if the peer restarted since `peer` was
-    /// obtained (connect again and look its regions up anew); the backend's error if it
-    /// refuses the batch as a whole.
+    /// obtained (connect again and look its regions up anew); `Timeout` if the deadline
+    /// passed while refreshing the peer's descriptor; the backend's error if it refuses
+    /// the batch as a whole.
     pub fn transfer_with(
         &self,
         peer: &Peer,
         requests: &[TransferRequest],
         options: &TransferOptions,
     ) -> Result<TransferHandle> {
-        let timeout = options.timeout.unwrap_or(self.inner.config.default_timeout);
-        let deadline = Instant::now() + timeout;
-        let peer = self.inner.current(peer, deadline)?;
-        self.inner.check(&peer, requests, deadline)?;
-        Ok(self
-            .inner
-            .submit(&peer, requests, timeout, deadline, options.notify.clone()))
+        let deadline = self.inner.deadline(options.timeout);
+        self.inner
+            .transfer(peer, requests, deadline, options.notify.clone())
     }
 
     /// Sends `message` to the peer on its own (an empty batch with a notification).
@@ -272,80 +360,43 @@ impl Engine {
     }
 
     /// Registers a KV-cache layout and publishes it to peers (in the descriptor they
-    /// fetch from now on). Every slot must lie inside a region registered here.
+    /// fetch from now on). Every slot must lie inside a region registered here. Each
+    /// slot is also registered as a region of its own (a view, with its region's
+    /// access), and peers address the slot through it, so the receiving side refuses a
+    /// block transfer that reaches outside its slot, not only outside the region.
     ///
     /// # Errors
     /// `InvalidRequest` for a malformed layout or a name already registered;
     /// `NotRegistered` for a slot in an unknown region; `OutOfBounds` for a slot that
-    /// does not fit its region.
+    /// does not fit its region; the backend's error if it refuses a slot's view.
     pub fn register_layout(&self, layout: KvLayout) -> Result<()> {
-        layout
-            .validate()
-            .map_err(|e| e.with_operation("register layout"))?;
-        let regions = self.inner.regions.read().unwrap_or_else(|p| p.into_inner());
-        for g in &layout.groups {
-            for s in &g.slots {
-                let at = || {
-                    format!(
-                        "layout `{}` group `{}` slot `{}`",
-                        layout.name, g.name, s.name
-                    )
-                };
-                let Some(r) = regions.get(&s.region) else {
-                    return Err(Error::new(
-                        ErrorKind::NotRegistered,
-                        format!("{}: region {} is not registered here", at(), s.region),
-                    )
-                    .with_operation("register layout"));
-                };
-                if !fits(s.offset, s.blocks * s.bytes_per_block, r.len) {
-                    return Err(Error::new(
-                        ErrorKind::OutOfBounds,
-                        format!("{}: {} blocks of {} bytes from offset {} do not fit region {} of {} bytes", at(), s.blocks, s.bytes_per_block, s.offset, s.region, r.len),
-                    )
-                    .with_operation("register layout"));
-                }
-            }
-        }
-        drop(regions);
-        let mut layouts = self
-            .inner
-            .layouts
-            .write()
-            .unwrap_or_else(|p| p.into_inner());
-        if layouts.contains_key(&layout.name) {
-            return Err(Error::new(
-                ErrorKind::InvalidRequest,
-                format!("a layout named `{}` is already registered", layout.name),
-            )
-            .with_operation("register layout"));
-        }
-        layouts.insert(layout.name.clone(), layout);
-        Ok(())
+        self.inner.register_layout(layout, None)
     }
 
-    /// Withdraws a layout.
+    /// As [`Engine::register_layout`], with the slots' views published with `access`
+    /// instead of their regions' (so a framework can keep its allocation local and
+    /// expose only the slots).
     ///
     /// # Errors
-    /// `NotRegistered` if no layout has that name.
+    /// As [`Engine::register_layout`].
+    pub fn register_layout_with(&self, layout: KvLayout, access: Access) -> Result<()> {
+        self.inner.register_layout(layout, Some(access))
+    }
+
+    /// Withdraws a layout, and deregisters its slots' views (waiting for transfers on
+    /// them, as any deregistration does).
+    ///
+    /// # Errors
+    /// `NotRegistered` if no layout has that name; a view's deregistration error.
     pub fn deregister_layout(&self, name: &str) -> Result<KvLayout> {
-        self.inner
-            .layouts
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(name)
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::NotRegistered,
-                    format!("no layout named `{name}`"),
-                )
-                .with_operation("deregister layout")
-            })
+        let deadline = self.inner.deadline(None);
+        self.inner.withdraw_layout(name, deadline)
     }
 
     /// READs blocks `remote_ids` of the peer's layout `layout` into blocks `local_ids`
     /// of the local layout of the same name (pairwise), merging runs of consecutive
-    /// ids into single requests.
+    /// ids into single requests. One deadline covers refreshing the peer's descriptor
+    /// and the batch.
     ///
     /// # Errors
     /// As [`kv::plan`] for the block lists; `NotRegistered` if either side has no such
@@ -390,13 +441,10 @@ impl Engine {
             Op::Read => "pull blocks",
             Op::Write => "push blocks",
         };
-        let local = self
-            .inner
-            .layouts
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
+        let deadline = self.inner.deadline(options.transfer.timeout);
+        let local = read(&self.inner.layouts)
             .get(layout)
-            .cloned()
+            .map(|l| l.local.clone())
             .ok_or_else(|| {
                 Error::new(
                     ErrorKind::NotRegistered,
@@ -404,14 +452,10 @@ impl Engine {
                 )
                 .with_operation(operation)
             })?;
+        let peer = self.inner.current(peer, deadline)?;
         let mut remote = peer.segment().layout(layout).cloned();
         if remote.is_none() {
-            let deadline = Instant::now()
-                + options
-                    .transfer
-                    .timeout
-                    .unwrap_or(self.inner.config.default_timeout);
-            self.inner.refresh(peer, deadline)?;
+            self.inner.refresh(&peer, deadline)?;
             remote = peer.segment().layout(layout).cloned();
         }
         let remote = remote.ok_or_else(|| {
@@ -430,38 +474,56 @@ impl Engine {
             &options.selection,
         )
         .map_err(|e| e.with_operation(operation))?;
-        self.transfer_with(peer, &requests, &options.transfer)
+        self.inner
+            .transfer(&peer, &requests, deadline, options.transfer.notify.clone())
     }
 
     /// The next received notification, waiting at most `timeout`.
     pub fn recv_notification(&self, timeout: Duration) -> Option<Notification> {
         self.inner.inbox.pop(timeout)
     }
+
+    /// Every notification received and not yet read, without waiting.
+    pub fn try_recv_notifications(&self) -> Vec<Notification> {
+        self.inner.inbox.drain()
+    }
+
+    /// The next notification, as a future (for async callers).
+    pub fn next_notification(&self) -> Next<'_, Notification> {
+        self.inner.inbox.next()
+    }
+
+    /// The next peer event (a peer lost, restarted or gone), waiting at most `timeout`.
+    pub fn recv_event(&self, timeout: Duration) -> Option<PeerEvent> {
+        self.inner.control.events.pop(timeout)
+    }
+
+    /// Every peer event not yet read, without waiting. At most the last 4,096 are
+    /// kept; [`Engine::events_dropped`] counts older ones that were dropped.
+    pub fn try_recv_events(&self) -> Vec<PeerEvent> {
+        self.inner.control.events.drain()
+    }
+
+    /// The next peer event, as a future.
+    pub fn next_event(&self) -> Next<'_, PeerEvent> {
+        self.inner.control.events.next()
+    }
+
+    /// Peer events dropped unread because too many were queued.
+    pub fn events_dropped(&self) -> u64 {
+        self.inner.control.events.dropped()
+    }
 }
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        self.server.take();
-        let peers: Vec<Peer> = self
-            .inner
-            .peers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain()
-            .map(|(_, p)| p)
-            .collect();
+        // Goodbye to every peer first, then the backend lets them go.
+        self.control.take();
+        let peers: Vec<Peer> = lock(&self.inner.peers).drain().map(|(_, p)| p).collect();
+        let deadline = self.inner.deadline(None);
         for p in peers {
             p.inner.valid.store(false, Ordering::Release);
-            let _ = self.inner.backend.disconnect(p.inner.backend_id);
-        }
-    }
-}
-
-fn new_epoch() -> u64 {
-    loop {
-        let e: u64 = rand::random();
-        if e != 0 {
-            return e;
+            let _ = self.inner.backend.disconnect(p.inner.backend_id, deadline);
         }
     }
 }
@@ -471,43 +533,62 @@ impl Handler for Inner {
         Inner::segment(self)
     }
 
-    fn notify(&self, n: Notice) -> Result<()> {
-        if n.to_epoch != self.epoch {
+    fn notify(&self, from: &Identity, to_epoch: u64, message: Vec<u8>) -> Result<()> {
+        if to_epoch != self.epoch {
             return Err(Error::new(
                 ErrorKind::PeerRestarted,
                 "this engine restarted since the sender connected; the notification belongs to its previous life",
             ));
         }
-        self.inbox.push(Notification {
-            from: n.from_engine,
-            from_epoch: n.from_epoch,
-            message: n.message,
-        })
+        let size = message.len();
+        self.inbox.push_within(
+            Notification {
+                from: from.name.clone(),
+                from_epoch: from.epoch,
+                from_address: from.address.clone(),
+                received: std::time::SystemTime::now(),
+                message,
+            },
+            size,
+            self.config.notification_bytes as usize,
+        )
     }
 }
 
 impl Inner {
+    /// Whether a cached peer can be used as it is: not invalidated by a failure, and
+    /// its session (its liveness) still up.
+    fn live(&self, peer: &Peer) -> bool {
+        if !peer.inner.valid.load(Ordering::Acquire) {
+            return false;
+        }
+        if self.control.session_alive(&peer.inner.addr) {
+            return true;
+        }
+        peer.inner.valid.store(false, Ordering::Release);
+        false
+    }
+
+    fn deadline(&self, timeout: Option<Duration>) -> Deadline {
+        Deadline::after(timeout.unwrap_or(self.config.default_timeout))
+    }
+
     fn segment(&self) -> SegmentDesc {
-        let mut regions: Vec<RegionDesc> = self
-            .regions
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
+        let mut regions: Vec<RegionDesc> = read(&self.regions)
             .values()
-            .filter(|r| r.access.remote_read || r.access.remote_write)
-            .cloned()
+            .filter(|r| r.desc.access.remote_read || r.desc.access.remote_write)
+            .map(|r| r.desc.clone())
             .collect();
         regions.sort_by_key(|r| r.id);
-        let mut layouts: Vec<KvLayout> = self
-            .layouts
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
+        let mut layouts: Vec<KvLayout> = read(&self.layouts)
             .values()
-            .cloned()
+            .map(|l| l.published.clone())
             .collect();
         layouts.sort_by(|a, b| a.name.cmp(&b.name));
         SegmentDesc {
             engine: self.config.name.clone(),
             epoch: self.epoch,
+            address: self.control.address().to_string(),
             backend: self.backend.info().name.clone(),
             endpoint: self.backend.endpoint(),
             regions,
@@ -558,6 +639,16 @@ impl Inner {
                 ));
             }
         }
+        let region = self.add_region(desc)?;
+        Ok(Registration {
+            engine: self.clone(),
+            region,
+            done: false,
+        })
+    }
+
+    /// Registers `desc` with the backend under a fresh id and enters it in the table.
+    fn add_region(&self, desc: MemoryDesc) -> Result<RegionDesc> {
         let id = RegionId(self.next_region.fetch_add(1, Ordering::Relaxed));
         let key = self
             .backend
@@ -572,31 +663,151 @@ impl Inner {
             access: desc.access,
             key,
         };
-        self.regions
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, region.clone());
-        Ok(Registration {
-            engine: self.clone(),
-            region,
-        })
+        write(&self.regions).insert(id, Region::new(region.clone()));
+        Ok(region)
     }
 
-    fn connect(&self, addr: &str, deadline: Instant) -> Result<Peer> {
-        if let Some(p) = self
-            .peers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(addr)
-        {
-            if p.inner.valid.load(Ordering::Acquire) {
+    /// Deregisters region `id`: no new batch can name it; batches pinning it are waited
+    /// for until `deadline`, then aborted and waited for until they are released (the
+    /// memory contract outranks the clock); then the backend forgets it. Layouts built
+    /// on it are withdrawn first.
+    fn release_region(&self, id: RegionId, deadline: Deadline) -> Result<()> {
+        let built_on: Vec<String> = read(&self.layouts)
+            .iter()
+            .filter(|(_, l)| l.views.iter().any(|(parent, _)| *parent == id))
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in built_on {
+            if let Err(e) = self.withdraw_layout(&name, deadline) {
+                tracing::warn!(layout = %name, error = %e, "withdrawing a layout failed");
+            }
+        }
+        let Some(region) = write(&self.regions).remove(&id) else {
+            return Err(Error::new(
+                ErrorKind::NotRegistered,
+                format!("region {id} is not registered (or was deregistered already)"),
+            )
+            .with_operation("deregister"));
+        };
+        if !region.wait_unpinned(Some(deadline.instant())) {
+            let pinned = region.pinned();
+            tracing::warn!(region = %id, batches = pinned.len(), "deregistering a region with batches in flight: aborting them");
+            for b in pinned {
+                b.request_abort(Abort::Deregister);
+            }
+            region.wait_unpinned(None);
+        }
+        self.backend
+            .deregister(id, deadline)
+            .map_err(|e| e.with_operation("deregister").with_context("region", id))
+    }
+
+    fn register_layout(&self, layout: KvLayout, access: Option<Access>) -> Result<()> {
+        let fail = |e: Error| Err(e.with_operation("register layout"));
+        if let Err(e) = layout.validate() {
+            return fail(e);
+        }
+        if read(&self.layouts).contains_key(&layout.name) {
+            return fail(Error::new(
+                ErrorKind::InvalidRequest,
+                format!("a layout named `{}` is already registered", layout.name),
+            ));
+        }
+        let mut entry = LayoutEntry {
+            published: layout.clone(),
+            local: layout,
+            views: Vec::new(),
+        };
+        let deadline = self.deadline(None);
+        let undo = |entry: &LayoutEntry, e: Error| {
+            for (_, view) in &entry.views {
+                let _ = self.release_region(*view, deadline);
+            }
+            fail(e)
+        };
+        let name = entry.local.name.clone();
+        for gi in 0..entry.local.groups.len() {
+            for si in 0..entry.local.groups[gi].slots.len() {
+                let (g, s) = (&entry.local.groups[gi], &entry.local.groups[gi].slots[si]);
+                let at = format!("layout `{name}` group `{}` slot `{}`", g.name, s.name);
+                let parent = read(&self.regions).get(&s.region).map(|r| r.desc.clone());
+                let Some(parent) = parent else {
+                    let e = Error::new(
+                        ErrorKind::NotRegistered,
+                        format!("{at}: region {} is not registered here", s.region),
+                    );
+                    return undo(&entry, e);
+                };
+                let len = s.blocks * s.bytes_per_block;
+                if !fits(s.offset, len, parent.len) {
+                    let e = Error::new(
+                        ErrorKind::OutOfBounds,
+                        format!("{at}: {} blocks of {} bytes from offset {} do not fit region {} of {} bytes", s.blocks, s.bytes_per_block, s.offset, s.region, parent.len),
+                    );
+                    return undo(&entry, e);
+                }
+                let view = MemoryDesc {
+                    name: format!("{name}/{}/{}", g.name, s.name),
+                    addr: parent.addr + s.offset,
+                    len,
+                    kind: parent.kind.clone(),
+                    access: access.unwrap_or(parent.access),
+                };
+                match self.add_region(view) {
+                    Ok(v) => {
+                        entry.views.push((parent.id, v.id));
+                        let published = &mut entry.published.groups[gi].slots[si];
+                        published.region = v.id;
+                        published.offset = 0;
+                    }
+                    Err(e) => return undo(&entry, e),
+                }
+            }
+        }
+        let mut layouts = write(&self.layouts);
+        if layouts.contains_key(&name) {
+            drop(layouts);
+            let e = Error::new(
+                ErrorKind::InvalidRequest,
+                format!("a layout named `{name}` is already registered"),
+            );
+            return undo(&entry, e);
+        }
+        layouts.insert(name, entry);
+        Ok(())
+    }
+
+    fn withdraw_layout(&self, name: &str, deadline: Deadline) -> Result<KvLayout> {
+        let entry = write(&self.layouts).remove(name).ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotRegistered,
+                format!("no layout named `{name}`"),
+            )
+            .with_operation("deregister layout")
+        })?;
+        let mut first_error = None;
+        for (_, view) in &entry.views {
+            if let Err(e) = self.release_region(*view, deadline) {
+                tracing::error!(region = %view, error = %e, "a layout slot's view could not be deregistered");
+                first_error.get_or_insert(e);
+            }
+        }
+        match first_error {
+            Some(e) => Err(e.with_operation("deregister layout")),
+            None => Ok(entry.local),
+        }
+    }
+
+    fn connect(&self, addr: &str, deadline: Deadline) -> Result<Peer> {
+        if let Some(p) = lock(&self.peers).get(addr) {
+            if self.live(p) {
                 return Ok(p.clone());
             }
         }
         let segment = self.handshake(addr, deadline)?;
         let backend_id = self
             .backend
-            .connect(&segment)
+            .connect(&segment, deadline)
             .map_err(|e| e.with_operation("connect").with_context("peer", addr))?;
         let peer = Peer {
             inner: Arc::new(PeerInner {
@@ -607,30 +818,28 @@ impl Inner {
                 valid: AtomicBool::new(true),
             }),
         };
-        let old = self
-            .peers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(addr.to_string(), peer.clone());
+        let old = lock(&self.peers).insert(addr.to_string(), peer.clone());
         if let Some(old) = old {
             old.inner.valid.store(false, Ordering::Release);
             if old.inner.backend_id != backend_id {
-                let _ = self.backend.disconnect(old.inner.backend_id);
+                let _ = self.backend.disconnect(old.inner.backend_id, deadline);
             }
         }
         Ok(peer)
     }
 
-    fn handshake(&self, addr: &str, deadline: Instant) -> Result<SegmentDesc> {
-        let segment = match control::call(addr, &Msg::GetSegment, deadline)
-            .map_err(|e| e.with_operation("connect"))?
+    fn handshake(&self, addr: &str, deadline: Deadline) -> Result<SegmentDesc> {
+        let segment: SegmentDesc = match self
+            .control
+            .call(addr, Kind::GetSegment, Vec::new(), deadline)
+            .map_err(|e| e.with_operation("connect").with_context("peer", addr))?
         {
-            Msg::Segment(s) => s,
-            Msg::Error(e) => return Err(e.with_operation("connect")),
-            _ => {
+            (Kind::Segment, body) => wire::decode(&body, "segment descriptor")
+                .map_err(|e| e.with_operation("connect").with_context("peer", addr))?,
+            (other, _) => {
                 return Err(Error::new(
                     ErrorKind::Protocol,
-                    "the peer answered the handshake with something else",
+                    format!("the peer answered the handshake with {other:?}"),
                 )
                 .with_operation("connect")
                 .with_context("peer", addr))
@@ -648,14 +857,10 @@ impl Inner {
             .with_operation("connect")
             .with_context("peer", addr));
         }
-        for local in self
-            .layouts
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-        {
-            if let Some(remote) = segment.layout(&local.name) {
+        for local in read(&self.layouts).values() {
+            if let Some(remote) = segment.layout(&local.local.name) {
                 local
+                    .local
                     .check_compatible(remote)
                     .map_err(|e| e.with_operation("connect").with_context("peer", addr))?;
             }
@@ -665,8 +870,8 @@ impl Inner {
 
     /// The live version of `peer`: itself if valid, else a fresh connection to the same
     /// address, provided the peer has not restarted.
-    fn current(&self, peer: &Peer, deadline: Instant) -> Result<Peer> {
-        if peer.inner.valid.load(Ordering::Acquire) {
+    fn current(&self, peer: &Peer, deadline: Deadline) -> Result<Peer> {
+        if self.live(peer) {
             return Ok(peer.clone());
         }
         let fresh = self.connect(&peer.inner.addr, deadline)?;
@@ -682,7 +887,7 @@ impl Inner {
     }
 
     /// Fetches the peer's descriptor again (it registered new regions).
-    fn refresh(&self, peer: &Peer, deadline: Instant) -> Result<()> {
+    fn refresh(&self, peer: &Peer, deadline: Deadline) -> Result<()> {
         let segment = self.handshake(&peer.inner.addr, deadline)?;
         if segment.epoch != peer.inner.epoch {
             peer.inner.valid.store(false, Ordering::Release);
@@ -693,23 +898,27 @@ impl Inner {
             .with_operation("transfer")
             .with_context("peer", &peer.inner.addr));
         }
-        self.backend.connect(&segment)?;
-        *peer
-            .inner
-            .segment
-            .write()
-            .unwrap_or_else(|p| p.into_inner()) = Arc::new(segment);
+        self.backend.connect(&segment, deadline)?;
+        *write(&peer.inner.segment) = Arc::new(segment);
         Ok(())
     }
 
-    fn check(&self, peer: &Peer, requests: &[TransferRequest], deadline: Instant) -> Result<()> {
+    /// Checks every request and pins the batch's local regions; nothing is pinned
+    /// unless every request passes.
+    fn check(
+        &self,
+        peer: &Peer,
+        requests: &[TransferRequest],
+        state: &Arc<BatchState>,
+    ) -> Result<Pins> {
         let mut segment = peer.segment();
         if requests.iter().any(|r| segment.region(r.remote).is_none()) {
-            self.refresh(peer, deadline)?;
+            self.refresh(peer, state.deadline())?;
             segment = peer.segment();
         }
         let caps = &self.backend.info().capabilities;
-        let local = self.regions.read().unwrap_or_else(|p| p.into_inner());
+        let local = read(&self.regions);
+        let mut pinned: Vec<Arc<Region>> = Vec::new();
         for (i, r) in requests.iter().enumerate() {
             let fail = |kind: ErrorKind, m: String| {
                 Err(Error::new(kind, m)
@@ -747,12 +956,12 @@ impl Inner {
                     ),
                 );
             };
-            if !fits(r.local_offset, r.len, l.len) {
+            if !fits(r.local_offset, r.len, l.desc.len) {
                 return fail(
                     ErrorKind::OutOfBounds,
                     format!(
                         "local range {}+{} is outside region {} of {} bytes",
-                        r.local_offset, r.len, r.local, l.len
+                        r.local_offset, r.len, r.local, l.desc.len
                     ),
                 );
             }
@@ -787,53 +996,89 @@ impl Inner {
                     ),
                 );
             }
+            if !pinned.iter().any(|p| p.desc.id == r.local) {
+                pinned.push(l.clone());
+            }
         }
-        Ok(())
+        // Pinned under the table's read lock: a deregistration either removed the
+        // region before this check (which then failed) or waits for this batch.
+        Ok(Pins::new(state, pinned))
     }
 
-    fn submit(
-        self: &Arc<Self>,
+    fn transfer(
+        &self,
         peer: &Peer,
         requests: &[TransferRequest],
-        timeout: Duration,
-        deadline: Instant,
+        deadline: Deadline,
         notify: Option<Vec<u8>>,
-    ) -> TransferHandle {
-        let state = BatchState::new(deadline);
+    ) -> Result<TransferHandle> {
+        let state = BatchState::new(
+            BatchId(self.next_batch.fetch_add(1, Ordering::Relaxed)),
+            deadline,
+        );
+        let peer = self.current(peer, deadline)?;
+        let pins = self.check(&peer, requests, &state)?;
         self.timer.add(&state);
         let handle = TransferHandle::new(state.clone());
         let finisher = Finisher {
-            state,
+            state: state.clone(),
+            pins,
             peer: peer.clone(),
-            notify: notify.map(|message| (Arc::downgrade(self), message)),
+            notify: notify.map(|message| {
+                (
+                    self.control.clone(),
+                    wire::Notice {
+                        to_epoch: peer.inner.epoch,
+                        message,
+                    },
+                )
+            }),
         };
         if requests.is_empty() {
             finisher.finish(Ok(()));
-            return handle;
+            return Ok(handle);
         }
         // The batch ends when both the backend's completion and `submit`'s return are
         // in, so an error returned by `submit` is never masked by the dropped completion.
+        // The pins go with the finisher: they are released once the backend has
+        // released the batch, right after its result is set.
         let join = Arc::new(Mutex::new(Join::default()));
         let (j, f) = (join.clone(), Arc::new(Mutex::new(Some(finisher))));
         let f2 = f.clone();
-        let done = Completion::new(timeout, move |r, dropped| {
-            let r = if dropped {
-                Err(r
-                    .err()
-                    .unwrap_or_else(|| Error::new(ErrorKind::Cancelled, "dropped")))
-            } else {
-                r
-            };
-            Join::arrive(&j, &f2, Some(r), None);
-        });
-        let submitted = self.backend.submit(peer.inner.backend_id, requests, done);
+        let done = Completion::build(
+            state.id(),
+            deadline,
+            state.abort_flag(),
+            Box::new(move |r, dropped| {
+                let r = if dropped {
+                    Err(r
+                        .err()
+                        .unwrap_or_else(|| Error::new(ErrorKind::Cancelled, "dropped")))
+                } else {
+                    r
+                };
+                Join::arrive(&j, &f2, Some(r), None);
+            }),
+        );
+        let backend_id = peer.inner.backend_id;
+        let submitted = self.backend.submit(backend_id, requests, done);
+        let ok = submitted.is_ok();
         Join::arrive(
             &join,
             &f,
             None,
             Some(submitted.map_err(|e| e.with_operation("transfer"))),
         );
-        handle
+        if ok {
+            let backend = Arc::downgrade(&self.backend);
+            let batch = state.id();
+            state.set_hook(Arc::new(move || {
+                if let Some(b) = backend.upgrade() {
+                    b.abort(backend_id, batch);
+                }
+            }));
+        }
+        Ok(handle)
     }
 }
 
@@ -851,7 +1096,7 @@ impl Join {
         submitted: Option<Result<()>>,
     ) {
         let result = {
-            let mut j = join.lock().unwrap_or_else(|p| p.into_inner());
+            let mut j = lock(join);
             if completed.is_some() {
                 j.completed = completed;
             }
@@ -859,27 +1104,38 @@ impl Join {
                 j.submitted = submitted;
             }
             match (&j.submitted, &j.completed) {
-                (Some(Err(e)), _) => Err(e.clone()),
+                (Some(Err(e)), Some(_)) => Err(e.clone()),
                 (Some(Ok(())), Some(r)) => r.clone(),
                 _ => return,
             }
         };
-        if let Some(f) = finisher.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        if let Some(f) = lock(finisher).take() {
             f.finish(result);
         }
     }
 }
 
-/// What happens when a batch's data part is over: peer bookkeeping, then either the
-/// notification or the final result.
+/// What happens when the backend has released a batch: peer bookkeeping, then either
+/// the notification or the final result. It runs on whichever thread completed the
+/// batch (often the backend's own), so it holds nothing that could make it the last
+/// owner of the engine or the backend.
 struct Finisher {
     state: Arc<BatchState>,
+    /// The batch's pins on its local regions: dropped after its result is set (or,
+    /// with a notification, once it is only the notification that is left).
+    pins: Pins,
     peer: Peer,
-    notify: Option<(Weak<Inner>, Vec<u8>)>,
+    notify: Option<(Arc<control::Shared>, wire::Notice)>,
 }
 
 impl Finisher {
     fn finish(self, result: Result<()>) {
+        // An abort (deadline, cancel, deregistration) decides the result once the
+        // backend has released the batch, whatever the backend reported.
+        let result = match self.state.aborted() {
+            Some(why) => Err(why.error()),
+            None => result,
+        };
         if let Err(e) = &result {
             if matches!(
                 e.kind(),
@@ -889,33 +1145,31 @@ impl Finisher {
             }
         }
         match (result, self.notify) {
-            (Ok(()), Some((engine, message))) => match engine.upgrade() {
-                Some(engine) => engine.notifier.send(Job {
-                    addr: self.peer.inner.addr.clone(),
-                    notice: Notice {
-                        to_epoch: self.peer.inner.epoch,
-                        from_engine: engine.config.name.clone(),
-                        from_epoch: engine.epoch,
-                        message,
-                    },
-                    state: self.state,
-                }),
-                None => {
-                    self.state.finish(Err(Error::new(
-                        ErrorKind::Cancelled,
-                        "the engine shut down before the notification was sent",
-                    )));
+            (Ok(()), Some((control, notice))) => {
+                if let Some(why) = self.state.enter_notify() {
+                    self.state.finish(Err(why.error()));
+                    return;
                 }
-            },
+                drop(self.pins);
+                // Queued on the peer's session, pipelined with others; its answer (or
+                // the batch's deadline, whichever comes first) ends the batch.
+                let state = self.state.clone();
+                control.send(
+                    &self.peer.inner.addr,
+                    Kind::Notify,
+                    wire::encode(&notice),
+                    self.state.deadline(),
+                    Box::new(move |r| {
+                        state.finish(r.map(|_| ()).map_err(|e| e.with_operation("notify")));
+                    }),
+                );
+            }
             (result, _) => {
                 self.state.finish(result);
+                drop(self.pins);
             }
         }
     }
-}
-
-fn fits(offset: u64, len: u64, region_len: u64) -> bool {
-    offset.checked_add(len).is_some_and(|end| end <= region_len)
 }
 
 /// A connected peer: its descriptor and the backend's connection to it.
@@ -955,11 +1209,7 @@ impl Peer {
 
     /// The peer's descriptor, as last fetched.
     pub fn segment(&self) -> Arc<SegmentDesc> {
-        self.inner
-            .segment
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        read(&self.inner.segment).clone()
     }
 
     /// The peer's first region registered under `name`.
@@ -967,7 +1217,8 @@ impl Peer {
         self.segment().region_named(name).cloned()
     }
 
-    /// The peer's KV-cache layout named `name`, as last fetched.
+    /// The peer's KV-cache layout named `name`, as last fetched. Its slots name the
+    /// peer's views of them (regions of their own), at offset 0.
     pub fn kv_layout(&self, name: &str) -> Option<KvLayout> {
         self.segment().layout(name).cloned()
     }
@@ -978,10 +1229,16 @@ impl Peer {
     }
 }
 
-/// Registered memory; deregistered when dropped.
+/// Registered memory; deregistered when dropped, or by [`Registration::deregister`].
+///
+/// Deregistration waits for the batches in flight on the region (up to the engine's
+/// default timeout), then aborts them and waits until their backend has released them,
+/// and only then asks the backend to forget the region: once it has returned, nothing
+/// of te touches the memory.
 pub struct Registration {
     engine: Arc<Inner>,
     region: RegionDesc,
+    done: bool,
 }
 
 impl std::fmt::Debug for Registration {
@@ -1002,17 +1259,34 @@ impl Registration {
     pub fn region(&self) -> &RegionDesc {
         &self.region
     }
+
+    /// Deregisters the region and says whether the backend let go of it.
+    ///
+    /// # Errors
+    /// The backend's error if it could not promise that nothing touches the memory
+    /// any more. The memory is then *quarantined*: its owner must never free or reuse
+    /// it (te's own buffers leak it on purpose, and say so in the log).
+    pub fn deregister(mut self) -> Result<()> {
+        self.done = true;
+        self.engine
+            .release_region(self.region.id, self.engine.deadline(None))
+    }
 }
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        self.engine
-            .regions
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&self.region.id);
-        if let Err(e) = self.engine.backend.deregister(self.region.id) {
-            tracing::warn!(region = %self.region.id, error = %e, "deregister failed");
+        if self.done {
+            return;
+        }
+        if let Err(e) = self
+            .engine
+            .release_region(self.region.id, self.engine.deadline(None))
+        {
+            tracing::error!(
+                region = %self.region.id,
+                error = %e,
+                "deregistration failed: the backend may still touch this memory; it must never be freed"
+            );
         }
     }
 }

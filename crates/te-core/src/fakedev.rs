@@ -3,17 +3,33 @@
 //! It is a fake: its "device memory" is host memory behind addresses the host cannot
 //! dereference (non-canonical x86-64 addresses, `0x7e…`), so any code that touches a
 //! device address directly instead of going through the runtime's copies faults at
-//! once. Copies run on the runtime's own thread and complete through their callbacks,
-//! as a real runtime's asynchronous copies do. It has two devices.
+//! once. It has two devices.
+//!
+//! It behaves like a GPU's copy engine where te's efficiency depends on it: each device
+//! has a queue per direction (host → device, device → host, device → device), served by
+//! a thread of its own; copies are enqueued without waiting and complete through their
+//! callbacks; and it charges what a GPU charges — a cost per copy launched
+//! (`launch_cost`) and per synchronisation (`sync_cost`, once per group of copies
+//! waited for together, once per single copy). So a pipeline that synchronises per
+//! small copy is slow here for the reason it would be slow on a GPU, and the staging
+//! pipeline's efficiency is measured without one.
+//!
+//! Options (`[runtimes.fakedev]`): `launch_cost = "2us"`, `sync_cost = "10us"`. The
+//! costs are paid on the runtime's own threads (by spinning below 100 µs, where sleeps
+//! are too coarse, by sleeping above), never on the caller's.
 //!
 //! What it cannot prove: DMA behaviour, a real driver's alignment or pinning rules,
 //! copy bandwidth, or anything about GPUDirect.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use crate::device::{CopyDone, DeviceCopy, DeviceRuntime, PointerInfo};
+use serde::Deserialize;
+
+use crate::device::{CopyDone, DeviceCopy, DeviceRuntime, Group, PointerInfo};
 use crate::error::{Error, ErrorKind, Result};
 
 /// The runtime's name.
@@ -26,65 +42,156 @@ fn device_base(ordinal: u32) -> u64 {
     BASE + (u64::from(ordinal) << 44)
 }
 
-type Arena = Arc<Mutex<Vec<u8>>>;
-
-struct Job {
-    copy: DeviceCopy,
-    arena: Arena,
-    offset: usize,
-    done: CopyDone,
+/// The `[runtimes.fakedev]` table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FakeDevConfig {
+    /// Charged for every copy launched.
+    #[serde(deserialize_with = "crate::config::de::duration")]
+    pub launch_cost: Duration,
+    /// Charged for every synchronisation: once per group, once per single copy.
+    #[serde(deserialize_with = "crate::config::de::duration")]
+    pub sync_cost: Duration,
 }
 
-// SAFETY: the job's host pointer is covered by the `copy` contract (valid and owned by
-// the copy until `done` runs).
-unsafe impl Send for Job {}
+impl Default for FakeDevConfig {
+    fn default() -> Self {
+        FakeDevConfig {
+            launch_cost: Duration::from_micros(2),
+            sync_cost: Duration::from_micros(10),
+        }
+    }
+}
+
+type Arena = Arc<Mutex<Vec<u8>>>;
+
+/// One copy with its arena resolved.
+struct Planned {
+    copy: DeviceCopy,
+    src: Option<(Arena, usize)>,
+    dst: Option<(Arena, usize)>,
+}
+
+// SAFETY: the host pointers in `copy` are covered by the `copy` contract (valid and
+// owned by the copy until `done` runs).
+unsafe impl Send for Planned {}
+
+struct Job {
+    copies: Vec<Planned>,
+    done: CopyDone,
+}
 
 /// The fake runtime.
 #[derive(Debug)]
 pub struct FakeDev {
     allocs: Mutex<(BTreeMap<u64, Arena>, [u64; DEVICES as usize])>,
-    jobs: Mutex<Sender<Job>>,
+    /// A queue per device and direction.
+    queues: Vec<Mutex<Sender<Job>>>,
+    config: FakeDevConfig,
+    syncs: Arc<AtomicU64>,
 }
 
-fn create() -> Result<Arc<dyn DeviceRuntime>> {
-    let (tx, rx) = mpsc::channel::<Job>();
-    std::thread::Builder::new()
-        .name("te-fakedev".into())
-        .spawn(move || {
-            for job in rx {
-                let arena = job.arena.lock().unwrap_or_else(|p| p.into_inner());
-                match job.copy {
-                    // SAFETY: the submitter guarantees the host range (the `copy`
-                    // contract); the arena range was checked in `copy`.
-                    DeviceCopy::ToDevice { host, len, .. } => unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            host,
-                            arena.as_ptr().add(job.offset) as *mut u8,
-                            len,
-                        )
-                    },
-                    // SAFETY: as above.
-                    DeviceCopy::ToHost { host, len, .. } => unsafe {
-                        std::ptr::copy_nonoverlapping(arena.as_ptr().add(job.offset), host, len)
-                    },
-                }
-                drop(arena);
-                (job.done)(Ok(()));
+/// Pays `cost` on this (the runtime's) thread.
+fn pay(cost: Duration) {
+    if cost.is_zero() {
+    } else if cost < Duration::from_micros(100) {
+        let end = Instant::now() + cost;
+        while Instant::now() < end {
+            std::hint::spin_loop();
+        }
+    } else {
+        std::thread::sleep(cost);
+    }
+}
+
+fn run_queue(rx: mpsc::Receiver<Job>, config: FakeDevConfig, syncs: &AtomicU64) {
+    for job in rx {
+        for p in &job.copies {
+            pay(config.launch_cost);
+            execute(p);
+        }
+        pay(config.sync_cost);
+        syncs.fetch_add(1, Ordering::Relaxed);
+        (job.done)(Ok(()));
+    }
+}
+
+fn execute(p: &Planned) {
+    let len = p.copy.len();
+    match (p.copy, &p.src, &p.dst) {
+        // SAFETY: the submitter guarantees the host range (the `copy` contract); the
+        // arena range was checked when the copy was planned.
+        (DeviceCopy::ToDevice { host, .. }, _, Some((arena, off))) => unsafe {
+            let a = arena.lock().unwrap_or_else(|p| p.into_inner());
+            std::ptr::copy_nonoverlapping(host, a.as_ptr().add(*off) as *mut u8, len)
+        },
+        // SAFETY: as above.
+        (DeviceCopy::ToHost { host, .. }, Some((arena, off)), _) => unsafe {
+            let a = arena.lock().unwrap_or_else(|p| p.into_inner());
+            std::ptr::copy_nonoverlapping(a.as_ptr().add(*off), host, len)
+        },
+        (DeviceCopy::DeviceToDevice { .. }, Some((sa, so)), Some((da, doff))) => {
+            if Arc::ptr_eq(sa, da) {
+                let mut a = sa.lock().unwrap_or_else(|p| p.into_inner());
+                a.copy_within(*so..*so + len, *doff);
+            } else {
+                let s = sa.lock().unwrap_or_else(|p| p.into_inner());
+                let mut d = da.lock().unwrap_or_else(|p| p.into_inner());
+                d[*doff..*doff + len].copy_from_slice(&s[*so..*so + len]);
             }
-        })
-        .map_err(|e| {
-            Error::new(ErrorKind::Io, "cannot start the fakedev copy thread").with_source(e)
-        })?;
-    let next = std::array::from_fn(|i| device_base(i as u32));
-    Ok(Arc::new(FakeDev {
-        allocs: Mutex::new((BTreeMap::new(), next)),
-        jobs: Mutex::new(tx),
-    }))
+        }
+        _ => {}
+    }
+}
+
+fn create(table: &toml::Table) -> Result<Arc<dyn DeviceRuntime>> {
+    let config = FakeDevConfig::deserialize(table.clone()).map_err(|e| {
+        Error::new(
+            ErrorKind::ConfigInvalid,
+            format!("[runtimes.fakedev]: {}", e.message()),
+        )
+    })?;
+    Ok(FakeDev::start(config)? as Arc<dyn DeviceRuntime>)
+}
+
+impl FakeDev {
+    /// A runtime with these costs and its queue threads. (The process's instance is
+    /// made on first use, from `[runtimes.fakedev]`.)
+    ///
+    /// # Errors
+    /// `Io` if its threads cannot start.
+    pub fn start(config: FakeDevConfig) -> Result<Arc<FakeDev>> {
+        let syncs = Arc::new(AtomicU64::new(0));
+        let mut queues = Vec::new();
+        for q in 0..DEVICES * 3 {
+            let (tx, rx) = mpsc::channel::<Job>();
+            let syncs = syncs.clone();
+            std::thread::Builder::new()
+                .name(format!("te-fakedev-{}-{}", q / 3, q % 3))
+                .spawn(move || run_queue(rx, config, &syncs))
+                .map_err(|e| {
+                    Error::new(ErrorKind::Io, "cannot start a fakedev queue thread").with_source(e)
+                })?;
+            queues.push(Mutex::new(tx));
+        }
+        let next = std::array::from_fn(|i| device_base(i as u32));
+        Ok(Arc::new(FakeDev {
+            allocs: Mutex::new((BTreeMap::new(), next)),
+            queues,
+            config,
+            syncs,
+        }))
+    }
+
+    /// Synchronisations paid so far (one per group per queue, one per single copy).
+    pub fn syncs(&self) -> u64 {
+        self.syncs.load(Ordering::Relaxed)
+    }
 }
 
 crate::register_runtime!(
     NAME,
-    "a fake device for tests: host memory behind addresses the host cannot dereference",
+    "a fake device for tests: host memory behind addresses the host cannot dereference, with a GPU-like cost per copy and per synchronisation",
     create
 );
 
@@ -94,6 +201,56 @@ impl FakeDev {
         let (&base, arena) = allocs.0.range(..=addr).next_back()?;
         let len = arena.lock().unwrap_or_else(|p| p.into_inner()).len() as u64;
         (addr < base + len).then(|| (base, arena.clone()))
+    }
+
+    /// The costs in force.
+    pub fn config(&self) -> FakeDevConfig {
+        self.config
+    }
+
+    /// Resolves a device range to its arena and offset, checking it fits.
+    fn range(&self, device: u64, len: usize) -> Result<(Arena, usize)> {
+        let (base, arena) = self.find(device).ok_or_else(|| not_device(device))?;
+        let offset = (device - base) as usize;
+        let size = arena.lock().unwrap_or_else(|p| p.into_inner()).len();
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return Err(Error::new(
+                ErrorKind::OutOfBounds,
+                format!("a copy of {len} bytes at {device:#x} runs past its {size}-byte fakedev allocation"),
+            ));
+        }
+        Ok((arena, offset))
+    }
+
+    fn plan(&self, copy: DeviceCopy) -> Result<Planned> {
+        let len = copy.len();
+        let (src, dst) = match copy {
+            DeviceCopy::ToDevice { device, .. } => (None, Some(self.range(device, len)?)),
+            DeviceCopy::ToHost { device, .. } => (Some(self.range(device, len)?), None),
+            DeviceCopy::DeviceToDevice { src, dst, .. } => {
+                (Some(self.range(src, len)?), Some(self.range(dst, len)?))
+            }
+        };
+        Ok(Planned { copy, src, dst })
+    }
+
+    fn queue(&self, copy: &DeviceCopy) -> Result<&Mutex<Sender<Job>>> {
+        let (ordinal, dir) = copy.queue();
+        if ordinal >= DEVICES {
+            return Err(Error::new(
+                ErrorKind::InvalidRequest,
+                format!("fakedev has devices 0..{DEVICES}, not {ordinal}"),
+            ));
+        }
+        Ok(&self.queues[ordinal as usize * 3 + dir])
+    }
+
+    fn send(&self, queue: &Mutex<Sender<Job>>, job: Job) -> Result<()> {
+        queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send(job)
+            .map_err(|_| Error::new(ErrorKind::Unavailable, "a fakedev queue thread is gone"))
     }
 }
 
@@ -178,30 +335,137 @@ impl DeviceRuntime for FakeDev {
     }
 
     unsafe fn copy(&self, copy: DeviceCopy, done: CopyDone) -> Result<()> {
-        let (device, len) = match copy {
-            DeviceCopy::ToDevice { device, len, .. } | DeviceCopy::ToHost { device, len, .. } => {
-                (device, len)
-            }
-        };
-        let (base, arena) = self.find(device).ok_or_else(|| not_device(device))?;
-        let offset = (device - base) as usize;
-        let size = arena.lock().unwrap_or_else(|p| p.into_inner()).len();
-        if offset.checked_add(len).is_none_or(|end| end > size) {
-            return Err(Error::new(
-                ErrorKind::OutOfBounds,
-                format!("a copy of {len} bytes at {device:#x} runs past its {size}-byte fakedev allocation"),
-            ));
-        }
+        let queue = self.queue(&copy)?;
         let job = Job {
-            copy,
-            arena,
-            offset,
+            copies: vec![self.plan(copy)?],
             done,
         };
-        self.jobs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .send(job)
-            .map_err(|_| Error::new(ErrorKind::Unavailable, "the fakedev copy thread is gone"))
+        self.send(queue, job)
+    }
+
+    unsafe fn copy_group(&self, copies: &[DeviceCopy], done: CopyDone) -> Result<()> {
+        // One job per queue the group touches: each synchronises once.
+        let mut parts: Vec<(usize, Vec<Planned>)> = Vec::new();
+        for c in copies {
+            let (ordinal, dir) = c.queue();
+            self.queue(c)?;
+            let key = ordinal as usize * 3 + dir;
+            let planned = self.plan(*c)?;
+            match parts.iter_mut().find(|p| p.0 == key) {
+                Some(p) => p.1.push(planned),
+                None => parts.push((key, vec![planned])),
+            }
+        }
+        if parts.is_empty() {
+            done(Ok(()));
+            return Ok(());
+        }
+        let group = Group::new(parts.len(), done);
+        for (key, copies) in parts {
+            let g = group.clone();
+            let job = Job {
+                copies,
+                done: Box::new(move |r| g.arrive(r)),
+            };
+            if let Err(e) = self.send(&self.queues[key], job) {
+                group.arrive(Err(e));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fresh() -> Arc<FakeDev> {
+        FakeDev::start(FakeDevConfig::default()).unwrap()
+    }
+
+    #[test]
+    fn a_group_moves_every_copy_and_completes_once() {
+        let rt = fresh();
+        let dev = rt.alloc(0, 64 << 10).unwrap();
+        let other = rt.alloc(1, 64 << 10).unwrap();
+        let src: Vec<u8> = (0..64 << 10).map(|i| i as u8).collect();
+        let copies: Vec<DeviceCopy> = (0..16)
+            .map(|i| DeviceCopy::ToDevice {
+                ordinal: 0,
+                device: dev + i * 4096,
+                host: src[(i * 4096) as usize..].as_ptr(),
+                len: 4096,
+            })
+            .collect();
+        let (tx, rx) = mpsc::channel();
+        // SAFETY: `src` outlives the group (waited for below); ranges are inside.
+        unsafe {
+            rt.copy_group(&copies, Box::new(move |r| tx.send(r).unwrap()))
+                .unwrap()
+        };
+        rx.recv().unwrap().unwrap();
+        assert!(rx.try_recv().is_err());
+        // SAFETY: both ranges lie in live allocations.
+        unsafe {
+            (&*rt as &dyn DeviceRuntime)
+                .copy_sync(DeviceCopy::DeviceToDevice {
+                    src_ordinal: 0,
+                    src: dev,
+                    dst_ordinal: 1,
+                    dst: other,
+                    len: 64 << 10,
+                })
+                .unwrap()
+        };
+        let mut back = vec![0u8; 64 << 10];
+        // SAFETY: `back` is borrowed until the copy completes.
+        unsafe {
+            (&*rt as &dyn DeviceRuntime)
+                .copy_sync(DeviceCopy::ToHost {
+                    ordinal: 1,
+                    device: other,
+                    host: back.as_mut_ptr(),
+                    len: back.len(),
+                })
+                .unwrap()
+        };
+        assert_eq!(back, src);
+    }
+
+    #[test]
+    fn a_group_pays_one_synchronisation_where_single_copies_pay_one_each() {
+        let rt = fresh();
+        let dev = rt.alloc(0, 4096 * 8).unwrap();
+        let src = vec![7u8; 4096 * 8];
+        let copies: Vec<DeviceCopy> = (0..8)
+            .map(|i| DeviceCopy::ToDevice {
+                ordinal: 0,
+                device: dev + i * 4096,
+                host: src[(i * 4096) as usize..].as_ptr(),
+                len: 4096,
+            })
+            .collect();
+        let before = rt.syncs();
+        for c in &copies {
+            // SAFETY: `src` outlives each copy; the ranges are inside.
+            unsafe { (&*rt as &dyn DeviceRuntime).copy_sync(*c).unwrap() };
+        }
+        assert_eq!(rt.syncs() - before, 8);
+        let (tx, rx) = mpsc::channel();
+        // SAFETY: as above; the group is waited for below.
+        unsafe {
+            rt.copy_group(&copies, Box::new(move |r| tx.send(r).unwrap()))
+                .unwrap()
+        };
+        rx.recv().unwrap().unwrap();
+        assert_eq!(rt.syncs() - before, 9, "a group of 8 synchronised once");
+    }
+
+    #[test]
+    fn a_bad_table_is_refused_naming_the_key() {
+        let table: toml::Table = "spin = 1".parse().unwrap();
+        let e = create(&table).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ConfigInvalid);
+        assert!(e.to_string().contains("spin"), "{e}");
     }
 }

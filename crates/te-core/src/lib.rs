@@ -28,6 +28,7 @@
 #![warn(missing_debug_implementations, missing_docs, unreachable_pub)]
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
 
+pub mod auth;
 mod backend;
 mod batch;
 mod buffer;
@@ -41,26 +42,34 @@ pub mod device;
 mod engine;
 mod error;
 pub mod fakedev;
+pub mod hook;
+mod inbox;
 pub mod kv;
-mod notify;
+pub mod net;
 pub mod plugin;
+mod region;
 pub mod registry;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
-pub use backend::{BackendContext, Completion, FfiError, TransferBackend};
+pub use backend::{
+    random_nonzero, Aborter, BackendContext, BatchId, Completion, Deadline, FfiError,
+    TransferBackend,
+};
 pub use batch::{TransferHandle, TransferStatus};
 pub use buffer::Buffer;
 pub use config::{Config, EngineConfig};
-pub use control::{MAX_FRAME, VERSION as CONTROL_VERSION};
+pub use control::{MAX_FRAME, VERSIONS as CONTROL_VERSIONS};
 pub use desc::{
     Access, BackendInfo, Capabilities, MemoryDesc, MemoryKind, Op, PeerId, RegionDesc, RegionId,
     SegmentDesc, TransferRequest,
 };
 pub use engine::{BlockOptions, Engine, Peer, Registration, TransferOptions};
 pub use error::{Error, ErrorKind, Result};
+pub use hook::{ControlHook, MessageHandler, PeerInfo};
+pub use inbox::Notification;
+pub use inbox::{Next, PeerEvent, PeerEventKind};
 pub use kv::{KvGroup, KvLayout, KvSelection, KvSlot};
-pub use notify::Notification;
 pub use registry::{Origin, Registry};
 
 #[doc(hidden)]

@@ -24,10 +24,13 @@ use abi_stable::std_types::{RBox, RResult, RSlice, RStr, RVec};
 use abi_stable::{declare_root_module_statics, package_version_strings, StableAbi};
 use serde::{Deserialize, Serialize};
 
-use crate::backend::{from_ffi, to_ffi, BackendContext, Completion, FfiError, TransferBackend};
+use crate::backend::{
+    from_ffi, to_ffi, BackendContext, BatchId, Completion, Deadline, FfiError, TransferBackend,
+};
 use crate::codec;
 use crate::desc::{BackendInfo, MemoryDesc, PeerId, RegionId, SegmentDesc, TransferRequest};
 use crate::error::{Error, ErrorKind, Result};
+use crate::hook::{ControlHook, HookTarget, MessageHandler, PeerInfo};
 
 #[doc(hidden)]
 pub use abi_stable::library::{
@@ -39,7 +42,7 @@ pub use abi_stable::prefix_type::PrefixTypeTrait as __PrefixTypeTrait;
 
 /// te's own plugin protocol version, checked in addition to `abi_stable`'s layout
 /// check; raised whenever the meaning (not only the layout) of the boundary changes.
-pub const PLUGIN_ABI: u32 = 1;
+pub const PLUGIN_ABI: u32 = 2;
 
 /// A fingerprint of the sources of the types that cross the boundary encoded; a plugin
 /// built from other sources is refused even when its te-core version matches.
@@ -55,23 +58,131 @@ pub trait FfiBackend: Send + Sync + Debug {
     /// Registers an encoded [`MemoryDesc`] as region `id`.
     fn register(&self, id: RegionId, mem: RSlice<'_, u8>) -> RResult<RVec<u8>, FfiError>;
     /// Deregisters region `id`.
-    fn deregister(&self, id: RegionId) -> RResult<(), FfiError>;
+    fn deregister(&self, id: RegionId, deadline: Deadline) -> RResult<(), FfiError>;
     /// Connects to an encoded [`SegmentDesc`].
-    fn connect(&self, peer: RSlice<'_, u8>) -> RResult<PeerId, FfiError>;
+    fn connect(&self, peer: RSlice<'_, u8>, deadline: Deadline) -> RResult<PeerId, FfiError>;
     /// Disconnects a peer.
-    fn disconnect(&self, peer: PeerId) -> RResult<(), FfiError>;
+    fn disconnect(&self, peer: PeerId, deadline: Deadline) -> RResult<(), FfiError>;
     /// Posts a batch.
-    #[sabi(last_prefix_field)]
     fn submit(
         &self,
         peer: PeerId,
         batch: RSlice<'_, TransferRequest>,
         done: Completion,
     ) -> RResult<(), FfiError>;
+    /// Asks the backend to stop a batch.
+    #[sabi(last_prefix_field)]
+    fn abort(&self, peer: PeerId, batch: BatchId);
 }
 
 /// A boxed backend object from a plugin.
 pub type FfiBackendBox = FfiBackend_TO<'static, RBox<()>>;
+
+/// The engine's control hook as it crosses the boundary (host side implements it).
+#[sabi_trait]
+pub trait FfiHook: Send + Sync {
+    /// Serves the backend's message handler.
+    fn serve(&self, handler: FfiHandlerBox) -> RResult<(), FfiError>;
+    /// Sends a backend message to the engine at `peer`.
+    #[sabi(last_prefix_field)]
+    fn call(
+        &self,
+        peer: RStr<'_>,
+        request: RSlice<'_, u8>,
+        deadline: Deadline,
+    ) -> RResult<RVec<u8>, FfiError>;
+}
+
+/// A boxed control hook.
+pub type FfiHookBox = FfiHook_TO<'static, RBox<()>>;
+
+/// A backend's message handler as it crosses the boundary (plugin side implements it).
+#[sabi_trait]
+pub trait FfiHandler: Send + Sync {
+    /// Answers a message from an encoded [`PeerInfo`].
+    #[sabi(last_prefix_field)]
+    fn handle(
+        &self,
+        from: RSlice<'_, u8>,
+        request: RSlice<'_, u8>,
+        deadline: Deadline,
+    ) -> RResult<RVec<u8>, FfiError>;
+}
+
+/// A boxed message handler.
+pub type FfiHandlerBox = FfiHandler_TO<'static, RBox<()>>;
+
+/// The host's hook, exported to a plugin.
+struct HostHook(ControlHook);
+
+impl FfiHook for HostHook {
+    fn serve(&self, handler: FfiHandlerBox) -> RResult<(), FfiError> {
+        to_ffi(caught("serve", || {
+            self.0.serve(Arc::new(PluginHandler(handler)))
+        }))
+    }
+    fn call(
+        &self,
+        peer: RStr<'_>,
+        request: RSlice<'_, u8>,
+        deadline: Deadline,
+    ) -> RResult<RVec<u8>, FfiError> {
+        to_ffi(caught("call", || {
+            self.0
+                .call(peer.as_str(), request.as_slice(), deadline)
+                .map(RVec::from)
+        }))
+    }
+}
+
+/// A plugin's handler, as the host calls it.
+struct PluginHandler(FfiHandlerBox);
+
+impl MessageHandler for PluginHandler {
+    fn handle(&self, from: &PeerInfo, request: &[u8], deadline: Deadline) -> Result<Vec<u8>> {
+        from_ffi(self.0.handle(
+            codec::encode(from).as_slice().into(),
+            request.into(),
+            deadline,
+        ))
+        .map(RVec::into_vec)
+    }
+}
+
+/// The plugin's own handler, exported to the host.
+struct ExportedHandler(Arc<dyn MessageHandler>);
+
+impl FfiHandler for ExportedHandler {
+    fn handle(
+        &self,
+        from: RSlice<'_, u8>,
+        request: RSlice<'_, u8>,
+        deadline: Deadline,
+    ) -> RResult<RVec<u8>, FfiError> {
+        to_ffi(caught("handle", || {
+            let from: PeerInfo = codec::decode(from.as_slice(), "peer info")?;
+            self.0
+                .handle(&from, request.as_slice(), deadline)
+                .map(RVec::from)
+        }))
+    }
+}
+
+/// [`ControlHook::serve`] for a plugin's backend.
+pub(crate) fn serve_through(hook: &FfiHookBox, handler: Arc<dyn MessageHandler>) -> Result<()> {
+    let handler = FfiHandler_TO::from_value(ExportedHandler(handler), sabi_trait::TD_Opaque);
+    from_ffi(hook.serve(handler))
+}
+
+/// [`ControlHook::call`] for a plugin's backend.
+pub(crate) fn call_through(
+    hook: &FfiHookBox,
+    peer: &str,
+    request: &[u8],
+    deadline: Deadline,
+) -> Result<Vec<u8>> {
+    from_ffi(hook.call(peer.into(), request.into(), deadline)).map(RVec::into_vec)
+}
 
 /// The root module every backend plugin exports.
 #[repr(C)]
@@ -91,7 +202,8 @@ pub struct PluginModule {
     pub probe: extern "C" fn() -> RResult<(), FfiError>,
     /// Creates the backend from an encoded context.
     #[sabi(last_prefix_field)]
-    pub create: extern "C" fn(ctx: RSlice<'_, u8>) -> RResult<FfiBackendBox, FfiError>,
+    pub create:
+        extern "C" fn(ctx: RSlice<'_, u8>, hook: FfiHookBox) -> RResult<FfiBackendBox, FfiError>,
 }
 
 impl fmt::Debug for PluginModule {
@@ -114,6 +226,8 @@ impl RootModule for PluginModuleRef {
 #[derive(Serialize, Deserialize)]
 struct FfiContext {
     engine: String,
+    epoch: u64,
+    auth_token: Option<String>,
     table: String,
     source: String,
 }
@@ -133,7 +247,7 @@ pub fn __module(
     name: &'static str,
     version: &'static str,
     probe: extern "C" fn() -> RResult<(), FfiError>,
-    create: extern "C" fn(RSlice<'_, u8>) -> RResult<FfiBackendBox, FfiError>,
+    create: extern "C" fn(RSlice<'_, u8>, FfiHookBox) -> RResult<FfiBackendBox, FfiError>,
 ) -> PluginModuleRef {
     __PrefixTypeTrait::leak_into_prefix(PluginModule {
         abi: PLUGIN_ABI,
@@ -155,6 +269,7 @@ pub fn __probe(probe: fn() -> Result<()>) -> RResult<(), FfiError> {
 #[doc(hidden)]
 pub fn __create(
     ctx: RSlice<'_, u8>,
+    hook: FfiHookBox,
     create: fn(&BackendContext) -> Result<Arc<dyn TransferBackend>>,
 ) -> RResult<FfiBackendBox, FfiError> {
     to_ffi(caught("create", || {
@@ -167,6 +282,9 @@ pub fn __create(
         })?;
         let backend = create(&BackendContext {
             engine: c.engine,
+            epoch: c.epoch,
+            auth_token: c.auth_token,
+            hook: ControlHook::new(HookTarget::Plugin(Arc::new(hook))),
             table,
             source: c.source,
         })?;
@@ -199,16 +317,17 @@ impl FfiBackend for Exported {
             self.0.register(id, &mem).map(RVec::from)
         }))
     }
-    fn deregister(&self, id: RegionId) -> RResult<(), FfiError> {
-        to_ffi(caught("deregister", || self.0.deregister(id)))
+    fn deregister(&self, id: RegionId, deadline: Deadline) -> RResult<(), FfiError> {
+        to_ffi(caught("deregister", || self.0.deregister(id, deadline)))
     }
-    fn connect(&self, peer: RSlice<'_, u8>) -> RResult<PeerId, FfiError> {
+    fn connect(&self, peer: RSlice<'_, u8>, deadline: Deadline) -> RResult<PeerId, FfiError> {
         to_ffi(caught("connect", || {
-            self.0.connect(&SegmentDesc::decode(peer.as_slice())?)
+            self.0
+                .connect(&SegmentDesc::decode(peer.as_slice())?, deadline)
         }))
     }
-    fn disconnect(&self, peer: PeerId) -> RResult<(), FfiError> {
-        to_ffi(caught("disconnect", || self.0.disconnect(peer)))
+    fn disconnect(&self, peer: PeerId, deadline: Deadline) -> RResult<(), FfiError> {
+        to_ffi(caught("disconnect", || self.0.disconnect(peer, deadline)))
     }
     fn submit(
         &self,
@@ -219,6 +338,12 @@ impl FfiBackend for Exported {
         to_ffi(caught("submit", || {
             self.0.submit(peer, batch.as_slice(), done)
         }))
+    }
+    fn abort(&self, peer: PeerId, batch: BatchId) {
+        let _ = caught("abort", || {
+            self.0.abort(peer, batch);
+            Ok(())
+        });
     }
 }
 
@@ -248,17 +373,23 @@ impl TransferBackend for PluginBackend {
         )
         .map(RVec::into_vec)
     }
-    fn deregister(&self, id: RegionId) -> Result<()> {
-        from_ffi(self.inner.deregister(id))
+    fn deregister(&self, id: RegionId, deadline: Deadline) -> Result<()> {
+        from_ffi(self.inner.deregister(id, deadline))
     }
-    fn connect(&self, peer: &SegmentDesc) -> Result<PeerId> {
-        from_ffi(self.inner.connect(peer.encode().as_slice().into()))
+    fn connect(&self, peer: &SegmentDesc, deadline: Deadline) -> Result<PeerId> {
+        from_ffi(
+            self.inner
+                .connect(peer.encode().as_slice().into(), deadline),
+        )
     }
-    fn disconnect(&self, peer: PeerId) -> Result<()> {
-        from_ffi(self.inner.disconnect(peer))
+    fn disconnect(&self, peer: PeerId, deadline: Deadline) -> Result<()> {
+        from_ffi(self.inner.disconnect(peer, deadline))
     }
     fn submit(&self, peer: PeerId, batch: &[TransferRequest], done: Completion) -> Result<()> {
         from_ffi(self.inner.submit(peer, batch.into(), done))
+    }
+    fn abort(&self, peer: PeerId, batch: BatchId) {
+        self.inner.abort(peer, batch)
     }
 }
 
@@ -285,10 +416,13 @@ pub(crate) fn create(
     })?;
     let encoded = codec::encode(&FfiContext {
         engine: ctx.engine.clone(),
+        epoch: ctx.epoch,
+        auth_token: ctx.auth_token.clone(),
         table,
         source: ctx.source.clone(),
     });
-    let inner = from_ffi((module.create())(encoded.as_slice().into()))?;
+    let hook = FfiHook_TO::from_value(HostHook(ctx.hook.clone()), sabi_trait::TD_Opaque);
+    let inner = from_ffi((module.create())(encoded.as_slice().into(), hook))?;
     let info: BackendInfo = codec::decode(&inner.info(), "backend info")?;
     Ok(Arc::new(PluginBackend { inner, info }))
 }

@@ -63,8 +63,9 @@ macro_rules! register_backend {
             }
             extern "C" fn __te_create(
                 ctx: $crate::__abi::RSlice<'_, u8>,
+                hook: $crate::plugin::FfiHookBox,
             ) -> $crate::__abi::RResult<$crate::plugin::FfiBackendBox, $crate::FfiError> {
-                $crate::plugin::__create(ctx, $create)
+                $crate::plugin::__create(ctx, hook, $create)
             }
             fn __te_module() -> $crate::plugin::PluginModuleRef {
                 $crate::plugin::__module($name, env!("CARGO_PKG_VERSION"), __te_probe, __te_create)

@@ -5,7 +5,10 @@
  * - a connection carries a snapshot of the peer's registered regions, taken at
  *   connect time; a remote range outside the snapshot is refused as stale;
  * - a descriptor has a size limit (option max_desc), so the backend must split;
- * - completion is queried, and a transfer id is released once it reported done.
+ * - completion is queried, and a transfer id is released once it reported done;
+ * - a failed slice is "done": a transfer with failed slices finishes like any other,
+ *   with a failed-slice count, as FlagCX's transfer task does, and the status comes
+ *   from te_flagcx_status.h, the mapping the real shim uses.
  *
  * Bytes really move between processes: each engine listens on a loopback TCP port,
  * a connection is a TCP stream served by one thread on each side, and the target
@@ -14,16 +17,24 @@
  * Options (engine_create, comma-separated key=value):
  *   host=127.0.0.1   address to listen on (IPv4)
  *   max_desc=N       per-descriptor size limit in bytes (default 1 GiB)
- *   delay_ms=N       a transfer reports done no sooner than N ms after it was posted
- *   fail_every=N     every Nth post of this engine fails as a transfer error
+ *   delay_ms=N       a transfer moves its bytes N ms after it was posted, then
+ *                    reports done
+ *   fail_every=N     every Nth post of this engine finishes with a failed slice: its
+ *                    last descriptor's bytes never move, the others do
  *   stale_every=N    every Nth post of this engine fails as a stale registration
  *   fail_connect=1   every connect of this engine fails as unreachable
+ *   connect_delay_ms=N  every connect of this engine takes N ms more (a slow
+ *                    handshake)
+ *
+ * te_flagcx_events / te_flagcx_wait block for real: each finished transfer bumps the
+ * engine's event counter and wakes waiters.
  *
  * te_flagcx_fake_counter(name) reads process-wide counters for tests: "posts",
  * "descs", "connects", and "misuse" (queries of unknown or released transfer ids).
  */
 #define _GNU_SOURCE
 #include "../shim/te_flagcx_shim.h"
+#include "../shim/te_flagcx_status.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -82,7 +93,7 @@ struct te_flagcx_engine {
 
   char host[64];
   uint64_t max_desc;
-  unsigned delay_ms, fail_every, stale_every;
+  unsigned delay_ms, fail_every, stale_every, connect_delay_ms;
   int fail_connect;
   uint64_t posts;
 
@@ -92,7 +103,26 @@ struct te_flagcx_engine {
   pthread_t accept_thread;
   server_conn *served;
   char endpoint[96];
+
+  pthread_mutex_t ev_lock; /* guards events */
+  pthread_cond_t ev_cond;
+  uint64_t events;
 };
+
+static void init_monotonic_cond(pthread_cond_t *cond) {
+  pthread_condattr_t attr;
+  pthread_condattr_init(&attr);
+  pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+  pthread_cond_init(cond, &attr);
+  pthread_condattr_destroy(&attr);
+}
+
+static void bump_events(te_flagcx_engine *e) {
+  pthread_mutex_lock(&e->ev_lock);
+  e->events++;
+  pthread_cond_broadcast(&e->ev_cond);
+  pthread_mutex_unlock(&e->ev_lock);
+}
 
 /* ---------------------------------------------------------------- sockets */
 
@@ -308,13 +338,13 @@ typedef struct job {
   int op, inject;
   uint32_t count;
   te_flagcx_desc *descs;
+  struct timespec due;
   struct job *next;
 } job;
 
 typedef struct xfer {
   uint64_t id;
   int status;
-  struct timespec due;
   char msg[256];
 } xfer;
 
@@ -355,13 +385,27 @@ static int local_ok(te_flagcx_engine *e, const te_flagcx_desc *d) {
   return 0;
 }
 
-/* Runs a job over the connection; returns a status and fills msg. */
+/* The status of a job whose descriptors after the first `moved` failed, through the
+   mapping the real shim uses. */
+static int finished(te_flagcx_conn *c, const job *j, uint32_t moved, char *msg,
+                    size_t cap) {
+  uint64_t failed = j->count - moved;
+  int status = te_flagcx_status(1, failed);
+  if (status != TE_FLAGCX_OK)
+    snprintf(msg, cap,
+             "the transfer to %s finished with %llu failed slice(s) of %u: some of "
+             "its bytes did not arrive (injected by fake shim option fail_every=%u)",
+             c->peer, (unsigned long long)failed, j->count, c->engine->fail_every);
+  return status;
+}
+
+/* Runs a job over the connection; returns a status and fills msg. A job with an
+   injected failure moves every descriptor but its last, and finishes with one failed
+   slice. */
 static int run_job(te_flagcx_conn *c, job *j, char *msg, size_t cap) {
-  if (j->inject == INJECT_FAIL) {
-    snprintf(msg, cap, "injected transfer failure (fake shim option fail_every=%u)",
-             c->engine->fail_every);
-    return TE_FLAGCX_E_TRANSFER;
-  }
+  uint32_t moved = j->count;
+  if (j->inject == INJECT_FAIL)
+    moved--;
   if (j->inject == INJECT_STALE) {
     snprintf(msg, cap,
              "injected stale registration: the peer's region table changed since "
@@ -387,25 +431,29 @@ static int run_job(te_flagcx_conn *c, job *j, char *msg, size_t cap) {
       return TE_FLAGCX_E_NOT_REGISTERED;
     }
   }
-  request_header h = {FAKE_MAGIC, (uint32_t)j->op, j->count, 0, 0};
-  wire_range *ranges = malloc((size_t)j->count * sizeof *ranges);
+  if (moved == 0) {
+    pthread_rwlock_unlock(&e->lock);
+    return finished(c, j, moved, msg, cap);
+  }
+  request_header h = {FAKE_MAGIC, (uint32_t)j->op, moved, 0, 0};
+  wire_range *ranges = malloc((size_t)moved * sizeof *ranges);
   if (!ranges) {
     pthread_rwlock_unlock(&e->lock);
     snprintf(msg, cap, "out of memory");
     return TE_FLAGCX_E_INTERNAL;
   }
-  for (uint32_t i = 0; i < j->count; i++) {
+  for (uint32_t i = 0; i < moved; i++) {
     ranges[i].addr = j->descs[i].remote_addr;
     ranges[i].len = j->descs[i].len;
     h.total += j->descs[i].len;
   }
   int io = send_all(c->fd, &h, sizeof h) == 0 &&
-                   send_all(c->fd, ranges, (uint64_t)j->count * sizeof *ranges) == 0
+                   send_all(c->fd, ranges, (uint64_t)moved * sizeof *ranges) == 0
                ? 0
                : -1;
   free(ranges);
   if (io == 0 && j->op == TE_FLAGCX_OP_WRITE)
-    for (uint32_t i = 0; i < j->count && io == 0; i++)
+    for (uint32_t i = 0; i < moved && io == 0; i++)
       io = send_all(c->fd, (const void *)(uintptr_t)j->descs[i].local_addr,
                     j->descs[i].len);
   reply_header r;
@@ -423,7 +471,7 @@ static int run_job(te_flagcx_conn *c, job *j, char *msg, size_t cap) {
   } else if (io == 0) {
     io = drain(c->fd, r.msglen);
     if (j->op == TE_FLAGCX_OP_READ)
-      for (uint32_t i = 0; i < j->count && io == 0; i++)
+      for (uint32_t i = 0; i < moved && io == 0; i++)
         io = recv_all(c->fd, (void *)(uintptr_t)j->descs[i].local_addr,
                       j->descs[i].len);
   }
@@ -434,19 +482,30 @@ static int run_job(te_flagcx_conn *c, job *j, char *msg, size_t cap) {
              strerror(errno ? errno : ECONNRESET));
     return TE_FLAGCX_E_UNREACHABLE;
   }
-  return status;
+  return status == TE_FLAGCX_OK ? finished(c, j, moved, msg, cap) : status;
 }
 
+static int due_passed(const struct timespec *due) {
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return now.tv_sec > due->tv_sec ||
+         (now.tv_sec == due->tv_sec && now.tv_nsec >= due->tv_nsec);
+}
+
+/* Runs jobs in order, each no sooner than its due time, like a NIC working through
+   its queue; every finished job bumps the engine's event counter. */
 static void *worker_thread(void *arg) {
   te_flagcx_conn *c = arg;
+  pthread_mutex_lock(&c->lock);
   for (;;) {
-    pthread_mutex_lock(&c->lock);
     while (!c->head && !c->stop)
       pthread_cond_wait(&c->cond, &c->lock);
-    if (c->stop) {
-      pthread_mutex_unlock(&c->lock);
-      return NULL;
-    }
+    while (!c->stop && c->head && !due_passed(&c->head->due))
+      pthread_cond_timedwait(&c->cond, &c->lock, &c->head->due);
+    if (c->stop)
+      break;
+    if (!c->head || !due_passed(&c->head->due))
+      continue;
     job *j = c->head;
     c->head = j->next;
     if (!c->head)
@@ -457,7 +516,11 @@ static void *worker_thread(void *arg) {
     set_status(c, j->id, status, msg);
     free(j->descs);
     free(j);
+    bump_events(c->engine);
+    pthread_mutex_lock(&c->lock);
   }
+  pthread_mutex_unlock(&c->lock);
+  return NULL;
 }
 
 /* ---------------------------------------------------------------- the ABI */
@@ -465,7 +528,7 @@ static void *worker_thread(void *arg) {
 uint32_t te_flagcx_shim_abi(void) { return TE_FLAGCX_SHIM_ABI; }
 
 const char *te_flagcx_shim_version(void) {
-  return "te-flagcx FAKE shim 1 (loopback TCP; not FlagCX)";
+  return "te-flagcx FAKE shim 2 (loopback TCP; not FlagCX)";
 }
 
 const char *te_flagcx_last_error(void) { return last_error; }
@@ -526,13 +589,16 @@ static int parse_options(te_flagcx_engine *e, const char *options) {
     } else if (strcmp(key, "stale_every") == 0) {
       rc = parse_uint(key, value, &v);
       e->stale_every = (unsigned)v;
+    } else if (strcmp(key, "connect_delay_ms") == 0) {
+      rc = parse_uint(key, value, &v);
+      e->connect_delay_ms = (unsigned)v;
     } else if (strcmp(key, "fail_connect") == 0) {
       rc = parse_uint(key, value, &v);
       e->fail_connect = v != 0;
     } else {
       rc = fail(TE_FLAGCX_E_INVALID,
                 "unknown fake shim option `%s` (known: host, max_desc, delay_ms, "
-                "fail_every, stale_every, fail_connect)",
+                "fail_every, stale_every, fail_connect, connect_delay_ms)",
                 key);
     }
   }
@@ -557,6 +623,8 @@ int te_flagcx_engine_create(const char *options, te_flagcx_engine **out) {
   }
   pthread_rwlock_init(&e->lock, NULL);
   pthread_mutex_init(&e->srv_lock, NULL);
+  pthread_mutex_init(&e->ev_lock, NULL);
+  init_monotonic_cond(&e->ev_cond);
   *out = e;
   return TE_FLAGCX_OK;
 }
@@ -622,6 +690,8 @@ void te_flagcx_engine_destroy(te_flagcx_engine *e) {
   }
   pthread_rwlock_destroy(&e->lock);
   pthread_mutex_destroy(&e->srv_lock);
+  pthread_mutex_destroy(&e->ev_lock);
+  pthread_cond_destroy(&e->ev_cond);
   free(e->regions);
   free(e);
 }
@@ -672,7 +742,9 @@ int te_flagcx_register(te_flagcx_engine *e, uint64_t addr, uint64_t len,
 int te_flagcx_deregister(te_flagcx_engine *e, uint64_t mr) {
   if (!e)
     return fail(TE_FLAGCX_E_INVALID, "deregister: null engine");
-  /* The write lock waits for every transfer touching registered memory. */
+  /* Like FlagCX's MrDestroy, this does not wait for transfers still queued on the
+     memory: they fail when their turn comes. The write lock only keeps the fake from
+     deregistering under a job that is moving bytes right now. */
   pthread_rwlock_wrlock(&e->lock);
   for (size_t i = 0; i < e->nregions; i++) {
     if (e->regions[i].mr == mr) {
@@ -691,6 +763,12 @@ int te_flagcx_connect(te_flagcx_engine *e, const char *endpoint,
   if (!e || !endpoint || !out)
     return fail(TE_FLAGCX_E_INVALID, "connect: null argument");
   __atomic_add_fetch(&counter_connects, 1, __ATOMIC_RELAXED);
+  if (e->connect_delay_ms) {
+    struct timespec ts = {(time_t)(e->connect_delay_ms / 1000),
+                          (long)(e->connect_delay_ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+  }
   if (e->fail_connect)
     return fail(TE_FLAGCX_E_UNREACHABLE,
                 "injected connect failure to %s (fake shim option fail_connect)",
@@ -749,7 +827,7 @@ int te_flagcx_connect(te_flagcx_engine *e, const char *endpoint,
   c->nsnapshot = n;
   c->next_id = 1;
   pthread_mutex_init(&c->lock, NULL);
-  pthread_cond_init(&c->cond, NULL);
+  init_monotonic_cond(&c->cond);
   if (pthread_create(&c->worker, NULL, worker_thread, c) != 0) {
     close(fd);
     free(snapshot);
@@ -842,13 +920,13 @@ int te_flagcx_post(te_flagcx_conn *c, int op, const te_flagcx_desc *descs,
   else if (e->stale_every && n % e->stale_every == 0)
     j->inject = INJECT_STALE;
 
-  struct timespec due;
-  clock_gettime(CLOCK_MONOTONIC, &due);
-  due.tv_sec += e->delay_ms / 1000;
-  due.tv_nsec += (long)(e->delay_ms % 1000) * 1000000L;
-  if (due.tv_nsec >= 1000000000L) {
-    due.tv_sec++;
-    due.tv_nsec -= 1000000000L;
+  struct timespec *due = &j->due;
+  clock_gettime(CLOCK_MONOTONIC, due);
+  due->tv_sec += e->delay_ms / 1000;
+  due->tv_nsec += (long)(e->delay_ms % 1000) * 1000000L;
+  if (due->tv_nsec >= 1000000000L) {
+    due->tv_sec++;
+    due->tv_nsec -= 1000000000L;
   }
 
   pthread_mutex_lock(&c->lock);
@@ -876,7 +954,6 @@ int te_flagcx_post(te_flagcx_conn *c, int op, const te_flagcx_desc *descs,
   memset(x, 0, sizeof *x);
   x->id = j->id;
   x->status = TE_FLAGCX_PENDING;
-  x->due = due;
   if (c->tail)
     c->tail->next = j;
   else
@@ -894,16 +971,12 @@ int te_flagcx_post(te_flagcx_conn *c, int op, const te_flagcx_desc *descs,
 int te_flagcx_query(te_flagcx_conn *c, uint64_t id) {
   if (!c)
     return fail(TE_FLAGCX_E_INVALID, "query: null connection");
-  struct timespec now;
-  clock_gettime(CLOCK_MONOTONIC, &now);
   pthread_mutex_lock(&c->lock);
   for (size_t i = 0; i < c->nxfers; i++) {
     xfer *x = &c->xfers[i];
     if (x->id != id)
       continue;
-    int early = now.tv_sec < x->due.tv_sec ||
-                (now.tv_sec == x->due.tv_sec && now.tv_nsec < x->due.tv_nsec);
-    if (x->status == TE_FLAGCX_PENDING || early) {
+    if (x->status == TE_FLAGCX_PENDING) {
       pthread_mutex_unlock(&c->lock);
       return TE_FLAGCX_PENDING;
     }
@@ -919,6 +992,38 @@ int te_flagcx_query(te_flagcx_conn *c, uint64_t id) {
   return fail(TE_FLAGCX_E_INVALID,
               "transfer %llu is unknown (never posted, or queried after it finished)",
               (unsigned long long)id);
+}
+
+uint64_t te_flagcx_events(te_flagcx_engine *e) {
+  if (!e)
+    return 0;
+  pthread_mutex_lock(&e->ev_lock);
+  uint64_t n = e->events;
+  pthread_mutex_unlock(&e->ev_lock);
+  return n;
+}
+
+void te_flagcx_wait(te_flagcx_engine *e, uint64_t seen, uint32_t timeout_us) {
+  if (!e)
+    return;
+  struct timespec until;
+  clock_gettime(CLOCK_MONOTONIC, &until);
+  until.tv_sec += timeout_us / 1000000u;
+  until.tv_nsec += (long)(timeout_us % 1000000u) * 1000L;
+  if (until.tv_nsec >= 1000000000L) {
+    until.tv_sec++;
+    until.tv_nsec -= 1000000000L;
+  }
+  pthread_mutex_lock(&e->ev_lock);
+  while (e->events == seen &&
+         pthread_cond_timedwait(&e->ev_cond, &e->ev_lock, &until) != ETIMEDOUT) {
+  }
+  pthread_mutex_unlock(&e->ev_lock);
+}
+
+void te_flagcx_wake(te_flagcx_engine *e) {
+  if (e)
+    bump_events(e);
 }
 
 /* Fake-only: process-wide counters for tests. */

@@ -4,6 +4,8 @@
  * Built by crates/te-flagcx/build.rs only when FLAGCX_HOME is set:
  *   c++ -std=c++17 -shared -fPIC -I$FLAGCX_HOME/include te_flagcx_shim.cc
  *       -L$FLAGCX_HOME/lib -lflagcx -Wl,-rpath,$FLAGCX_HOME/lib
+ * (build.rs adds -DTE_FLAGCX_HAVE_XFER_RESULT when flagcx_p2p.h declares
+ * flagcxP2pEngineXferResult, see below).
  *
  * What FlagCX gives and how it is used here:
  * - flagcxP2pEngineCreate / StartRpcServer / GetMetadata: an engine, its accept daemon
@@ -14,16 +16,32 @@
  * - flagcxP2pEngineMakeDesc: resolves a remote address against that snapshot; a miss
  *   is TE_FLAGCX_E_STALE, so the caller reconnects.
  * - flagcxP2pEngineReadVector / WriteVector: post, non-blocking.
- * - flagcxP2pEngineXferStatus: true once every slice has finished, then the id is
- *   released. It does not say whether a slice failed (FlagCX only logs a warning), so
- *   this shim reports TE_FLAGCX_OK for a finished transfer; see docs/flagcx.md.
+ * - Completion. flagcxP2pEngineXferStatus returns true once every slice is done, and
+ *   a failed slice counts as done: flagcx/core/flagcx_p2p.cc only logs "transfer
+ *   completed with N failed slices" (pool transfers, from FlagcxTransferTask's
+ *   failedCount), returns true when the adaptor's test() fails (single transfers) or
+ *   the IPC event query fails, and ReadVector/WriteVector turn a slice that could not
+ *   be submitted into one failed sentinel slice while returning 0. Its public API has
+ *   no call that says whether a finished transfer failed. So this shim never maps
+ *   XferStatus's true to TE_FLAGCX_OK: it needs flagcxP2pEngineXferResult (the API
+ *   change docs/flagcx.md describes), and without it te_flagcx_engine_create refuses
+ *   to start, saying why.
+ * - No blocking wait: FlagCX's own workers poll their completion queues. te_flagcx_wait
+ *   yields and returns, so te's completion thread polls while transfers are in flight
+ *   and sleeps on a condition variable otherwise.
+ * - flagcxP2pEngineMrDestroy deregisters at once, whatever is in flight; te's backend
+ *   calls te_flagcx_deregister only after its transfers on the memory finished.
  * - A descriptor's size is a uint32_t in FlagCX (FlagcxP2pRdmaDesc::size, MakeDesc),
  *   so te_flagcx_max_desc_len is below 4 GiB and the caller splits larger copies.
  */
 #include "te_flagcx_shim.h"
+#include "te_flagcx_status.h"
 
 #include "flagcx_p2p.h"
 
+#include <sched.h>
+
+#include <atomic>
 #include <cerrno>
 #include <cstdarg>
 #include <cstdio>
@@ -51,6 +69,17 @@ int fail(int code, const char *fmt, ...) {
 constexpr uint64_t kDefaultMaxDesc = 1ull << 30;
 constexpr uint64_t kHardMaxDesc = 0xFFFFFFFFull;
 
+/* Descriptor vectors reused by each posting thread, so a WRITE post allocates nothing
+   once they have grown. ReadVector takes its vectors by value, so FlagCX copies them
+   on every READ post whatever the shim does (docs/flagcx.md). */
+struct Scratch {
+  std::vector<FlagcxP2pMr> mrs;
+  std::vector<void *> addrs;
+  std::vector<size_t> sizes;
+  std::vector<FlagcxP2pRdmaDesc> remote;
+};
+thread_local Scratch scratch;
+
 } // namespace
 
 struct te_flagcx_engine {
@@ -60,6 +89,7 @@ struct te_flagcx_engine {
   std::mutex lock; /* guards endpoint */
   std::string endpoint;
   bool serving = false;
+  std::atomic<uint64_t> events{0};
 };
 
 struct te_flagcx_conn {
@@ -131,7 +161,7 @@ extern "C" {
 uint32_t te_flagcx_shim_abi(void) { return TE_FLAGCX_SHIM_ABI; }
 
 const char *te_flagcx_shim_version(void) {
-  return "te-flagcx shim 1 over FlagCX p2p (flagcx_p2p.h)";
+  return "te-flagcx shim 2 over FlagCX p2p (flagcx_p2p.h)";
 }
 
 const char *te_flagcx_last_error(void) { return lastError; }
@@ -147,6 +177,16 @@ int te_flagcx_engine_create(const char *options, te_flagcx_engine **out) {
     delete e;
     return rc;
   }
+#ifndef TE_FLAGCX_HAVE_XFER_RESULT
+  delete e;
+  return fail(TE_FLAGCX_E_UNSUPPORTED,
+              "this FlagCX cannot report failed transfers: "
+              "flagcxP2pEngineXferStatus says a transfer with failed slices is "
+              "finished, and flagcx_p2p.h declares no flagcxP2pEngineXferResult, so "
+              "te would report data as delivered that never arrived; build the shim "
+              "against a FlagCX that has it (docs/flagcx.md, \"What te needs from "
+              "FlagCX\")");
+#else
   e->engine = flagcxP2pEngineCreate();
   if (e->engine == nullptr) {
     delete e;
@@ -156,6 +196,7 @@ int te_flagcx_engine_create(const char *options, te_flagcx_engine **out) {
   }
   *out = e;
   return TE_FLAGCX_OK;
+#endif
 }
 
 void te_flagcx_engine_destroy(te_flagcx_engine *e) {
@@ -233,7 +274,7 @@ int te_flagcx_register(te_flagcx_engine *e, uint64_t addr, uint64_t len,
 int te_flagcx_deregister(te_flagcx_engine *e, uint64_t mr) {
   if (e == nullptr)
     return fail(TE_FLAGCX_E_INVALID, "deregister: null engine");
-  /* Deregisters the verbs MR, after which the NIC no longer touches the memory. */
+  /* Deregisters at once; the caller has waited for its transfers on the memory. */
   flagcxP2pEngineMrDestroy(e->engine, static_cast<FlagcxP2pMr>(mr));
   return TE_FLAGCX_OK;
 }
@@ -287,10 +328,11 @@ int te_flagcx_post(te_flagcx_conn *c, int op, const te_flagcx_desc *descs,
     return fail(TE_FLAGCX_E_INVALID, "post: unknown operation %d", op);
   const uint64_t limit = c->engine->maxDesc;
   try {
-    std::vector<FlagcxP2pMr> mrs(count);
-    std::vector<void *> addrs(count);
-    std::vector<size_t> sizes(count);
-    std::vector<FlagcxP2pRdmaDesc> remote(count);
+    Scratch &v = scratch;
+    v.mrs.resize(count);
+    v.addrs.resize(count);
+    v.sizes.resize(count);
+    v.remote.resize(count);
     for (uint32_t i = 0; i < count; i++) {
       const te_flagcx_desc &d = descs[i];
       if (d.len == 0 || d.len > limit)
@@ -300,22 +342,24 @@ int te_flagcx_post(te_flagcx_conn *c, int op, const te_flagcx_desc *descs,
                     i, (unsigned long long)d.len, (unsigned long long)limit);
       if (flagcxP2pEngineMakeDesc(c->conn, d.remote_addr,
                                   static_cast<uint32_t>(d.len),
-                                  &remote[i]) != 0)
+                                  &v.remote[i]) != 0)
         return fail(TE_FLAGCX_E_STALE,
                     "remote range 0x%llx+%llu is not in the region table taken "
                     "when connecting to %s (registered since? connect again)",
                     (unsigned long long)d.remote_addr,
                     (unsigned long long)d.len, c->peer.c_str());
-      mrs[i] = static_cast<FlagcxP2pMr>(d.local_mr);
-      addrs[i] = reinterpret_cast<void *>(static_cast<uintptr_t>(d.local_addr));
-      sizes[i] = static_cast<size_t>(d.len);
+      v.mrs[i] = static_cast<FlagcxP2pMr>(d.local_mr);
+      v.addrs[i] = reinterpret_cast<void *>(static_cast<uintptr_t>(d.local_addr));
+      v.sizes[i] = static_cast<size_t>(d.len);
     }
     uint64_t id = 0;
     int rc = op == TE_FLAGCX_OP_WRITE
-                 ? flagcxP2pEngineWriteVector(c->conn, mrs, addrs, sizes, remote,
-                                              static_cast<int>(count), &id)
-                 : flagcxP2pEngineReadVector(c->conn, mrs, addrs, sizes, remote,
-                                             static_cast<int>(count), &id);
+                 ? flagcxP2pEngineWriteVector(c->conn, v.mrs, v.addrs, v.sizes,
+                                              v.remote, static_cast<int>(count),
+                                              &id)
+                 : flagcxP2pEngineReadVector(c->conn, v.mrs, v.addrs, v.sizes,
+                                             v.remote, static_cast<int>(count),
+                                             &id);
     if (rc != 0)
       return fail(TE_FLAGCX_E_TRANSFER,
                   "FlagCX refused to post %u %s descriptor(s) to %s (rc %d; a "
@@ -332,9 +376,48 @@ int te_flagcx_post(te_flagcx_conn *c, int op, const te_flagcx_desc *descs,
 int te_flagcx_query(te_flagcx_conn *c, uint64_t xfer) {
   if (c == nullptr)
     return fail(TE_FLAGCX_E_INVALID, "query: null connection");
-  /* True releases the transfer inside FlagCX; the caller never asks again. */
-  return flagcxP2pEngineXferStatus(c->conn, xfer) ? TE_FLAGCX_OK
-                                                  : TE_FLAGCX_PENDING;
+#ifdef TE_FLAGCX_HAVE_XFER_RESULT
+  uint64_t failed = 0;
+  int rc = flagcxP2pEngineXferResult(c->conn, xfer, &failed);
+  if (rc < 0)
+    return fail(TE_FLAGCX_E_INVALID,
+                "FlagCX does not know transfer %llu (never posted, or queried "
+                "after it finished)",
+                (unsigned long long)xfer);
+  int status = te_flagcx_status(rc == 0, failed);
+  if (status == TE_FLAGCX_PENDING)
+    return status;
+  c->engine->events.fetch_add(1, std::memory_order_relaxed);
+  if (status != TE_FLAGCX_OK)
+    return fail(status,
+                "FlagCX finished the transfer to %s with %llu failed slice(s): "
+                "some of its bytes did not arrive (run with FLAGCX_DEBUG=WARN for "
+                "the work completion status)",
+                c->peer.c_str(), (unsigned long long)failed);
+  return status;
+#else
+  (void)xfer;
+  /* Unreachable: engine_create refuses to start without a failure-reporting query. */
+  return fail(TE_FLAGCX_E_UNSUPPORTED,
+              "this FlagCX cannot report failed transfers (docs/flagcx.md)");
+#endif
+}
+
+uint64_t te_flagcx_events(te_flagcx_engine *e) {
+  return e == nullptr ? 0 : e->events.load(std::memory_order_relaxed);
+}
+
+void te_flagcx_wait(te_flagcx_engine *e, uint64_t seen, uint32_t timeout_us) {
+  /* FlagCX has no blocking wait for a transfer: yield, and let the caller query. */
+  (void)e;
+  (void)seen;
+  (void)timeout_us;
+  sched_yield();
+}
+
+void te_flagcx_wake(te_flagcx_engine *e) {
+  if (e != nullptr)
+    e->events.fetch_add(1, std::memory_order_relaxed);
 }
 
 } // extern "C"

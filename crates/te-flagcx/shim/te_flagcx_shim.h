@@ -3,8 +3,8 @@
  * FlagCX point-to-point engine.
  *
  * FlagCX's P2P engine (flagcx_p2p.h) is a C++ API: mangled names, std::vector
- * parameters, and a completion query that returns only "finished". This header is the
- * small C surface te needs, implemented twice:
+ * parameters, and a completion query that returns only "finished", even when slices
+ * failed. This header is the small C surface te needs, implemented twice:
  *
  *   te_flagcx_shim.cc   over flagcx_p2p.h, built by build.rs when FLAGCX_HOME is set;
  *   ../fake/fake_shim.c a FAKE for tests: moves bytes between processes over loopback
@@ -30,7 +30,7 @@ extern "C" {
 #endif
 
 /* The ABI version this header describes; te_flagcx_shim_abi() must return it. */
-#define TE_FLAGCX_SHIM_ABI 1
+#define TE_FLAGCX_SHIM_ABI 2
 
 /* Status codes. */
 #define TE_FLAGCX_OK 0
@@ -48,7 +48,8 @@ extern "C" {
 #define TE_FLAGCX_E_STALE (-4)
 /* The memory kind or operation is not supported by this implementation. */
 #define TE_FLAGCX_E_UNSUPPORTED (-5)
-/* The transfer failed after it was posted (a failed slice, a remote error). */
+/* The transfer failed after it was posted: it finished with failed slices (some of
+   its bytes never arrived), or the remote side refused it. */
 #define TE_FLAGCX_E_TRANSFER (-6)
 /* Anything else: the library under the shim failed, out of memory. */
 #define TE_FLAGCX_E_INTERNAL (-7)
@@ -105,8 +106,10 @@ const char *te_flagcx_memory_kinds(te_flagcx_engine *engine);
 int te_flagcx_register(te_flagcx_engine *engine, uint64_t addr, uint64_t len,
                        const char *memory, uint64_t *mr_out);
 
-/* Forgets a registration. When it returns, no transfer of this engine touches the
-   memory any more (transfers still using it fail). */
+/* Forgets a registration. It does not wait for transfers: the caller first waits
+   until every transfer it posted on the memory has been reported finished by
+   te_flagcx_query (FlagCX's flagcxP2pEngineMrDestroy deregisters at once; a transfer
+   still using the memory then fails). */
 int te_flagcx_deregister(te_flagcx_engine *engine, uint64_t mr);
 
 /* Opens a new connection to the engine at `endpoint` and takes a snapshot of the
@@ -119,14 +122,27 @@ int te_flagcx_connect(te_flagcx_engine *engine, const char *endpoint,
 void te_flagcx_disconnect(te_flagcx_conn *conn);
 
 /* Posts `count` descriptors of one operation as one transfer; writes its id to
-   *xfer_out. Does not wait for the data. On failure nothing was posted. */
+   *xfer_out. Does not wait for the data. On failure nothing was posted. Allocates
+   nothing per call where the library under it lets it (see the implementation). */
 int te_flagcx_post(te_flagcx_conn *conn, int op, const te_flagcx_desc *descs,
                    uint32_t count, uint64_t *xfer_out);
 
-/* The state of a transfer: TE_FLAGCX_PENDING, TE_FLAGCX_OK, or a negative code with
-   last_error set. Once it returned anything but TE_FLAGCX_PENDING the id is released
-   and must not be queried again (implementations may reuse it). */
+/* The state of a transfer: TE_FLAGCX_PENDING, TE_FLAGCX_OK (every byte arrived), or
+   a negative code with last_error set: TE_FLAGCX_E_TRANSFER when it finished with
+   failed slices. TE_FLAGCX_OK is never returned for a transfer whose outcome the
+   implementation cannot see. Once it returned anything but TE_FLAGCX_PENDING the id is
+   released and must not be queried again (implementations may reuse it). */
 int te_flagcx_query(te_flagcx_conn *conn, uint64_t xfer);
+
+/* Progress events, for a completion thread that blocks instead of polling.
+   te_flagcx_events returns a counter that grows whenever a transfer of this engine may
+   have changed state, and on te_flagcx_wake. te_flagcx_wait blocks until the counter
+   differs from `seen` or `timeout_us` passed; it may return sooner. An implementation
+   over a library with no blocking wait returns at once, after yielding the CPU, so
+   its caller polls while transfers are in flight (the real shim over FlagCX does). */
+uint64_t te_flagcx_events(te_flagcx_engine *engine);
+void te_flagcx_wait(te_flagcx_engine *engine, uint64_t seen, uint32_t timeout_us);
+void te_flagcx_wake(te_flagcx_engine *engine);
 
 #ifdef __cplusplus
 }

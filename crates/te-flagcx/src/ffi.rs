@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use te_core::{Error, ErrorKind};
 
 /// The ABI version this crate speaks (`TE_FLAGCX_SHIM_ABI`).
-pub(crate) const ABI: u32 = 1;
+pub(crate) const ABI: u32 = 2;
 
 pub(crate) const OK: c_int = 0;
 pub(crate) const PENDING: c_int = 1;
@@ -122,6 +122,7 @@ type FnConnect = unsafe extern "C" fn(*mut RawEngine, *const c_char, *mut *mut R
 type FnDisconnect = unsafe extern "C" fn(*mut RawConn);
 type FnPost = unsafe extern "C" fn(*mut RawConn, c_int, *const Desc, u32, *mut u64) -> c_int;
 type FnQuery = unsafe extern "C" fn(*mut RawConn, u64) -> c_int;
+type FnWait = unsafe extern "C" fn(*mut RawEngine, u64, u32);
 
 /// A loaded shim: its path, its version string and every entry point.
 pub(crate) struct Shim {
@@ -140,6 +141,9 @@ pub(crate) struct Shim {
     disconnect: FnDisconnect,
     post: FnPost,
     query: FnQuery,
+    events: FnEngineU64,
+    wait: FnWait,
+    wake: FnEngineVoid,
     _lib: libloading::Library,
 }
 
@@ -222,6 +226,9 @@ impl Shim {
             disconnect: sym(&lib, path, "te_flagcx_disconnect")?,
             post: sym(&lib, path, "te_flagcx_post")?,
             query: sym(&lib, path, "te_flagcx_query")?,
+            events: sym(&lib, path, "te_flagcx_events")?,
+            wait: sym(&lib, path, "te_flagcx_wait")?,
+            wake: sym(&lib, path, "te_flagcx_wake")?,
             _lib: lib,
         })
     }
@@ -348,11 +355,34 @@ impl Engine {
         Ok(mr)
     }
 
-    /// Deregisters a handle; afterwards no transfer touches its memory.
+    /// Deregisters a handle. It does not wait for transfers: the caller waits first
+    /// until every transfer it posted on the memory has finished.
     pub(crate) fn deregister(&self, mr: u64) -> Result<(), ShimError> {
         // SAFETY: `raw` is live.
         let code = unsafe { (self.shim.deregister)(self.raw, mr) };
         self.shim.check("te_flagcx_deregister", code)
+    }
+}
+
+impl Engine {
+    /// The engine's progress event counter (see `te_flagcx_events`).
+    pub(crate) fn events(&self) -> u64 {
+        // SAFETY: `raw` is live.
+        unsafe { (self.shim.events)(self.raw) }
+    }
+
+    /// Blocks until the event counter differs from `seen`, or `timeout` passed; may
+    /// return sooner (the real shim returns at once: FlagCX has no blocking wait).
+    pub(crate) fn wait(&self, seen: u64, timeout: std::time::Duration) {
+        let us = u32::try_from(timeout.as_micros()).unwrap_or(u32::MAX);
+        // SAFETY: `raw` is live; the call only waits.
+        unsafe { (self.shim.wait)(self.raw, seen, us) }
+    }
+
+    /// Bumps the event counter, waking a thread in [`Engine::wait`].
+    pub(crate) fn wake(&self) {
+        // SAFETY: `raw` is live.
+        unsafe { (self.shim.wake)(self.raw) }
     }
 }
 
@@ -410,7 +440,8 @@ impl Conn {
         Ok(xfer)
     }
 
-    /// `Ok(true)` once the transfer finished well, `Ok(false)` while pending. After
+    /// `Ok(true)` once the transfer finished with every byte delivered, `Ok(false)`
+    /// while pending, an error (`E_TRANSFER` for failed slices) otherwise. After
     /// anything but `Ok(false)` the id is released and must not be queried again.
     pub(crate) fn query(&self, xfer: u64) -> Result<bool, ShimError> {
         // SAFETY: the connection is live; the caller queries each id until it finishes

@@ -16,9 +16,12 @@
 //!
 //! Every request is split into descriptors no longer than the shim's limit (FlagCX's
 //! descriptor size is 32 bits), posted as one vector per operation, and completed by
-//! the backend's completion thread. The peer's region table inside a FlagCX connection
-//! is a snapshot taken at connect time, so the backend opens a new connection when the
-//! peer's descriptor lists regions the snapshot lacks, or the shim reports it stale.
+//! the backend's completion thread; a transfer that finished with failed slices fails
+//! its batch. The peer's region table inside a FlagCX connection is a snapshot taken at
+//! connect time, so the backend opens a new connection when the peer's descriptor
+//! lists regions the snapshot lacks, or the shim reports it stale; connections are
+//! opened on threads of their own, never by `submit`, which parks a batch for a peer
+//! still connecting. `deregister` waits for the batches in flight on the region.
 //!
 //! Options (`[backends.flagcx]`): see [`FlagcxConfig`]. The guide is `docs/flagcx.md`.
 
@@ -31,11 +34,14 @@ use std::sync::Arc;
 use te_core::{BackendContext, Error, ErrorKind, Result, TransferBackend};
 
 mod backend;
+mod batch;
 mod config;
 mod ffi;
+mod peer;
 mod progress;
+mod regions;
 
-pub use backend::FlagcxBackend;
+pub use backend::{FlagcxBackend, DEFAULT_WAIT};
 pub use config::FlagcxConfig;
 
 /// The FlagCX backend's registry name.

@@ -1,88 +1,109 @@
-//! The completion thread: it owns every transfer in flight and completes each batch once
-//! the shim says its transfers finished.
+//! The completion thread: it owns every batch in flight and every batch parked until
+//! its peer's connection is up, and completes each exactly once.
 //!
-//! While nothing is in flight it sleeps on a condition variable. While something is,
-//! it queries the pending transfers, pausing between rounds for a few microseconds at
-//! first and doubling up to `max_pause` while none finishes, so a long transfer costs
-//! a handful of wake-ups and a short one is seen almost at once. A transfer that
-//! reported anything but "pending" is never queried again.
+//! With nothing in flight it sleeps on a condition variable (woken by a new batch, by
+//! a connection attempt ending, or at the earliest deadline of a parked batch), so an
+//! idle backend costs no wake-ups. With batches in flight it queries them, then blocks
+//! in the shim's `te_flagcx_wait` until one may have finished: a fixed pause would add
+//! its length to every transfer's latency. FlagCX itself offers no blocking wait, so
+//! over the real shim that call returns at once and the thread polls, yielding the CPU
+//! between rounds, for as long as (and only while) transfers are in flight. A
+//! transfer that reported anything but "pending" is never queried again.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::Duration;
 
-use te_core::{Completion, Error, ErrorKind, Result};
+use te_core::{Completion, Error, ErrorKind, Result, TransferRequest};
 
-use crate::backend::Link;
-use crate::ffi::{E_STALE, E_UNREACHABLE};
+use crate::batch::{InFlight, Poster};
+use crate::ffi;
+use crate::peer::{PeerState, State};
 
-/// The first pause between two query rounds.
-const MIN_PAUSE: Duration = Duration::from_micros(5);
+/// The longest single wait in the shim while batches are in flight (a bound, not a
+/// polling period: the wait ends as soon as a transfer finishes).
+const LONGEST_WAIT: Duration = Duration::from_secs(1);
 
-/// One batch in flight: up to two shim transfers (its WRITEs and its READs).
-pub(crate) struct InFlight {
-    pub(crate) link: Arc<Link>,
-    /// Transfers not yet reported finished.
-    pub(crate) xfers: [Option<u64>; 2],
-    /// The batch's first failure.
-    pub(crate) error: Option<Error>,
+/// A batch waiting for its peer's connection.
+pub(crate) struct Parked {
+    pub(crate) peer: Arc<PeerState>,
+    pub(crate) requests: Vec<TransferRequest>,
     pub(crate) done: Completion,
-}
-
-impl InFlight {
-    /// Queries the batch's unfinished transfers; true once all have finished.
-    fn poll(&mut self) -> bool {
-        let mut pending = false;
-        for slot in &mut self.xfers {
-            let Some(xfer) = *slot else { continue };
-            match self.link.conn.query(xfer) {
-                Ok(false) => pending = true,
-                Ok(true) => *slot = None,
-                Err(e) => {
-                    *slot = None;
-                    if matches!(e.code(), Some(E_STALE | E_UNREACHABLE)) {
-                        self.link.renew.store(true, Ordering::Release);
-                    }
-                    if self.error.is_none() {
-                        self.error = Some(Error::from(e).with_operation("transfer"));
-                    }
-                }
-            }
-        }
-        !pending
-    }
-
-    fn finish(self) {
-        let result = match self.error {
-            Some(e) => Err(e),
-            None => Ok(()),
-        };
-        self.done.complete(result);
-    }
 }
 
 #[derive(Default)]
 struct Queue {
     incoming: Vec<InFlight>,
+    parked: Vec<Parked>,
+    /// A connection attempt ended or a peer closed: look at the parked batches again.
+    kicked: bool,
+    /// The thread is (about to be) in `te_flagcx_wait`: wake it through the shim.
+    in_shim: bool,
     stop: bool,
 }
 
 struct Shared {
     queue: Mutex<Queue>,
     cond: Condvar,
-    max_pause: Duration,
+    engine: Arc<ffi::Engine>,
+    /// Rounds of the thread's loop, for tests of its idleness.
+    rounds: AtomicU64,
 }
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Queue> {
         self.queue.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// Wakes the thread wherever it waits. Called with the queue changed.
+    fn wake(&self, q: MutexGuard<'_, Queue>) {
+        let in_shim = q.in_shim;
+        drop(q);
+        self.cond.notify_one();
+        if in_shim {
+            self.engine.wake();
+        }
+    }
 }
 
-/// The completion thread and its queue of newly posted batches.
+/// What submitters and connect threads hand batches and news to the thread through.
+#[derive(Clone)]
+pub(crate) struct Handle(Arc<Shared>);
+
+impl Handle {
+    /// Hands a posted batch to the thread. After shutdown, the batch is dropped: its
+    /// completion reports it cancelled.
+    pub(crate) fn add(&self, batch: InFlight) {
+        let mut q = self.0.lock();
+        if q.stop {
+            return;
+        }
+        q.incoming.push(batch);
+        self.0.wake(q);
+    }
+
+    /// Hands a batch over to wait for its peer's connection.
+    pub(crate) fn park(&self, batch: Parked) {
+        let mut q = self.0.lock();
+        if q.stop {
+            return;
+        }
+        q.parked.push(batch);
+        self.0.wake(q);
+    }
+
+    /// Says a connection attempt ended or a peer closed.
+    pub(crate) fn kick(&self) {
+        let mut q = self.0.lock();
+        q.kicked = true;
+        self.0.wake(q);
+    }
+}
+
+/// The completion thread.
 pub(crate) struct Progress {
-    shared: Arc<Shared>,
+    handle: Handle,
     thread: Option<JoinHandle<()>>,
     thread_id: ThreadId,
 }
@@ -90,60 +111,63 @@ pub(crate) struct Progress {
 impl std::fmt::Debug for Progress {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Progress")
-            .field("max_pause", &self.shared.max_pause)
+            .field("rounds", &self.rounds())
             .finish()
     }
 }
 
 impl Progress {
     /// Starts the thread.
-    pub(crate) fn start(max_pause: Duration) -> Result<Progress> {
+    pub(crate) fn start(engine: Arc<ffi::Engine>, poster: Arc<Poster>) -> Result<Progress> {
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue {
                 incoming: Vec::with_capacity(64),
-                stop: false,
+                ..Queue::default()
             }),
             cond: Condvar::new(),
-            max_pause: max_pause.max(MIN_PAUSE),
+            engine,
+            rounds: AtomicU64::new(0),
         });
         let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name("te-flagcx".into())
-            .spawn(move || run(&s))
+            .spawn(move || run(&s, &poster))
             .map_err(|e| {
                 Error::new(ErrorKind::Io, "cannot start the FlagCX completion thread")
                     .with_source(e)
             })?;
         Ok(Progress {
             thread_id: thread.thread().id(),
-            shared,
+            handle: Handle(shared),
             thread: Some(thread),
         })
     }
 
-    /// Hands a posted batch to the thread.
-    pub(crate) fn add(&self, batch: InFlight) {
-        let mut q = self.shared.lock();
-        if q.stop {
-            // Dropping the completion reports the batch cancelled; the shim's transfer
-            // is abandoned with its connection.
-            return;
-        }
-        q.incoming.push(batch);
-        drop(q);
-        self.shared.cond.notify_one();
+    pub(crate) fn handle(&self) -> &Handle {
+        &self.handle
+    }
+
+    /// How many times the thread went round its loop.
+    pub(crate) fn rounds(&self) -> u64 {
+        self.handle.0.rounds.load(Ordering::Relaxed)
     }
 }
 
 impl Drop for Progress {
     fn drop(&mut self) {
-        let pending = {
-            let mut q = self.shared.lock();
+        let shared = &self.handle.0;
+        let (incoming, parked) = {
+            let mut q = shared.lock();
             q.stop = true;
-            std::mem::take(&mut q.incoming)
+            let taken = (
+                std::mem::take(&mut q.incoming),
+                std::mem::take(&mut q.parked),
+            );
+            shared.wake(q);
+            taken
         };
-        self.shared.cond.notify_all();
-        drop(pending);
+        // Dropped completions report their batches cancelled.
+        drop((incoming, parked));
         if std::thread::current().id() != self.thread_id {
             if let Some(t) = self.thread.take() {
                 let _ = t.join();
@@ -152,52 +176,108 @@ impl Drop for Progress {
     }
 }
 
-fn run(shared: &Shared) {
+fn run(shared: &Shared, poster: &Poster) {
     let mut active: Vec<InFlight> = Vec::with_capacity(64);
-    let mut pause = MIN_PAUSE;
+    let mut parked: Vec<Parked> = Vec::new();
     loop {
+        shared.rounds.fetch_add(1, Ordering::Relaxed);
+        // Read before querying: a transfer finishing after this makes the wait below
+        // return at once.
+        let seen = shared.engine.events();
         {
             let mut q = shared.lock();
-            loop {
-                if q.stop {
-                    // Completions dropped here report their batches cancelled.
-                    drop(q);
-                    drop(active);
-                    return;
-                }
-                if !q.incoming.is_empty() {
-                    // `append` leaves `incoming` empty with its capacity kept.
-                    active.append(&mut q.incoming);
-                    pause = MIN_PAUSE;
-                    break;
-                }
-                if active.is_empty() {
-                    q = shared.cond.wait(q).unwrap_or_else(|p| p.into_inner());
-                } else {
-                    let (guard, timeout) = shared
-                        .cond
-                        .wait_timeout(q, pause)
-                        .unwrap_or_else(|p| p.into_inner());
-                    q = guard;
-                    if timeout.timed_out() {
-                        break;
-                    }
+            q.in_shim = false;
+            if q.stop {
+                drop(q);
+                // Completions dropped here report their batches cancelled.
+                drop(parked);
+                drop(active);
+                return;
+            }
+            let news = q.kicked || !q.incoming.is_empty() || !q.parked.is_empty();
+            // `append` leaves the queue's vectors empty with their capacity kept.
+            active.append(&mut q.incoming);
+            parked.append(&mut q.parked);
+            q.kicked = false;
+            if active.is_empty() && !news {
+                match earliest(&parked) {
+                    None => drop(shared.cond.wait(q).unwrap_or_else(|p| p.into_inner())),
+                    Some(left) if !left.is_zero() => drop(
+                        shared
+                            .cond
+                            .wait_timeout(q, left)
+                            .unwrap_or_else(|p| p.into_inner()),
+                    ),
+                    Some(_) => {}
                 }
             }
         }
-        let before = active.len();
         let mut i = 0;
         while i < active.len() {
             if active[i].poll() {
-                active.swap_remove(i).finish();
+                poster.finish(active.swap_remove(i));
             } else {
                 i += 1;
             }
         }
-        pause = if active.len() < before {
-            MIN_PAUSE
-        } else {
-            (pause * 2).min(shared.max_pause)
-        };
+        unpark(&mut parked, &mut active, poster);
+        if active.is_empty() {
+            continue;
+        }
+        let wait = earliest(&parked).map_or(LONGEST_WAIT, |d| d.min(LONGEST_WAIT));
+        {
+            let mut q = shared.lock();
+            if q.stop || q.kicked || !q.incoming.is_empty() || !q.parked.is_empty() {
+                continue;
+            }
+            q.in_shim = true;
+        }
+        shared.engine.wait(seen, wait);
+    }
+}
+
+/// The time left to the earliest deadline of a parked batch.
+fn earliest(parked: &[Parked]) -> Option<Duration> {
+    parked.iter().map(|p| p.done.remaining()).min()
+}
+
+/// Posts parked batches whose peer is connected, and fails those whose connection
+/// attempt failed or whose deadline passed.
+fn unpark(parked: &mut Vec<Parked>, active: &mut Vec<InFlight>, poster: &Poster) {
+    let mut i = 0;
+    while i < parked.len() {
+        let aborted = parked[i].done.is_aborted();
+        let state = parked[i].peer.state(&parked[i].requests);
+        if matches!(state, State::Connecting) && !parked[i].done.remaining().is_zero() && !aborted {
+            i += 1;
+            continue;
+        }
+        let p = parked.swap_remove(i);
+        if aborted {
+            // Nothing of it was posted: released at once.
+            p.done.complete(Err(Error::new(
+                ErrorKind::Cancelled,
+                "aborted while waiting for its peer's connection; nothing was posted",
+            )));
+            continue;
+        }
+        match state {
+            State::Ready(link) => match poster.start(link, &p.requests, p.done) {
+                Ok(b) => active.push(b),
+                Err(failed) => {
+                    let (e, done) = *failed;
+                    done.complete(Err(e.with_operation("transfer")))
+                }
+            },
+            State::Failed(e) => p.done.complete(Err(e.with_operation("transfer"))),
+            State::Connecting => p.done.complete(Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "the FlagCX connection to {} was still being established at the batch's deadline; nothing was posted",
+                    p.peer.endpoint
+                ),
+            )
+            .with_operation("transfer"))),
+        }
     }
 }

@@ -383,8 +383,7 @@ fn an_injected_transfer_failure_fails_only_its_batch() -> Result<(), Failed> {
         if (i + 1) % 3 == 0 {
             let e = r.err().ok_or(format!("batch {i} should have failed"))?;
             ensure!(
-                e.kind() == ErrorKind::Backend
-                    && e.to_string().contains("injected transfer failure"),
+                e.kind() == ErrorKind::Backend && e.to_string().contains("failed slice"),
                 "batch {i}: unclear error {e:?}"
             );
         } else {
@@ -404,6 +403,47 @@ fn an_injected_transfer_failure_fails_only_its_batch() -> Result<(), Failed> {
     ensure!(
         s.target.sum("dst", 0, expect.len())? == format!("sum {:x}", fnv(&expect)),
         "the target's bytes are not those of the successful batches only"
+    );
+    Ok(())
+}
+
+/// FlagCX reports a transfer whose slices failed as finished; te must fail the batch
+/// and send no "data is visible" notification. The fake finishes the transfer with its
+/// last descriptor failed, as FlagCX's transfer task would.
+fn a_transfer_finished_with_a_failed_slice_fails_and_sends_no_notification() -> Result<(), Failed> {
+    let mut s = setup("max_desc=4096,fail_every=1", "")?;
+    let len = 4 * 4096;
+    s.src.write(0, &pattern(len, 3)).map_err(e2f)?;
+    let options = TransferOptions {
+        notify: Some(b"landed".to_vec()),
+        ..TransferOptions::default()
+    };
+    let req = [TransferRequest::write(s.src.id(), 0, s.dst, 0, len as u64)];
+    let r = s
+        .initiator
+        .transfer_with(&s.peer, &req, &options)
+        .map_err(e2f)?
+        .wait();
+    let e = r
+        .err()
+        .ok_or("a WRITE that finished with a failed slice was reported delivered")?;
+    ensure!(
+        e.kind() == ErrorKind::Backend && e.to_string().contains("1 failed slice(s) of 4"),
+        "unclear error for a failed slice: {e:?}"
+    );
+    let got = s.target.cmd("notif 500")?;
+    ensure!(
+        got == "none",
+        "the target was told the data is visible although a slice failed: `{got}`"
+    );
+    // The first three slices landed, the last did not: the batch really was partial.
+    ensure!(
+        s.target.sum("dst", 0, 3 * 4096)? == format!("sum {:x}", fnv(&pattern(len, 3)[..3 * 4096])),
+        "the slices that did not fail are missing"
+    );
+    ensure!(
+        s.target.sum("dst", 3 * 4096, 4096)? == format!("sum {:x}", fnv(&[0; 4096])),
+        "the failed slice's bytes arrived after all"
     );
     Ok(())
 }
@@ -587,6 +627,10 @@ fn main() {
         (
             "an_injected_transfer_failure_fails_only_its_batch",
             an_injected_transfer_failure_fails_only_its_batch,
+        ),
+        (
+            "a_transfer_finished_with_a_failed_slice_fails_and_sends_no_notification",
+            a_transfer_finished_with_a_failed_slice_fails_and_sends_no_notification,
         ),
         (
             "an_injected_stale_registration_fails_its_batch_and_the_next_one_reconnects",

@@ -12,9 +12,18 @@
  * - Asynchronous copies are queued and run only when the queue is synchronized
  *   (cnrtQueueSync) or queried (cnrtQueueQuery) after their delay has passed
  *   (TE_FAKE_CNRT_COPY_DELAY_US, default 1000 us).
- * - IPC handles (cnrtAcquireMemHandle / cnrtMapMemHandle) work across processes of
- *   one user: the handle names the exporter's pid and memfd, which the importer opens
- *   through /proc/PID/fd.
+ * - A queue belongs to the device current when it was created; enqueueing a copy on
+ *   it while another device is current fails with cnrtErrorDevice ("current resource
+ *   is not from the current device").
+ * - cnrtQueueSync waits the way the device flag says (cnrtSetDeviceFlag, per device):
+ *   blocked in the kernel with cnrtDeviceScheduleBlock, otherwise busy (spin, yield,
+ *   auto, and the default), and the time spent busy is counted
+ *   (te_fake_cnrt_counter("spin_ns")). The flag can be set only before the device is
+ *   used (an allocation or a queue on it): then cnrtErrorSetOnActiveProcess.
+ * - IPC handles (cnrtAcquireMemHandle / cnrtMapMemHandle) work across processes,
+ *   PID namespaces included, as the real driver's do: the exporter serves its
+ *   allocations' memfds on an abstract Unix socket named in the handle, and the
+ *   importer receives the descriptor with SCM_RIGHTS. Nothing goes through /proc.
  * - Errors can be injected per function name: te_fake_cnrt_inject(name, code, count),
  *   or TE_FAKE_CNRT_INJECT="cnrtMalloc:100100:1,cnrtQueueSync:1:2" at load time.
  *
@@ -30,9 +39,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
+#include <stddef.h>
 #include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -45,11 +59,14 @@ enum {
   cnrtErrorNoDevice = 100004,
   cnrtErrorDeviceInvalid = 100005,
   cnrtErrorArgsInvalid = 100006,
+  cnrtErrorSys = 100007,
   cnrtErrorSysNoMem = 100010,
   cnrtErrorInvalidResourceHandle = 100014,
   cnrtErrorNotSupport = 100050,
   cnrtErrorQueue = 100060,
   cnrtErrorNoMem = 100100,
+  cnrtErrorSetOnActiveProcess = 632002,
+  cnrtErrorDevice = 632006,
   cnrtErrorMemcpyDirectionInvalid = 632013,
   cnrtErrorBusy = 632014,
   cnrtErrorCndrvFuncCall = 632015,
@@ -66,6 +83,13 @@ enum {
 };
 
 enum { cnrtMemTypeUnregistered = 0, cnrtMemTypeHost = 1, cnrtMemTypeDevice = 2 };
+
+enum {
+  cnrtDeviceScheduleSpin = 0,
+  cnrtDeviceScheduleBlock = 1,
+  cnrtDeviceScheduleYield = 2,
+  cnrtDeviceScheduleAuto = 3,
+};
 
 typedef struct {
   int type;
@@ -121,6 +145,11 @@ static int g_devices = 2;
 static uint64_t g_delay_ns = 1000000;
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static __thread int t_device;
+/* Per device: the schedule flag, and whether it has been used (flag frozen). */
+static unsigned g_flag[MAX_DEVICES];
+static int g_active[MAX_DEVICES];
+/* Counters for tests (te_fake_cnrt_counter). */
+static uint64_t g_spin_ns, g_syncs, g_copies;
 
 static uint64_t now_ns(void) {
   struct timespec ts;
@@ -201,6 +230,16 @@ EXPORT void te_fake_cnrt_set_version(int major, int minor, int patch) {
   g_version[2] = patch;
 }
 
+/* Fake-only: a counter for tests: "spin_ns" (time cnrtQueueSync spent busy waiting),
+ * "syncs" (cnrtQueueSync calls), "copies" (asynchronous copies enqueued). */
+EXPORT uint64_t te_fake_cnrt_counter(const char *name) {
+  if (!name) return 0;
+  if (strcmp(name, "spin_ns") == 0) return __atomic_load_n(&g_spin_ns, __ATOMIC_RELAXED);
+  if (strcmp(name, "syncs") == 0) return __atomic_load_n(&g_syncs, __ATOMIC_RELAXED);
+  if (strcmp(name, "copies") == 0) return __atomic_load_n(&g_copies, __ATOMIC_RELAXED);
+  return 0;
+}
+
 /* Fake-only: live allocations (cnrtMalloc'ed and mapped), for leak checks. */
 EXPORT size_t te_fake_cnrt_live_allocations(void) {
   pthread_mutex_lock(&g_lock);
@@ -272,6 +311,28 @@ EXPORT cnrtRet_t cnrtGetDevice(int *ordinal) {
   return cnrtSuccess;
 }
 
+EXPORT cnrtRet_t cnrtSetDeviceFlag(uint32_t flags) {
+  INJECT("cnrtSetDeviceFlag");
+  if (flags > cnrtDeviceScheduleAuto) return cnrtErrorArgsInvalid;
+  pthread_mutex_lock(&g_lock);
+  cnrtRet_t r = cnrtSuccess;
+  if (g_active[t_device])
+    r = cnrtErrorSetOnActiveProcess;
+  else
+    g_flag[t_device] = flags;
+  pthread_mutex_unlock(&g_lock);
+  return r;
+}
+
+EXPORT cnrtRet_t cnrtGetDeviceFlag(uint32_t *flags) {
+  INJECT("cnrtGetDeviceFlag");
+  if (!flags) return cnrtErrorArgsInvalid;
+  pthread_mutex_lock(&g_lock);
+  *flags = g_flag[t_device];
+  pthread_mutex_unlock(&g_lock);
+  return cnrtSuccess;
+}
+
 EXPORT cnrtRet_t cnrtMalloc(void **ptr, size_t bytes) {
   INJECT("cnrtMalloc");
   if (!ptr || bytes == 0) return cnrtErrorArgsInvalid;
@@ -293,6 +354,7 @@ EXPORT cnrtRet_t cnrtMalloc(void **ptr, size_t bytes) {
   }
   pthread_mutex_lock(&g_lock);
   uint64_t dev = insert(bytes, host, t_device, fd, 0, serial);
+  g_active[t_device] = 1;
   pthread_mutex_unlock(&g_lock);
   if (!dev) {
     munmap(host, bytes);
@@ -398,12 +460,17 @@ EXPORT cnrtRet_t cnrtQueueCreate(struct queue **q) {
   if (!n) return cnrtErrorSysNoMem;
   pthread_mutex_init(&n->lock, NULL);
   n->device = t_device;
+  pthread_mutex_lock(&g_lock);
+  g_active[t_device] = 1;
+  pthread_mutex_unlock(&g_lock);
   *q = n;
   return cnrtSuccess;
 }
 
 static cnrtRet_t enqueue(struct queue *q, char *d, const char *s, size_t len) {
   if (!q) return cnrtErrorArgsInvalid; /* te never uses the default queue */
+  if (q->device != t_device) return cnrtErrorDevice;
+  __atomic_add_fetch(&g_copies, 1, __ATOMIC_RELAXED);
   pthread_mutex_lock(&q->lock);
   if (q->n == q->cap) {
     size_t cap = q->cap ? q->cap * 2 : 16;
@@ -423,6 +490,7 @@ static cnrtRet_t enqueue(struct queue *q, char *d, const char *s, size_t len) {
 }
 
 static cnrtRet_t memcpy_async(void *dst, void *src, size_t bytes, struct queue *q, int dir) {
+  if (q && q->device != t_device) return cnrtErrorDevice;
   char *d, *s;
   cnrtRet_t r = prepare(dst, src, bytes, dir, &d, &s);
   if (r != cnrtSuccess) return r;
@@ -454,6 +522,28 @@ EXPORT cnrtRet_t cnrtMemcpyPeerAsync(void *dst, int dst_dev, void *src, int src_
   return memcpy_async(dst, src, bytes, q, cnrtMemcpyPeerToPeer);
 }
 
+/* Waits until `ready_ns` the way `device`'s flag says: asleep with
+ * cnrtDeviceScheduleBlock, busy (and counted) otherwise. */
+static void wait_until(int device, uint64_t ready_ns) {
+  pthread_mutex_lock(&g_lock);
+  unsigned flag = g_flag[device];
+  pthread_mutex_unlock(&g_lock);
+  uint64_t now = now_ns();
+  if (ready_ns <= now) return;
+  if (flag == cnrtDeviceScheduleBlock) {
+    struct timespec ts = {(time_t)((ready_ns - now) / 1000000000ULL),
+                          (long)((ready_ns - now) % 1000000000ULL)};
+    nanosleep(&ts, NULL);
+    return;
+  }
+  uint64_t start = now;
+  while (now < ready_ns) {
+    if (flag == cnrtDeviceScheduleYield) sched_yield();
+    now = now_ns();
+  }
+  __atomic_add_fetch(&g_spin_ns, now - start, __ATOMIC_RELAXED);
+}
+
 /* Runs the ops whose time has come (all of them if `all`); returns how many remain. */
 static size_t run_ops(struct queue *q, int all) {
   pthread_mutex_lock(&q->lock);
@@ -461,14 +551,7 @@ static size_t run_ops(struct queue *q, int all) {
   while (done < q->n) {
     struct op *o = &q->ops[done];
     if (!all && o->ready_ns > now_ns()) break;
-    if (all) {
-      uint64_t now = now_ns();
-      if (o->ready_ns > now) {
-        struct timespec ts = {(time_t)((o->ready_ns - now) / 1000000000ULL),
-                              (long)((o->ready_ns - now) % 1000000000ULL)};
-        nanosleep(&ts, NULL);
-      }
-    }
+    if (all) wait_until(q->device, o->ready_ns);
     memmove(o->dst, o->src, o->len);
     done++;
   }
@@ -482,6 +565,7 @@ static size_t run_ops(struct queue *q, int all) {
 EXPORT cnrtRet_t cnrtQueueSync(struct queue *q) {
   INJECT("cnrtQueueSync");
   if (!q) return cnrtErrorArgsInvalid;
+  __atomic_add_fetch(&g_syncs, 1, __ATOMIC_RELAXED);
   run_ops(q, 1);
   return cnrtSuccess;
 }
@@ -539,18 +623,103 @@ EXPORT cnrtRet_t cnrtDeviceGetPCIBusId(char *bus, int len, int device) {
   return cnrtSuccess;
 }
 
-/* Handle layout (8 bytes, the size of cnrtIpcMemHandle): pid (32) | fd (20) |
+/* The fake driver: each exporting process serves its allocations' memfds on an
+ * abstract Unix socket, "te-fake-cnrt-TOKEN", TOKEN random per process. Abstract
+ * sockets belong to the network namespace, so this works across PID namespaces, where
+ * /proc/PID/fd of the exporter cannot be reached. */
+static pthread_once_t g_driver_once = PTHREAD_ONCE_INIT;
+static uint32_t g_token;
+static int g_driver_up;
+
+struct map_request {
+  uint32_t fd, check;
+};
+
+static socklen_t driver_addr(uint32_t token, struct sockaddr_un *a) {
+  memset(a, 0, sizeof *a);
+  a->sun_family = AF_UNIX;
+  int n = snprintf(a->sun_path + 1, sizeof a->sun_path - 1, "te-fake-cnrt-%08x", token);
+  return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+}
+
+/* Sends `status`, with descriptor `fd` attached when it is not -1. */
+static void send_fd(int sock, int32_t status, int fd) {
+  char space[CMSG_SPACE(sizeof(int))];
+  memset(space, 0, sizeof space);
+  struct iovec iov = {&status, sizeof status};
+  struct msghdr m = {0};
+  m.msg_iov = &iov;
+  m.msg_iovlen = 1;
+  if (fd >= 0) {
+    m.msg_control = space;
+    m.msg_controllen = sizeof space;
+    struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &fd, sizeof fd);
+  }
+  (void)sendmsg(sock, &m, MSG_NOSIGNAL);
+}
+
+static void *driver_thread(void *arg) {
+  int lfd = (int)(intptr_t)arg;
+  for (;;) {
+    int c = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+    if (c < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      return NULL;
+    }
+    struct map_request req;
+    int fd = -1;
+    if (recv(c, &req, sizeof req, MSG_WAITALL) == (ssize_t)sizeof req) {
+      pthread_mutex_lock(&g_lock);
+      for (size_t i = 0; i < g_n; i++) {
+        struct alloc *a = &g_allocs[i];
+        if (!a->mapped && a->fd == (int)req.fd && (a->serial & 0xff) == req.check) {
+          fd = dup(a->fd);
+          break;
+        }
+      }
+      pthread_mutex_unlock(&g_lock);
+    }
+    send_fd(c, fd >= 0 ? cnrtSuccess : cnrtErrorInvalidResourceHandle, fd);
+    if (fd >= 0) close(fd);
+    close(c);
+  }
+}
+
+static void driver_start(void) {
+  if (getrandom(&g_token, sizeof g_token, 0) != (ssize_t)sizeof g_token)
+    g_token = (uint32_t)now_ns() ^ (uint32_t)getpid();
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return;
+  struct sockaddr_un a;
+  socklen_t len = driver_addr(g_token, &a);
+  pthread_t t;
+  if (bind(fd, (struct sockaddr *)&a, len) != 0 || listen(fd, 64) != 0 ||
+      pthread_create(&t, NULL, driver_thread, (void *)(intptr_t)fd) != 0) {
+    close(fd);
+    return;
+  }
+  pthread_detach(t);
+  g_driver_up = 1;
+}
+
+/* Handle layout (8 bytes, the size of cnrtIpcMemHandle): driver token (32) | fd (20) |
  * ordinal (4) | serial check (8). */
 EXPORT cnrtRet_t cnrtAcquireMemHandle(void **handle, void *ptr) {
   INJECT("cnrtAcquireMemHandle");
   if (!handle) return cnrtErrorArgsInvalid;
+  pthread_once(&g_driver_once, driver_start);
+  if (!g_driver_up) return cnrtErrorSys;
   pthread_mutex_lock(&g_lock);
   struct alloc *a = is_device((uint64_t)ptr) ? find((uint64_t)ptr, 1) : NULL;
   if (!a || a->mapped || a->dev != (uint64_t)ptr || a->fd >= (1 << 20)) {
     pthread_mutex_unlock(&g_lock);
     return cnrtErrorArgsInvalid;
   }
-  uint64_t h = ((uint64_t)(uint32_t)getpid() << 32) | ((uint64_t)a->fd << 12) |
+  uint64_t h = ((uint64_t)g_token << 32) | ((uint64_t)a->fd << 12) |
                ((uint64_t)(a->ordinal & 0xf) << 8) | (a->serial & 0xff);
   pthread_mutex_unlock(&g_lock);
   *handle = (void *)h;
@@ -558,22 +727,43 @@ EXPORT cnrtRet_t cnrtAcquireMemHandle(void **handle, void *ptr) {
 }
 
 #ifndef FAKE_NO_IPC_MAP
+/* Asks the exporter's fake driver for the allocation's descriptor. */
+static int fetch_fd(uint32_t token, uint32_t fd, uint32_t check) {
+  int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (s < 0) return -1;
+  struct timeval tv = {5, 0};
+  setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  struct sockaddr_un a;
+  socklen_t len = driver_addr(token, &a);
+  struct map_request req = {fd, check};
+  int32_t status = cnrtErrorInvalidResourceHandle;
+  char space[CMSG_SPACE(sizeof(int))];
+  struct iovec iov = {&status, sizeof status};
+  struct msghdr m = {0};
+  m.msg_iov = &iov;
+  m.msg_iovlen = 1;
+  m.msg_control = space;
+  m.msg_controllen = sizeof space;
+  int got = -1;
+  if (connect(s, (struct sockaddr *)&a, len) == 0 &&
+      send(s, &req, sizeof req, MSG_NOSIGNAL) == (ssize_t)sizeof req &&
+      recvmsg(s, &m, MSG_CMSG_CLOEXEC) == (ssize_t)sizeof status && status == cnrtSuccess) {
+    struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+    if (c && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+      memcpy(&got, CMSG_DATA(c), sizeof got);
+  }
+  close(s);
+  return got;
+}
+
 EXPORT cnrtRet_t cnrtMapMemHandle(void **ptr, void *handle, int flags) {
   INJECT("cnrtMapMemHandle");
   if (!ptr || flags != 0) return cnrtErrorArgsInvalid;
   uint64_t h = (uint64_t)handle;
-  unsigned pid = (unsigned)(h >> 32), fd = (unsigned)((h >> 12) & 0xfffff);
+  uint32_t token = (uint32_t)(h >> 32), fd = (uint32_t)((h >> 12) & 0xfffff);
   int ordinal = (int)((h >> 8) & 0xf);
-  unsigned check = (unsigned)(h & 0xff);
-  char path[64], link[128];
-  snprintf(path, sizeof path, "/proc/%u/fd/%u", pid, fd);
-  ssize_t n = readlink(path, link, sizeof link - 1);
-  if (n <= 0) return cnrtErrorInvalidResourceHandle;
-  link[n] = 0;
-  unsigned serial = 0;
-  if (sscanf(link, "/memfd:te-fake-cnrt-%u", &serial) != 1 || (serial & 0xff) != check)
-    return cnrtErrorInvalidResourceHandle;
-  int nfd = open(path, O_RDWR | O_CLOEXEC);
+  uint32_t check = (uint32_t)(h & 0xff);
+  int nfd = fetch_fd(token, fd, check);
   if (nfd < 0) return cnrtErrorInvalidResourceHandle;
   struct stat st;
   if (fstat(nfd, &st) != 0 || st.st_size <= 0) {
@@ -586,7 +776,7 @@ EXPORT cnrtRet_t cnrtMapMemHandle(void **ptr, void *handle, int flags) {
     return cnrtErrorNoMem;
   }
   pthread_mutex_lock(&g_lock);
-  uint64_t dev = insert((size_t)st.st_size, host, ordinal, nfd, 1, serial);
+  uint64_t dev = insert((size_t)st.st_size, host, ordinal, nfd, 1, check);
   pthread_mutex_unlock(&g_lock);
   if (!dev) {
     munmap(host, (size_t)st.st_size);
@@ -618,6 +808,8 @@ EXPORT const char *cnrtGetErrorName(cnrtRet_t e) {
     case cnrtErrorMemcpyDirectionInvalid: return "cnrtErrorMemcpyDirectionInvalid";
     case cnrtErrorBusy: return "cnrtErrorBusy";
     case cnrtErrorCndrvFuncCall: return "cnrtErrorCndrvFuncCall";
+    case cnrtErrorSetOnActiveProcess: return "cnrtErrorSetOnActiveProcess";
+    case cnrtErrorDevice: return "cnrtErrorDevice";
     default: return "cnrtErrorUnknown";
   }
 }
@@ -633,6 +825,9 @@ EXPORT const char *cnrtGetErrorStr(cnrtRet_t e) {
     case cnrtErrorInvalidResourceHandle: return "invalid resource handle (fake libcnrt)";
     case cnrtErrorNoMem: return "insufficient MLU device memory (fake libcnrt)";
     case cnrtErrorBusy: return "the queue is busy (fake libcnrt)";
+    case cnrtErrorSetOnActiveProcess:
+      return "the device flag cannot change once the device is in use (fake libcnrt)";
+    case cnrtErrorDevice: return "current resource is not from the current device (fake libcnrt)";
     default: return "unknown error (fake libcnrt)";
   }
 }

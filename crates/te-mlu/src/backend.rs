@@ -1,22 +1,29 @@
 //! The mlu backend's `TransferBackend`: one-sided copies between MLU memory of engines
 //! on one host, over MLU-Link.
 //!
-//! - Endpoint: the backend instance's id, its process id, the descriptor of its region
-//!   table (see `shm`), the host's identity (host name and boot id) and the PCI bus ids
-//!   of the MLUs this process sees (ordinals differ between processes with different
+//! - Endpoint: the backend instance's id, a random id of its process (PIDs repeat across
+//!   PID namespaces), the abstract socket that hands out its region table (see `shm`
+//!   and `handoff`), the host's identity (host name and boot id) and the PCI bus ids of
+//!   the MLUs this process sees (ordinals differ between processes with different
 //!   `MLU_VISIBLE_DEVICES`; bus ids do not).
 //! - `register`: a remotely accessible `mlu:N` region's key carries the IPC handle of
 //!   its allocation (`cnrtAcquireMemHandle`) and the region's offset in it, plus its
 //!   slot in the region table.
-//! - `connect`: refuses peers on other hosts; maps each of the peer's regions into this
-//!   process (`cnrtMapMemHandle`, once per allocation) or, for a peer in this process,
-//!   uses its addresses as they are.
+//! - `connect`: refuses peers on other hosts; receives the peer's region table over its
+//!   socket (`SCM_RIGHTS`); maps each of the peer's regions into this process
+//!   (`cnrtMapMemHandle`, once per allocation) or, for a peer in this process, uses its
+//!   addresses as they are.
 //! - `submit`: checks every request against both sides' regions again, counts the batch
 //!   in on each region it touches (so deregistration on either side waits for it), and
-//!   hands it to a worker thread, which enqueues the copies (`cnrtMemcpyAsync*`, or
-//!   `cnrtMemcpyPeerAsync` between two MLUs) on its own queue per MLU and then waits:
-//!   `cnrtQueueQuery`, and if work remains, `cnrtQueueSync` (blocking in CNRT).
-//!   A failed enqueue or sync fails that batch only; the queue is replaced.
+//!   hands it to a worker thread, which enqueues all the batch's copies
+//!   (`cnrtMemcpyAsync*`, or `cnrtMemcpyPeerAsync` between two MLUs) on its own queue
+//!   per MLU, making the queue's MLU current before each, and then waits once per queue:
+//!   `cnrtQueueQuery`, and if work remains, `cnrtQueueSync` (which sleeps: the runtime
+//!   set `cnrtDeviceScheduleBlock`). A failed enqueue or sync fails that batch only;
+//!   the queue is replaced.
+//! - `deregister`: marks the region dead in the table and waits for every batch counted
+//!   in on it, this process's and peers'; past the caller's deadline it returns
+//!   `Timeout`, never `Ok`, and the region stays refused and counted.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
@@ -24,14 +31,16 @@ use std::thread::{JoinHandle, ThreadId};
 use std::time::Instant;
 
 use te_core::{
-    Access, BackendInfo, Capabilities, Completion, Error, ErrorKind, MemoryDesc, MemoryKind, Op,
-    PeerId, RegionId, Result, SegmentDesc, TransferBackend, TransferRequest,
+    Access, BackendContext, BackendInfo, BatchId, Capabilities, Completion, Deadline, Error,
+    ErrorKind, MemoryDesc, MemoryKind, Op, PeerId, RegionId, Result, SegmentDesc, TransferBackend,
+    TransferRequest,
 };
 
 use crate::config::{IpcMode, MluConfig};
 use crate::ffi::{dir, Cnrt, IpcHandle, Queue};
+use crate::handoff::{self, Server};
 use crate::runtime::{self, MluRuntime, RUNTIME};
-use crate::shm::Table;
+use crate::shm::{Extent, Table};
 
 /// Where a region's bytes are, as this process addresses them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,6 +83,9 @@ struct Remote {
     mem: Mem,
     access: Access,
     slot: u32,
+    /// The descriptor's address and the key's offset in the allocation, which must
+    /// agree with the peer's own region table.
+    origin: (u64, u64),
 }
 
 #[derive(Debug)]
@@ -88,20 +100,32 @@ struct PeerState {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Endpoint {
     instance: u64,
-    pid: u32,
-    table_fd: u32,
+    /// Random per process: tells a peer in this process from one in another.
+    process: u64,
+    /// The abstract socket serving the region table.
+    socket: String,
     host: String,
     buses: Vec<String>,
 }
 
-const ENDPOINT_MAGIC: &[u8; 6] = b"TEMLU\x01";
+const ENDPOINT_MAGIC: &[u8; 6] = b"TEMLU\x02";
+
+/// How long `connect` waits for a peer's table server to answer.
+const TABLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// This process's random id.
+fn process_id() -> u64 {
+    static ID: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *ID.get_or_init(|| rand::random::<u64>() | 1)
+}
 
 impl Endpoint {
     fn encode(&self) -> Vec<u8> {
         let mut v = ENDPOINT_MAGIC.to_vec();
         v.extend_from_slice(&self.instance.to_le_bytes());
-        v.extend_from_slice(&self.pid.to_le_bytes());
-        v.extend_from_slice(&self.table_fd.to_le_bytes());
+        v.extend_from_slice(&self.process.to_le_bytes());
+        v.extend_from_slice(&(self.socket.len() as u16).to_le_bytes());
+        v.extend_from_slice(self.socket.as_bytes());
         v.extend_from_slice(&(self.host.len() as u16).to_le_bytes());
         v.extend_from_slice(self.host.as_bytes());
         v.extend_from_slice(&(self.buses.len() as u16).to_le_bytes());
@@ -124,8 +148,9 @@ impl Endpoint {
             return Err(bad());
         }
         let instance = r.u64().ok_or_else(bad)?;
-        let pid = r.u32().ok_or_else(bad)?;
-        let table_fd = r.u32().ok_or_else(bad)?;
+        let process = r.u64().ok_or_else(bad)?;
+        let n = r.u16().ok_or_else(bad)? as usize;
+        let socket = String::from_utf8_lossy(r.take(n).ok_or_else(bad)?).into_owned();
         let n = r.u16().ok_or_else(bad)? as usize;
         let host = String::from_utf8_lossy(r.take(n).ok_or_else(bad)?).into_owned();
         let count = r.u16().ok_or_else(bad)?;
@@ -136,8 +161,8 @@ impl Endpoint {
         }
         Ok(Endpoint {
             instance,
-            pid,
-            table_fd,
+            process,
+            socket,
             host,
             buses,
         })
@@ -279,6 +304,7 @@ pub struct MluBackend {
     /// `peerable[a][b]`: mlu:a can copy to and from mlu:b (cnrtGetPeerAccessibility).
     peerable: Vec<Vec<bool>>,
     table: Arc<Table>,
+    _server: Server,
     locals: RwLock<HashMap<RegionId, Local>>,
     peers: RwLock<HashMap<PeerId, Arc<PeerState>>>,
     shared: Arc<Shared>,
@@ -320,7 +346,7 @@ impl MluBackend {
     /// # Errors
     /// `Unavailable` without CNRT or MLUs; `ConfigInvalid` for a bad option; `Io` if
     /// the table or the threads cannot be created.
-    pub fn new(config: MluConfig) -> Result<MluBackend> {
+    pub fn new(config: MluConfig, ctx: &BackendContext) -> Result<MluBackend> {
         if !(1..=64).contains(&config.workers) {
             return Err(Error::new(
                 ErrorKind::ConfigInvalid,
@@ -343,12 +369,14 @@ impl MluBackend {
                     .collect()
             })
             .collect();
-        let instance = rand::random::<u64>() | 1;
+        // The engine's epoch names this instance (a random one outside an engine).
+        let instance = ctx.epoch_or_random();
         let table = Arc::new(Table::create(instance)?);
+        let server = Server::start(instance, table.fd())?;
         let endpoint = Endpoint {
             instance,
-            pid: std::process::id(),
-            table_fd: table.fd(),
+            process: process_id(),
+            socket: handoff::socket_name(instance),
             host: host_identity(),
             buses,
         };
@@ -375,6 +403,8 @@ impl MluBackend {
                     cross_process: true,
                     same_host_only: true,
                     max_request_size: isize::MAX as u64,
+                    // The peer's own region table, not the descriptor, bounds every copy.
+                    checks_at_target: true,
                 },
             },
             thread_ids: threads.iter().map(|t| t.thread().id()).collect(),
@@ -384,6 +414,7 @@ impl MluBackend {
             endpoint,
             peerable,
             table,
+            _server: server,
             locals: RwLock::new(HashMap::new()),
             peers: RwLock::new(HashMap::new()),
             shared,
@@ -391,7 +422,7 @@ impl MluBackend {
     }
 
     fn local_ordinal(&self, ep: &Endpoint, remote: u32) -> Result<u32> {
-        if ep.pid == self.endpoint.pid {
+        if ep.process == self.endpoint.process {
             return Ok(remote);
         }
         let bus = ep.buses.get(remote as usize).ok_or_else(|| {
@@ -433,7 +464,7 @@ impl MluBackend {
 
     fn remote(&self, peer: &PeerState, r: &te_core::RegionDesc) -> Result<Remote> {
         let key = Key::decode(&r.key)?;
-        let same_process = peer.endpoint.pid == self.endpoint.pid;
+        let same_process = peer.endpoint.process == self.endpoint.process;
         let direct = same_process && self.config.ipc == IpcMode::Auto;
         let mut remote = Remote {
             addr: Ok(r.addr),
@@ -442,6 +473,7 @@ impl MluBackend {
             mem: Mem::Host,
             access: r.access,
             slot: key.slot,
+            origin: (r.addr, key.handle.map_or(0, |(_, off)| off)),
         };
         match &r.kind {
             MemoryKind::Host if same_process => {}
@@ -515,7 +547,14 @@ impl TransferBackend for MluBackend {
                 ))
             }
         };
-        let slot = self.table.claim(id.0)?;
+        let extent = Extent {
+            addr: mem.addr,
+            offset: handle.map_or(0, |(_, off)| off),
+            len: mem.len,
+            read: mem.access.remote_read,
+            write: mem.access.remote_write,
+        };
+        let slot = self.table.claim(id.0, extent)?;
         self.locals
             .write()
             .unwrap_or_else(|p| p.into_inner())
@@ -531,7 +570,7 @@ impl TransferBackend for MluBackend {
         Ok(Key { slot, handle }.encode())
     }
 
-    fn deregister(&self, id: RegionId) -> Result<()> {
+    fn deregister(&self, id: RegionId, deadline: Deadline) -> Result<()> {
         let Some(local) = self
             .locals
             .write()
@@ -543,20 +582,23 @@ impl TransferBackend for MluBackend {
                 format!("region {id} is not registered with the mlu backend"),
             ));
         };
-        if !self
-            .table
-            .retire(local.slot, self.config.deregister_timeout)
-        {
-            tracing::warn!(
-                region = %id,
-                timeout = ?self.config.deregister_timeout,
-                "batches of a peer still held the region when deregister gave up waiting (did a peer process die?)"
-            );
+        if self.table.retire(local.slot, deadline.remaining()) {
+            return Ok(());
         }
-        Ok(())
+        // A batch (of this process or a peer's) may still copy: the region stays
+        // registered, dead in the table so no new batch enters it.
+        self.locals
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, local);
+        Err(Error::new(
+            ErrorKind::Timeout,
+            format!("region {id} is still used by batches at the deadline: a peer may still be copying into or out of it, so its memory must stay allocated; deregister it again later (a peer process that died holding it keeps it forever: restart this engine to reclaim it)"),
+        )
+        .with_operation("deregister"))
     }
 
-    fn connect(&self, peer: &SegmentDesc) -> Result<PeerId> {
+    fn connect(&self, peer: &SegmentDesc, _deadline: Deadline) -> Result<PeerId> {
         let ep = Endpoint::decode(&peer.endpoint)?;
         if ep.host != self.endpoint.host {
             return Err(Error::new(
@@ -580,7 +622,8 @@ impl TransferBackend for MluBackend {
                 let table = if ep.instance == self.endpoint.instance {
                     self.table.clone()
                 } else {
-                    Arc::new(Table::open(ep.pid, ep.table_fd, ep.instance)?)
+                    let fd = handoff::fetch(&ep.socket, ep.instance, TABLE_TIMEOUT)?;
+                    Arc::new(Table::open(fd, ep.instance)?)
                 };
                 Arc::new(PeerState {
                     endpoint: ep,
@@ -611,7 +654,7 @@ impl TransferBackend for MluBackend {
         Ok(id)
     }
 
-    fn disconnect(&self, peer: PeerId) -> Result<()> {
+    fn disconnect(&self, peer: PeerId, _deadline: Deadline) -> Result<()> {
         match self
             .peers
             .write()
@@ -754,6 +797,44 @@ impl TransferBackend for MluBackend {
                         slot,
                     });
                 }
+                // Counted in, the slot cannot change under us: check the request
+                // against the owner's own word on the region, not the descriptor.
+                let ext = p.table.extent(rm.slot, r.remote.0).ok_or_else(|| {
+                    region_error(
+                        ErrorKind::NotRegistered,
+                        format!("the peer's region {} was deregistered", r.remote),
+                    )
+                })?;
+                if (ext.addr, ext.offset) != rm.origin {
+                    return Err(region_error(
+                        ErrorKind::Protocol,
+                        format!("the descriptor of the peer's region {} disagrees with the peer's own region table (a stale or forged descriptor): connect again", r.remote),
+                    ));
+                }
+                if r.remote_offset
+                    .checked_add(r.len)
+                    .is_none_or(|end| end > ext.len)
+                {
+                    return Err(region_error(
+                        ErrorKind::OutOfBounds,
+                        format!(
+                            "the peer refuses range {}+{} of its region {} of {} bytes",
+                            r.remote_offset, r.len, r.remote, ext.len
+                        ),
+                    ));
+                }
+                if !match r.op {
+                    Op::Read => ext.read,
+                    Op::Write => ext.write,
+                } {
+                    return Err(region_error(
+                        ErrorKind::InvalidRequest,
+                        format!(
+                            "the peer's region {} does not allow remote {}s",
+                            r.remote, r.op
+                        ),
+                    ));
+                }
             }
         }
         let job = Job {
@@ -774,6 +855,24 @@ impl TransferBackend for MluBackend {
         drop(w);
         self.shared.cond.notify_one();
         Ok(())
+    }
+
+    fn abort(&self, _peer: PeerId, batch: BatchId) {
+        // A batch still queued has touched nothing: it is released at once. One whose
+        // copies are enqueued is released when its queues have been synchronised.
+        let job = {
+            let mut w = self.shared.lock();
+            let at = w.jobs.iter().position(|j| j.done.batch() == batch);
+            at.and_then(|i| w.jobs.remove(i))
+        };
+        if let Some(job) = job {
+            let Job { guards, done, .. } = job;
+            drop(guards);
+            done.complete(Err(Error::new(
+                ErrorKind::Cancelled,
+                "aborted before its copies started",
+            )));
+        }
     }
 }
 
@@ -833,10 +932,10 @@ fn worker(shared: &Shared, cnrt: &Cnrt) {
             }
         };
         let Some(job) = job else { continue };
-        let result = if job.done.remaining().is_zero() {
+        let result = if job.done.remaining().is_zero() || job.done.is_aborted() {
             Err(Error::new(
-                ErrorKind::Timeout,
-                "the batch's deadline passed before its copies started",
+                ErrorKind::Cancelled,
+                "the batch was aborted (its deadline, a cancel or a deregistration) before its copies started",
             ))
         } else {
             run(&job.copies, cnrt, &mut queues)
@@ -847,6 +946,8 @@ fn worker(shared: &Shared, cnrt: &Cnrt) {
     }
 }
 
+/// `dev`'s queue of this worker, with `dev` made current: a queue belongs to the MLU
+/// current when it was created, and CNRT refuses a copy on it while another is.
 fn queue(cnrt: &Cnrt, queues: &mut HashMap<u32, Queue>, dev: u32) -> Result<Queue> {
     cnrt.set_device(dev)?;
     if let Some(q) = queues.get(&dev) {
@@ -894,11 +995,13 @@ fn run(copies: &[Copy], cnrt: &Cnrt, queues: &mut HashMap<u32, Queue>) -> Result
     }
     for dev in used {
         let Some(&q) = queues.get(&dev) else { continue };
-        let r = match cnrt.queue_query(q) {
-            Ok(true) => Ok(()),
-            Ok(false) => cnrt.queue_sync(q),
-            Err(e) => Err(e),
-        };
+        let r = cnrt
+            .set_device(dev)
+            .and_then(|()| match cnrt.queue_query(q) {
+                Ok(true) => Ok(()),
+                Ok(false) => cnrt.queue_sync(q),
+                Err(e) => Err(e),
+            });
         if let Err(e) = r {
             queues.remove(&dev);
             let _ = cnrt.queue_sync(q);
@@ -920,8 +1023,8 @@ mod tests {
     fn endpoints_and_keys_round_trip() {
         let ep = Endpoint {
             instance: 7,
-            pid: 42,
-            table_fd: 9,
+            process: 42,
+            socket: "te-mlu-0000000000000007".into(),
             host: "h/boot".into(),
             buses: vec!["0000:1a:00.0".into(), "0000:1b:00.0".into()],
         };
@@ -943,18 +1046,22 @@ mod tests {
 
     #[test]
     fn a_peer_on_another_host_is_refused_naming_tcp_and_rdma() {
-        let b = MluBackend::new(MluConfig::default()).expect("the fake libcnrt loads");
+        let b = MluBackend::new(MluConfig::default(), &BackendContext::default())
+            .expect("the fake libcnrt loads");
         let mut ep = Endpoint::decode(&b.endpoint()).unwrap();
         ep.host = "elsewhere/0000".into();
         let seg = SegmentDesc {
             engine: "far".into(),
             epoch: 1,
+            address: String::new(),
             backend: crate::NAME.into(),
             endpoint: ep.encode(),
             regions: Vec::new(),
             layouts: Vec::new(),
         };
-        let e = b.connect(&seg).unwrap_err();
+        let e = b
+            .connect(&seg, Deadline::after(std::time::Duration::from_secs(5)))
+            .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Unsupported);
         let m = e.to_string();
         assert!(m.contains("tcp or rdma backend with mlu:N memory"), "{m}");

@@ -28,9 +28,6 @@ pub struct MluConfig {
     /// Worker threads, each with its own queue per MLU; batches run on them in
     /// parallel (1–64).
     pub workers: usize,
-    /// The longest `deregister` waits for peers' batches still using a region.
-    #[serde(deserialize_with = "te_core::config::de::duration")]
-    pub deregister_timeout: Duration,
     /// For tests only: every batch is held this long before its copies start.
     #[serde(deserialize_with = "te_core::config::de::duration")]
     pub debug_delay: Duration,
@@ -41,7 +38,6 @@ impl Default for MluConfig {
         MluConfig {
             ipc: IpcMode::Auto,
             workers: 4,
-            deregister_timeout: Duration::from_secs(10),
             debug_delay: Duration::ZERO,
         }
     }

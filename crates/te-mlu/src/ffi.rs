@@ -49,6 +49,7 @@ pub(crate) mod code {
             100051 => "cnrtErrorOpsNotPermitted",
             100060 => "cnrtErrorQueue",
             100100 => "cnrtErrorNoMem",
+            632002 => "cnrtErrorSetOnActiveProcess",
             632006 => "cnrtErrorDevice",
             632013 => "cnrtErrorMemcpyDirectionInvalid",
             632014 => "cnrtErrorBusy",
@@ -65,6 +66,29 @@ pub(crate) mod dir {
     pub(crate) const HOST_TO_DEV: super::c_int = 0;
     pub(crate) const DEV_TO_DEV: super::c_int = 1;
     pub(crate) const DEV_TO_HOST: super::c_int = 2;
+}
+
+/// `cnrtDeviceFlags_t` values (cnrt.h 6.0.2 and 6.14.1).
+pub(crate) mod flag {
+    /// `cnrtDeviceScheduleSpin`: the CPU spins while it waits for the device.
+    pub(crate) const SPIN: u32 = 0;
+    /// `cnrtDeviceScheduleBlock`: the waiting thread blocks.
+    pub(crate) const BLOCK: u32 = 1;
+    /// `cnrtDeviceScheduleYield`: the waiting thread yields.
+    pub(crate) const YIELD: u32 = 2;
+    /// `cnrtDeviceScheduleAuto`: spin or block, as CNRT decides.
+    pub(crate) const AUTO: u32 = 3;
+
+    /// The header's name of a flag, for messages.
+    pub(crate) fn name(f: u32) -> &'static str {
+        match f {
+            SPIN => "cnrtDeviceScheduleSpin",
+            BLOCK => "cnrtDeviceScheduleBlock",
+            YIELD => "cnrtDeviceScheduleYield",
+            AUTO => "cnrtDeviceScheduleAuto",
+            _ => "an unlisted cnrtDeviceFlags_t",
+        }
+    }
 }
 
 /// `cnrtMemTypeDevice` of `cnrtMemType_t`.
@@ -97,6 +121,8 @@ type FnVersion = unsafe extern "C" fn(*mut c_int, *mut c_int, *mut c_int) -> Ret
 type FnCount = unsafe extern "C" fn(*mut c_uint) -> Ret;
 type FnSetDevice = unsafe extern "C" fn(c_int) -> Ret;
 type FnGetDevice = unsafe extern "C" fn(*mut c_int) -> Ret;
+type FnSetFlag = unsafe extern "C" fn(u32) -> Ret;
+type FnGetFlag = unsafe extern "C" fn(*mut u32) -> Ret;
 type FnMalloc = unsafe extern "C" fn(*mut *mut c_void, usize) -> Ret;
 type FnFree = unsafe extern "C" fn(*mut c_void) -> Ret;
 type FnMemcpy = unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int) -> Ret;
@@ -120,6 +146,8 @@ pub(crate) struct Cnrt {
     get_device_count: FnCount,
     set_device: FnSetDevice,
     get_device: FnGetDevice,
+    set_device_flag: FnSetFlag,
+    get_device_flag: FnGetFlag,
     malloc: FnMalloc,
     free: FnFree,
     host_malloc: FnMalloc,
@@ -275,6 +303,8 @@ impl Cnrt {
             get_device_count: sym!("cnrtGetDeviceCount"),
             set_device: sym!("cnrtSetDevice"),
             get_device: sym!("cnrtGetDevice"),
+            set_device_flag: sym!("cnrtSetDeviceFlag"),
+            get_device_flag: sym!("cnrtGetDeviceFlag"),
             malloc: sym!("cnrtMalloc"),
             free: sym!("cnrtFree"),
             host_malloc: sym!("cnrtHostMalloc"),
@@ -376,6 +406,23 @@ impl Cnrt {
         self.check("cnrtSetDevice", unsafe {
             (self.set_device)(ordinal as c_int)
         })
+    }
+
+    /// `cnrtSetDeviceFlag` for the current device: how a thread waiting for it (in
+    /// `cnrtQueueSync`) waits. CNRT accepts it only before the device is in use.
+    pub(crate) fn set_device_flag(&self, flag: u32) -> Result<()> {
+        // SAFETY: plain call; CNRT checks the value.
+        self.check("cnrtSetDeviceFlag", unsafe { (self.set_device_flag)(flag) })
+    }
+
+    /// `cnrtGetDeviceFlag` for the current device.
+    pub(crate) fn device_flag(&self) -> Result<u32> {
+        let mut f = 0u32;
+        // SAFETY: a valid out-parameter.
+        self.check("cnrtGetDeviceFlag", unsafe {
+            (self.get_device_flag)(&mut f)
+        })?;
+        Ok(f)
     }
 
     /// `cnrtMalloc` on the current device.
@@ -481,7 +528,8 @@ impl Cnrt {
         self.check("cnrtQueueDestroy", unsafe { (self.queue_destroy)(q) })
     }
 
-    /// `cnrtQueueSync`: blocks (in CNRT, not here) until the queue is empty.
+    /// `cnrtQueueSync`: waits (in CNRT, not here) until the queue is empty; it blocks
+    /// rather than spins only on a device whose flag is `cnrtDeviceScheduleBlock`.
     pub(crate) fn queue_sync(&self, q: Queue) -> Result<()> {
         // SAFETY: `q` came from `queue_create`.
         self.check("cnrtQueueSync", unsafe { (self.queue_sync)(q) })

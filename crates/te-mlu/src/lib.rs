@@ -25,7 +25,6 @@
 //! |-----|---------|---------|
 //! | `ipc` | `"auto"` | `"auto"`: IPC handles for peers in other processes, direct addresses within one process; `"always"`: IPC handles for every peer (tests) |
 //! | `workers` | `4` | worker threads (1–64), each with a queue per MLU; batches run on them in parallel |
-//! | `deregister_timeout` | `"10s"` | the longest `deregister` waits for peers' batches still using the region |
 //! | `debug_delay` | `"0s"` | for tests only: every batch is held this long before its copies start |
 //!
 //! Tests run against a FAKE libcnrt built from `csrc/fake_cnrt.c`; what it cannot prove
@@ -41,6 +40,7 @@ use te_core::{BackendContext, Result, TransferBackend};
 mod backend;
 mod config;
 mod ffi;
+mod handoff;
 mod runtime;
 mod shm;
 
@@ -57,7 +57,7 @@ fn probe() -> Result<()> {
 
 fn create(ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
     let config: MluConfig = ctx.parse(NAME)?;
-    Ok(Arc::new(MluBackend::new(config)?))
+    Ok(Arc::new(MluBackend::new(config, ctx)?))
 }
 
 te_core::register_backend!(NAME, probe, create);

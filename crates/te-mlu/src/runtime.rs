@@ -2,11 +2,14 @@
 //!
 //! It answers where an MLU address lives (`cnrtPointerGetAttributes`), allocates device
 //! memory (`cnrtMalloc`) and page-locked host memory (`cnrtHostMalloc`), and copies
-//! between the two on its own thread: each copy is enqueued on a per-device queue with
-//! the bound `cnrtMemcpyAsync*`, and the thread then asks `cnrtQueueQuery` and, if the
-//! copy is not done, blocks in `cnrtQueueSync` (set the device flag to
-//! `cnrtDeviceScheduleBlock` for CNRT to sleep there rather than spin). The caller's
-//! thread never waits on CNRT.
+//! between the two on its own thread. That thread takes every copy waiting for it (up
+//! to [`GROUP`]), enqueues each on its device's queue with the bound `cnrtMemcpyAsync*`
+//! (making that device current first: a queue belongs to the device it was created
+//! on), then waits once per queue used: `cnrtQueueQuery`, and if copies remain,
+//! `cnrtQueueSync`. At start the runtime sets every device's flag to
+//! `cnrtDeviceScheduleBlock`, so that wait sleeps in CNRT instead of spinning a core;
+//! where CNRT refuses (the application used the device first) it says so in a warning.
+//! The caller's thread never waits on CNRT.
 //!
 //! Calls that depend on the current device save and restore the calling thread's
 //! device, so an application using CNRT on the same thread keeps its setting.
@@ -18,17 +21,24 @@ use std::sync::{Arc, Mutex, OnceLock};
 use te_core::device::{CopyDone, DeviceCopy, DeviceRuntime, PointerInfo};
 use te_core::{Error, ErrorKind, Result};
 
-use crate::ffi::{self, dir, Cnrt, IpcHandle, Queue, MEM_TYPE_DEVICE};
+use crate::ffi::{self, dir, flag, Cnrt, IpcHandle, Queue, MEM_TYPE_DEVICE};
 
 /// The runtime's name: memory kinds `mlu:N`.
 pub const RUNTIME: &str = "mlu";
+
+/// The most copies the copy thread enqueues before it waits for them.
+pub(crate) const GROUP: usize = 64;
+
+type Job = (DeviceCopy, CopyDone);
 
 /// The process's MLU runtime.
 #[derive(Debug)]
 pub struct MluRuntime {
     cnrt: Arc<Cnrt>,
     devices: u32,
-    jobs: Mutex<Sender<(DeviceCopy, CopyDone)>>,
+    /// Whether every device's flag is `cnrtDeviceScheduleBlock`.
+    blocking: bool,
+    jobs: Mutex<Sender<Job>>,
     /// IPC handles by allocation base: CNRT refuses a second acquire for one base.
     handles: Mutex<HashMap<u64, IpcHandle>>,
 }
@@ -43,7 +53,7 @@ pub fn instance() -> Result<Arc<MluRuntime>> {
     INSTANCE.get_or_init(MluRuntime::start).clone()
 }
 
-fn create() -> Result<Arc<dyn DeviceRuntime>> {
+fn create(_table: &te_core::config::Table) -> Result<Arc<dyn DeviceRuntime>> {
     instance().map(|r| r as Arc<dyn DeviceRuntime>)
 }
 
@@ -53,10 +63,14 @@ te_core::register_runtime!(
     create
 );
 
-/// A queue owned by the copy thread; queues are used only there.
+/// The copy thread's queues (used only there), and its buffers for a group.
 struct Queues {
     cnrt: Arc<Cnrt>,
     by_device: HashMap<u32, Queue>,
+    /// Per copy of the group: the device it was enqueued on, or why not.
+    placed: Vec<Result<Option<u32>>>,
+    /// Per device used by the group: how waiting for its queue went.
+    used: Vec<(u32, Result<()>)>,
 }
 
 impl Queues {
@@ -64,7 +78,6 @@ impl Queues {
         if let Some(q) = self.by_device.get(&ordinal) {
             return Ok(*q);
         }
-        self.cnrt.set_device(ordinal)?;
         let q = self.cnrt.queue_create()?;
         self.by_device.insert(ordinal, q);
         Ok(q)
@@ -72,12 +85,18 @@ impl Queues {
 
     /// Waits for everything on `ordinal`'s queue; a queue that failed is replaced, so
     /// one failed copy does not poison the next.
-    fn finish(&mut self, ordinal: u32, q: Queue) -> Result<()> {
-        let r = match self.cnrt.queue_query(q) {
-            Ok(true) => Ok(()),
-            Ok(false) => self.cnrt.queue_sync(q),
-            Err(e) => Err(e),
+    fn finish(&mut self, ordinal: u32) -> Result<()> {
+        let Some(&q) = self.by_device.get(&ordinal) else {
+            return Ok(());
         };
+        let r = self
+            .cnrt
+            .set_device(ordinal)
+            .and_then(|()| match self.cnrt.queue_query(q) {
+                Ok(true) => Ok(()),
+                Ok(false) => self.cnrt.queue_sync(q),
+                Err(e) => Err(e),
+            });
         if r.is_err() {
             self.by_device.remove(&ordinal);
             let _ = self.cnrt.queue_sync(q);
@@ -86,8 +105,10 @@ impl Queues {
         r
     }
 
-    fn run(&mut self, copy: DeviceCopy) -> Result<()> {
-        let (ordinal, dst, src, len, d) = match copy {
+    /// Enqueues one copy on its device's queue, with that device current. `Ok(None)`
+    /// for an empty copy, `Ok(Some(ordinal))` once enqueued.
+    fn enqueue(&mut self, copy: &DeviceCopy) -> Result<Option<u32>> {
+        let (ordinal, dst, src, len, d) = match *copy {
             DeviceCopy::ToDevice {
                 ordinal,
                 device,
@@ -100,19 +121,85 @@ impl Queues {
                 host,
                 len,
             } => (ordinal, host as u64, device, len, dir::DEV_TO_HOST),
+            DeviceCopy::DeviceToDevice {
+                src_ordinal,
+                src,
+                dst_ordinal,
+                dst,
+                len,
+            } if src_ordinal == dst_ordinal => (src_ordinal, dst, src, len, dir::DEV_TO_DEV),
+            DeviceCopy::DeviceToDevice { .. } => {
+                return Err(Error::new(
+                    ErrorKind::Unsupported,
+                    "the mlu runtime copies device to device within one MLU only; the mlu backend moves data between MLUs",
+                ))
+            }
         };
         if len == 0 {
-            return Ok(());
+            return Ok(None);
         }
+        self.cnrt.set_device(ordinal)?;
         let q = self.get(ordinal)?;
         // SAFETY: the submitter guarantees both ranges until `done` runs (the
-        // `DeviceRuntime::copy` contract), and `finish` waits for the copy before that.
-        if let Err(e) = unsafe { self.cnrt.memcpy_async(dst, src, len, q, d) } {
-            let _ = self.finish(ordinal, q);
-            return Err(e);
-        }
-        self.finish(ordinal, q)
+        // `DeviceRuntime::copy` contract), and the group's queues are synchronized
+        // before any `done` runs.
+        unsafe { self.cnrt.memcpy_async(dst, src, len, q, d) }?;
+        Ok(Some(ordinal))
     }
+
+    /// Enqueues a group of copies, waits once per queue used, then reports each.
+    fn run(&mut self, group: &mut Vec<Job>) {
+        for (copy, _) in group.iter() {
+            let r = self.enqueue(copy);
+            if let Ok(Some(ordinal)) = r {
+                if !self.used.iter().any(|(o, _)| *o == ordinal) {
+                    self.used.push((ordinal, Ok(())));
+                }
+            }
+            self.placed.push(r);
+        }
+        let mut used = std::mem::take(&mut self.used);
+        for (ordinal, result) in used.iter_mut() {
+            *result = self.finish(*ordinal);
+        }
+        for ((_, done), r) in group.drain(..).zip(self.placed.drain(..)) {
+            let r = match r {
+                Ok(None) => Ok(()),
+                Ok(Some(ordinal)) => used
+                    .iter()
+                    .find(|(o, _)| *o == ordinal)
+                    .map_or(Ok(()), |(_, r)| r.clone()),
+                Err(e) => Err(e),
+            };
+            done(r.map_err(|e| e.with_operation("MLU copy")));
+        }
+        used.clear();
+        self.used = used;
+    }
+}
+
+/// Sets `cnrtDeviceScheduleBlock` on every device; false (with a warning) where CNRT
+/// refuses and the flag in force is another.
+fn block_on_sync(cnrt: &Cnrt, devices: u32) -> bool {
+    let mut all = true;
+    for d in 0..devices {
+        let set = cnrt.with_device(d, || cnrt.set_device_flag(flag::BLOCK));
+        if set.is_ok() {
+            continue;
+        }
+        let now = cnrt.with_device(d, || cnrt.device_flag());
+        if matches!(now, Ok(f) if f == flag::BLOCK) {
+            continue;
+        }
+        all = false;
+        tracing::warn!(
+            mlu = d,
+            refused = %set.err().map(|e| e.to_string()).unwrap_or_default(),
+            flag = now.map(flag::name).unwrap_or("unknown"),
+            "CNRT would not set cnrtDeviceScheduleBlock (the device was in use before te started its runtime): waiting for MLU copies will spin a CPU core; call cnrtSetDeviceFlag(cnrtDeviceScheduleBlock) for each device before the application's first CNRT call"
+        );
+    }
+    all
 }
 
 impl MluRuntime {
@@ -130,7 +217,8 @@ impl MluRuntime {
                 ),
             ));
         }
-        let (tx, rx) = mpsc::channel::<(DeviceCopy, CopyDone)>();
+        let blocking = block_on_sync(&cnrt, devices);
+        let (tx, rx) = mpsc::channel::<Job>();
         let c = cnrt.clone();
         std::thread::Builder::new()
             .name("te-mlu-copy".into())
@@ -138,9 +226,19 @@ impl MluRuntime {
                 let mut queues = Queues {
                     cnrt: c,
                     by_device: HashMap::new(),
+                    placed: Vec::with_capacity(GROUP),
+                    used: Vec::new(),
                 };
-                for (copy, done) in rx {
-                    done(queues.run(copy).map_err(|e| e.with_operation("MLU copy")));
+                let mut group = Vec::with_capacity(GROUP);
+                while let Ok(first) = rx.recv() {
+                    group.push(first);
+                    while group.len() < GROUP {
+                        match rx.try_recv() {
+                            Ok(job) => group.push(job),
+                            Err(_) => break,
+                        }
+                    }
+                    queues.run(&mut group);
                 }
             })
             .map_err(|e| {
@@ -151,11 +249,13 @@ impl MluRuntime {
             version = ?cnrt.version(),
             memcpy_async = cnrt.memcpy_async_name(),
             devices,
+            blocking,
             "mlu runtime started"
         );
         Ok(Arc::new(MluRuntime {
             cnrt,
             devices,
+            blocking,
             jobs: Mutex::new(tx),
             handles: Mutex::new(HashMap::new()),
         }))
@@ -163,6 +263,12 @@ impl MluRuntime {
 
     pub(crate) fn cnrt(&self) -> &Arc<Cnrt> {
         &self.cnrt
+    }
+
+    /// Whether waiting for copies blocks on every device (`cnrtDeviceScheduleBlock` is
+    /// in force), rather than spinning a core in CNRT.
+    pub fn blocking_sync(&self) -> bool {
+        self.blocking
     }
 
     fn ordinal_ok(&self, ordinal: u32) -> Result<()> {
@@ -277,9 +383,7 @@ impl DeviceRuntime for MluRuntime {
     }
 
     unsafe fn copy(&self, copy: DeviceCopy, done: CopyDone) -> Result<()> {
-        let ordinal = match copy {
-            DeviceCopy::ToDevice { ordinal, .. } | DeviceCopy::ToHost { ordinal, .. } => ordinal,
-        };
+        let ordinal = copy.queue().0;
         self.ordinal_ok(ordinal)?;
         self.jobs
             .lock()

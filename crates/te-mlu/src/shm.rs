@@ -6,19 +6,27 @@
 //! a mapped IPC handle and the target sees nothing. So that a target's `deregister`
 //! still means "no transfer touches this region any more", every batch *enters* each
 //! region it uses (an atomic count in the owner's table, shared through a memfd the
-//! peer opens via `/proc/PID/fd`) and *leaves* it when its copies are done; the owner
-//! marks the region dead and waits (on a futex, no spinning) until the count is zero.
+//! owner hands to the peer over a Unix socket, see `handoff`) and *leaves* it when its
+//! copies are done; the owner marks the region dead and waits (on a futex, no spinning)
+//! until the count is zero. Past its timeout the region stays dead and counted, so a
+//! later `retire` waits again: it is never freed while a batch may still copy.
 //! The mark and the count are sequentially consistent atomics, so either the batch sees
 //! the region dead and fails with `NotRegistered`, or `deregister` sees the batch and
 //! waits for it.
+//!
+//! The table is also the owner's word on each region's extent: its address, its offset
+//! in its allocation, its length and its rights, written before the region goes live.
+//! An initiator checks every request against these, not against the descriptor it was
+//! sent, so a forged or stale descriptor cannot reach outside a region (or a KV slot,
+//! which is a region of its own).
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 
 use te_core::{Error, ErrorKind, Result};
 
-const MAGIC: u64 = 0x7465_6d6c_7574_6231; // "temlutb1"
+const MAGIC: u64 = 0x7465_6d6c_7574_6232; // "temlutb2"
 /// Regions one backend instance can register.
 pub(crate) const SLOTS: usize = 8192;
 
@@ -39,7 +47,25 @@ struct Slot {
     state: AtomicU32,
     inflight: AtomicU32,
     waiters: AtomicU32,
-    _pad: u32,
+    access: AtomicU32,
+    addr: AtomicU64,
+    offset: AtomicU64,
+    len: AtomicU64,
+}
+
+/// A live region's extent, as its owner registered it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Extent {
+    /// Start address in the owner's address space.
+    pub(crate) addr: u64,
+    /// Offset in its allocation (what the IPC handle maps), 0 for host memory.
+    pub(crate) offset: u64,
+    /// Length in bytes.
+    pub(crate) len: u64,
+    /// Peers may read it.
+    pub(crate) read: bool,
+    /// Peers may write it.
+    pub(crate) write: bool,
 }
 
 const SIZE: usize = std::mem::size_of::<Header>() + SLOTS * std::mem::size_of::<Slot>();
@@ -103,21 +129,8 @@ impl Table {
         Ok(t)
     }
 
-    /// Opens the table of instance `instance`, held as descriptor `fd` by process `pid`.
-    pub(crate) fn open(pid: u32, fd: u32, instance: u64) -> Result<Table> {
-        let path = format!("/proc/{pid}/fd/{fd}\0");
-        // SAFETY: a NUL-terminated path.
-        let raw = unsafe { libc::open(path.as_ptr().cast(), libc::O_RDWR | libc::O_CLOEXEC) };
-        if raw < 0 {
-            return Err(Error::new(
-                ErrorKind::PeerUnreachable,
-                format!("cannot open the peer's region table ({}): the peer process is gone, or runs as another user",
-                    path.trim_end_matches('\0')),
-            )
-            .with_source(std::io::Error::last_os_error()));
-        }
-        // SAFETY: `raw` is a new descriptor we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    /// Maps the table of instance `instance`, received from its owner as `fd`.
+    pub(crate) fn open(fd: OwnedFd, instance: u64) -> Result<Table> {
         let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
         // SAFETY: `st` is a valid out-parameter.
         if unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) } != 0 {
@@ -143,9 +156,9 @@ impl Table {
         Ok(t)
     }
 
-    /// The descriptor number peers open through `/proc/PID/fd`.
-    pub(crate) fn fd(&self) -> u32 {
-        self.fd.as_raw_fd() as u32
+    /// The table's descriptor, which `handoff` serves to peers.
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
     }
 
     fn header(&self) -> &Header {
@@ -167,8 +180,8 @@ impl Table {
         })
     }
 
-    /// Claims a free slot for `region` and marks it live.
-    pub(crate) fn claim(&self, region: u64) -> Result<u32> {
+    /// Claims a free slot for `region` with its extent and marks it live.
+    pub(crate) fn claim(&self, region: u64, extent: Extent) -> Result<u32> {
         for i in 0..SLOTS as u32 {
             let Some(s) = self.slot(i) else { break };
             if s.state
@@ -176,6 +189,13 @@ impl Table {
                 .is_ok()
             {
                 s.region.store(region, SeqCst);
+                s.addr.store(extent.addr, SeqCst);
+                s.offset.store(extent.offset, SeqCst);
+                s.len.store(extent.len, SeqCst);
+                s.access.store(
+                    u32::from(extent.read) | u32::from(extent.write) << 1,
+                    SeqCst,
+                );
                 s.state.store(LIVE, SeqCst);
                 return Ok(i);
             }
@@ -199,6 +219,23 @@ impl Table {
         false
     }
 
+    /// The extent of `region` in `slot`, if it is live there. A batch reads it after
+    /// entering the slot, so the slot cannot be reused under it.
+    pub(crate) fn extent(&self, slot: u32, region: u64) -> Option<Extent> {
+        let s = self.slot(slot)?;
+        if s.state.load(SeqCst) != LIVE || s.region.load(SeqCst) != region {
+            return None;
+        }
+        let access = s.access.load(SeqCst);
+        Some(Extent {
+            addr: s.addr.load(SeqCst),
+            offset: s.offset.load(SeqCst),
+            len: s.len.load(SeqCst),
+            read: access & 1 != 0,
+            write: access & 2 != 0,
+        })
+    }
+
     /// Counts a batch out again.
     pub(crate) fn leave(&self, slot: u32) {
         let Some(s) = self.slot(slot) else { return };
@@ -209,14 +246,14 @@ impl Table {
 
     /// Marks `slot` dead, waits until no batch uses it (at most `timeout`), frees it.
     /// Returns false if batches were still counted in when the time ran out (a peer
-    /// process died holding them).
+    /// still copying, or one that died holding them): the slot then stays dead and
+    /// counted, and a later call waits again.
     pub(crate) fn retire(&self, slot: u32, timeout: Duration) -> bool {
         let Some(s) = self.slot(slot) else {
             return true;
         };
         s.state.store(DEAD, SeqCst);
         let end = Instant::now() + timeout;
-        let mut clean = true;
         loop {
             s.waiters.fetch_add(1, SeqCst);
             let n = s.inflight.load(SeqCst);
@@ -227,16 +264,14 @@ impl Table {
             let left = end.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 s.waiters.fetch_sub(1, SeqCst);
-                clean = false;
-                break;
+                return false;
             }
-            futex_wait(&s.inflight, n, left.min(Duration::from_millis(500)));
+            futex_wait(&s.inflight, n, left);
             s.waiters.fetch_sub(1, SeqCst);
         }
         s.region.store(0, SeqCst);
-        s.inflight.store(0, SeqCst);
         s.state.store(FREE, SeqCst);
-        clean
+        true
     }
 }
 

@@ -1,167 +1,70 @@
-//! The RDMA backend's `TransferBackend`: devices, registrations, peers and their paths
-//! (one RC QP each), posting, the completion threads, and the side channel.
+//! The RDMA backend's `TransferBackend`: devices, registrations, peers, submission,
+//! and shutdown. The data path is in `path`, the devices' threads in `device`, the
+//! connect exchange and the background repair in `side`.
+//!
+//! **Batches.** `submit` turns a batch into slices ([`Job`]s) sharing one
+//! [`BatchState`](crate::track::BatchState) (module `track`), which completes the
+//! batch's `Completion` once every slice is accounted for. The slices hold the batch;
+//! the table of batches in flight ([`InFlight`]) holds it weakly, by the engine's id,
+//! so that the engine's `abort` reaches it: its waiting slices are dropped unposted and
+//! it completes when its posted ones are back (see `path`).
+//!
+//! **Regions.** A slice pins its local region, and pins are taken under the region
+//! table's lock. `deregister` takes the region out of the table (new batches are
+//! refused), waits for the pins until the caller's deadline, and only then destroys
+//! the MRs, so that `Ok` means the NICs refuse every key of the region.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::Read;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use te_core::{
-    BackendInfo, Capabilities, Completion, Error, ErrorKind, MemoryDesc, MemoryKind, Op, PeerId,
-    RegionId, Result, SegmentDesc, TransferBackend, TransferRequest,
+    BackendInfo, BatchId, Capabilities, Completion, Deadline, Error, ErrorKind, MemoryDesc,
+    MemoryKind, PeerId, RegionId, Result, SegmentDesc, TransferBackend, TransferRequest,
 };
 
 use crate::config::{RdmaConfig, MAX_SLICE};
-use crate::exchange::{self, DeviceInfo, Endpoint, LinkLayer, Message, PathInfo};
-use crate::ffi::{self, Context, Cq, Mr, Qp, Verbs};
+use crate::device::{self, Device};
+use crate::exchange::{self, DeviceInfo, Endpoint};
+use crate::ffi::{self, Mr};
+use crate::path::{self, Job, LocalRegion, Peer, Pin, RemoteRegion};
 use crate::plan;
-use crate::qp::{self, QpParams};
-use crate::track::{BatchState, Outcome, SendQueue};
-use crate::wr::{WorkItem, WrChain};
+use crate::side;
+use crate::topology::{self, Place};
+use crate::track::InFlight;
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// One opened device and what a QP on it needs.
-struct Device {
-    ctx: Context,
-    index: usize,
-    name: String,
-    link_layer: LinkLayer,
-    lid: u16,
-    gid: [u8; 16],
-    params: QpParams,
-    /// The paths whose CQs report to this device's channel, by CQ tag.
-    paths: RwLock<HashMap<u64, Arc<Path>>>,
-}
-
-impl std::fmt::Debug for Device {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Device").field("name", &self.name).finish()
-    }
-}
-
-impl Device {
-    fn path_info(&self, remote_device: usize, qpn: u32, psn: u32) -> PathInfo {
-        PathInfo {
-            local_device: self.index as u8,
-            remote_device: remote_device as u8,
-            qpn,
-            psn,
-            lid: self.lid,
-            gid: self.gid,
-            mtu: self.params.mtu,
-            link_layer: self.link_layer,
-            port: self.params.port,
-        }
-    }
-}
-
-/// A registered local region: one MR per device.
-struct LocalRegion {
-    addr: u64,
-    len: u64,
-    mrs: Vec<Mr>,
-    pins: Mutex<u64>,
-    unpinned: Condvar,
-    _dmabuf: Option<OwnedFd>,
-}
-
-/// Keeps a region registered while a slice uses it.
-struct Pin(Arc<LocalRegion>);
-
-impl Pin {
-    fn new(r: &Arc<LocalRegion>) -> Pin {
-        *lock(&r.pins) += 1;
-        Pin(r.clone())
-    }
-}
-
-impl Drop for Pin {
-    fn drop(&mut self) {
-        let mut n = lock(&self.0.pins);
-        *n -= 1;
-        if *n == 0 {
-            self.0.unpinned.notify_all();
-        }
-    }
-}
-
-/// A peer's region: address and one rkey per peer device.
-#[derive(Debug)]
-struct RemoteRegion {
-    addr: u64,
-    len: u64,
-    rkeys: Vec<u32>,
-}
-
-/// One slice on its way.
-struct Job {
-    batch: Arc<BatchState>,
-    op: Op,
-    local: Pin,
-    local_addr: u64,
-    remote: Arc<RemoteRegion>,
-    remote_addr: u64,
-    len: u32,
-    attempts: usize,
-}
-
-struct PathState {
-    sq: SendQueue<Job>,
-    waiting: VecDeque<Job>,
-    chain: WrChain,
-    items: Vec<WorkItem>,
-    posting: Vec<Job>,
-}
-
-/// One RC QP to one peer device.
-struct Path {
-    tag: u64,
-    device: Arc<Device>,
-    remote_device: usize,
-    // Field order: the QP is destroyed before its CQ.
-    qp: Qp,
-    cq: Cq,
-    state: Mutex<PathState>,
-    /// Marked for reset: takes no new work; rebuilt by the next `connect`.
-    broken: AtomicBool,
-    peer: Weak<Peer>,
-    signal_every: u32,
-}
-
-struct Peer {
-    endpoint: Endpoint,
-    regions: RwLock<HashMap<RegionId, Arc<RemoteRegion>>>,
-    paths: Vec<Arc<Path>>,
-    next: AtomicUsize,
-    side: TcpStream,
-    dead: AtomicBool,
-    /// Why the peer is dead, for the batches that fail because of it.
-    why: Mutex<String>,
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.side.shutdown(Shutdown::Both);
-    }
-}
-
-struct Shared {
-    config: RdmaConfig,
-    instance: u64,
-    devices: Vec<Arc<Device>>,
-    regions: RwLock<HashMap<RegionId, Arc<LocalRegion>>>,
-    next_tag: AtomicU64,
-    closed: AtomicBool,
+/// What the backend's threads share.
+pub(crate) struct Shared {
+    pub(crate) config: RdmaConfig,
+    pub(crate) instance: u64,
+    pub(crate) devices: Vec<Arc<Device>>,
+    /// Where each device sits on the PCIe tree.
+    nic_places: Vec<Place>,
+    pub(crate) regions: RwLock<HashMap<RegionId, Arc<LocalRegion>>>,
+    /// Regions out of the table whose deregistration has not finished: work still
+    /// pinned them at the caller's deadline.
+    closing: Mutex<HashMap<RegionId, Arc<LocalRegion>>>,
+    /// The batches in flight, for the engine's abort.
+    in_flight: Arc<InFlight>,
+    pub(crate) peers: RwLock<HashMap<PeerId, Arc<Peer>>>,
+    by_instance: Mutex<HashMap<u64, PeerId>>,
+    next_peer: AtomicU64,
+    pub(crate) next_tag: AtomicU64,
+    pub(crate) closed: AtomicBool,
     /// Side-channel connections this backend serves as the target, to close at drop.
     serving: Mutex<HashMap<u64, TcpStream>>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
+    pub(crate) threads: Mutex<Vec<JoinHandle<()>>>,
+    /// Peers whose paths the repair thread should rebuild.
+    pub(crate) repairs: Mutex<VecDeque<PeerId>>,
+    pub(crate) repair_wake: Condvar,
 }
 
 /// The RDMA backend.
@@ -170,11 +73,9 @@ pub struct RdmaBackend {
     shared: Arc<Shared>,
     endpoint: Vec<u8>,
     listener: Arc<TcpListener>,
-    peers: RwLock<HashMap<PeerId, Arc<Peer>>>,
-    by_instance: Mutex<HashMap<u64, PeerId>>,
-    next_peer: AtomicU64,
     stop: Vec<OwnedFd>,
-    completion_threads: Mutex<Vec<JoinHandle<()>>>,
+    device_threads: Mutex<Vec<JoinHandle<()>>>,
+    repair_thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for RdmaBackend {
@@ -186,130 +87,18 @@ impl std::fmt::Debug for RdmaBackend {
     }
 }
 
-fn config_error(m: String) -> Error {
+pub(crate) fn config_error(m: String) -> Error {
     Error::new(ErrorKind::ConfigInvalid, format!("[backends.rdma] {m}"))
         .with_operation("create backend")
 }
 
-fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
+pub(crate) fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name(name.into())
         .spawn(f)
         .map_err(|e| {
             Error::new(ErrorKind::Io, format!("cannot start thread {name}")).with_source(e)
         })
-}
-
-/// GIDs of a port with their kernel type names, for `qp::pick_gid`.
-fn gid_table(ctx: &Context, name: &str, port: u8, len: i32) -> Vec<(u8, [u8; 16], Option<String>)> {
-    (0..len.clamp(0, 64) as u8)
-        .filter_map(|i| {
-            let gid = ctx.gid(port, i).ok()?;
-            let kind = std::fs::read_to_string(format!(
-                "/sys/class/infiniband/{name}/ports/{port}/gid_attrs/types/{i}"
-            ))
-            .ok()
-            .map(|s| s.trim().to_string());
-            Some((i, gid, kind))
-        })
-        .collect()
-}
-
-fn open_devices(v: &'static Verbs, config: &RdmaConfig) -> Result<Vec<Arc<Device>>> {
-    let present = ffi::device_names(v)?;
-    let explicit = !config.devices.is_empty();
-    let wanted = if explicit {
-        for d in &config.devices {
-            if !present.contains(d) {
-                return Err(config_error(format!(
-                    "devices names {d:?}, which is not here; present: {}",
-                    present.join(", ")
-                )));
-            }
-        }
-        config.devices.clone()
-    } else {
-        present
-    };
-    let mut devices = Vec::new();
-    let mut skipped = Vec::new();
-    for name in wanted {
-        let ctx = Context::open(v, &name)?;
-        let port = ctx.port(config.port)?;
-        if port.state != ibverbs_sys::ibv_port_state::IBV_PORT_ACTIVE {
-            let why = format!(
-                "{name} port {} is not active (state {})",
-                config.port, port.state
-            );
-            if explicit {
-                return Err(Error::new(ErrorKind::Unavailable, why));
-            }
-            skipped.push(why);
-            continue;
-        }
-        let link_layer = if u32::from(port.link_layer) == ibverbs_sys::IBV_LINK_LAYER_ETHERNET {
-            LinkLayer::Ethernet
-        } else {
-            LinkLayer::InfiniBand
-        };
-        let gid_index = match link_layer {
-            LinkLayer::Ethernet => {
-                let table = gid_table(&ctx, &name, config.port, port.gid_tbl_len);
-                qp::pick_gid(config.gid_index, &table).ok_or_else(|| {
-                    Error::new(
-                        ErrorKind::Unavailable,
-                        format!("{name} port {} has no usable GID (is an IP address configured on its interface?)", config.port),
-                    )
-                })?
-            }
-            LinkLayer::InfiniBand => config.gid_index.unwrap_or(0),
-        };
-        let gid = ctx.gid(config.port, gid_index).unwrap_or([0; 16]);
-        let mtu = qp::mtu_enum(config.mtu)
-            .unwrap_or(5)
-            .min(port.active_mtu.clamp(1, 5) as u8);
-        let params = QpParams {
-            port: config.port,
-            gid_index,
-            mtu,
-            timeout: config.timeout,
-            retry_count: config.retry_count,
-            rnr_retry: config.rnr_retry,
-            service_level: config.service_level,
-            traffic_class: config.traffic_class,
-            max_rd_atomic: ctx.attr.max_qp_init_rd_atom.clamp(1, 16) as u8,
-            max_dest_rd_atomic: ctx.attr.max_qp_rd_atom.clamp(1, 16) as u8,
-        };
-        if (ctx.attr.max_qp_wr as i64) < i64::from(config.max_outstanding) {
-            return Err(config_error(format!(
-                "max_outstanding = {} exceeds {name}'s max_qp_wr ({})",
-                config.max_outstanding, ctx.attr.max_qp_wr
-            )));
-        }
-        devices.push(Arc::new(Device {
-            index: devices.len(),
-            ctx,
-            name,
-            link_layer,
-            lid: port.lid,
-            gid,
-            params,
-            paths: RwLock::new(HashMap::new()),
-        }));
-    }
-    if devices.is_empty() {
-        return Err(Error::new(
-            ErrorKind::Unavailable,
-            format!(
-                "no RDMA devices with an active port: {}",
-                skipped.join("; ")
-            ),
-        ));
-    }
-    if devices.len() > exchange::MAX_DEVICES {
-        devices.truncate(exchange::MAX_DEVICES);
-    }
-    Ok(devices)
 }
 
 /// Says whether the backend can run here: libibverbs loads and lists devices.
@@ -330,16 +119,52 @@ fn memory_kinds() -> Vec<String> {
     kinds
 }
 
+fn pipe() -> Result<(OwnedFd, OwnedFd)> {
+    use std::os::fd::FromRawFd;
+    let mut fds = [0; 2];
+    // SAFETY: `fds` has room for the two descriptors pipe2 writes.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(Error::new(ErrorKind::Io, "pipe2 failed").with_source(ffi::last_os_error()));
+    }
+    // SAFETY: two new descriptors we own.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
 impl RdmaBackend {
-    /// Opens the devices, starts their completion threads and the side channel.
+    /// [`RdmaBackend::with_epoch`] with a random epoch: a backend outside an engine.
+    ///
+    /// # Errors
+    /// As [`RdmaBackend::with_epoch`].
+    pub fn new(config: RdmaConfig) -> Result<RdmaBackend> {
+        RdmaBackend::with_epoch(config, te_core::random_nonzero())
+    }
+
+    /// Opens the devices, starts their completion and event threads, the repair thread
+    /// and the side channel. `epoch` (non-zero; the engine's, from its
+    /// `BackendContext`) is the instance id the backend names itself with to peers, so
+    /// that a restarted engine is a new peer to them.
     ///
     /// # Errors
     /// `Unavailable` without libibverbs, devices or an active port (the reason says
-    /// which); `ConfigInvalid` for bad options; `Io` if the listener cannot bind.
-    pub fn new(config: RdmaConfig) -> Result<RdmaBackend> {
+    /// which); `ConfigInvalid` for bad options or a zero epoch; `Io` if the listener
+    /// cannot bind.
+    pub fn with_epoch(config: RdmaConfig, epoch: u64) -> Result<RdmaBackend> {
+        if epoch == 0 {
+            return Err(config_error(
+                "the epoch (instance id) must not be zero".into(),
+            ));
+        }
         config.validate()?;
         let v = ffi::verbs()?;
-        let devices = open_devices(v, &config)?;
+        let devices = device::open_devices(v, &config)?;
+        for (kind, nics) in &config.nic_affinity {
+            if let Some(n) = nics.iter().find(|n| !devices.iter().any(|d| &&d.name == n)) {
+                return Err(config_error(format!(
+                    "nic_affinity for {kind} names {n:?}, which is not among the devices in use ({})",
+                    devices.iter().map(|d| d.name.as_str()).collect::<Vec<_>>().join(", ")
+                )));
+            }
+        }
         let listener = TcpListener::bind(&config.listen).map_err(|e| {
             Error::new(
                 ErrorKind::Io,
@@ -367,12 +192,7 @@ impl RdmaBackend {
             }
             None => bound,
         };
-        let instance = loop {
-            let i: u64 = rand::random();
-            if i != 0 {
-                break i;
-            }
-        };
+        let instance = epoch;
         let endpoint = exchange::encode_endpoint(&Endpoint {
             addr: advertised,
             instance,
@@ -381,29 +201,50 @@ impl RdmaBackend {
                 .map(|d| DeviceInfo {
                     name: d.name.clone(),
                     link_layer: d.link_layer,
+                    roce: d.roce(),
                 })
                 .collect(),
         });
+        let sys = std::path::Path::new("/sys");
+        let nic_places = devices
+            .iter()
+            .map(|d| topology::nic_place(sys, &d.name))
+            .collect();
         let shared = Arc::new(Shared {
             config,
             instance,
             devices,
+            nic_places,
             regions: RwLock::new(HashMap::new()),
+            closing: Mutex::new(HashMap::new()),
+            in_flight: Arc::new(InFlight::default()),
+            peers: RwLock::new(HashMap::new()),
+            by_instance: Mutex::new(HashMap::new()),
+            next_peer: AtomicU64::new(1),
             next_tag: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             serving: Mutex::new(HashMap::new()),
             threads: Mutex::new(Vec::new()),
+            repairs: Mutex::new(VecDeque::new()),
+            repair_wake: Condvar::new(),
         });
         let mut stop = Vec::new();
-        let mut completion_threads = Vec::new();
+        let mut device_threads = Vec::new();
         for d in &shared.devices {
             let (rd, wr) = pipe()?;
-            let (dev, window) = (d.clone(), shared.config.adaptive_poll);
-            completion_threads.push(spawn(&format!("te-rdma-cq-{}", d.name), move || {
-                completion_loop(&dev, &rd, window)
+            let rd = Arc::new(rd);
+            let (dev, r) = (d.clone(), rd.clone());
+            device_threads.push(spawn(&format!("te-rdma-cq-{}", d.name), move || {
+                device::completion_loop(&dev, &r)
+            })?);
+            let (dev, weak) = (d.clone(), Arc::downgrade(&shared));
+            device_threads.push(spawn(&format!("te-rdma-ev-{}", d.name), move || {
+                device::event_loop(&dev, &weak, &rd)
             })?);
             stop.push(wr);
         }
+        let weak = Arc::downgrade(&shared);
+        let repair_thread = spawn("te-rdma-repair", move || side::repair_loop(&weak))?;
         let listener = Arc::new(listener);
         let (s, l) = (shared.clone(), listener.clone());
         let accept = spawn("te-rdma-accept", move || accept_loop(&s, &l))?;
@@ -419,296 +260,48 @@ impl RdmaBackend {
                     cross_process: true,
                     same_host_only: false,
                     max_request_size: u64::MAX,
+                    // The nic enforces each region's key: its range and rights.
+                    checks_at_target: true,
                 },
             },
             shared,
             endpoint,
             listener,
-            peers: RwLock::new(HashMap::new()),
-            by_instance: Mutex::new(HashMap::new()),
-            next_peer: AtomicU64::new(1),
             stop,
-            completion_threads: Mutex::new(completion_threads),
+            device_threads: Mutex::new(device_threads),
+            repair_thread: Mutex::new(Some(repair_thread)),
         })
     }
-}
 
-fn pipe() -> Result<(OwnedFd, OwnedFd)> {
-    use std::os::fd::FromRawFd;
-    let mut fds = [0; 2];
-    // SAFETY: `fds` has room for the two descriptors pipe2 writes.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(Error::new(ErrorKind::Io, "pipe2 failed").with_source(ffi::last_os_error()));
-    }
-    // SAFETY: two new descriptors we own.
-    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
-}
-
-/// One device's completion thread: waits on the completion channel (and the stop
-/// pipe) in poll(2), takes each event, acknowledges it, re-arms the CQ, then drains it.
-/// With `window` > 0 it keeps polling a CQ that just had completions for that long
-/// before sleeping again.
-fn completion_loop(dev: &Arc<Device>, stop: &OwnedFd, window: Duration) {
-    let v = dev.ctx.v;
-    let mut wc = vec![
-        // SAFETY: `ibv_wc` is plain data; all-zero is a valid value.
-        unsafe { std::mem::zeroed::<ibverbs::ibv_wc>() };
-        32
-    ];
-    loop {
-        let mut fds = [
-            libc::pollfd {
-                fd: dev.ctx.channel_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: stop.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
-        // SAFETY: two valid pollfds.
-        let rc = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-        if rc < 0 {
-            if ffi::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            tracing::error!(device = %dev.name, error = %ffi::last_os_error(), "poll on the completion channel failed");
-            return;
+    /// The local devices that should move memory of `kind`: the configured ones, else
+    /// the nearest to its device on the PCIe tree; empty for any.
+    fn nics_for(&self, kind: &MemoryKind) -> Vec<usize> {
+        let names = self.shared.config.nic_affinity.get(&kind.to_string());
+        if let Some(names) = names {
+            return self
+                .shared
+                .devices
+                .iter()
+                .filter(|d| names.contains(&d.name))
+                .map(|d| d.index)
+                .collect();
         }
-        if fds[1].revents != 0 {
-            return;
-        }
-        loop {
-            let mut cq = std::ptr::null_mut();
-            let mut tag = std::ptr::null_mut();
-            // SAFETY: the channel is live and non-blocking; valid out-parameters.
-            if unsafe { (v.ibv_get_cq_event)(dev.ctx.channel, &mut cq, &mut tag) } != 0 {
-                break; // EAGAIN: no more events.
-            }
-            // SAFETY: `cq` is the CQ the event is for; acknowledged once.
-            unsafe { (v.ibv_ack_cq_events)(cq, 1) };
-            let path = dev
-                .paths
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(&(tag as usize as u64))
-                .cloned();
-            let Some(path) = path else { continue };
-            path.cq.arm();
-            let mut until = Instant::now() + window;
-            loop {
-                let n = drain(&path, &mut wc);
-                if window.is_zero() {
-                    break;
-                }
-                let now = Instant::now();
-                if n > 0 {
-                    until = now + window;
-                } else if now >= until {
-                    break;
-                } else {
-                    std::hint::spin_loop();
+        let place = match kind {
+            #[cfg(feature = "cuda")]
+            MemoryKind::Device { runtime, ordinal } if runtime == "cuda" => {
+                match crate::cuda::pci_bus_id(*ordinal) {
+                    Ok(bus) => topology::pci_place(std::path::Path::new("/sys"), &bus),
+                    Err(_) => return Vec::new(),
                 }
             }
+            _ => return Vec::new(),
+        };
+        let near = topology::nearest(&self.shared.nic_places, &place);
+        if near.len() == self.shared.devices.len() {
+            Vec::new()
+        } else {
+            near
         }
-    }
-}
-
-/// Polls a path's CQ empty and settles what completed; returns the completions seen.
-fn drain(path: &Arc<Path>, wc: &mut [ibverbs::ibv_wc]) -> usize {
-    let v = path.device.ctx.v;
-    let mut total = 0;
-    loop {
-        let n = path.cq.poll(wc);
-        if n <= 0 {
-            if n < 0 {
-                tracing::error!(device = %path.device.name, "ibv_poll_cq failed");
-            }
-            return total;
-        }
-        total += n as usize;
-        let mut done = Vec::new();
-        let mut failed = Vec::new();
-        {
-            let mut st = lock(&path.state);
-            for c in &wc[..n as usize] {
-                let error = c.error().map(|(status, vendor)| {
-                    format!("{} (vendor error {vendor:#x})", ffi::status_text(v, status))
-                });
-                let ok = error.is_none();
-                st.sq.complete(c.wr_id(), ok, |job, outcome| match outcome {
-                    Outcome::Done => done.push(job),
-                    Outcome::Failed => failed.push((job, error.clone().unwrap_or_default())),
-                });
-            }
-            if !failed.is_empty() {
-                path.broken.store(true, Ordering::Release);
-            }
-            pump(path, &mut st, &mut failed);
-        }
-        for job in done {
-            job.batch.slice_done();
-        }
-        for (job, why) in failed {
-            retry(path, job, &why);
-        }
-    }
-}
-
-/// Posts waiting jobs while the QP has room. A broken path hands its waiting jobs back
-/// through `failed`, to be retried elsewhere.
-fn pump(path: &Path, st: &mut PathState, failed: &mut Vec<(Job, String)>) {
-    if path.broken.load(Ordering::Acquire) {
-        failed.extend(
-            st.waiting
-                .drain(..)
-                .map(|j| (j, "the QP was marked for reset".to_string())),
-        );
-        return;
-    }
-    let dev = path.device.index;
-    while !st.waiting.is_empty() && st.sq.room() > 0 {
-        let n = st.waiting.len().min(st.sq.room());
-        let PathState {
-            sq,
-            waiting,
-            chain,
-            items,
-            posting,
-        } = st;
-        items.clear();
-        posting.clear();
-        posting.extend(waiting.drain(..n));
-        for (i, job) in posting.drain(..).enumerate() {
-            let item = WorkItem {
-                op: job.op,
-                wr_id: 0,
-                signaled: false,
-                local_addr: job.local_addr,
-                lkey: job.local.0.mrs[dev].lkey(),
-                remote_addr: job.remote_addr,
-                rkey: job.remote.rkeys[path.remote_device],
-                len: job.len,
-            };
-            match sq.push(job, i + 1 == n, path.signal_every) {
-                Ok((wr_id, signaled)) => items.push(WorkItem {
-                    wr_id,
-                    signaled,
-                    ..item
-                }),
-                Err(job) => waiting.push_front(job),
-            }
-        }
-        let head = chain.build(items);
-        // SAFETY: the chain names MRs pinned by the jobs now held in the send queue
-        // until their completions are settled.
-        let rc = unsafe { path.qp.post_send(head) };
-        if rc != 0 {
-            path.broken.store(true, Ordering::Release);
-            let why = format!(
-                "ibv_post_send failed: {}",
-                std::io::Error::from_raw_os_error(rc)
-            );
-            failed.extend(sq.unpush(items.len()).into_iter().map(|j| (j, why.clone())));
-            failed.extend(waiting.drain(..).map(|j| (j, why.clone())));
-            return;
-        }
-    }
-}
-
-/// Queues jobs on a path and posts what fits.
-fn post(path: &Arc<Path>, jobs: impl IntoIterator<Item = Job>) {
-    let mut failed = Vec::new();
-    {
-        let mut st = lock(&path.state);
-        st.waiting.extend(jobs);
-        pump(path, &mut st, &mut failed);
-    }
-    for (job, why) in failed {
-        retry(path, job, &why);
-    }
-}
-
-/// A slice failed on `from`: retry it on another healthy path of the same peer, or fail
-/// its batch with the reason.
-fn retry(from: &Path, mut job: Job, why: &str) {
-    let peer = from.peer.upgrade();
-    let alive = peer
-        .as_ref()
-        .is_some_and(|p| !p.dead.load(Ordering::Acquire));
-    if job.batch.is_finished() {
-        return; // Its batch already failed; the slice is only accounted.
-    }
-    if let Some(peer) = peer.as_ref().filter(|_| alive) {
-        job.attempts += 1;
-        if job.attempts < peer.paths.len() {
-            let start = peer.next.fetch_add(1, Ordering::Relaxed);
-            let n = peer.paths.len();
-            if let Some(p) = (0..n)
-                .map(|i| &peer.paths[(start + i) % n])
-                .find(|p| !p.broken.load(Ordering::Acquire))
-            {
-                tracing::warn!(device = %from.device.name, reason = why, "rdma slice failed; retrying on another path");
-                post(p, [job]);
-                return;
-            }
-        }
-    }
-    let (kind, because) = match peer.as_ref() {
-        Some(p) if !alive => (ErrorKind::PeerUnreachable, format!(" ({})", lock(&p.why))),
-        None => (
-            ErrorKind::PeerUnreachable,
-            " (the peer was disconnected)".into(),
-        ),
-        Some(p) if p.paths.iter().all(|p| p.broken.load(Ordering::Acquire)) => (
-            ErrorKind::PeerUnreachable,
-            "; every QP to the peer failed, the next connect rebuilds them".into(),
-        ),
-        Some(_) => (ErrorKind::Backend, String::new()),
-    };
-    job.batch.slice_failed(Error::new(
-        kind,
-        format!(
-            "RDMA {} of {} bytes on {} failed: {why}{because}",
-            job.op, job.len, from.device.name
-        ),
-    ));
-}
-
-impl Shared {
-    fn new_path(
-        &self,
-        dev: &Arc<Device>,
-        remote_device: usize,
-        peer: Weak<Peer>,
-        depth: u32,
-        channel: bool,
-    ) -> Result<(Arc<Path>, u32)> {
-        let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
-        let cq = dev.ctx.create_cq(depth + 1, tag, channel)?;
-        let qp = dev.ctx.create_qp(&cq, depth)?;
-        qp.modify(qp::init(&dev.params), "INIT")?;
-        let psn = rand::random::<u32>() & 0x00ff_ffff;
-        let path = Arc::new(Path {
-            tag,
-            device: dev.clone(),
-            remote_device,
-            qp,
-            cq,
-            state: Mutex::new(PathState {
-                sq: SendQueue::new(depth as usize),
-                waiting: VecDeque::new(),
-                chain: WrChain::default(),
-                items: Vec::new(),
-                posting: Vec::new(),
-            }),
-            broken: AtomicBool::new(false),
-            peer,
-            signal_every: self.config.signal_every,
-        });
-        Ok((path, psn))
     }
 }
 
@@ -726,261 +319,13 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
         }
         let s = shared.clone();
         let handle = spawn("te-rdma-serve", move || {
-            if let Err(e) = serve(&s, stream) {
+            if let Err(e) = side::serve(&s, stream) {
                 tracing::warn!(error = %e, "rdma connect exchange failed");
             }
             lock(&s.serving).remove(&id);
         });
         if let Ok(h) = handle {
             lock(&shared.threads).push(h);
-        }
-    }
-}
-
-/// The target's side of the connect exchange: build a QP per requested path, bring it
-/// to RTS towards the initiator's QP, answer, then keep the QPs until the initiator
-/// closes the side channel.
-fn serve(shared: &Arc<Shared>, mut stream: TcpStream) -> Result<()> {
-    let timeout = shared.config.connect_timeout;
-    let _ = stream.set_read_timeout(Some(timeout));
-    let _ = stream.set_write_timeout(Some(timeout));
-    let Message::Request {
-        target,
-        paths: asked,
-        ..
-    } = exchange::read_message(&mut stream)?
-    else {
-        return Err(Error::new(
-            ErrorKind::Protocol,
-            "expected a connect request",
-        ));
-    };
-    let refuse = |stream: &mut TcpStream, reason: String| {
-        let _ = exchange::write_message(
-            stream,
-            &Message::Refuse {
-                reason: reason.clone(),
-            },
-        );
-        Err(Error::new(ErrorKind::PeerUnreachable, reason))
-    };
-    if target != shared.instance {
-        return refuse(
-            &mut stream,
-            format!(
-                "the request names instance {target:#x}, this is {:#x}: the descriptor is stale (the target restarted)",
-                shared.instance
-            ),
-        );
-    }
-    let mut held = Vec::new();
-    let mut answer = Vec::new();
-    for p in &asked {
-        let Some(dev) = shared.devices.get(p.remote_device as usize) else {
-            return refuse(&mut stream, format!("no device {} here", p.remote_device));
-        };
-        if dev.link_layer != p.link_layer {
-            return refuse(
-                &mut stream,
-                format!(
-                    "device {} has another link layer than the initiator's",
-                    dev.name
-                ),
-            );
-        }
-        let built = shared.new_path(dev, p.local_device as usize, Weak::new(), 1, false);
-        let (path, psn) = match built {
-            Ok(x) => x,
-            Err(e) => return refuse(&mut stream, e.to_string()),
-        };
-        if let Err(e) = path
-            .qp
-            .modify(qp::rtr(&dev.params, p), "RTR")
-            .and_then(|()| path.qp.modify(qp::rts(&dev.params, psn), "RTS"))
-        {
-            return refuse(&mut stream, e.to_string());
-        }
-        answer.push(dev.path_info(p.local_device as usize, path.qp.qpn(), psn));
-        held.push(path);
-    }
-    exchange::write_message(&mut stream, &Message::Accept { paths: answer })?;
-    let _ = stream.set_read_timeout(None);
-    // The QPs live until the initiator closes the side channel (or this backend closes).
-    let mut sink = [0u8; 64];
-    while matches!(stream.read(&mut sink), Ok(n) if n > 0) {}
-    drop(held);
-    Ok(())
-}
-
-impl RdmaBackend {
-    fn establish(&self, ep: &Endpoint) -> Result<Arc<Peer>> {
-        let shared = &self.shared;
-        let local = &shared.devices;
-        let pairs = plan::nic_pairs(local.len(), ep.devices.len(), |l, r| {
-            local[l].link_layer == ep.devices[r].link_layer
-        });
-        if pairs.is_empty() {
-            return Err(Error::new(
-                ErrorKind::Unsupported,
-                "no local RDMA device shares a link layer (InfiniBand or Ethernet) with any of the peer's",
-            ));
-        }
-        let timeout = shared.config.connect_timeout;
-        let mut side = TcpStream::connect_timeout(&ep.addr, timeout).map_err(|e| {
-            Error::new(
-                ErrorKind::PeerUnreachable,
-                format!("cannot reach the peer's rdma side channel at {}", ep.addr),
-            )
-            .with_source(e)
-        })?;
-        let _ = side.set_nodelay(true);
-        let _ = side.set_read_timeout(Some(timeout));
-        let _ = side.set_write_timeout(Some(timeout));
-        let order = plan::path_order(pairs.len(), shared.config.qps_per_path);
-        let depth = shared.config.max_outstanding;
-        Ok(Arc::new_cyclic(|weak: &Weak<Peer>| {
-            // `new_cyclic` cannot fail; errors are carried out through `built`.
-            let built = (|| -> Result<Vec<Arc<Path>>> {
-                let mut paths = Vec::new();
-                let mut mine = Vec::new();
-                for &(pair, _) in &order {
-                    let (l, r) = pairs[pair];
-                    let (path, psn) = shared.new_path(&local[l], r, weak.clone(), depth, true)?;
-                    mine.push(local[l].path_info(r, path.qp.qpn(), psn));
-                    paths.push((path, psn));
-                }
-                exchange::write_message(
-                    &mut side,
-                    &Message::Request {
-                        initiator: shared.instance,
-                        target: ep.instance,
-                        paths: mine,
-                    },
-                )?;
-                let theirs = match exchange::read_message(&mut side)? {
-                    Message::Accept { paths } => paths,
-                    Message::Refuse { reason } => {
-                        return Err(Error::new(
-                            ErrorKind::PeerUnreachable,
-                            format!("the peer refused the connection: {reason}"),
-                        ))
-                    }
-                    Message::Request { .. } => {
-                        return Err(Error::new(
-                            ErrorKind::Protocol,
-                            "the peer answered with a request",
-                        ))
-                    }
-                };
-                if theirs.len() != paths.len() {
-                    return Err(Error::new(
-                        ErrorKind::Protocol,
-                        format!(
-                            "asked for {} paths, the peer accepted {}",
-                            paths.len(),
-                            theirs.len()
-                        ),
-                    ));
-                }
-                let mut out = Vec::new();
-                for ((path, psn), t) in paths.into_iter().zip(&theirs) {
-                    if t.local_device as usize != path.remote_device
-                        || t.remote_device as usize != path.device.index
-                    {
-                        return Err(Error::new(
-                            ErrorKind::Protocol,
-                            "the peer answered for other devices",
-                        ));
-                    }
-                    let params = &path.device.params;
-                    path.qp.modify(qp::rtr(params, t), "RTR")?;
-                    path.qp.modify(qp::rts(params, psn), "RTS")?;
-                    out.push(path);
-                }
-                Ok(out)
-            })();
-            let (paths, why) = match built {
-                Ok(p) => (p, String::new()),
-                Err(e) => (Vec::new(), e.to_string()),
-            };
-            Peer {
-                endpoint: ep.clone(),
-                regions: RwLock::new(HashMap::new()),
-                paths,
-                next: AtomicUsize::new(0),
-                side: side.try_clone().unwrap_or(side),
-                dead: AtomicBool::new(!why.is_empty()),
-                why: Mutex::new(why),
-            }
-        }))
-        .and_then(|peer| {
-            if peer.dead.load(Ordering::Acquire) {
-                return Err(Error::new(
-                    ErrorKind::PeerUnreachable,
-                    lock(&peer.why).clone(),
-                ));
-            }
-            for p in &peer.paths {
-                p.device
-                    .paths
-                    .write()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(p.tag, p.clone());
-                p.cq.arm();
-            }
-            let _ = peer.side.set_read_timeout(None);
-            let watch = peer.side.try_clone().map_err(|e| {
-                Error::new(ErrorKind::Io, "cannot watch the side channel").with_source(e)
-            })?;
-            let weak = Arc::downgrade(&peer);
-            let h = spawn("te-rdma-watch", move || watch_peer(watch, &weak))?;
-            lock(&self.shared.threads).push(h);
-            Ok(peer)
-        })
-    }
-}
-
-/// Blocks on the side channel; when it closes, the peer is dead: its QPs go to the
-/// error state so everything outstanding on them completes (flushed) at once.
-fn watch_peer(mut side: TcpStream, peer: &Weak<Peer>) {
-    let mut sink = [0u8; 64];
-    while matches!(side.read(&mut sink), Ok(n) if n > 0) {}
-    if let Some(peer) = peer.upgrade() {
-        *lock(&peer.why) = format!(
-            "the peer's side channel at {} closed: it exited or disconnected",
-            peer.endpoint.addr
-        );
-        peer.dead.store(true, Ordering::Release);
-        for p in &peer.paths {
-            p.broken.store(true, Ordering::Release);
-            if let Err(e) = p.qp.modify(qp::error(), "ERR") {
-                tracing::warn!(error = %e, "cannot move a QP to the error state");
-            }
-        }
-    }
-}
-
-/// Unhooks a peer's paths from their completion threads and fails whatever they still
-/// hold with `PeerUnreachable`; the QPs are destroyed when the last reference goes.
-fn teardown(peer: &Peer) {
-    let why = lock(&peer.why).clone();
-    for p in &peer.paths {
-        p.device
-            .paths
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&p.tag);
-        let jobs: Vec<Job> = {
-            let mut st = lock(&p.state);
-            let mut jobs = st.sq.drain();
-            jobs.extend(st.waiting.drain(..));
-            jobs
-        };
-        for job in jobs {
-            job.batch.slice_failed(Error::new(
-                ErrorKind::PeerUnreachable,
-                format!("the connection to the peer was closed: {why}"),
-            ));
         }
     }
 }
@@ -1000,12 +345,12 @@ impl TransferBackend for RdmaBackend {
             MemoryKind::Host => (
                 devices
                     .iter()
-                    .map(|d| d.ctx.reg_mr(mem.addr, mem.len))
+                    .map(|d| d.ctx.reg_mr(mem.addr, mem.len, mem.access))
                     .collect::<Result<Vec<_>>>()?,
                 None,
             ),
             MemoryKind::Device { runtime, ordinal } if runtime == "cuda" => {
-                register_cuda(devices, *ordinal, mem.addr, mem.len)?
+                register_cuda(devices, *ordinal, mem)?
             }
             other => {
                 return Err(Error::new(
@@ -1017,15 +362,21 @@ impl TransferBackend for RdmaBackend {
                 ))
             }
         };
-        let key = exchange::encode_key(&mrs.iter().map(Mr::rkey).collect::<Vec<_>>());
-        let region = Arc::new(LocalRegion {
-            addr: mem.addr,
-            len: mem.len,
+        // A region peers may not touch publishes no key: its MRs carry no remote
+        // right anyway, and its rkeys are nobody's business.
+        let remote = mem.access.remote_read || mem.access.remote_write;
+        let region = Arc::new(LocalRegion::new(
+            mem.addr,
+            mem.len,
             mrs,
-            pins: Mutex::new(0),
-            unpinned: Condvar::new(),
-            _dmabuf: dmabuf,
-        });
+            self.nics_for(&mem.kind),
+            dmabuf,
+        ));
+        let key = if remote {
+            exchange::encode_key(&region.rkeys())
+        } else {
+            Vec::new()
+        };
         self.shared
             .regions
             .write()
@@ -1034,34 +385,41 @@ impl TransferBackend for RdmaBackend {
         Ok(key)
     }
 
-    fn deregister(&self, id: RegionId) -> Result<()> {
-        let region = self
-            .shared
-            .regions
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&id)
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::NotRegistered,
-                    format!("region {id} is not registered with the rdma backend"),
-                )
-            })?;
-        let mut pins = lock(&region.pins);
-        while *pins > 0 {
-            let (p, t) = region
-                .unpinned
-                .wait_timeout(pins, Duration::from_secs(5))
+    fn deregister(&self, id: RegionId, deadline: Deadline) -> Result<()> {
+        let region = {
+            let mut regions = self
+                .shared
+                .regions
+                .write()
                 .unwrap_or_else(|p| p.into_inner());
-            pins = p;
-            if t.timed_out() && *pins > 0 {
-                tracing::warn!(region = %id, slices = *pins, "deregister waits for RDMA work requests still using the region");
+            let mut closing = lock(&self.shared.closing);
+            // Out of the table, no new slice can pin it; one whose deregistration
+            // timed out before is waited for again.
+            match regions.remove(&id) {
+                Some(r) => closing.entry(id).or_insert(r).clone(),
+                None => closing.get(&id).cloned().ok_or_else(|| {
+                    Error::new(
+                        ErrorKind::NotRegistered,
+                        format!("region {id} is not registered with the rdma backend"),
+                    )
+                })?,
             }
+        };
+        let pinned = region.wait_unpinned(deadline.instant());
+        if pinned > 0 {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "region {id}: {pinned} RDMA work requests still used it at the deadline; new batches are refused, and its MRs stay until they complete: deregister it again, and free the memory only once that returns Ok"
+                ),
+            ));
         }
+        region.release();
+        lock(&self.shared.closing).remove(&id);
         Ok(())
     }
 
-    fn connect(&self, segment: &SegmentDesc) -> Result<PeerId> {
+    fn connect(&self, segment: &SegmentDesc, deadline: Deadline) -> Result<PeerId> {
         let ep = exchange::decode_endpoint(&segment.endpoint)?;
         let regions = segment
             .regions
@@ -1078,51 +436,51 @@ impl TransferBackend for RdmaBackend {
                 ))
             })
             .collect::<Result<HashMap<_, _>>>()?;
-        let known = lock(&self.by_instance).get(&ep.instance).copied();
-        if let Some(id) = known {
-            let peers = self.peers.read().unwrap_or_else(|p| p.into_inner());
-            if let Some(peer) = peers.get(&id) {
-                let healthy = !peer.dead.load(Ordering::Acquire)
-                    && peer.paths.iter().all(|p| !p.broken.load(Ordering::Acquire));
-                if healthy {
-                    *peer.regions.write().unwrap_or_else(|p| p.into_inner()) = regions;
-                    return Ok(id);
-                }
+        let known = lock(&self.shared.by_instance).get(&ep.instance).copied();
+        if let Some(peer) = known.and_then(|id| self.shared.peer(id)) {
+            if !peer.dead.load(Ordering::Acquire) && !peer.healthy().is_empty() {
+                *peer.regions.write().unwrap_or_else(|p| p.into_inner()) = regions;
+                return Ok(peer.id);
             }
         }
-        // No connection lock is held while the exchange runs.
-        let peer = self.establish(&ep)?;
+        // No lock is held while the exchange runs.
+        let id =
+            known.unwrap_or_else(|| PeerId(self.shared.next_peer.fetch_add(1, Ordering::Relaxed)));
+        let peer = self.shared.establish(&ep, id, deadline)?;
         *peer.regions.write().unwrap_or_else(|p| p.into_inner()) = regions;
-        let id = known.unwrap_or_else(|| PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed)));
         let old = self
+            .shared
             .peers
             .write()
             .unwrap_or_else(|p| p.into_inner())
             .insert(id, peer);
-        lock(&self.by_instance).insert(ep.instance, id);
+        lock(&self.shared.by_instance).insert(ep.instance, id);
         if let Some(old) = old {
-            *lock(&old.why) = "replaced by a new connection after a QP failed".into();
-            old.dead.store(true, Ordering::Release);
-            teardown(&old);
+            // Its QPs go to ERR first; what they held is flushed back before it fails.
+            old.kill("replaced by a new connection after its QPs failed".into());
+            // Work the old set still has posted completes (flushed) after this returns
+            // if its QPs are slow to flush; its regions stay pinned until then.
+            path::retire(&old, deadline.instant());
         }
         Ok(id)
     }
 
-    fn disconnect(&self, peer: PeerId) -> Result<()> {
+    fn disconnect(&self, peer: PeerId, deadline: Deadline) -> Result<()> {
         let old = self
+            .shared
             .peers
             .write()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&peer)
             .ok_or_else(|| Error::new(ErrorKind::PeerUnreachable, "unknown peer"))?;
-        lock(&self.by_instance).retain(|_, id| *id != peer);
-        *lock(&old.why) = "disconnected".into();
-        old.dead.store(true, Ordering::Release);
-        for p in &old.paths {
-            p.broken.store(true, Ordering::Release);
-            let _ = p.qp.modify(qp::error(), "ERR");
+        lock(&self.shared.by_instance).retain(|_, id| *id != peer);
+        old.kill("disconnected".into());
+        if !path::retire(&old, deadline.instant()) {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                "the peer's QPs did not flush their work requests by the deadline; their batches fail and their regions stay pinned until they do",
+            ));
         }
-        teardown(&old);
         Ok(())
     }
 
@@ -1134,11 +492,8 @@ impl TransferBackend for RdmaBackend {
             ));
         }
         let peer = self
-            .peers
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&peer)
-            .cloned()
+            .shared
+            .peer(peer)
             .ok_or_else(|| Error::new(ErrorKind::PeerUnreachable, "unknown peer"))?;
         if peer.dead.load(Ordering::Acquire) {
             return Err(Error::new(
@@ -1146,15 +501,17 @@ impl TransferBackend for RdmaBackend {
                 lock(&peer.why).clone(),
             ));
         }
-        let usable: Vec<&Arc<Path>> = peer
-            .paths
-            .iter()
-            .filter(|p| !p.broken.load(Ordering::Acquire))
-            .collect();
+        let usable = peer.healthy();
         if usable.is_empty() {
+            let why = lock(&peer.why).clone();
             return Err(Error::new(
                 ErrorKind::PeerUnreachable,
-                "every QP to the peer failed; the next connect rebuilds them",
+                if why.is_empty() {
+                    "every QP to the peer failed; they are being rebuilt in the background"
+                        .to_string()
+                } else {
+                    why
+                },
             ));
         }
         let local_regions = self
@@ -1186,58 +543,86 @@ impl TransferBackend for RdmaBackend {
                         .with_context("request", i),
                 );
             }
-            resolved.push((local.clone(), remote.clone()));
+            resolved.push((local, remote.clone()));
         }
-        drop((local_regions, remote_regions));
+        drop(remote_regions);
         let slice = self.shared.config.slice_size.min(MAX_SLICE);
         let count = plan::slice_count(batch.iter().map(|r| r.len), slice);
         if count == 0 {
+            drop(local_regions);
             done.complete(Ok(()));
             return Ok(());
         }
-        let start = peer.next.fetch_add(count as usize, Ordering::Relaxed);
-        let specs = plan::plan(batch.iter().map(|r| r.len), slice, usable.len(), start);
-        let state = Arc::new(BatchState::new(specs.len(), done));
-        let mut per_path: Vec<Vec<Job>> = (0..usable.len()).map(|_| Vec::new()).collect();
-        for s in specs {
-            let r = &batch[s.request];
-            let (local, remote) = &resolved[s.request];
-            per_path[s.path].push(Job {
-                batch: state.clone(),
-                op: r.op,
-                local: Pin::new(local),
-                local_addr: local.addr + r.local_offset + s.offset,
-                remote: remote.clone(),
-                remote_addr: remote.addr + r.remote_offset + s.offset,
-                len: s.len as u32,
-                attempts: 0,
-            });
-        }
-        for (path, jobs) in usable.into_iter().zip(per_path) {
-            if !jobs.is_empty() {
-                post(path, jobs);
+        let state = self.shared.in_flight.start(count as usize, done);
+        let mut per_path: HashMap<u64, (Arc<path::Path>, Vec<Job>)> = HashMap::new();
+        for (r, (local, remote)) in batch.iter().zip(&resolved) {
+            // Slices of a device's memory go to the NICs nearest to it, if healthy.
+            let near: Vec<&Arc<path::Path>> = usable
+                .iter()
+                .copied()
+                .filter(|p| local.nics.is_empty() || local.nics.contains(&p.device.index))
+                .collect();
+            let paths = if near.is_empty() { &usable } else { &near };
+            let n = plan::slice_count([r.len], slice);
+            let start = peer.next.fetch_add(n as usize, Ordering::Relaxed);
+            for s in plan::plan([r.len], slice, paths.len(), start) {
+                let p = paths[s.path];
+                per_path
+                    .entry(p.tag)
+                    .or_insert_with(|| (p.clone(), Vec::new()))
+                    .1
+                    .push(Job {
+                        batch: state.clone(),
+                        op: r.op,
+                        local: Pin::new(local),
+                        local_addr: local.addr + r.local_offset + s.offset,
+                        remote: remote.clone(),
+                        remote_addr: remote.addr + r.remote_offset + s.offset,
+                        len: s.len as u32,
+                        attempts: 0,
+                    });
             }
+        }
+        // The slices are pinned under the table's lock: a deregistration either came
+        // first (and the check above failed) or waits for them.
+        drop(local_regions);
+        for (_, (path, jobs)) in per_path {
+            path::post(&path, jobs);
         }
         Ok(())
     }
+
+    fn abort(&self, peer: PeerId, batch: BatchId) {
+        let stopped = self.shared.in_flight.abort(batch, || {
+            Error::new(ErrorKind::Cancelled, "the engine aborted the batch")
+        });
+        if stopped.is_empty() {
+            return; // Completed already, or never submitted here.
+        }
+        // Its waiting slices leave the queues now; the posted ones complete as the NICs
+        // complete them (or flush them), and the last one completes the batch.
+        if let Some(p) = self.shared.peer(peer) {
+            for path in &p.paths {
+                path::drop_stopped(path);
+            }
+        }
+    }
 }
 
-/// Registers CUDA memory on every device: DMA-BUF first, then plain `ibv_reg_mr`
-/// (nvidia-peermem).
 #[cfg(feature = "cuda")]
 fn register_cuda(
     devices: &[Arc<Device>],
     ordinal: u32,
-    addr: u64,
-    len: u64,
+    mem: &MemoryDesc,
 ) -> Result<(Vec<Mr>, Option<OwnedFd>)> {
+    let (addr, len, access) = (mem.addr, mem.len, mem.access);
     crate::cuda::check_pointer(ordinal, addr, len)?;
     let dmabuf = crate::cuda::export_dmabuf(ordinal, addr, len).and_then(|buf| {
         let mrs = devices
             .iter()
             .map(|d| {
                 d.ctx
-                    .reg_dmabuf_mr(buf.fd.as_raw_fd(), buf.offset, len, addr)
+                    .reg_dmabuf_mr(buf.fd.as_raw_fd(), buf.offset, len, addr, access)
             })
             .collect::<Result<Vec<_>>>()?;
         Ok((mrs, Some(buf.fd)))
@@ -1247,7 +632,7 @@ fn register_cuda(
         Err(dmabuf_error) => {
             let peermem = devices
                 .iter()
-                .map(|d| d.ctx.reg_mr(addr, len))
+                .map(|d| d.ctx.reg_mr(addr, len, access))
                 .collect::<Result<Vec<_>>>();
             match peermem {
                 Ok(mrs) => {
@@ -1269,8 +654,7 @@ fn register_cuda(
 fn register_cuda(
     _: &[Arc<Device>],
     ordinal: u32,
-    _: u64,
-    _: u64,
+    _: &MemoryDesc,
 ) -> Result<(Vec<Mr>, Option<OwnedFd>)> {
     Err(Error::new(
         ErrorKind::Unsupported,
@@ -1281,27 +665,38 @@ fn register_cuda(
 impl Drop for RdmaBackend {
     fn drop(&mut self) {
         self.shared.closed.store(true, Ordering::Release);
+        // The repair thread first, so that it adds no peer after they are drained.
+        self.shared.repair_wake.notify_all();
+        if let Some(t) = lock(&self.repair_thread).take() {
+            let _ = t.join();
+        }
         // SAFETY: shutting down our own listening socket wakes the accept loop.
         unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
         for (_, s) in lock(&self.shared.serving).drain() {
             let _ = s.shutdown(Shutdown::Both);
         }
         let peers: Vec<_> = self
+            .shared
             .peers
             .write()
             .unwrap_or_else(|p| p.into_inner())
             .drain()
             .map(|(_, p)| p)
             .collect();
+        // Every peer's QPs go to ERR and their flush completions are taken (the
+        // completion threads still run) before the threads stop; whatever has not
+        // flushed by then is dropped with its QP, which the NIC stops using.
+        let deadline = Instant::now() + side::RETIRE_WAIT;
         for p in &peers {
+            p.kill("the rdma backend is closing".into());
             let _ = p.side.shutdown(Shutdown::Both);
-            teardown(p);
+            path::retire(p, deadline);
         }
         for w in &self.stop {
             // SAFETY: writing one byte from a valid buffer to our own pipe.
             unsafe { libc::write(w.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
         }
-        for t in lock(&self.completion_threads).drain(..) {
+        for t in lock(&self.device_threads).drain(..) {
             let _ = t.join();
         }
         for t in lock(&self.shared.threads).drain(..) {
@@ -1310,5 +705,13 @@ impl Drop for RdmaBackend {
         for d in &self.shared.devices {
             d.paths.write().unwrap_or_else(|p| p.into_inner()).clear();
         }
+        // The MRs go before the devices that made them: `Shared` drops its devices
+        // first, and closing a device does not deregister what it still holds.
+        self.shared
+            .regions
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        lock(&self.shared.closing).clear();
     }
 }

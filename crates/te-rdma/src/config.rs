@@ -1,6 +1,7 @@
 //! The `[backends.rdma]` table. Every knob is described in the crate docs and in
 //! `docs/rdma.md`.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -31,10 +32,10 @@ pub struct RdmaConfig {
     pub max_outstanding: u32,
     /// One work request in this many is signalled (the last one of every post always is).
     pub signal_every: u32,
-    /// After the completion queue runs dry, keep polling this long before sleeping on
-    /// the completion channel again; 0 never polls without an event.
-    #[serde(deserialize_with = "te_core::config::de::duration")]
-    pub adaptive_poll: Duration,
+    /// The NICs that move each device's memory, by memory kind (`"cuda:0" = ["mlx5_0"]`).
+    /// Kinds not named here use the NICs nearest to the device on the PCIe tree (read
+    /// from sysfs); host memory, and memory whose device cannot be placed, uses every NIC.
+    pub nic_affinity: BTreeMap<String, Vec<String>>,
     /// Limit for the connect exchange with one peer.
     #[serde(deserialize_with = "te_core::config::de::duration")]
     pub connect_timeout: Duration,
@@ -65,7 +66,7 @@ impl Default for RdmaConfig {
             qps_per_path: 2,
             max_outstanding: 128,
             signal_every: 16,
-            adaptive_poll: Duration::ZERO,
+            nic_affinity: BTreeMap::new(),
             connect_timeout: Duration::from_secs(5),
             mtu: 4096,
             timeout: 14,
@@ -135,8 +136,15 @@ impl RdmaConfig {
                 self.service_level
             ));
         }
-        if self.adaptive_poll > Duration::from_millis(10) {
-            return bad("adaptive_poll is at most 10ms: it burns a core while it polls".into());
+        for (kind, nics) in &self.nic_affinity {
+            match kind.parse::<te_core::MemoryKind>() {
+                Ok(te_core::MemoryKind::Device { .. }) if !nics.is_empty() => {}
+                _ => {
+                    return bad(format!(
+                        "nic_affinity key {kind:?} must be a device memory kind (like \"cuda:0\") with at least one NIC"
+                    ))
+                }
+            }
         }
         if self.connect_timeout.is_zero() {
             return bad("connect_timeout must be greater than zero".into());
@@ -152,9 +160,11 @@ mod tests {
 
     fn parse(text: &str) -> Result<RdmaConfig> {
         let ctx = BackendContext {
+            epoch: 0,
             engine: "t".into(),
             table: text.parse().expect("toml"),
             source: "test.toml".into(),
+            ..Default::default()
         };
         let c: RdmaConfig = ctx.parse(crate::NAME)?;
         c.validate()?;
@@ -171,13 +181,13 @@ mod tests {
     #[test]
     fn options_parse_with_units() {
         let c = parse(
-            "devices = [\"mlx5_0\", \"mlx5_1\"]\ngid_index = 3\nslice_size = \"1MiB\"\nadaptive_poll = \"20us\"",
+            "devices = [\"mlx5_0\", \"mlx5_1\"]\ngid_index = 3\nslice_size = \"1MiB\"\nnic_affinity = { \"cuda:1\" = [\"mlx5_1\"] }",
         )
         .unwrap();
         assert_eq!(c.devices, ["mlx5_0", "mlx5_1"]);
         assert_eq!(c.gid_index, Some(3));
         assert_eq!(c.slice_size, 1 << 20);
-        assert_eq!(c.adaptive_poll, Duration::from_micros(20));
+        assert_eq!(c.nic_affinity["cuda:1"], ["mlx5_1"]);
     }
 
     #[test]
@@ -193,7 +203,9 @@ mod tests {
             ("mtu = 1500", "mtu"),
             ("port = 0", "port"),
             ("retry_count = 8", "retry_count"),
-            ("adaptive_poll = \"1s\"", "adaptive_poll"),
+            ("adaptive_poll = \"20us\"", "adaptive_poll"),
+            ("nic_affinity = { host = [\"mlx5_0\"] }", "nic_affinity"),
+            ("nic_affinity = { \"cuda:0\" = [] }", "nic_affinity"),
         ] {
             let e = parse(text).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::ConfigInvalid, "{text}");

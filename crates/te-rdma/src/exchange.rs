@@ -7,8 +7,9 @@
 //! errors naming what was wrong.
 //!
 //! **Endpoint** (`SegmentDesc::endpoint`):
-//! `version u8 = 1 · family u8 (4|6) · port u16 · ip [4|16] · instance u64 ·
+//! `version u8 = 2 · family u8 (4|6) · port u16 · ip [4|16] · instance u64 ·
 //! devices u8 (1–32) · per device: link_layer u8 (1 = InfiniBand, 2 = Ethernet) ·
+//! roce u8 (the GID types it offers: bit 0 RoCE v1, bit 1 RoCE v2; 0 on InfiniBand) ·
 //! name_len u8 · name`.
 //!
 //! **Region key** (`RegionDesc::key`): `version u8 = 1 · n u8 · n × rkey u32`, one
@@ -16,7 +17,7 @@
 //!
 //! **Connect exchange** (side channel, TCP): each message is a frame
 //! `len u32 · body`, with `len` ≤ [`MAX_MESSAGE`]; a body is
-//! `magic "TERC" · version u16 = 1 · kind u8` and then
+//! `magic "TERC" · version u16 = 2 · kind u8` and then
 //! - kind 1, request (initiator → target): `initiator instance u64 · target instance
 //!   u64 · n u16 · n × path`;
 //! - kind 2, accept (target → initiator): `n u16 · n × path`, one per requested path,
@@ -24,8 +25,10 @@
 //! - kind 3, refuse: `len u16 · UTF-8 reason`.
 //!
 //! A path is `sender's device u8 · receiver's device u8 · qpn u32 · psn u32 · lid u16
-//! · gid [16] · mtu u8 (IBV_MTU_256 = 1 … IBV_MTU_4096 = 5) · link_layer u8 · port u8`.
-//! QP numbers and PSNs are 24-bit. The target keeps its side of the QPs for as long as
+//! · gid [16] · mtu u8 (IBV_MTU_256 = 1 … IBV_MTU_4096 = 5) · link_layer u8 · port u8 ·
+//! gid_type u8 (0 InfiniBand, 1 RoCE v1, 2 RoCE v2; both ends use the same) ·
+//! rd_atomic u8 (the RDMA READs the sender serves at once, 1–255: the receiver's
+//! `max_rd_atomic` is capped by it)`. QP numbers and PSNs are 24-bit. The target keeps its side of the QPs for as long as
 //! the side channel stays open; closing it is the disconnect.
 
 use std::net::{IpAddr, SocketAddr};
@@ -33,20 +36,24 @@ use std::net::{IpAddr, SocketAddr};
 use te_core::{Error, ErrorKind, Result};
 
 /// The endpoint format's version.
-pub(crate) const ENDPOINT_VERSION: u8 = 1;
+pub(crate) const ENDPOINT_VERSION: u8 = 2;
 /// The region-key format's version.
 pub(crate) const KEY_VERSION: u8 = 1;
 /// The connect exchange's version.
-pub(crate) const EXCHANGE_VERSION: u16 = 1;
+pub(crate) const EXCHANGE_VERSION: u16 = 2;
 /// The connect exchange's magic.
 pub(crate) const MAGIC: [u8; 4] = *b"TERC";
 /// The largest connect-exchange frame body.
 pub(crate) const MAX_MESSAGE: usize = 64 << 10;
 /// The most devices an endpoint may name.
 pub(crate) const MAX_DEVICES: usize = 32;
-/// The most paths one request may carry.
+/// The most paths any message may carry; a target allows far fewer per request
+/// (`qps_per_path` × device pairs).
 pub(crate) const MAX_PATHS: usize = 1024;
-const PATH_LEN: usize = 1 + 1 + 4 + 4 + 2 + 16 + 1 + 1 + 1;
+const PATH_LEN: usize = 1 + 1 + 4 + 4 + 2 + 16 + 1 + 1 + 1 + 1 + 1;
+/// RoCE GID-type bits of [`DeviceInfo::roce`].
+pub(crate) const ROCE_V1: u8 = 1;
+pub(crate) const ROCE_V2: u8 = 2;
 
 /// A device's link layer; the two ends of a path must agree.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,6 +79,47 @@ impl LinkLayer {
 pub(crate) struct DeviceInfo {
     pub(crate) name: String,
     pub(crate) link_layer: LinkLayer,
+    /// The RoCE GID types it offers ([`ROCE_V1`] | [`ROCE_V2`]); 0 on InfiniBand.
+    pub(crate) roce: u8,
+}
+
+/// The GID type a path uses; both of its QPs use the same.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GidType {
+    InfiniBand = 0,
+    RoceV1 = 1,
+    RoceV2 = 2,
+}
+
+impl GidType {
+    fn from_u8(v: u8) -> Option<GidType> {
+        match v {
+            0 => Some(GidType::InfiniBand),
+            1 => Some(GidType::RoceV1),
+            2 => Some(GidType::RoceV2),
+            _ => None,
+        }
+    }
+}
+
+/// The GID type two devices agree on: InfiniBand between InfiniBand ports; RoCE v2 when
+/// both offer it (routable, what fabrics are configured for), else RoCE v1; `None` for
+/// devices that cannot talk (another link layer, no common RoCE version).
+pub(crate) fn negotiate(a: (LinkLayer, u8), b: (LinkLayer, u8)) -> Option<GidType> {
+    match (a.0, b.0) {
+        (LinkLayer::InfiniBand, LinkLayer::InfiniBand) => Some(GidType::InfiniBand),
+        (LinkLayer::Ethernet, LinkLayer::Ethernet) => {
+            let both = a.1 & b.1;
+            if both & ROCE_V2 != 0 {
+                Some(GidType::RoceV2)
+            } else if both & ROCE_V1 != 0 {
+                Some(GidType::RoceV1)
+            } else {
+                None
+            }
+        }
+        _ => None,
+    }
 }
 
 /// A backend's endpoint: its side channel, instance and devices.
@@ -97,6 +145,9 @@ pub(crate) struct PathInfo {
     pub(crate) mtu: u8,
     pub(crate) link_layer: LinkLayer,
     pub(crate) port: u8,
+    pub(crate) gid_type: GidType,
+    /// The RDMA READs the sender serves at once as the responder.
+    pub(crate) rd_atomic: u8,
 }
 
 /// A connect-exchange message.
@@ -185,6 +236,7 @@ pub(crate) fn encode_endpoint(e: &Endpoint) -> Vec<u8> {
     v.push(e.devices.len() as u8);
     for d in &e.devices {
         v.push(d.link_layer as u8);
+        v.push(d.roce);
         let name = &d.name.as_bytes()[..d.name.len().min(255)];
         v.push(name.len() as u8);
         v.extend_from_slice(name);
@@ -228,12 +280,17 @@ pub(crate) fn decode_endpoint(b: &[u8]) -> Result<Endpoint> {
         let ll = r.u8("link layer")?;
         let link_layer = LinkLayer::from_u8(ll)
             .ok_or_else(|| protocol("endpoint", format!("link layer {ll}")))?;
+        let roce = r.u8("roce types")?;
+        if roce & !(ROCE_V1 | ROCE_V2) != 0 || (link_layer == LinkLayer::InfiniBand && roce != 0) {
+            return Err(protocol("endpoint", format!("roce types {roce:#x}")));
+        }
         let len = r.u8("device name length")? as usize;
         let name = std::str::from_utf8(r.bytes(len, "device name")?)
             .map_err(|_| protocol("endpoint", "a device name is not UTF-8"))?;
         devices.push(DeviceInfo {
             name: name.to_string(),
             link_layer,
+            roce,
         });
     }
     r.end()?;
@@ -293,6 +350,8 @@ fn put_path(v: &mut Vec<u8>, p: &PathInfo) {
     v.push(p.mtu);
     v.push(p.link_layer as u8);
     v.push(p.port);
+    v.push(p.gid_type as u8);
+    v.push(p.rd_atomic);
 }
 
 fn get_path(r: &mut Reader<'_>) -> Result<PathInfo> {
@@ -305,6 +364,8 @@ fn get_path(r: &mut Reader<'_>) -> Result<PathInfo> {
     let mtu = r.u8("mtu")?;
     let ll = r.u8("link layer")?;
     let port = r.u8("port")?;
+    let gt = r.u8("gid type")?;
+    let rd_atomic = r.u8("rd_atomic")?;
     if qpn >= 1 << 24 || psn >= 1 << 24 {
         return Err(protocol(
             "connect exchange",
@@ -319,6 +380,17 @@ fn get_path(r: &mut Reader<'_>) -> Result<PathInfo> {
     if port == 0 {
         return Err(protocol("connect exchange", "port 0"));
     }
+    let gid_type = GidType::from_u8(gt)
+        .filter(|g| (*g == GidType::InfiniBand) == (link_layer == LinkLayer::InfiniBand))
+        .ok_or_else(|| {
+            protocol(
+                "connect exchange",
+                format!("gid type {gt} on {link_layer:?}"),
+            )
+        })?;
+    if rd_atomic == 0 {
+        return Err(protocol("connect exchange", "rd_atomic 0"));
+    }
     Ok(PathInfo {
         local_device,
         remote_device,
@@ -329,6 +401,8 @@ fn get_path(r: &mut Reader<'_>) -> Result<PathInfo> {
         mtu,
         link_layer,
         port,
+        gid_type,
+        rd_atomic,
     })
 }
 
@@ -478,6 +552,8 @@ mod tests {
             mtu: 5,
             link_layer: LinkLayer::Ethernet,
             port: 1,
+            gid_type: GidType::RoceV2,
+            rd_atomic: 16,
         }
     }
 
@@ -489,10 +565,12 @@ mod tests {
                 DeviceInfo {
                     name: "mlx5_0".into(),
                     link_layer: LinkLayer::Ethernet,
+                    roce: ROCE_V1 | ROCE_V2,
                 },
                 DeviceInfo {
                     name: "mlx5_1".into(),
                     link_layer: LinkLayer::InfiniBand,
+                    roce: 0,
                 },
             ],
         }
@@ -504,7 +582,7 @@ mod tests {
         let b = encode_endpoint(&e);
         assert_eq!(
             &b[..4],
-            &[1, 4, 0x58, 0x1b],
+            &[2, 4, 0x58, 0x1b],
             "version, family, port 7000 LE"
         );
         assert_eq!(&b[4..8], &[10, 0, 0, 7]);
@@ -523,7 +601,10 @@ mod tests {
         let good = encode_endpoint(&endpoint());
         let mut cases: Vec<Vec<u8>> = (0..good.len()).map(|n| good[..n].to_vec()).collect();
         let mut v = good.clone();
-        v[0] = 2;
+        v[0] = 1;
+        cases.push(v);
+        let mut v = good.clone();
+        v[18] = 4; // the first device's RoCE types: an unknown bit
         cases.push(v);
         let mut v = good.clone();
         v.push(0);
@@ -590,7 +671,18 @@ mod tests {
         assert_eq!(&p[6..10], &[0x56, 0x34, 0x12, 0]);
         assert_eq!(&p[10..12], &[0x34, 0x12]);
         assert_eq!(&p[12..28], &[1; 16]);
-        assert_eq!(&p[28..], &[5, 2, 1]);
+        assert_eq!(&p[28..], &[5, 2, 1, 2, 16]);
+    }
+
+    #[test]
+    fn devices_agree_on_roce_v2_else_v1_and_never_across_link_layers() {
+        let eth = |roce| (LinkLayer::Ethernet, roce);
+        let ib = (LinkLayer::InfiniBand, 0);
+        assert_eq!(negotiate(eth(3), eth(3)), Some(GidType::RoceV2));
+        assert_eq!(negotiate(eth(3), eth(ROCE_V1)), Some(GidType::RoceV1));
+        assert_eq!(negotiate(eth(ROCE_V2), eth(ROCE_V1)), None);
+        assert_eq!(negotiate(ib, ib), Some(GidType::InfiniBand));
+        assert_eq!(negotiate(ib, eth(3)), None);
     }
 
     #[test]
@@ -601,7 +693,7 @@ mod tests {
         let field = 4 + 2 + 1 + 2; // the path's start
         let cases: Vec<(Vec<u8>, &str)> = vec![
             (b"XXXX".to_vec(), "magic"),
-            ([&good[..4], &[2, 0], &good[6..]].concat(), "version"),
+            ([&good[..4], &[1, 0], &good[6..]].concat(), "version"),
             ([&good[..6], &[9]].concat(), "kind"),
             (good[..good.len() - 1].to_vec(), "truncated"),
             ([&good[..], &[0]].concat(), "trailing"),
@@ -637,6 +729,22 @@ mod tests {
                     v
                 },
                 "port 0",
+            ),
+            (
+                {
+                    let mut v = good.clone();
+                    v[field + 31] = 0; // InfiniBand's GID type on an Ethernet path
+                    v
+                },
+                "gid type",
+            ),
+            (
+                {
+                    let mut v = good.clone();
+                    v[field + 32] = 0;
+                    v
+                },
+                "rd_atomic 0",
             ),
         ];
         for (bytes, what) in cases {

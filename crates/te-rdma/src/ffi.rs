@@ -1,9 +1,8 @@
 //! libibverbs, loaded at run time, and owning wrappers around its objects.
 //!
-//! The structs and constants are `ibverbs-sys`'s (the bindings the `ibverbs` crate is
-//! built on). The functions are resolved with `dlopen("libibverbs.so.1")` instead of
-//! being linked, so the plugin loads, registers and explains itself on a machine without
-//! libibverbs; the data-path calls (`post_send`, `poll_cq`, `req_notify_cq`) are the
+//! The structs and constants are te's own (module `verbs`). The functions are resolved
+//! with `dlopen("libibverbs.so.1")` instead of being linked, so the plugin loads,
+//! registers and explains itself on a machine without libibverbs; the data-path calls (`post_send`, `poll_cq`, `req_notify_cq`) are the
 //! provider's function pointers in `ibv_context::ops`, exactly what the header's inline
 //! functions call.
 
@@ -11,8 +10,10 @@ use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::ptr;
 use std::sync::OnceLock;
 
-use ibverbs_sys as sys;
-use te_core::{Error, ErrorKind, Result};
+use crate::verbs as sys;
+use te_core::{Access, Error, ErrorKind, Result};
+
+use crate::exchange::GidType;
 
 /// The file names tried, in order.
 pub(crate) const LIBRARIES: [&str; 2] = ["libibverbs.so.1", "libibverbs.so"];
@@ -27,6 +28,9 @@ macro_rules! verbs_table {
             pub(crate) ibv_reg_dmabuf_mr: Option<
                 unsafe extern "C" fn(*mut sys::ibv_pd, u64, usize, u64, c_int, c_int) -> *mut sys::ibv_mr,
             >,
+            /// `_ibv_query_gid_ex` (rdma-core 32 and later), which reports each GID's
+            /// type; `None` on older libraries (sysfs says the type there).
+            pub(crate) ibv_query_gid_ex: Option<QueryGidEx>,
         }
 
         impl Verbs {
@@ -46,6 +50,12 @@ macro_rules! verbs_table {
                         // signature the bindings (and this table) spell out.
                         unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($arg),*) $(-> $ret)?>(p) }
                     },)*
+                    ibv_query_gid_ex: {
+                        // SAFETY: as above.
+                        let p = unsafe { libc::dlsym(handle, c"_ibv_query_gid_ex".as_ptr()) };
+                        // SAFETY: as above; a null pointer stays `None`.
+                        (!p.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, QueryGidEx>(p) })
+                    },
                     ibv_reg_dmabuf_mr: {
                         // SAFETY: as above.
                         let p = unsafe { libc::dlsym(handle, c"ibv_reg_dmabuf_mr".as_ptr()) };
@@ -57,6 +67,16 @@ macro_rules! verbs_table {
         }
     };
 }
+
+/// `_ibv_query_gid_ex(context, port, index, entry, flags, entry_size)`.
+type QueryGidEx = unsafe extern "C" fn(
+    *mut sys::ibv_context,
+    u32,
+    u32,
+    *mut sys::ibv_gid_entry,
+    u32,
+    usize,
+) -> c_int;
 
 verbs_table! {
     ibv_get_device_list: fn(*mut c_int) -> *mut *mut sys::ibv_device;
@@ -80,7 +100,9 @@ verbs_table! {
     ibv_create_qp: fn(*mut sys::ibv_pd, *mut sys::ibv_qp_init_attr) -> *mut sys::ibv_qp;
     ibv_modify_qp: fn(*mut sys::ibv_qp, *mut sys::ibv_qp_attr, c_int) -> c_int;
     ibv_destroy_qp: fn(*mut sys::ibv_qp) -> c_int;
-    ibv_wc_status_str: fn(sys::ibv_wc_status::Type) -> *const c_char;
+    ibv_wc_status_str: fn(u32) -> *const c_char;
+    ibv_get_async_event: fn(*mut sys::ibv_context, *mut sys::ibv_async_event) -> c_int;
+    ibv_ack_async_event: fn(*mut sys::ibv_async_event);
 }
 
 impl std::fmt::Debug for Verbs {
@@ -136,7 +158,15 @@ static VERBS: OnceLock<Result<Verbs>> = OnceLock::new();
 /// `Unavailable` if it cannot be loaded.
 pub(crate) fn verbs() -> Result<&'static Verbs> {
     VERBS
-        .get_or_init(|| load(&LIBRARIES))
+        .get_or_init(|| match std::env::var(crate::VERBS_LIB_ENV) {
+            Ok(path) if !path.is_empty() => load(&[path.as_str()]).map_err(|e| {
+                Error::new(
+                    ErrorKind::Unavailable,
+                    format!("{}={path}: {}", crate::VERBS_LIB_ENV, e.message()),
+                )
+            }),
+            _ => load(&LIBRARIES),
+        })
         .as_ref()
         .map_err(Clone::clone)
 }
@@ -148,7 +178,7 @@ pub(crate) fn last_os_error() -> std::io::Error {
 
 /// The status text of a work completion status (`IBV_WC_REM_ACCESS_ERR` reads
 /// "remote access error").
-pub(crate) fn status_text(v: &Verbs, status: sys::ibv_wc_status::Type) -> String {
+pub(crate) fn status_text(v: &Verbs, status: u32) -> String {
     // SAFETY: ibv_wc_status_str returns a static string for any value.
     let p = unsafe { (v.ibv_wc_status_str)(status) };
     if p.is_null() {
@@ -287,14 +317,79 @@ impl Context {
         if c.channel.is_null() {
             return Err(backend_err("ibv_create_comp_channel"));
         }
-        // SAFETY: the channel is live; its fd is owned by it. Non-blocking, so the
-        // completion thread can wait on poll(2) together with its stop pipe.
+        // SAFETY: the channel and the context are live; their fds are owned by them.
+        // Non-blocking, so the completion and event threads wait in poll(2) together
+        // with their stop pipe, and take events until EAGAIN.
         unsafe {
-            let fd = (*c.channel).fd;
-            let flags = libc::fcntl(fd, libc::F_GETFL);
-            libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
+            for fd in [(*c.channel).fd, (*ctx).async_fd] {
+                let flags = libc::fcntl(fd, libc::F_GETFL);
+                libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
+            }
         }
         Ok(c)
+    }
+
+    /// The context's async event fd.
+    pub(crate) fn async_fd(&self) -> c_int {
+        // SAFETY: the context lives as long as `self`.
+        unsafe { (*self.ctx).async_fd }
+    }
+
+    /// How many completion vectors the device has (at least 1).
+    pub(crate) fn comp_vectors(&self) -> u32 {
+        // SAFETY: as above.
+        unsafe { (*self.ctx).num_comp_vectors }.max(1) as u32
+    }
+
+    /// GID `index` of `port` with its type: from `_ibv_query_gid_ex` where libibverbs
+    /// has it, else from `ibv_query_gid` and the type sysfs names (`RoCE v2`,
+    /// `IB/RoCE v1`) for device `name`. `None` for an empty or unreadable entry.
+    pub(crate) fn gid_entry(
+        &self,
+        name: &str,
+        port: u8,
+        index: u8,
+    ) -> Option<([u8; 16], Option<GidType>)> {
+        if let Some(f) = self.v.ibv_query_gid_ex {
+            let mut e = sys::ibv_gid_entry::default();
+            // SAFETY: a live context and an out-parameter of the size passed.
+            let rc = unsafe {
+                f(
+                    self.ctx,
+                    u32::from(port),
+                    u32::from(index),
+                    &mut e,
+                    0,
+                    std::mem::size_of::<sys::ibv_gid_entry>(),
+                )
+            };
+            if rc != 0 {
+                return None;
+            }
+            let kind = match e.gid_type {
+                sys::IBV_GID_TYPE_ROCE_V2 => Some(GidType::RoceV2),
+                sys::IBV_GID_TYPE_ROCE_V1 => Some(GidType::RoceV1),
+                sys::IBV_GID_TYPE_IB => Some(GidType::InfiniBand),
+                _ => None,
+            };
+            // SAFETY: every bit pattern is a valid `raw`.
+            return Some((unsafe { e.gid.raw }, kind));
+        }
+        let gid = self.gid(port, index).ok()?;
+        let kind = std::fs::read_to_string(format!(
+            "/sys/class/infiniband/{name}/ports/{port}/gid_attrs/types/{index}"
+        ))
+        .ok()
+        .and_then(|t| {
+            if t.contains("v2") {
+                Some(GidType::RoceV2)
+            } else if t.contains("v1") {
+                Some(GidType::RoceV1)
+            } else {
+                None
+            }
+        });
+        Some((gid, kind))
     }
 
     /// The completion channel's file descriptor.
@@ -334,8 +429,9 @@ impl Context {
 
 impl Drop for Context {
     fn drop(&mut self) {
-        // SAFETY: every QP, CQ and MR of this context holds an `Arc` to it, so they are
-        // gone; each object is destroyed once, children first.
+        // SAFETY: every QP, CQ and MR of this context is gone: the backend's `Drop`
+        // drops its paths (QPs, CQs) and regions (MRs) before its devices. Each object
+        // is destroyed once, children first.
         unsafe {
             if !self.channel.is_null() {
                 (self.v.ibv_destroy_comp_channel)(self.channel);
@@ -388,13 +484,19 @@ impl Drop for Mr {
     }
 }
 
-/// The access rights every region is registered with; the engine decides what peers
-/// may do before anything is posted.
-pub(crate) fn mr_access() -> c_int {
-    (sys::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
-        | sys::ibv_access_flags::IBV_ACCESS_REMOTE_READ
-        | sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE)
-        .0 as c_int
+/// The access rights a region is registered with: LOCAL_WRITE always (the NIC writes
+/// the destination of our READs), REMOTE_READ and REMOTE_WRITE only when the region
+/// grants them, so the NIC itself refuses a peer the region does not allow, whatever
+/// key the peer presents.
+pub(crate) fn mr_access(access: Access) -> c_int {
+    let mut a = sys::IBV_ACCESS_LOCAL_WRITE;
+    if access.remote_read {
+        a |= sys::IBV_ACCESS_REMOTE_READ;
+    }
+    if access.remote_write {
+        a |= sys::IBV_ACCESS_REMOTE_WRITE;
+    }
+    a
 }
 
 impl Context {
@@ -403,11 +505,17 @@ impl Context {
     ///
     /// # Errors
     /// `Backend` with the errno.
-    pub(crate) fn reg_mr(&self, addr: u64, len: u64) -> Result<Mr> {
+    pub(crate) fn reg_mr(&self, addr: u64, len: u64, access: Access) -> Result<Mr> {
         // SAFETY: the caller registered this memory with the engine, which keeps it
         // alive until deregistration drops the MR.
-        let mr =
-            unsafe { (self.v.ibv_reg_mr)(self.pd, addr as *mut c_void, len as usize, mr_access()) };
+        let mr = unsafe {
+            (self.v.ibv_reg_mr)(
+                self.pd,
+                addr as *mut c_void,
+                len as usize,
+                mr_access(access),
+            )
+        };
         if mr.is_null() {
             return Err(backend_err("ibv_reg_mr"));
         }
@@ -418,7 +526,14 @@ impl Context {
     ///
     /// # Errors
     /// `Unsupported` if libibverbs is too old; `Backend` with the errno.
-    pub(crate) fn reg_dmabuf_mr(&self, fd: c_int, offset: u64, len: u64, iova: u64) -> Result<Mr> {
+    pub(crate) fn reg_dmabuf_mr(
+        &self,
+        fd: c_int,
+        offset: u64,
+        len: u64,
+        iova: u64,
+        access: Access,
+    ) -> Result<Mr> {
         let f = self.v.ibv_reg_dmabuf_mr.ok_or_else(|| {
             Error::new(
                 ErrorKind::Unsupported,
@@ -426,7 +541,7 @@ impl Context {
             )
         })?;
         // SAFETY: `fd` is a live DMA-BUF the caller owns for the duration of the call.
-        let mr = unsafe { f(self.pd, offset, len as usize, iova, fd, mr_access()) };
+        let mr = unsafe { f(self.pd, offset, len as usize, iova, fd, mr_access(access)) };
         if mr.is_null() {
             return Err(backend_err("ibv_reg_dmabuf_mr"));
         }
@@ -434,11 +549,13 @@ impl Context {
     }
 
     /// A completion queue of `entries` entries reporting to this context's channel
-    /// (`channel`) or to none; `tag` comes back with its events.
+    /// (`channel`) or to none, on completion vector `tag % comp_vectors` (spreading
+    /// CQs over the device's interrupt vectors); `tag` comes back with its events.
     ///
     /// # Errors
     /// `Backend` with the errno.
     pub(crate) fn create_cq(&self, entries: u32, tag: u64, channel: bool) -> Result<Cq> {
+        let vector = (tag % u64::from(self.comp_vectors())) as c_int;
         // SAFETY: a live context (and channel); `tag` is an opaque value, never
         // dereferenced.
         let cq = unsafe {
@@ -451,7 +568,7 @@ impl Context {
                 } else {
                     ptr::null_mut()
                 },
-                0,
+                vector,
             )
         };
         if cq.is_null() {
@@ -460,15 +577,17 @@ impl Context {
         Ok(Cq { v: self.v, cq })
     }
 
-    /// An RC QP on `cq` holding `max_send_wr` work requests.
+    /// An RC QP on `cq` holding `max_send_wr` work requests; `tag` comes back in its
+    /// async events (`qp_context`).
     ///
     /// # Errors
     /// `Backend` with the errno.
-    pub(crate) fn create_qp(&self, cq: &Cq, max_send_wr: u32) -> Result<Qp> {
+    pub(crate) fn create_qp(&self, cq: &Cq, max_send_wr: u32, tag: u64) -> Result<Qp> {
         let mut init = sys::ibv_qp_init_attr {
+            qp_context: tag as usize as *mut c_void,
             send_cq: cq.cq,
             recv_cq: cq.cq,
-            qp_type: sys::ibv_qp_type::IBV_QPT_RC,
+            qp_type: sys::IBV_QPT_RC,
             sq_sig_all: 0,
             ..Default::default()
         };
@@ -509,9 +628,9 @@ impl Cq {
     }
 
     /// Polls up to `wc.len()` completions; returns how many, or a negative value.
-    pub(crate) fn poll(&self, wc: &mut [ibverbs::ibv_wc]) -> c_int {
-        // SAFETY: the CQ is live; `wc` has room for `len` entries; `ibverbs::ibv_wc`
-        // has `struct ibv_wc`'s layout. `ops.poll_cq` is what ibv_poll_cq calls.
+    pub(crate) fn poll(&self, wc: &mut [sys::ibv_wc]) -> c_int {
+        // SAFETY: the CQ is live; `wc` has room for `len` entries of `struct ibv_wc`'s
+        // layout. `ops.poll_cq` is what ibv_poll_cq calls.
         unsafe {
             match (*(*self.cq).context).ops.poll_cq {
                 Some(f) => f(self.cq, wc.len() as c_int, wc.as_mut_ptr().cast()),
@@ -565,7 +684,7 @@ impl Qp {
     /// `Backend` naming the target state and the errno.
     pub(crate) fn modify(&self, mut t: crate::qp::Transition, state: &str) -> Result<()> {
         // SAFETY: a live QP and a fully initialised attribute.
-        let rc = unsafe { (self.v.ibv_modify_qp)(self.qp, &mut t.attr, t.mask.0 as c_int) };
+        let rc = unsafe { (self.v.ibv_modify_qp)(self.qp, &mut t.attr, t.mask) };
         if rc != 0 {
             return Err(Error::new(
                 ErrorKind::Backend,
@@ -578,20 +697,39 @@ impl Qp {
         Ok(())
     }
 
-    /// Posts a chain of work requests; returns 0 or the provider's errno.
+    /// Posts a chain of work requests. On a refusal returns the provider's errno and how
+    /// many work requests of the chain were posted before the one it refused (those
+    /// will complete as usual).
     ///
     /// # Safety
     /// `wr` heads a valid chain whose scatter-gather entries name registered memory that
     /// stays registered until the work requests complete.
-    pub(crate) unsafe fn post_send(&self, wr: *mut sys::ibv_send_wr) -> c_int {
+    pub(crate) unsafe fn post_send(
+        &self,
+        wr: *mut sys::ibv_send_wr,
+    ) -> std::result::Result<(), (c_int, usize)> {
         let mut bad = ptr::null_mut();
         // SAFETY: forwarded from the caller; `ops.post_send` is what ibv_post_send calls.
-        unsafe {
+        let rc = unsafe {
             match (*(*self.qp).context).ops.post_send {
                 Some(f) => f(self.qp, wr, &mut bad),
                 None => libc::ENOSYS,
             }
+        };
+        if rc == 0 {
+            return Ok(());
         }
+        let mut posted = 0;
+        let mut cur = wr;
+        while !cur.is_null() && cur != bad {
+            posted += 1;
+            // SAFETY: walking the caller's valid chain.
+            cur = unsafe { (*cur).next };
+        }
+        // Without a bad_wr every request counts as posted: waiting for completions
+        // that never come only delays, while retrying a request the NIC still runs
+        // could let its batch complete under a live DMA.
+        Err((rc, posted))
     }
 }
 

@@ -1,12 +1,14 @@
 //! te-rdma: the RDMA backend, on ibverbs, for host memory and CUDA memory.
 //!
 //! The engine's control plane exchanges segment descriptors; this backend's endpoint in
-//! them names its devices (name and link layer), a random **instance id**, and the
-//! address of a small TCP **side channel**. Each region is registered with every device
+//! them names its devices (name, link layer, RoCE GID types), its **instance id** (the
+//! engine's epoch, so a restarted engine is a new peer), and the address of a small
+//! TCP **side channel**. Each region is registered with every device
 //! and its key bytes carry one rkey per device. `connect` opens the side channel to the
 //! peer and runs the connect exchange (module `exchange`): for each path — an RC queue
 //! pair per (local NIC, peer NIC) pair, `qps_per_path` times — it sends its QP number,
-//! PSN, LID, GID and MTU, the target builds its half, moves it INIT → RTR → RTS and
+//! PSN, LID, GID and its type, MTU and READ depth, the target builds its half (at most
+//! `qps_per_path` × device pairs of them), moves it INIT → RTR → RTS and
 //! answers with its own, and the initiator does the same (module `qp` lists every
 //! attribute). The target keeps its QPs while the side channel stays open; the
 //! initiator watches the channel, so a peer that dies is noticed at once and its QPs
@@ -21,11 +23,34 @@
 //!
 //! Completion: one thread per device waits in poll(2) on the device's completion
 //! channel, takes the event (`ibv_get_cq_event`), acknowledges it, re-arms the CQ and
-//! drains it; nothing spins unless `adaptive_poll` asks it to keep polling a busy CQ for
-//! a few microseconds before sleeping again. A work-completion error fails only its own
-//! slice: the QP is marked for reset (it takes no new work; the next `connect` rebuilds
-//! the peer's QPs), the slice is retried on another healthy path of the same peer, and
-//! only if none is left does its batch fail, once, with the status text.
+//! drains it; nothing spins. A batch completes only when every one of its slices is
+//! accounted for. A transport or flush error (`RETRY_EXC`, `RNR_RETRY_EXC`,
+//! `WR_FLUSH`, …) moves its slice to another healthy path of the same peer; any other
+//! error (remote access, local protection, invalid request) fails the batch and leaves
+//! the other paths alone. A failed QP is moved to the error state, its work comes back
+//! flushed and moves on, and the peer's paths are rebuilt in the background; a peer
+//! with no healthy path fails its batches with `PeerUnreachable`. A second thread per
+//! device takes its async events: a port going down or a fatal QP error fails the
+//! paths it hits at once. Disconnecting, replacing or losing a peer moves its QPs to
+//! the error state and waits for their flush completions before anything fails and
+//! any region is unpinned.
+//!
+//! The engine's deadline and cancel reach a batch through `abort`: its slices not yet
+//! posted are never posted, the posted ones complete as the NICs complete them, and
+//! the batch is released only then.
+//!
+//! Every call that can wait takes the caller's deadline: `connect` ends its exchange
+//! by it or by `connect_timeout`, whichever is sooner; `disconnect` waits for its QPs'
+//! flushes until it; `deregister` waits until it for the slices that pin the region,
+//! and returns `Timeout`, not `Ok`, while one may still move bytes (the region stays
+//! refused to new batches, its MRs in place, and a later call finishes the job). Its
+//! `Ok` means the region's MRs are destroyed: no NIC accepts any of its keys.
+//!
+//! Regions are registered with LOCAL_WRITE and only the remote rights their `Access`
+//! grants; a local-only region publishes no key. A region inside another (the slot of
+//! a KV layout) gets MRs of its own over its bytes, so its rkeys bound what a peer
+//! reaches to the slot, whatever the peer's descriptor says. CUDA memory is moved by
+//! the NICs nearest to its GPU on the PCIe tree (or those `nic_affinity` names).
 //!
 //! CUDA memory (`cuda:N`) is exported as a DMA-BUF (`cuMemGetHandleForAddressRange`,
 //! the driver loaded at run time through cudarc) and registered with
@@ -42,14 +67,14 @@
 //! |-----|---------|---------|
 //! | `devices` | all with an active port | RDMA devices to use, e.g. `["mlx5_0", "mlx5_1"]` |
 //! | `port` | `1` | the port of each device |
-//! | `gid_index` | first RoCE v2 GID | GID index for RoCE (ignored on InfiniBand, which uses the LID) |
+//! | `gid_index` | per type, the first (IPv4-mapped) GID | the one GID index to use; its type (RoCE v1 or v2) is then the only one offered |
 //! | `listen` | `"127.0.0.1:0"` | where the side channel binds |
 //! | `advertise` | the `listen` host | the address peers reach the side channel at; required with `0.0.0.0` |
 //! | `slice_size` | `"64KiB"` | requests are cut into slices this big, striped over NICs and QPs |
 //! | `qps_per_path` | `2` | RC QPs per (local NIC, peer NIC) pair |
 //! | `max_outstanding` | `128` | work requests one QP may have posted |
 //! | `signal_every` | `16` | one work request in this many is signalled |
-//! | `adaptive_poll` | `"0s"` | keep polling a busy CQ this long before sleeping (≤ 10ms) |
+//! | `nic_affinity` | nearest on the PCIe tree | NICs per device memory kind, e.g. `{ "cuda:0" = ["mlx5_0"] }` |
 //! | `connect_timeout` | `"5s"` | limit for the connect exchange |
 //! | `mtu` | `4096` | path MTU cap; the smaller of this, the port's and the peer's is used |
 //! | `timeout` | `14` | ACK timeout exponent (4.096 µs × 2^14 ≈ 67 ms) |
@@ -71,11 +96,16 @@ mod backend;
 mod config;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod device;
 mod exchange;
 mod ffi;
+mod path;
 mod plan;
 mod qp;
+mod side;
+mod topology;
 mod track;
+mod verbs;
 mod wr;
 
 pub use backend::RdmaBackend;
@@ -83,6 +113,11 @@ pub use config::RdmaConfig;
 
 /// The RDMA backend's registry name.
 pub const NAME: &str = "rdma";
+
+/// The environment variable that names the verbs library to load instead of libibverbs
+/// (a path, or a file name the dynamic loader finds): tests point it at the fake
+/// provider `libfakeverbs.so`. Read once, when the backend is first probed or created.
+pub const VERBS_LIB_ENV: &str = "TE_RDMA_VERBS_LIB";
 
 /// Says whether the backend can run here: libibverbs loads and lists RDMA devices.
 ///
@@ -94,7 +129,10 @@ pub fn probe() -> Result<()> {
 
 fn create(ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
     let config: RdmaConfig = ctx.parse(NAME)?;
-    Ok(Arc::new(RdmaBackend::new(config)?))
+    Ok(Arc::new(RdmaBackend::with_epoch(
+        config,
+        ctx.epoch_or_random(),
+    )?))
 }
 
 te_core::register_backend!(NAME, probe, create);
@@ -116,9 +154,11 @@ mod tests {
             "{text}"
         );
         let ctx = BackendContext {
+            epoch: 0,
             engine: "t".into(),
             table: toml::Table::new(),
             source: "test".into(),
+            ..Default::default()
         };
         let e = create(&ctx).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Unavailable);
@@ -135,9 +175,11 @@ mod tests {
     #[test]
     fn a_bad_table_is_refused_before_any_device_is_touched() {
         let ctx = BackendContext {
+            epoch: 0,
             engine: "t".into(),
             table: "slice_sise = 4096".parse().unwrap(),
             source: "rdma.toml".into(),
+            ..Default::default()
         };
         let e = create(&ctx).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::ConfigInvalid);

@@ -4,13 +4,12 @@
 //! | state | attributes set | values |
 //! |-------|----------------|--------|
 //! | INIT | `pkey_index`, `port_num`, `qp_access_flags` | 0, the configured port, LOCAL_WRITE \| REMOTE_READ \| REMOTE_WRITE |
-//! | RTR | `path_mtu`, `dest_qp_num`, `rq_psn`, `max_dest_rd_atomic`, `min_rnr_timer`, `ah_attr` | min(configured, local active, peer) MTU; the peer's QPN and PSN; the device's `max_qp_rd_atom` (≤ 16); 12 (0.64 ms); IB: `dlid` = peer LID; RoCE: `is_global` with the peer's GID, our GID index, hop limit 64, the configured traffic class; `sl` = configured service level |
-//! | ERR | `qp_state` | a QP marked for reset, or to a peer that died: flushes what it holds |
-//! | RTS | `sq_psn`, `timeout`, `retry_cnt`, `rnr_retry`, `max_rd_atomic` | our PSN; configured (default 14 ≈ 67 ms, 7, 7); the device's `max_qp_init_rd_atom` (≤ 16) |
+//! | RTR | `path_mtu`, `dest_qp_num`, `rq_psn`, `max_dest_rd_atomic`, `min_rnr_timer`, `ah_attr` | min(configured, local active, peer) MTU; the peer's QPN and PSN; the device's `max_qp_rd_atom` (≤ 16); 12 (0.64 ms); IB: `dlid` = peer LID; RoCE: `is_global` with the peer's GID, our GID index of the negotiated type (v2 or v1), hop limit 64, the configured traffic class; `sl` = configured service level |
+//! | RTS | `sq_psn`, `timeout`, `retry_cnt`, `rnr_retry`, `max_rd_atomic` | our PSN; configured (default 14 ≈ 67 ms, 7, 7); the device's `max_qp_init_rd_atom` capped by the READs the peer serves (its `max_dest_rd_atomic`, from the exchange) |
+//! | ERR | `qp_state` | a QP that failed, or to a peer that left: flushes what it holds |
 
-use ibverbs_sys as ffi;
-
-use crate::exchange::{LinkLayer, PathInfo};
+use crate::exchange::{GidType, LinkLayer, PathInfo};
+use crate::verbs as ffi;
 
 /// The `ibv_mtu` code of an MTU in bytes.
 pub(crate) fn mtu_enum(bytes: u32) -> Option<u8> {
@@ -28,8 +27,6 @@ pub(crate) fn mtu_enum(bytes: u32) -> Option<u8> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct QpParams {
     pub(crate) port: u8,
-    /// The local GID index (RoCE only).
-    pub(crate) gid_index: u8,
     /// The `ibv_mtu` code cap: min of the configured and the port's active MTU.
     pub(crate) mtu: u8,
     pub(crate) timeout: u8,
@@ -52,34 +49,34 @@ pub(crate) const HOP_LIMIT: u8 = 64;
 /// One transition: the attributes and the mask naming the ones set.
 pub(crate) struct Transition {
     pub(crate) attr: ffi::ibv_qp_attr,
-    pub(crate) mask: ffi::ibv_qp_attr_mask,
+    pub(crate) mask: std::ffi::c_int,
 }
 
 /// RESET → INIT.
 pub(crate) fn init(p: &QpParams) -> Transition {
     let mut attr = ffi::ibv_qp_attr {
-        qp_state: ffi::ibv_qp_state::IBV_QPS_INIT,
+        qp_state: ffi::IBV_QPS_INIT,
         pkey_index: 0,
         port_num: p.port,
         ..Default::default()
     };
-    attr.qp_access_flags = (ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
-        | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ
-        | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE)
-        .0;
+    attr.qp_access_flags = (ffi::IBV_ACCESS_LOCAL_WRITE
+        | ffi::IBV_ACCESS_REMOTE_READ
+        | ffi::IBV_ACCESS_REMOTE_WRITE) as u32;
     Transition {
         attr,
-        mask: ffi::ibv_qp_attr_mask::IBV_QP_STATE
-            | ffi::ibv_qp_attr_mask::IBV_QP_PKEY_INDEX
-            | ffi::ibv_qp_attr_mask::IBV_QP_PORT
-            | ffi::ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS,
+        mask: ffi::IBV_QP_STATE
+            | ffi::IBV_QP_PKEY_INDEX
+            | ffi::IBV_QP_PORT
+            | ffi::IBV_QP_ACCESS_FLAGS,
     }
 }
 
-/// INIT → RTR, towards the peer's half of the path.
-pub(crate) fn rtr(p: &QpParams, peer: &PathInfo) -> Transition {
+/// INIT → RTR, towards the peer's half of the path; `sgid_index` is our GID of the
+/// path's type (RoCE only).
+pub(crate) fn rtr(p: &QpParams, peer: &PathInfo, sgid_index: u8) -> Transition {
     let mut attr = ffi::ibv_qp_attr {
-        qp_state: ffi::ibv_qp_state::IBV_QPS_RTR,
+        qp_state: ffi::IBV_QPS_RTR,
         path_mtu: u32::from(p.mtu.min(peer.mtu)),
         dest_qp_num: peer.qpn,
         rq_psn: peer.psn,
@@ -98,7 +95,7 @@ pub(crate) fn rtr(p: &QpParams, peer: &PathInfo) -> Transition {
         LinkLayer::Ethernet => {
             attr.ah_attr.is_global = 1;
             attr.ah_attr.grh.dgid.raw = peer.gid;
-            attr.ah_attr.grh.sgid_index = p.gid_index;
+            attr.ah_attr.grh.sgid_index = sgid_index;
             attr.ah_attr.grh.hop_limit = HOP_LIMIT;
             attr.ah_attr.grh.traffic_class = p.traffic_class;
             attr.ah_attr.grh.flow_label = 0;
@@ -106,35 +103,36 @@ pub(crate) fn rtr(p: &QpParams, peer: &PathInfo) -> Transition {
     }
     Transition {
         attr,
-        mask: ffi::ibv_qp_attr_mask::IBV_QP_STATE
-            | ffi::ibv_qp_attr_mask::IBV_QP_AV
-            | ffi::ibv_qp_attr_mask::IBV_QP_PATH_MTU
-            | ffi::ibv_qp_attr_mask::IBV_QP_DEST_QPN
-            | ffi::ibv_qp_attr_mask::IBV_QP_RQ_PSN
-            | ffi::ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC
-            | ffi::ibv_qp_attr_mask::IBV_QP_MIN_RNR_TIMER,
+        mask: ffi::IBV_QP_STATE
+            | ffi::IBV_QP_AV
+            | ffi::IBV_QP_PATH_MTU
+            | ffi::IBV_QP_DEST_QPN
+            | ffi::IBV_QP_RQ_PSN
+            | ffi::IBV_QP_MAX_DEST_RD_ATOMIC
+            | ffi::IBV_QP_MIN_RNR_TIMER,
     }
 }
 
-/// RTR → RTS, sending from `psn`.
-pub(crate) fn rts(p: &QpParams, psn: u32) -> Transition {
+/// RTR → RTS, sending from `psn`, with at most as many READs outstanding as the peer
+/// serves (`peer_rd_atomic`, its `max_dest_rd_atomic`).
+pub(crate) fn rts(p: &QpParams, psn: u32, peer_rd_atomic: u8) -> Transition {
     let attr = ffi::ibv_qp_attr {
-        qp_state: ffi::ibv_qp_state::IBV_QPS_RTS,
+        qp_state: ffi::IBV_QPS_RTS,
         sq_psn: psn,
         timeout: p.timeout,
         retry_cnt: p.retry_count,
         rnr_retry: p.rnr_retry,
-        max_rd_atomic: p.max_rd_atomic,
+        max_rd_atomic: p.max_rd_atomic.min(peer_rd_atomic).max(1),
         ..Default::default()
     };
     Transition {
         attr,
-        mask: ffi::ibv_qp_attr_mask::IBV_QP_STATE
-            | ffi::ibv_qp_attr_mask::IBV_QP_SQ_PSN
-            | ffi::ibv_qp_attr_mask::IBV_QP_TIMEOUT
-            | ffi::ibv_qp_attr_mask::IBV_QP_RETRY_CNT
-            | ffi::ibv_qp_attr_mask::IBV_QP_RNR_RETRY
-            | ffi::ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC,
+        mask: ffi::IBV_QP_STATE
+            | ffi::IBV_QP_SQ_PSN
+            | ffi::IBV_QP_TIMEOUT
+            | ffi::IBV_QP_RETRY_CNT
+            | ffi::IBV_QP_RNR_RETRY
+            | ffi::IBV_QP_MAX_QP_RD_ATOMIC,
     }
 }
 
@@ -142,32 +140,30 @@ pub(crate) fn rts(p: &QpParams, psn: u32) -> Transition {
 pub(crate) fn error() -> Transition {
     Transition {
         attr: ffi::ibv_qp_attr {
-            qp_state: ffi::ibv_qp_state::IBV_QPS_ERR,
+            qp_state: ffi::IBV_QPS_ERR,
             ..Default::default()
         },
-        mask: ffi::ibv_qp_attr_mask::IBV_QP_STATE,
+        mask: ffi::IBV_QP_STATE,
     }
 }
 
-/// Picks the GID index for RoCE from the port's table: the configured index, else the
-/// first non-zero RoCE v2 GID preferring IPv4-mapped ones (routable, what most
-/// deployments use), else the first non-zero GID. Entries are (index, gid, type as the
-/// kernel names it in `gid_attrs/types`: `RoCE v2`, `IB/RoCE v1`).
+/// Picks the GID index of type `kind` from the port's table (index, GID, type): the
+/// configured index if it has that type, else the first non-zero GID of that type,
+/// IPv4-mapped ones first (routable; what most deployments use).
 pub(crate) fn pick_gid(
     configured: Option<u8>,
-    table: &[(u8, [u8; 16], Option<String>)],
+    table: &[(u8, [u8; 16], Option<GidType>)],
+    kind: GidType,
 ) -> Option<u8> {
-    if configured.is_some() {
-        return configured;
-    }
     let nonzero = |g: &[u8; 16]| g.iter().any(|&b| b != 0);
     let v4mapped = |g: &[u8; 16]| g[..10].iter().all(|&b| b == 0) && g[10] == 0xff && g[11] == 0xff;
-    let v2 = |t: &Option<String>| t.as_deref().is_some_and(|t| t.contains("v2"));
-    table
+    let of_kind = table
         .iter()
-        .find(|(_, g, t)| nonzero(g) && v2(t) && v4mapped(g))
-        .or_else(|| table.iter().find(|(_, g, t)| nonzero(g) && v2(t)))
-        .or_else(|| table.iter().find(|(_, g, _)| nonzero(g)))
+        .filter(|(i, g, t)| *t == Some(kind) && nonzero(g) && configured.is_none_or(|c| c == *i));
+    of_kind
+        .clone()
+        .find(|(_, g, _)| v4mapped(g))
+        .or_else(|| of_kind.clone().next())
         .map(|(i, _, _)| *i)
 }
 
@@ -178,7 +174,6 @@ mod tests {
     fn params() -> QpParams {
         QpParams {
             port: 1,
-            gid_index: 3,
             mtu: 5,
             timeout: 14,
             retry_count: 7,
@@ -201,6 +196,12 @@ mod tests {
             mtu: 3,
             link_layer,
             port: 1,
+            gid_type: if link_layer == LinkLayer::Ethernet {
+                GidType::RoceV2
+            } else {
+                GidType::InfiniBand
+            },
+            rd_atomic: 4,
         }
     }
 
@@ -215,28 +216,27 @@ mod tests {
     #[test]
     fn init_sets_port_and_remote_access() {
         let t = init(&params());
-        assert_eq!(t.attr.qp_state, ffi::ibv_qp_state::IBV_QPS_INIT);
+        assert_eq!(t.attr.qp_state, ffi::IBV_QPS_INIT);
         assert_eq!(t.attr.port_num, 1);
-        let access = ffi::ibv_access_flags(t.attr.qp_access_flags);
         assert_eq!(
-            access,
-            ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
-                | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ
-                | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
+            t.attr.qp_access_flags as i32,
+            ffi::IBV_ACCESS_LOCAL_WRITE
+                | ffi::IBV_ACCESS_REMOTE_READ
+                | ffi::IBV_ACCESS_REMOTE_WRITE
         );
         assert_eq!(
             t.mask,
-            ffi::ibv_qp_attr_mask::IBV_QP_STATE
-                | ffi::ibv_qp_attr_mask::IBV_QP_PKEY_INDEX
-                | ffi::ibv_qp_attr_mask::IBV_QP_PORT
-                | ffi::ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS
+            ffi::IBV_QP_STATE
+                | ffi::IBV_QP_PKEY_INDEX
+                | ffi::IBV_QP_PORT
+                | ffi::IBV_QP_ACCESS_FLAGS
         );
     }
 
     #[test]
     fn rtr_on_roce_addresses_the_peer_by_gid_with_the_smaller_mtu() {
-        let t = rtr(&params(), &peer(LinkLayer::Ethernet));
-        assert_eq!(t.attr.qp_state, ffi::ibv_qp_state::IBV_QPS_RTR);
+        let t = rtr(&params(), &peer(LinkLayer::Ethernet), 3);
+        assert_eq!(t.attr.qp_state, ffi::IBV_QPS_RTR);
         assert_eq!(t.attr.path_mtu, 3, "the peer's 1024 beats our 4096");
         assert_eq!(t.attr.dest_qp_num, 0x1234);
         assert_eq!(t.attr.rq_psn, 0xabcdef);
@@ -249,35 +249,41 @@ mod tests {
         assert_eq!(ah.grh.sgid_index, 3);
         assert_eq!(ah.grh.hop_limit, HOP_LIMIT);
         assert_eq!(ah.grh.traffic_class, 106);
-        assert!(t.mask.0 & ffi::ibv_qp_attr_mask::IBV_QP_AV.0 != 0);
-        assert!(t.mask.0 & ffi::ibv_qp_attr_mask::IBV_QP_DEST_QPN.0 != 0);
-        assert!(t.mask.0 & ffi::ibv_qp_attr_mask::IBV_QP_SQ_PSN.0 == 0);
+        assert!(t.mask & ffi::IBV_QP_AV != 0);
+        assert!(t.mask & ffi::IBV_QP_DEST_QPN != 0);
+        assert!(t.mask & ffi::IBV_QP_SQ_PSN == 0);
     }
 
     #[test]
     fn rtr_on_infiniband_addresses_the_peer_by_lid() {
-        let t = rtr(&params(), &peer(LinkLayer::InfiniBand));
+        let t = rtr(&params(), &peer(LinkLayer::InfiniBand), 0);
         assert_eq!(t.attr.ah_attr.is_global, 0);
         assert_eq!(t.attr.ah_attr.dlid, 7);
     }
 
     #[test]
     fn rts_sets_our_psn_and_the_retry_policy() {
-        let t = rts(&params(), 0x42);
-        assert_eq!(t.attr.qp_state, ffi::ibv_qp_state::IBV_QPS_RTS);
+        let t = rts(&params(), 0x42, 16);
+        assert_eq!(t.attr.qp_state, ffi::IBV_QPS_RTS);
         assert_eq!(t.attr.sq_psn, 0x42);
         assert_eq!(
             (t.attr.timeout, t.attr.retry_cnt, t.attr.rnr_retry),
             (14, 7, 7)
         );
         assert_eq!(t.attr.max_rd_atomic, 16);
-        assert!(t.mask.0 & ffi::ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC.0 != 0);
-        assert!(t.mask.0 & ffi::ibv_qp_attr_mask::IBV_QP_AV.0 == 0);
-        assert_eq!(error().attr.qp_state, ffi::ibv_qp_state::IBV_QPS_ERR);
+        assert!(t.mask & ffi::IBV_QP_MAX_QP_RD_ATOMIC != 0);
+        assert!(t.mask & ffi::IBV_QP_AV == 0);
+        assert_eq!(error().attr.qp_state, ffi::IBV_QPS_ERR);
     }
 
     #[test]
-    fn the_gid_is_the_configured_one_else_roce_v2_ipv4_mapped() {
+    fn max_rd_atomic_is_capped_by_the_reads_the_peer_serves() {
+        assert_eq!(rts(&params(), 1, 4).attr.max_rd_atomic, 4);
+        assert_eq!(rts(&params(), 1, 200).attr.max_rd_atomic, 16);
+    }
+
+    #[test]
+    fn the_gid_is_of_the_negotiated_type_ipv4_mapped_first() {
         let mut v4 = [0u8; 16];
         v4[10] = 0xff;
         v4[11] = 0xff;
@@ -289,19 +295,27 @@ mod tests {
             g[15] = 1;
             g
         };
-        let v1 = Some("IB/RoCE v1".to_string());
-        let v2 = Some("RoCE v2".to_string());
+        let (v1, v2) = (Some(GidType::RoceV1), Some(GidType::RoceV2));
         let table = vec![
-            (0, ll, v1.clone()),
-            (1, ll, v2.clone()),
+            (0, ll, v1),
+            (1, ll, v2),
             (2, v4, v1),
             (3, v4, v2),
-            (4, [0; 16], None),
+            (4, [0; 16], v2),
         ];
-        assert_eq!(pick_gid(None, &table), Some(3));
-        assert_eq!(pick_gid(Some(1), &table), Some(1));
-        assert_eq!(pick_gid(None, &table[..3]), Some(1));
-        assert_eq!(pick_gid(None, &[(5, ll, None)]), Some(5));
-        assert_eq!(pick_gid(None, &[(0, [0; 16], None)]), None);
+        assert_eq!(pick_gid(None, &table, GidType::RoceV2), Some(3));
+        assert_eq!(pick_gid(None, &table, GidType::RoceV1), Some(2));
+        assert_eq!(pick_gid(Some(1), &table, GidType::RoceV2), Some(1));
+        assert_eq!(
+            pick_gid(Some(1), &table, GidType::RoceV1),
+            None,
+            "index 1 is v2"
+        );
+        assert_eq!(pick_gid(None, &table[..2], GidType::RoceV2), Some(1));
+        assert_eq!(
+            pick_gid(None, &table[4..], GidType::RoceV2),
+            None,
+            "zero GIDs are unusable"
+        );
     }
 }

@@ -1,64 +1,116 @@
 //! Completion bookkeeping, free of verbs so it is tested without a NIC.
 //!
 //! - [`BatchState`] counts a batch's slices; its [`Completion`] is completed exactly
-//!   once: `Ok` when the last slice succeeds, or the first failure's error at once.
+//!   once, when **every** slice is accounted for (landed, failed, or never posted
+//!   because the batch had already failed or was aborted): `Ok` if all landed, else the
+//!   first failure's error. A batch never completes while one of its work requests may
+//!   still move bytes.
 //! - [`SendQueue`] is one QP's work requests in posting order. A reliable connection
 //!   completes work requests in order, so a signalled completion for work request `n`
 //!   also completes every unsignalled one posted before it; an error completion fails
-//!   `n` (earlier ones completed successfully before it), and when a QP is reset,
-//!   whatever it still holds is handed back to be retried elsewhere or failed.
+//!   `n` (earlier ones completed successfully before it); a QP in the error state
+//!   hands back whatever it still holds as flush completions, one per work request.
+//! - [`InFlight`] finds a batch by the engine's id when the engine aborts it.
+//! - [`retryable`] says which completion errors another path may cure.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 
-use te_core::{Completion, Error, Result};
+use te_core::{BatchId, Completion, Error, Result};
 
-/// One batch in flight: its remaining slices and its completion.
+use crate::verbs;
+
+/// One batch in flight: its slices not yet accounted for, its first error, and its
+/// completion.
 #[derive(Debug)]
 pub(crate) struct BatchState {
     remaining: AtomicUsize,
+    /// A slice failed or the batch was aborted: post none of its slices any more.
+    stopped: AtomicBool,
+    error: Mutex<Option<Error>>,
     done: Mutex<Option<Completion>>,
+    /// The engine's id for the batch, and the table that finds it by that id.
+    id: BatchId,
+    table: Weak<InFlight>,
 }
 
 impl BatchState {
-    /// A batch of `slices` slices; `slices` must not be zero.
+    /// A batch of `slices` slices, in no table; `slices` must not be zero.
+    #[cfg(test)]
     pub(crate) fn new(slices: usize, done: Completion) -> BatchState {
+        BatchState::in_table(slices, done, Weak::new())
+    }
+
+    fn in_table(slices: usize, done: Completion, table: Weak<InFlight>) -> BatchState {
         BatchState {
             remaining: AtomicUsize::new(slices),
+            stopped: AtomicBool::new(false),
+            error: Mutex::new(None),
+            id: done.batch(),
             done: Mutex::new(Some(done)),
+            table,
         }
     }
 
-    fn take(&self) -> Option<Completion> {
-        self.done.lock().unwrap_or_else(|p| p.into_inner()).take()
-    }
-
-    /// One slice landed. Completes the batch with `Ok` if it was the last one and no
-    /// slice failed.
-    pub(crate) fn slice_done(&self) {
+    /// Accounts one slice; the last one takes the batch out of its table and completes
+    /// it.
+    fn account(&self) {
         if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-            if let Some(done) = self.take() {
-                done.complete(Ok(()));
+            if let Some(table) = self.table.upgrade() {
+                table.remove(self.id, self);
+            }
+            let error = self.error.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let done = self.done.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(done) = done {
+                done.complete(error.map_or(Ok(()), Err));
             }
         }
     }
 
-    /// One slice failed for good (no other path to retry on). The first failure
-    /// completes the batch with its error; later ones are only counted.
-    pub(crate) fn slice_failed(&self, error: Error) {
-        if let Some(done) = self.take() {
-            done.complete(Err(error));
+    /// Records `error` as the batch's if it is the first, and stops the batch.
+    fn stop(&self, error: Error) {
+        let mut first = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        if first.is_none() {
+            *first = Some(error);
         }
-        self.remaining.fetch_sub(1, Ordering::AcqRel);
+        self.stopped.store(true, Ordering::Release);
     }
 
-    /// Whether the batch has already been completed (a slice failed, or all landed).
-    pub(crate) fn is_finished(&self) -> bool {
+    /// One slice landed.
+    pub(crate) fn slice_done(&self) {
+        self.account();
+    }
+
+    /// One slice failed for good (no other path to retry on, or an error no other path
+    /// cures). The batch stops posting; it completes, with the first error, when its
+    /// last slice is accounted for.
+    pub(crate) fn slice_failed(&self, error: Error) {
+        self.stop(error);
+        self.account();
+    }
+
+    /// Stops the batch without accounting a slice (the engine's abort: deadline,
+    /// cancel, deregistration): its slices not yet posted are not posted (they are
+    /// accounted as they are dropped), the ones posted complete as they will, and the
+    /// batch completes with `error` once all are accounted for.
+    pub(crate) fn abort(&self, error: Error) {
+        self.stop(error);
+    }
+
+    /// Whether the engine asked for this batch to be aborted (its completion's flag);
+    /// false once the batch completed.
+    fn abort_requested(&self) -> bool {
         self.done
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .is_none()
+            .as_ref()
+            .is_some_and(Completion::is_aborted)
+    }
+
+    /// Whether the batch takes no more work: a slice failed, or it was aborted.
+    pub(crate) fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::Acquire)
     }
 
     /// Slices not yet accounted for.
@@ -66,6 +118,88 @@ impl BatchState {
     pub(crate) fn remaining(&self) -> usize {
         self.remaining.load(Ordering::Acquire)
     }
+}
+
+/// The batches in flight by the engine's batch id, held weakly (a batch lives as long
+/// as its slices), so that the engine's abort reaches the batch it names.
+#[derive(Debug, Default)]
+pub(crate) struct InFlight {
+    batches: Mutex<HashMap<BatchId, Vec<Weak<BatchState>>>>,
+}
+
+impl InFlight {
+    /// A batch of `slices` slices (not zero) that completes `done`, in this table until
+    /// it completes.
+    pub(crate) fn start(self: &Arc<Self>, slices: usize, done: Completion) -> Arc<BatchState> {
+        let id = done.batch();
+        let state = Arc::new(BatchState::in_table(slices, done, Arc::downgrade(self)));
+        self.batches
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(id)
+            .or_default()
+            .push(Arc::downgrade(&state));
+        state
+    }
+
+    /// Aborts the batches of id `id` whose completion the engine flagged for abort,
+    /// with `error`, and returns them. An id names one batch of an engine; completions
+    /// made outside an engine all have id 0, hence the flag. Blocks on nothing but
+    /// short critical sections.
+    pub(crate) fn abort(&self, id: BatchId, error: impl Fn() -> Error) -> Vec<Arc<BatchState>> {
+        let live: Vec<Arc<BatchState>> = self
+            .batches
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&id)
+            .map(|v| v.iter().filter_map(Weak::upgrade).collect())
+            .unwrap_or_default();
+        let hit: Vec<_> = live.into_iter().filter(|b| b.abort_requested()).collect();
+        for b in &hit {
+            b.abort(error());
+        }
+        hit
+    }
+
+    /// Forgets `state` (and whatever of `id` is gone).
+    fn remove(&self, id: BatchId, state: &BatchState) {
+        let mut batches = self.batches.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(v) = batches.get_mut(&id) {
+            v.retain(|w| !std::ptr::eq(w.as_ptr(), state) && w.strong_count() > 0);
+            if v.is_empty() {
+                batches.remove(&id);
+            }
+        }
+    }
+
+    /// Batches in the table.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.batches
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(Vec::len)
+            .sum()
+    }
+}
+
+/// Whether a work completion error is the transport's (the path, the port, the QP
+/// having been flushed), which another path may cure. Access and protection errors
+/// (`REM_ACCESS`, `LOC_PROT`, `REM_INV_REQ`, …) are the request's own: another path
+/// would fail the same way and break that QP too.
+pub(crate) fn retryable(status: u32) -> bool {
+    matches!(
+        status,
+        verbs::IBV_WC_RETRY_EXC_ERR
+            | verbs::IBV_WC_RNR_RETRY_EXC_ERR
+            | verbs::IBV_WC_WR_FLUSH_ERR
+            | verbs::IBV_WC_RESP_TIMEOUT_ERR
+            | verbs::IBV_WC_FATAL_ERR
+            | verbs::IBV_WC_GENERAL_ERR
+            | verbs::IBV_WC_BAD_RESP_ERR
+            | verbs::IBV_WC_REM_ABORT_ERR
+    )
 }
 
 /// What happened to one posted work request.
@@ -98,7 +232,6 @@ impl<T> SendQueue<T> {
     }
 
     /// Work requests posted and not yet completed.
-    #[cfg(test)]
     pub(crate) fn outstanding(&self) -> usize {
         self.posted.len()
     }
@@ -152,12 +285,6 @@ impl<T> SendQueue<T> {
         }
         true
     }
-
-    /// Everything still outstanding, oldest first, for a QP being reset.
-    pub(crate) fn drain(&mut self) -> Vec<T> {
-        self.since_signal = 0;
-        self.posted.drain(..).map(|(_, t)| t).collect()
-    }
 }
 
 #[cfg(test)]
@@ -189,17 +316,80 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_slice_fails_its_batch_exactly_once_and_every_slice_is_still_counted() {
+    fn a_failed_slice_completes_its_batch_only_when_every_slice_is_accounted_for() {
         let (b, rx) = batch(4);
         b.slice_done();
         b.slice_failed(Error::new(ErrorKind::Backend, "IBV_WC_REM_ACCESS_ERR"));
-        assert!(b.is_finished());
-        let e = rx.recv().unwrap().unwrap_err();
-        assert!(e.to_string().contains("REM_ACCESS"), "{e}");
+        assert!(b.is_stopped());
+        assert!(
+            rx.try_recv().is_err(),
+            "two slices may still be moving bytes: the batch must not complete"
+        );
         b.slice_failed(Error::new(ErrorKind::Backend, "second"));
+        assert!(rx.try_recv().is_err());
         b.slice_done();
+        let e = rx.recv().unwrap().unwrap_err();
+        assert!(
+            e.to_string().contains("REM_ACCESS"),
+            "the first error wins: {e}"
+        );
         assert_eq!(b.remaining(), 0);
         assert!(rx.try_recv().is_err(), "completed once only");
+    }
+
+    #[test]
+    fn an_aborted_batch_posts_nothing_more_and_completes_when_its_slices_are_back() {
+        let (b, rx) = batch(2);
+        b.abort(Error::new(ErrorKind::Cancelled, "aborted"));
+        assert!(b.is_stopped());
+        b.slice_done();
+        assert!(rx.try_recv().is_err());
+        b.slice_failed(Error::new(ErrorKind::Cancelled, "not posted"));
+        let e = rx.recv().unwrap().unwrap_err();
+        assert!(e.to_string().contains("aborted"), "{e}");
+    }
+
+    #[test]
+    fn the_engines_abort_stops_only_the_flagged_batch_which_completes_when_its_posted_slices_are_back(
+    ) {
+        let table = Arc::new(InFlight::default());
+        let (tx, rx) = mpsc::channel();
+        let deadline = te_core::Deadline::after(Duration::from_secs(5));
+        let (tx1, tx2) = (tx.clone(), tx);
+        let (d1, aborter) = Completion::abortable(deadline, move |r, _| tx1.send((1, r)).unwrap());
+        let (d2, _) = Completion::abortable(deadline, move |r, _| tx2.send((2, r)).unwrap());
+        // Completions made outside an engine share id 0: only the flag tells them apart.
+        let (b1, b2) = (table.start(3, d1), table.start(1, d2));
+        assert_eq!(table.len(), 2);
+        assert!(
+            table.abort(b1.id, cancelled).is_empty(),
+            "no flag, no abort"
+        );
+        aborter.abort();
+        let hit = table.abort(b1.id, cancelled);
+        assert_eq!(hit.len(), 1);
+        assert!(Arc::ptr_eq(&hit[0], &b1));
+        assert!(b1.is_stopped() && !b2.is_stopped());
+        // One slice was posted and lands; the two waiting ones are dropped unposted.
+        b1.slice_done();
+        b1.slice_failed(Error::new(ErrorKind::Cancelled, "not posted"));
+        assert!(rx.try_recv().is_err(), "a slice is still unaccounted for");
+        b1.slice_failed(Error::new(ErrorKind::Cancelled, "not posted"));
+        let (which, r) = rx.recv().unwrap();
+        assert_eq!(which, 1);
+        assert!(r.unwrap_err().message().contains("aborted by the engine"));
+        assert_eq!(table.len(), 1, "a completed batch leaves the table");
+        b2.slice_done();
+        assert!(matches!(rx.recv().unwrap(), (2, Ok(()))));
+        assert_eq!(table.len(), 0);
+        assert!(
+            table.abort(b1.id, cancelled).is_empty(),
+            "a completed batch is not found"
+        );
+    }
+
+    fn cancelled() -> Error {
+        Error::new(ErrorKind::Cancelled, "aborted by the engine")
     }
 
     #[test]
@@ -225,6 +415,26 @@ mod tests {
         assert!(rx.recv().unwrap().is_err());
         assert!(rx.try_recv().is_err());
         assert_eq!(b.remaining(), 0);
+    }
+
+    #[test]
+    fn only_transport_and_flush_errors_are_retried_elsewhere() {
+        for s in [
+            verbs::IBV_WC_RETRY_EXC_ERR,
+            verbs::IBV_WC_RNR_RETRY_EXC_ERR,
+            verbs::IBV_WC_WR_FLUSH_ERR,
+        ] {
+            assert!(retryable(s), "{s}");
+        }
+        for s in [
+            verbs::IBV_WC_REM_ACCESS_ERR,
+            verbs::IBV_WC_LOC_PROT_ERR,
+            verbs::IBV_WC_REM_INV_REQ_ERR,
+            verbs::IBV_WC_LOC_LEN_ERR,
+            verbs::IBV_WC_REM_OP_ERR,
+        ] {
+            assert!(!retryable(s), "{s}");
+        }
     }
 
     #[test]
@@ -265,14 +475,13 @@ mod tests {
     }
 
     #[test]
-    fn a_reset_hands_back_everything_outstanding_and_a_refused_post_is_taken_back() {
+    fn a_refused_post_is_taken_back() {
         let mut q = SendQueue::new(10);
         for i in 0..6 {
             q.push(i, false, 16).unwrap();
         }
         assert_eq!(q.unpush(2), [4, 5]);
-        assert_eq!(q.drain(), [0, 1, 2, 3]);
-        assert_eq!(q.outstanding(), 0);
-        assert_eq!(q.room(), 10);
+        assert_eq!(q.outstanding(), 4);
+        assert_eq!(q.room(), 6);
     }
 }

@@ -4,7 +4,7 @@
 //! The buffers are kept per QP and reused, so posting allocates nothing once they have
 //! grown to the QP's depth.
 
-use ibverbs_sys as sys;
+use crate::verbs as sys;
 use te_core::Op;
 
 /// One slice, resolved to addresses and keys on one path.
@@ -23,10 +23,10 @@ pub(crate) struct WorkItem {
 }
 
 /// The verbs opcode of an operation.
-pub(crate) fn opcode(op: Op) -> sys::ibv_wr_opcode::Type {
+pub(crate) fn opcode(op: Op) -> u32 {
     match op {
-        Op::Write => sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
-        Op::Read => sys::ibv_wr_opcode::IBV_WR_RDMA_READ,
+        Op::Write => sys::IBV_WR_RDMA_WRITE,
+        Op::Read => sys::IBV_WR_RDMA_READ,
     }
 }
 
@@ -66,13 +66,13 @@ impl WrChain {
                 num_sge: 1,
                 opcode: opcode(it.op),
                 send_flags: if it.signaled {
-                    sys::ibv_send_flags::IBV_SEND_SIGNALED.0
+                    sys::IBV_SEND_SIGNALED
                 } else {
                     0
                 },
                 ..Default::default()
             };
-            wr.wr.rdma = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 {
+            wr.wr.rdma = sys::ibv_rdma_info {
                 remote_addr: it.remote_addr,
                 rkey: it.rkey,
             };
@@ -144,13 +144,10 @@ mod tests {
                 (it.local_addr, it.len, it.lkey)
             );
         }
-        assert_eq!(c.wrs()[0].opcode, sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE);
-        assert_eq!(c.wrs()[1].opcode, sys::ibv_wr_opcode::IBV_WR_RDMA_READ);
+        assert_eq!(c.wrs()[0].opcode, sys::IBV_WR_RDMA_WRITE);
+        assert_eq!(c.wrs()[1].opcode, sys::IBV_WR_RDMA_READ);
         assert_eq!(c.wrs()[0].send_flags, 0);
-        assert_eq!(
-            c.wrs()[1].send_flags,
-            sys::ibv_send_flags::IBV_SEND_SIGNALED.0
-        );
+        assert_eq!(c.wrs()[1].send_flags, sys::IBV_SEND_SIGNALED);
     }
 
     #[test]

@@ -27,4 +27,17 @@ pub struct StubConfig {
     /// Complete each batch no sooner than this after submission.
     #[serde(deserialize_with = "te_core::config::de::duration")]
     pub delay: Duration,
+    /// Play a fabric that cannot stop: an aborted batch (deadline, cancel) still moves
+    /// all its data when it is due, late, and only then is released. The engine must
+    /// keep the batch's handle unresolved until then.
+    pub ignore_abort: bool,
+    /// Run batches that are due newest first, and a batch's requests last first, so
+    /// completions come out of submission order.
+    pub reorder: bool,
+    /// Every Nth batch moves about half of its bytes, then fails with a `Backend`
+    /// error; 0 never.
+    pub fail_partway_every: u64,
+    /// Every Nth batch fails with `PeerRestarted`, as if the peer had restarted under
+    /// it, and the stub forgets the peer until it is connected again; 0 never.
+    pub restart_every: u64,
 }

@@ -11,6 +11,18 @@
 //! - `fail_every = N` fails every Nth batch with a `Backend` error (0 = never).
 //! - `delay = "5ms"` completes each batch no sooner than this after its submission.
 //!
+//! It is also the contract's adversary, so that the conformance suite catches an engine
+//! or backend that breaks the memory contract:
+//! - `ignore_abort = true` plays a fabric that cannot stop: an aborted batch still
+//!   moves all its data when due (after its deadline) and only then is released.
+//! - `reorder = true` runs due batches newest first and a batch's requests last first.
+//! - `fail_partway_every = N` makes every Nth batch move about half its bytes and fail.
+//! - `restart_every = N` fails every Nth batch with `PeerRestarted` and forgets the
+//!   peer until it is connected again.
+//!
+//! Abort: a batch still queued is released at once; one being copied stops between
+//! requests.
+//!
 //! The stub only connects engines of one process that use the same copy of it (both
 //! built in, or both from the same plugin file).
 
@@ -36,7 +48,7 @@ fn probe() -> Result<()> {
 
 fn create(ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
     let config: StubConfig = ctx.parse(NAME)?;
-    Ok(Arc::new(StubBackend::new(config)?))
+    Ok(Arc::new(StubBackend::new(config, ctx)?))
 }
 
 te_core::register_backend!(NAME, probe, create);

@@ -18,17 +18,18 @@ use te_tcp::{TcpBackend, TcpConfig};
 
 fn engine(table: &str, name: &str) -> Engine {
     let text = format!("[backends.tcp]\n{table}");
-    let ctx = Config::from_toml(&text, "tcp_bench arguments", std::path::Path::new("."))
+    let mut ctx = Config::from_toml(&text, "tcp_bench arguments", std::path::Path::new("."))
         .expect("valid options")
         .backend_context(te_tcp::NAME);
+    ctx.epoch = te_core::random_nonzero();
     let config: TcpConfig = ctx.parse(te_tcp::NAME).expect("valid options");
-    let backend = Arc::new(TcpBackend::new(config).expect("backend"));
+    let backend = Arc::new(TcpBackend::new(config, &ctx).expect("backend"));
     let ec = EngineConfig {
         name: name.into(),
         backend: te_tcp::NAME.into(),
         ..EngineConfig::default()
     };
-    Engine::with_backend(ec, backend, Origin::BuiltIn).expect("engine")
+    Engine::with_backend(ec, backend, Origin::BuiltIn, ctx.epoch).expect("engine")
 }
 
 /// CPU time this process has used, all threads (both sides of every loopback pair).

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
 use te_core::{
-    BackendInfo, Capabilities, Completion, Error, ErrorKind, MemoryDesc, MemoryKind, PeerId,
-    RegionId, Result, SegmentDesc, TransferBackend, TransferRequest,
+    BackendContext, BackendInfo, Capabilities, Completion, Deadline, Error, ErrorKind, MemoryDesc,
+    MemoryKind, PeerId, RegionId, Result, SegmentDesc, TransferBackend, TransferRequest,
 };
 
 use crate::config::TcpConfig;
@@ -113,23 +113,30 @@ pub(crate) fn decode_endpoint(b: &[u8]) -> Result<(SocketAddr, u64)> {
     Ok((SocketAddr::new(ip, port), u64::from_le_bytes(instance)))
 }
 
-fn random_instance() -> u64 {
-    loop {
-        let v: u64 = rand::random();
-        if v != 0 {
-            return v;
-        }
-    }
-}
-
 impl TcpBackend {
-    /// Binds the data listener and starts accepting peers.
+    /// Binds the data listener and starts accepting peers; `ctx` gives the engine's
+    /// identity.
     ///
     /// # Errors
     /// `ConfigInvalid` for invalid options or an address that cannot be advertised;
     /// `Io` if the listener cannot bind or its thread cannot start.
-    pub fn new(config: TcpConfig) -> Result<TcpBackend> {
+    pub fn new(mut config: TcpConfig, ctx: &BackendContext) -> Result<TcpBackend> {
         config.validate()?;
+        // The engine's token protects the data connections too; the backend's own key
+        // is an older spelling of the same thing.
+        match (&config.auth_token, &ctx.auth_token) {
+            (Some(own), Some(engine)) if own != engine => {
+                return Err(config_error(
+                    "auth_token differs from [engine] auth_token; set it once, in [engine]"
+                        .into(),
+                ))
+            }
+            (Some(_), None) => tracing::warn!(
+                "[backends.tcp] auth_token is deprecated: set [engine] auth_token, which also protects the control plane"
+            ),
+            _ => {}
+        }
+        config.auth_token = config.auth_token.take().or_else(|| ctx.auth_token.clone());
         let listener = TcpListener::bind(&config.listen).map_err(|e| {
             Error::new(
                 ErrorKind::Io,
@@ -155,7 +162,9 @@ impl TcpBackend {
             }
             None => bound,
         };
-        let instance = random_instance();
+        // The engine's epoch names this backend to peers, so a restarted engine is a
+        // new instance that refuses connections meant for its previous life.
+        let instance = ctx.epoch_or_random();
         let shared = Arc::new(Shared {
             config,
             instance,
@@ -185,6 +194,8 @@ impl TcpBackend {
                     cross_process: true,
                     same_host_only: false,
                     max_request_size: u64::MAX,
+                    // The target checks every frame before a byte lands.
+                    checks_at_target: true,
                 },
             },
             endpoint: encode_endpoint(advertised, instance),
@@ -208,13 +219,30 @@ impl TcpBackend {
         &self.shared
     }
 
+    /// The connections to `peer` not known to be broken.
+    #[cfg(test)]
+    pub(crate) fn live_connections(&self, peer: PeerId) -> usize {
+        self.peers
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&peer)
+            .map_or(0, |pc| {
+                pc.conns
+                    .read()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .iter()
+                    .filter(|c| !c.is_dead())
+                    .count()
+            })
+    }
+
     /// The options in force.
     pub fn config(&self) -> &TcpConfig {
         &self.shared.config
     }
 
     /// Opens connections to `peer` until it has `connections_per_peer` live ones.
-    fn fill_pool(&self, peer: &PeerConns) -> Result<()> {
+    fn fill_pool(&self, peer: &PeerConns, deadline: Deadline) -> Result<()> {
         let want = self.shared.config.connections_per_peer;
         let live = peer
             .conns
@@ -231,6 +259,7 @@ impl TcpBackend {
                 peer.instance,
                 &self.shared.config,
                 &self.shared.threads,
+                deadline,
             ) {
                 Ok(c) => fresh.push(c),
                 Err(e) => {
@@ -355,11 +384,11 @@ impl TransferBackend for TcpBackend {
         Ok(Vec::new())
     }
 
-    fn deregister(&self, id: RegionId) -> Result<()> {
-        self.shared.regions.remove(id)
+    fn deregister(&self, id: RegionId, deadline: Deadline) -> Result<()> {
+        self.shared.regions.remove(id, deadline)
     }
 
-    fn connect(&self, peer: &SegmentDesc) -> Result<PeerId> {
+    fn connect(&self, peer: &SegmentDesc, deadline: Deadline) -> Result<PeerId> {
         let (addr, instance) = decode_endpoint(&peer.endpoint)?;
         let existing = self
             .by_endpoint
@@ -375,7 +404,7 @@ impl TransferBackend for TcpBackend {
                 .get(&id)
                 .cloned();
             if let Some(pc) = pc {
-                self.fill_pool(&pc)?;
+                self.fill_pool(&pc, deadline)?;
                 return Ok(id);
             }
         }
@@ -384,7 +413,7 @@ impl TransferBackend for TcpBackend {
             instance,
             conns: RwLock::new(Vec::new()),
         });
-        self.fill_pool(&pc)?;
+        self.fill_pool(&pc, deadline)?;
         let mut by = self.by_endpoint.lock().unwrap_or_else(|p| p.into_inner());
         let mut peers = self.peers.write().unwrap_or_else(|p| p.into_inner());
         if let Some(&id) = by.get(&peer.endpoint) {
@@ -402,7 +431,7 @@ impl TransferBackend for TcpBackend {
         Ok(id)
     }
 
-    fn disconnect(&self, peer: PeerId) -> Result<()> {
+    fn disconnect(&self, peer: PeerId, _deadline: Deadline) -> Result<()> {
         let pc = self
             .peers
             .write()

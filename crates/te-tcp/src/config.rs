@@ -135,9 +135,11 @@ mod tests {
 
     fn parse(text: &str) -> Result<TcpConfig> {
         let ctx = BackendContext {
+            epoch: 0,
             engine: "t".into(),
             table: text.parse().expect("toml"),
             source: "test.toml".into(),
+            ..Default::default()
         };
         let c: TcpConfig = ctx.parse(crate::NAME)?;
         c.validate()?;

@@ -21,7 +21,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::Instant;
 
 use te_core::device::DeviceCopy;
-use te_core::{Completion, Error, ErrorKind, Op, RegionId, Result};
+use te_core::{Completion, Deadline, Error, ErrorKind, Op, RegionId, Result};
 
 use crate::config::TcpConfig;
 use crate::regions::Pin;
@@ -81,8 +81,17 @@ impl Batch {
         }
     }
 
-    fn expired(&self) -> bool {
+    /// Whether the batch is to stop: aborted by the engine (deadline, cancel,
+    /// deregistration), or past its deadline. A stopped batch sends nothing more, and
+    /// the data that arrives for it is discarded, never placed.
+    fn stopped(&self) -> bool {
         Instant::now() >= self.deadline
+            || self
+                .done
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .is_none_or(|d| d.0.is_aborted())
     }
 }
 
@@ -293,17 +302,17 @@ pub(crate) fn handshake(
         Status::AuthFailed => return Err(proto(wire::WireError::Field("status"))),
     }
     let mac = match (token, ch.auth) {
-        (Some(t), true) => wire::mac(t, b"initiator", &nonce, &ch.nonce, instance),
-        (None, false) => [0; crate::auth::MAC_LEN],
+        (Some(t), true) => te_core::auth::prove(t, &wire::role("initiator", instance), &nonce, &ch.nonce),
+        (None, false) => [0; te_core::auth::LEN],
         (None, true) => {
             // Send a proof that cannot match, so the target logs the refusal too.
-            [0; crate::auth::MAC_LEN]
+            [0; te_core::auth::LEN]
         }
         (Some(_), false) => {
             return Err(Error::new(
                 ErrorKind::Unauthorized,
                 format!(
-                    "{label} does not require an auth_token but this side has one; set the same [backends.tcp] auth_token on both sides"
+                    "{label} does not require an auth_token but this side has one; set the same [engine] auth_token on both sides"
                 ),
             ))
         }
@@ -317,7 +326,7 @@ pub(crate) fn handshake(
         return Err(Error::new(
             ErrorKind::Unauthorized,
             format!(
-                "{label} refused the data connection: {}; set the same [backends.tcp] auth_token on both sides",
+                "{label} refused the data connection: {}; set the same [engine] auth_token on both sides",
                 if token.is_some() { "wrong auth_token" } else { "it requires an auth_token and this side has none" }
             ),
         ));
@@ -326,8 +335,13 @@ pub(crate) fn handshake(
         return Err(proto(wire::WireError::Field("status")));
     }
     if let Some(t) = token {
-        let want = wire::mac(t, b"target", &ch.nonce, &nonce, instance);
-        if !crate::auth::same(&want, &w.mac) {
+        if !te_core::auth::verify(
+            t,
+            &wire::role("target", instance),
+            &ch.nonce,
+            &nonce,
+            &w.mac,
+        ) {
             return Err(Error::new(
                 ErrorKind::Unauthorized,
                 format!("{label} could not prove the auth_token: it is not the peer it claims to be, or its token differs"),
@@ -360,7 +374,9 @@ impl Conn {
     /// target instance `instance`, and starts its sender and receiver threads.
     ///
     /// # Errors
-    /// `PeerUnreachable` if it cannot be reached in `connect_timeout`; `PeerRestarted`
+    /// `PeerUnreachable` if it cannot be reached in `connect_timeout` (or before the
+    /// caller's `deadline`, whichever is sooner); `Timeout` if the deadline has passed;
+    /// `PeerRestarted`
     /// if another instance answers; `Unauthorized` if the tokens differ; `Protocol`
     /// if it is not a te-tcp target.
     pub(crate) fn open(
@@ -368,13 +384,14 @@ impl Conn {
         instance: u64,
         config: &TcpConfig,
         threads: &Mutex<Vec<std::thread::JoinHandle<()>>>,
+        deadline: Deadline,
     ) -> Result<Arc<Conn>> {
         let label = addr.to_string();
-        let mut s = TcpStream::connect_timeout(&addr, config.connect_timeout)
+        let limit = config.connect_timeout.min(deadline.left("connect")?);
+        let mut s = TcpStream::connect_timeout(&addr, limit)
             .map_err(|e| unreachable(&label, "cannot connect", e))?;
         sock::tune(&s, config).map_err(|e| unreachable(&label, "cannot set options", e))?;
-        sock::timeouts(&s, config.connect_timeout)
-            .map_err(|e| unreachable(&label, "cannot set timeouts", e))?;
+        sock::timeouts(&s, limit).map_err(|e| unreachable(&label, "cannot set timeouts", e))?;
         handshake(
             &mut s,
             &label,
@@ -524,7 +541,7 @@ impl Conn {
                         let Some(s) = tx.unsent.pop_front() else {
                             break;
                         };
-                        if s.batch.expired() {
+                        if s.batch.stopped() {
                             expired.push(s);
                             continue;
                         }
@@ -635,6 +652,10 @@ impl Conn {
                     continue;
                 }
             };
+            if s.batch.stopped() {
+                *st = Stage::Failed(timeout_error());
+                continue;
+            }
             let Some(pins) = s.batch.hold() else {
                 *st = Stage::Failed(timeout_error());
                 continue;
@@ -791,6 +812,12 @@ impl Conn {
         let mut on_timeout = |_mid: bool| false;
         match (h.kind, slice.op) {
             (Kind::WriteAck, Op::Write) => Ok(Answer::Done),
+            (Kind::ReadData, Op::Read) if h.len == slice.len && slice.batch.stopped() => {
+                // Late data for a batch handed back to its caller: it must not land.
+                inb.discard(slice.len, &mut on_timeout)
+                    .map_err(|e| unreachable(&self.label, "receive failed", e))?;
+                Err(timeout_error())
+            }
             (Kind::ReadData, Op::Read) if h.len == slice.len && slice.device.is_some() => {
                 self.receive_staged(inb, slice)
             }
@@ -904,6 +931,6 @@ struct Staging {
 fn timeout_error() -> Error {
     Error::new(
         ErrorKind::Timeout,
-        "the batch's deadline passed before this slice was sent",
+        "the batch was aborted (its deadline, a cancel or a deregistration) before this slice was done",
     )
 }

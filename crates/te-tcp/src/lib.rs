@@ -48,7 +48,7 @@
 //! | `advertise` | the `listen` host | the host or IP peers connect to; required when `listen` binds every interface (`0.0.0.0`) |
 //! | `connections_per_peer` | `4` | data connections per peer (1–64) |
 //! | `slice_size` | `"512KiB"` | requests longer than this are cut into slices spread over the connections (4KiB–64MiB) |
-//! | `auth_token` | none | shared secret both sides must prove; set the same value on every engine |
+//! | `auth_token` | none | deprecated: set `[engine] auth_token`, which protects the control plane and these data connections alike; a value here must equal it |
 //! | `nodelay` | `true` | `TCP_NODELAY`: small frames go out at once instead of waiting for Nagle |
 //! | `send_buffer` | `0` | `SO_SNDBUF` in bytes; 0 keeps the kernel's auto-tuning |
 //! | `recv_buffer` | `0` | `SO_RCVBUF` in bytes; 0 keeps the kernel's auto-tuning |
@@ -73,7 +73,6 @@ use std::sync::Arc;
 
 use te_core::{BackendContext, Result, TransferBackend};
 
-mod auth;
 mod backend;
 mod config;
 mod conn;
@@ -97,7 +96,7 @@ fn probe() -> Result<()> {
 
 fn create(ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
     let config: TcpConfig = ctx.parse(NAME)?;
-    Ok(Arc::new(TcpBackend::new(config)?))
+    Ok(Arc::new(TcpBackend::new(config, ctx)?))
 }
 
 te_core::register_backend!(NAME, probe, create);

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 
-use te_core::{Access, Error, ErrorKind, MemoryDesc, RegionId, Result};
+use te_core::{Access, Deadline, Error, ErrorKind, MemoryDesc, RegionId, Result};
 
 use crate::stage::Dev;
 
@@ -77,11 +77,12 @@ impl Regions {
             .insert(id, region);
     }
 
-    /// Forgets `id` and waits until no transfer holds it.
+    /// Forgets `id` and waits until no transfer holds it, at most until `deadline`.
     ///
     /// # Errors
-    /// `NotRegistered` if `id` is unknown.
-    pub(crate) fn remove(&self, id: RegionId) -> Result<()> {
+    /// `NotRegistered` if `id` is unknown; `Timeout` if transfers (a peer's, served
+    /// here) still hold it at the deadline.
+    pub(crate) fn remove(&self, id: RegionId, deadline: Deadline) -> Result<()> {
         let region = self
             .map
             .write()
@@ -96,7 +97,21 @@ impl Regions {
         let mut g = region.gate.lock().unwrap_or_else(|p| p.into_inner());
         g.open = false;
         while g.users > 0 {
-            g = region.closed.wait(g).unwrap_or_else(|p| p.into_inner());
+            let left = deadline.remaining();
+            if left.is_zero() {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "{} transfers still hold region {id} at the deadline (a peer that stopped reading?)",
+                        g.users
+                    ),
+                ));
+            }
+            g = region
+                .closed
+                .wait_timeout(g, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
         Ok(())
     }
@@ -143,6 +158,10 @@ fn not_registered(id: RegionId) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn soon() -> Deadline {
+        Deadline::after(std::time::Duration::from_secs(10))
+    }
     use std::time::Duration;
     use te_core::MemoryKind;
 
@@ -162,7 +181,7 @@ mod tests {
         regions.insert(RegionId(1), &mem(100), None);
         let pin = regions.pin(RegionId(1), 0, 100).unwrap();
         let r = regions.clone();
-        let t = std::thread::spawn(move || r.remove(RegionId(1)));
+        let t = std::thread::spawn(move || r.remove(RegionId(1), soon()));
         std::thread::sleep(Duration::from_millis(50));
         assert!(!t.is_finished(), "remove returned while a pin was held");
         assert_eq!(
@@ -171,7 +190,7 @@ mod tests {
         );
         drop(pin);
         t.join().unwrap().unwrap();
-        assert!(regions.remove(RegionId(1)).is_err());
+        assert!(regions.remove(RegionId(1), soon()).is_err());
     }
 
     #[test]

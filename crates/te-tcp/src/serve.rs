@@ -130,14 +130,14 @@ fn handshake(shared: &Shared, s: &mut TcpStream, peer: &str) -> Result<bool> {
         .map_err(|e| io_err(peer, "reading the proof", e))?;
     let proof = Proof::decode(&b).map_err(|e| protocol(peer, e))?;
     let (status, mac) = match token {
-        None => (Status::Ok, [0; crate::auth::MAC_LEN]),
+        None => (Status::Ok, [0; te_core::auth::LEN]),
         Some(t) => {
-            let want = wire::mac(t, b"initiator", &hello.nonce, &nonce, shared.instance);
-            if crate::auth::same(&want, &proof.mac) {
-                let mac = wire::mac(t, b"target", &nonce, &hello.nonce, shared.instance);
+            let role = |side| wire::role(side, shared.instance);
+            if te_core::auth::verify(t, &role("initiator"), &hello.nonce, &nonce, &proof.mac) {
+                let mac = te_core::auth::prove(t, &role("target"), &nonce, &hello.nonce);
                 (Status::Ok, mac)
             } else {
-                (Status::AuthFailed, [0; crate::auth::MAC_LEN])
+                (Status::AuthFailed, [0; te_core::auth::LEN])
             }
         }
     };

@@ -15,16 +15,21 @@ use crate::backend::decode_endpoint;
 use crate::wire::{Header, Kind, HEADER_LEN};
 use crate::{TcpBackend, TcpConfig};
 
+fn soon() -> te_core::Deadline {
+    te_core::Deadline::after(std::time::Duration::from_secs(10))
+}
+
 fn backend(f: impl FnOnce(&mut TcpConfig)) -> TcpBackend {
     let mut c = TcpConfig::default();
     f(&mut c);
-    TcpBackend::new(c).expect("backend")
+    TcpBackend::new(c, &te_core::BackendContext::default()).expect("backend")
 }
 
 fn segment(b: &TcpBackend) -> SegmentDesc {
     SegmentDesc {
         engine: "target".into(),
         epoch: 1,
+        address: String::new(),
         backend: crate::NAME.into(),
         endpoint: b.endpoint(),
         regions: Vec::new(),
@@ -76,17 +81,17 @@ fn a_peer_without_the_right_auth_token_is_refused_before_any_data_moves() {
     let seg = segment(&target);
     for token in [None, Some("wrong"), Some("s3cret ")] {
         let init = backend(|c| c.auth_token = token.map(String::from));
-        let e = init.connect(&seg).unwrap_err();
+        let e = init.connect(&seg, soon()).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Unauthorized, "{token:?}: {e}");
         assert!(e.to_string().contains("auth_token"), "{e}");
     }
     // A target without a token cannot prove one to an initiator that has one.
     let open = backend(|_| {});
     let init = backend(|c| c.auth_token = Some("s3cret".into()));
-    let e = init.connect(&segment(&open)).unwrap_err();
+    let e = init.connect(&segment(&open), soon()).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Unauthorized, "{e}");
     // The same token on both sides works.
-    init.connect(&seg).expect("same token");
+    init.connect(&seg, soon()).expect("same token");
 }
 
 #[test]
@@ -134,9 +139,10 @@ fn a_restarted_target_refuses_connections_meant_for_its_previous_life() {
     let second = backend(|c| c.listen = format!("127.0.0.1:{port}"));
     assert_eq!(second.data_addr().port(), port, "rebound the same port");
     let init = backend(|_| {});
-    let e = init.connect(&old).unwrap_err();
+    let e = init.connect(&old, soon()).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::PeerRestarted, "{e}");
-    init.connect(&segment(&second)).expect("the new life");
+    init.connect(&segment(&second), soon())
+        .expect("the new life");
 }
 
 #[test]
@@ -177,8 +183,8 @@ fn a_raw_write_past_the_region_end_is_refused_at_the_target_and_memory_is_unchan
     assert_eq!((r.kind, r.id), (Kind::WriteAck, 9));
     assert_eq!(&mem[4080..4096], &[7; 16]);
     assert!(mem[..4080].iter().all(|&b| b == 0));
-    target.deregister(RegionId(1)).unwrap();
-    target.deregister(RegionId(2)).unwrap();
+    target.deregister(RegionId(1), soon()).unwrap();
+    target.deregister(RegionId(2), soon()).unwrap();
 }
 
 #[test]
@@ -201,7 +207,7 @@ fn a_malformed_frame_closes_only_its_own_connection() {
         .unwrap();
     let r = read_header(&mut good);
     assert_eq!((r.kind, r.id, r.len), (Kind::ReadData, 5, 16));
-    target.deregister(RegionId(1)).unwrap();
+    target.deregister(RegionId(1), soon()).unwrap();
 }
 
 #[test]
@@ -217,7 +223,7 @@ fn large_requests_are_sliced_and_land_intact_in_both_directions() {
     let want = local.clone();
     register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
     register(&init, 1, &mut local, Access::LOCAL);
-    let peer = init.connect(&segment(&target)).unwrap();
+    let peer = init.connect(&segment(&target), soon()).unwrap();
     let n = len as u64;
     run(
         &init,
@@ -234,8 +240,8 @@ fn large_requests_are_sliced_and_land_intact_in_both_directions() {
     )
     .unwrap();
     assert!(local == want, "the read bytes differ");
-    init.deregister(RegionId(1)).unwrap();
-    target.deregister(RegionId(1)).unwrap();
+    init.deregister(RegionId(1), soon()).unwrap();
+    target.deregister(RegionId(1), soon()).unwrap();
 }
 
 #[test]
@@ -246,7 +252,7 @@ fn a_target_that_dies_mid_transfer_fails_the_batch_with_peer_unreachable_at_once
     let mut local = vec![1u8; 1 << 20];
     register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
     register(&init, 1, &mut local, Access::LOCAL);
-    let peer = init.connect(&segment(&target)).unwrap();
+    let peer = init.connect(&segment(&target), soon()).unwrap();
     let (tx, rx) = mpsc::channel();
     let deadline = Duration::from_secs(20);
     for i in 0..8u64 {
@@ -259,7 +265,7 @@ fn a_target_that_dies_mid_transfer_fails_the_batch_with_peer_unreachable_at_once
     }
     std::thread::sleep(Duration::from_millis(50));
     let start = Instant::now();
-    target.deregister(RegionId(1)).unwrap();
+    target.deregister(RegionId(1), soon()).unwrap();
     drop(target);
     for _ in 0..8 {
         let r = rx.recv_timeout(Duration::from_secs(5)).expect("completed");
@@ -281,11 +287,11 @@ fn a_target_that_dies_mid_transfer_fails_the_batch_with_peer_unreachable_at_once
     let other = backend(|_| {});
     let mut mem = vec![0u8; 64];
     register(&other, 1, &mut mem, Access::REMOTE_READ_WRITE);
-    let p2 = init.connect(&segment(&other)).unwrap();
+    let p2 = init.connect(&segment(&other), soon()).unwrap();
     run(&init, p2, &[req]).unwrap();
     assert_eq!(mem[..16], [1; 16]);
-    other.deregister(RegionId(1)).unwrap();
-    init.deregister(RegionId(1)).unwrap();
+    other.deregister(RegionId(1), soon()).unwrap();
+    init.deregister(RegionId(1), soon()).unwrap();
 }
 
 #[test]
@@ -297,7 +303,7 @@ fn connect_refills_a_pool_with_broken_connections() {
     let mut src = vec![3u8; 64];
     register(&init, 1, &mut src, Access::LOCAL);
     let seg = segment(&target);
-    let peer = init.connect(&seg).unwrap();
+    let peer = init.connect(&seg, soon()).unwrap();
     // Break every connection the target serves.
     for (_, s) in target.shared().serving.lock().unwrap().iter() {
         let _ = s.shutdown(std::net::Shutdown::Both);
@@ -312,9 +318,21 @@ fn connect_refills_a_pool_with_broken_connections() {
             r => panic!("no failure after the connections broke: {r:?}"),
         }
     }
-    assert_eq!(init.connect(&seg).unwrap(), peer, "the same peer id");
+    // Each connection's receiver notices its own break; wait for all of them.
+    while init.live_connections(peer) > 0 {
+        assert!(
+            Instant::now() < end,
+            "a broken connection was never noticed"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        init.connect(&seg, soon()).unwrap(),
+        peer,
+        "the same peer id"
+    );
     run(&init, peer, &[req]).unwrap();
     assert_eq!(mem, vec![3u8; 64]);
-    target.deregister(RegionId(1)).unwrap();
-    init.deregister(RegionId(1)).unwrap();
+    target.deregister(RegionId(1), soon()).unwrap();
+    init.deregister(RegionId(1), soon()).unwrap();
 }

@@ -41,7 +41,7 @@ pub(crate) const MAX_PAYLOAD: u64 = 64 << 20;
 pub(crate) const MAX_MESSAGE: u64 = 4096;
 /// Bytes of a nonce.
 pub(crate) const NONCE_LEN: usize = 32;
-const MAC_LEN: usize = crate::auth::MAC_LEN;
+const MAC_LEN: usize = te_core::auth::LEN;
 
 /// What a frame is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -420,19 +420,10 @@ impl Welcome {
     }
 }
 
-/// What the MACs cover: a role label, both nonces (own first) and the instance, so a
-/// proof answers exactly one handshake.
-pub(crate) fn mac(
-    token: &[u8],
-    role: &[u8],
-    own: &[u8; NONCE_LEN],
-    other: &[u8; NONCE_LEN],
-    instance: u64,
-) -> [u8; MAC_LEN] {
-    crate::auth::hmac(
-        token,
-        &[b"te-tcp/1 ", role, own, other, &instance.to_le_bytes()],
-    )
+/// The role a proof is made in: the side, the protocol and the target instance, so a
+/// proof answers exactly one handshake with one instance.
+pub(crate) fn role(side: &str, instance: u64) -> String {
+    format!("te-tcp/1 {side} {instance:016x}")
 }
 
 #[cfg(test)]

@@ -1,0 +1,356 @@
+//! The control plane: every engine's listener, and its sessions to peers.
+//!
+//! It runs on a small runtime of its own (one thread per engine, event-driven), so a
+//! thousand idle or slow peers cost sockets and a few hundred bytes each, not threads.
+//!
+//! - **Sessions.** An engine that connects to a peer opens one persistent session to
+//!   its control plane: authenticated once, then carrying every request — the
+//!   descriptor, notifications, the backend's own messages — pipelined, many in flight,
+//!   matched to replies by id, with a heartbeat. One session per peer, one task each,
+//!   so a slow or dead peer delays nothing sent to another.
+//! - **The listener** (`server`) admits connections under caps: unauthenticated ones
+//!   are few, short-lived (one deadline for the whole handshake) and the oldest is
+//!   evicted to make room; sessions are capped in all and per source address; running
+//!   out of descriptors backs off and evicts, never spins or stops.
+//! - **Authentication** (`auth`): with `[engine] auth_token`, both sides prove the token
+//!   (HMAC challenge–response) before the server says anything about itself; without
+//!   it a peer learns nothing and can send nothing.
+//! - **Peer events**: a session that breaks without a goodbye, or a peer that comes
+//!   back with a new epoch, is reported to the engine's user.
+
+mod server;
+mod session;
+pub(crate) mod wire;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime};
+
+use crate::backend::Deadline;
+use crate::desc::SegmentDesc;
+use crate::error::{Error, ErrorKind, Result};
+use crate::hook::HookSlot;
+use crate::inbox::{Mailbox, PeerEvent, PeerEventKind};
+
+pub(crate) use wire::{Identity, Kind};
+pub use wire::{MAX_FRAME, VERSIONS};
+
+/// Peer events kept until read; the oldest are dropped beyond it.
+pub(crate) const EVENTS: usize = 4096;
+
+/// How the control plane behaves: the engine's identity and the `[engine]` limits.
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    pub(crate) name: String,
+    pub(crate) epoch: u64,
+    pub(crate) token: Option<Vec<u8>>,
+    pub(crate) heartbeat: Duration,
+    pub(crate) handshake_timeout: Duration,
+    pub(crate) max_pending: usize,
+    pub(crate) max_pending_per_source: usize,
+    pub(crate) max_sessions: usize,
+    pub(crate) max_sessions_per_source: usize,
+    pub(crate) notification_max: usize,
+    /// The versions this engine speaks (a test can pretend to be another build).
+    pub(crate) versions: (u16, u16),
+}
+
+/// What the server asks of its engine.
+pub(crate) trait Handler: Send + Sync + 'static {
+    /// The current segment descriptor.
+    fn segment(&self) -> SegmentDesc;
+    /// Accepts a notification from an authenticated peer.
+    fn notify(&self, from: &Identity, to_epoch: u64, message: Vec<u8>) -> Result<()>;
+}
+
+/// The sessions' and connections' view of which peers are up, for peer events.
+#[derive(Default)]
+struct Links {
+    /// Per peer name: its epoch and how many live sessions or connections it has.
+    peers: HashMap<String, (u64, usize)>,
+}
+
+/// What the engine's parts share: the runtime's handle, settings, the handler, events.
+pub(crate) struct Shared {
+    rt: tokio::runtime::Handle,
+    pub(crate) settings: Settings,
+    address: SocketAddr,
+    handler: OnceLock<Weak<dyn Handler>>,
+    pub(crate) hook: Arc<HookSlot>,
+    pub(crate) events: Mailbox<PeerEvent>,
+    links: Mutex<Links>,
+    sessions: Mutex<HashMap<String, Arc<session::Session>>>,
+    closing: tokio::sync::watch::Sender<bool>,
+    closed: AtomicBool,
+    tasks: Mutex<usize>,
+    tasks_done: Condvar,
+}
+
+impl Shared {
+    /// The handler, once the engine has set it.
+    fn handler(&self) -> Option<Arc<dyn Handler>> {
+        self.handler.get().and_then(Weak::upgrade)
+    }
+
+    /// A peer's session or connection came up. A new epoch under a known name is a
+    /// restart.
+    fn link_up(&self, peer: &Identity) {
+        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+        let entry = links
+            .peers
+            .entry(peer.name.clone())
+            .or_insert((peer.epoch, 0));
+        if entry.0 != peer.epoch {
+            let previous = entry.0;
+            *entry = (peer.epoch, 0);
+            self.event(PeerEventKind::Restarted, peer, Some(previous));
+        }
+        entry.1 += 1;
+    }
+
+    /// A peer's session or connection ended; the last one of its life to end says how.
+    fn link_down(&self, peer: &Identity, graceful: bool) {
+        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(entry) = links.peers.get_mut(&peer.name) else {
+            return;
+        };
+        if entry.0 != peer.epoch || entry.1 == 0 {
+            return;
+        }
+        entry.1 -= 1;
+        if entry.1 == 0 && !self.closed.load(Ordering::Acquire) {
+            let kind = if graceful {
+                PeerEventKind::Left
+            } else {
+                PeerEventKind::Lost
+            };
+            self.event(kind, peer, None);
+        }
+    }
+
+    fn event(&self, kind: PeerEventKind, peer: &Identity, previous_epoch: Option<u64>) {
+        tracing::info!(?kind, peer = %peer.name, epoch = peer.epoch, address = %peer.address, "peer event");
+        self.events.push_dropping(
+            PeerEvent {
+                kind,
+                name: peer.name.clone(),
+                epoch: peer.epoch,
+                previous_epoch,
+                address: peer.address.clone(),
+                at: SystemTime::now(),
+            },
+            EVENTS,
+        );
+    }
+
+    /// Counts a task in for the orderly shutdown; the guard counts it out.
+    fn task(self: &Arc<Self>) -> TaskGuard {
+        *self.tasks.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        TaskGuard(self.clone())
+    }
+
+    /// This engine's identity as its sessions announce it.
+    fn identity(&self) -> Identity {
+        Identity {
+            name: self.settings.name.clone(),
+            epoch: self.settings.epoch,
+            address: self.address.to_string(),
+            heartbeat_ms: self.settings.heartbeat.as_millis() as u64,
+        }
+    }
+
+    fn shut_down_error(&self) -> Error {
+        Error::new(
+            ErrorKind::Cancelled,
+            "the engine's control plane has shut down",
+        )
+    }
+
+    /// Sends one request to the engine at `addr` over its session (opened if needed)
+    /// and waits for the reply, until `deadline`.
+    pub(crate) fn call(
+        self: &Arc<Self>,
+        addr: &str,
+        kind: Kind,
+        body: Vec<u8>,
+        deadline: Deadline,
+    ) -> Result<(Kind, Vec<u8>)> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.send(
+            addr,
+            kind,
+            body,
+            deadline,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        match rx.recv_timeout(deadline.remaining()) {
+            Ok(r) => r,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(Error::new(
+                ErrorKind::Timeout,
+                "the peer did not answer before the deadline",
+            )
+            .with_context("peer", addr)),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(self.shut_down_error()),
+        }
+    }
+
+    /// Queues one request to the engine at `addr`; `reply` runs once with its answer
+    /// (or the failure), from the control plane's thread.
+    pub(crate) fn send(
+        self: &Arc<Self>,
+        addr: &str,
+        kind: Kind,
+        body: Vec<u8>,
+        deadline: Deadline,
+        reply: session::Reply,
+    ) {
+        if self.closed.load(Ordering::Acquire) {
+            return reply(Err(self.shut_down_error()));
+        }
+        session::Session::get(self, addr, deadline).request(self, kind, body, deadline, reply);
+    }
+
+    /// Whether the session to `addr` is up.
+    pub(crate) fn session_alive(&self, addr: &str) -> bool {
+        self.sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(addr)
+            .is_some_and(|s| s.is_alive())
+    }
+
+    /// The address peers reach this control plane at.
+    pub(crate) fn address(&self) -> SocketAddr {
+        self.address
+    }
+}
+
+/// Resolves once the engine closes (at once if it has closed already).
+pub(crate) async fn closed(rx: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = rx.wait_for(|c| *c).await;
+}
+
+struct TaskGuard(Arc<Shared>);
+
+impl Drop for TaskGuard {
+    fn drop(&mut self) {
+        let mut n = self.0.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        *n -= 1;
+        if *n == 0 {
+            self.0.tasks_done.notify_all();
+        }
+    }
+}
+
+/// The control plane's owner: its runtime thread. Dropping it says goodbye to every
+/// peer, then stops the runtime.
+pub(crate) struct ControlPlane {
+    shared: Arc<Shared>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ControlPlane {
+    /// Binds `listen` (peers are told `advertise`, or the bound address) and starts
+    /// serving.
+    ///
+    /// # Errors
+    /// `Io` if the address cannot be bound or the thread cannot start; `ConfigInvalid`
+    /// for an address that cannot be advertised.
+    pub(crate) fn start(
+        settings: Settings,
+        listen: &str,
+        advertise: Option<&str>,
+        hook: Arc<HookSlot>,
+    ) -> Result<ControlPlane> {
+        let (listener, address) = crate::net::bind("[engine]", listen, advertise)
+            .map_err(|e| e.with_operation("start control plane"))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("start control plane", "cannot configure the listener", e))?;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .thread_name("te-control")
+            .build()
+            .map_err(|e| Error::io("start control plane", "cannot build the runtime", e))?;
+        let (closing, _) = tokio::sync::watch::channel(false);
+        let shared = Arc::new(Shared {
+            rt: rt.handle().clone(),
+            settings,
+            address,
+            handler: OnceLock::new(),
+            hook,
+            events: Mailbox::new(),
+            links: Mutex::new(Links::default()),
+            sessions: Mutex::new(HashMap::new()),
+            closing,
+            closed: AtomicBool::new(false),
+            tasks: Mutex::new(0),
+            tasks_done: Condvar::new(),
+        });
+        let listener = {
+            let _guard = rt.enter();
+            tokio::net::TcpListener::from_std(listener)
+                .map_err(|e| Error::io("start control plane", "cannot register the listener", e))?
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("te-control".into())
+            .spawn(move || {
+                rt.spawn(server::accept_loop(s, listener));
+                rt.block_on(async {
+                    let _ = stopped.await;
+                });
+            })
+            .map_err(|e| Error::io("start control plane", "cannot spawn its thread", e))?;
+        Ok(ControlPlane {
+            shared,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    /// What the engine's other parts keep.
+    pub(crate) fn shared(&self) -> Arc<Shared> {
+        self.shared.clone()
+    }
+
+    /// Sets the engine that answers requests.
+    pub(crate) fn set_handler(&self, handler: Weak<dyn Handler>) {
+        let _ = self.shared.handler.set(handler);
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        self.shared.closed.store(true, Ordering::Release);
+        // Every session and connection says goodbye (bounded by a heartbeat each),
+        // then the runtime stops and cancels what is left.
+        self.shared.closing.send_replace(true);
+        let bound = self.shared.settings.heartbeat + Duration::from_millis(100);
+        let n = self.shared.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = self
+            .shared
+            .tasks_done
+            .wait_timeout_while(n, bound, |n| *n > 0);
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
+        }
+        self.shared
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+}

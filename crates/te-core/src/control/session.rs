@@ -1,0 +1,437 @@
+//! A session: this engine's one persistent, authenticated connection to a peer's
+//! control plane, carrying its requests pipelined.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+
+use super::wire::{self, Header, Hello, Identity, Kind, Proof, Welcome, HEADER};
+use super::{closed, Shared};
+use crate::auth;
+use crate::backend::Deadline;
+use crate::error::{Error, ErrorKind, Result};
+
+/// What runs with a request's answer.
+pub(crate) type Reply = Box<dyn FnOnce(Result<(Kind, Vec<u8>)>) + Send>;
+
+struct Request {
+    kind: Kind,
+    body: Vec<u8>,
+    deadline: Deadline,
+    reply: Reply,
+}
+
+type Pending = Arc<Mutex<HashMap<u64, (Deadline, Reply)>>>;
+
+pub(crate) struct Session {
+    addr: String,
+    tx: mpsc::UnboundedSender<Request>,
+    alive: AtomicBool,
+    /// Why the connection could not be opened, once that is known.
+    failure: Mutex<Option<Error>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Session {
+    /// The session to `addr`, opened (within `deadline`) if there is none alive.
+    pub(crate) fn get(shared: &Arc<Shared>, addr: &str, deadline: Deadline) -> Arc<Session> {
+        let mut sessions = lock(&shared.sessions);
+        if let Some(s) = sessions.get(addr) {
+            if s.alive.load(Ordering::Acquire) {
+                return s.clone();
+            }
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let s = Arc::new(Session {
+            addr: addr.to_string(),
+            tx,
+            alive: AtomicBool::new(true),
+            failure: Mutex::new(None),
+        });
+        sessions.insert(addr.to_string(), s.clone());
+        drop(sessions);
+        let guard = shared.task();
+        shared
+            .rt
+            .spawn(run(shared.clone(), s.clone(), rx, deadline, guard));
+        s
+    }
+
+    /// Queues a request on this session, or on a fresh one to the same peer if this
+    /// one ended before the request could be queued.
+    pub(crate) fn request(
+        self: Arc<Self>,
+        shared: &Arc<Shared>,
+        kind: Kind,
+        body: Vec<u8>,
+        deadline: Deadline,
+        reply: Reply,
+    ) {
+        let req = Request {
+            kind,
+            body,
+            deadline,
+            reply,
+        };
+        if let Err(mpsc::error::SendError(req)) = self.tx.send(req) {
+            match lock(&self.failure).clone() {
+                Some(e) => (req.reply)(Err(e)),
+                None => redispatch(shared, &self.addr, req),
+            }
+        }
+    }
+
+    pub(crate) fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
+    }
+}
+
+fn session_closed(addr: &str) -> Error {
+    Error::new(
+        ErrorKind::PeerUnreachable,
+        "the session to the peer's control plane is closed",
+    )
+    .with_context("peer", addr)
+}
+
+/// Reads one frame, allocating only as its bytes arrive.
+pub(crate) async fn read_frame<R: AsyncReadExt + Unpin>(
+    r: &mut R,
+    notification_max: usize,
+) -> Result<(Header, Vec<u8>)> {
+    let mut h = [0u8; HEADER];
+    r.read_exact(&mut h)
+        .await
+        .map_err(|e| Error::io("read frame", "the connection to the peer broke", e))?;
+    let header = Header::decode(&h, notification_max)?;
+    let mut payload = Vec::new();
+    r.take(header.len as u64)
+        .read_to_end(&mut payload)
+        .await
+        .map_err(|e| Error::io("read frame", "the connection to the peer broke", e))?;
+    if payload.len() != header.len {
+        return Err(Error::new(
+            ErrorKind::PeerUnreachable,
+            "the peer closed the connection in the middle of a frame",
+        )
+        .with_operation("read frame"));
+    }
+    Ok((header, payload))
+}
+
+/// Runs `f` until `deadline`.
+pub(crate) async fn within<T>(
+    deadline: Deadline,
+    what: &str,
+    f: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    match tokio::time::timeout(deadline.remaining(), f).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::new(
+            ErrorKind::Timeout,
+            format!("the deadline passed during {what}"),
+        )),
+    }
+}
+
+async fn write(stream: &mut (impl AsyncWriteExt + Unpin), frame: &[u8]) -> Result<()> {
+    stream
+        .write_all(frame)
+        .await
+        .map_err(|e| Error::io("write frame", "the connection to the peer broke", e))
+}
+
+/// Opens and authenticates a session's connection.
+async fn open(shared: &Shared, addr: &str, deadline: Deadline) -> Result<(TcpStream, Identity)> {
+    let s = &shared.settings;
+    let mut stream = within(deadline, "connecting to the peer's control plane", async {
+        let addrs: Vec<std::net::SocketAddr> = tokio::net::lookup_host(addr)
+            .await
+            .map_err(|e| {
+                Error::new(
+                    ErrorKind::PeerUnreachable,
+                    "cannot resolve the address (expected HOST:PORT)",
+                )
+                .with_source(e)
+            })?
+            .collect();
+        let mut last = None;
+        for a in addrs {
+            match TcpStream::connect(a).await {
+                Ok(s) => return Ok(s),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(match last {
+            Some(e) => Error::io(
+                "connect",
+                "cannot reach the peer's control plane; is it running?",
+                e,
+            ),
+            None => Error::new(
+                ErrorKind::PeerUnreachable,
+                "the address resolves to nothing",
+            ),
+        })
+    })
+    .await?;
+    let _ = stream.set_nodelay(true);
+    let me = shared.identity();
+    let nonce = auth::nonce();
+    let hello = Hello {
+        versions: s.versions,
+        nonce: nonce.to_vec(),
+        name: me.name,
+        epoch: me.epoch,
+        address: me.address,
+        heartbeat_ms: me.heartbeat_ms,
+    };
+    let nmax = s.notification_max;
+    let peer = within(deadline, "the control-plane handshake", async {
+        write(&mut stream, &wire::frame(Kind::Hello, 0, &wire::encode(&hello))).await?;
+        let welcome: Welcome = match read_frame(&mut stream, nmax).await? {
+            (h, p) if h.kind == Kind::Welcome => wire::decode(&p, "welcome")?,
+            (h, p) if h.kind == Kind::Error => {
+                return Err(wire::decode::<wire::WireError>(&p, "error")?.into_error())
+            }
+            (h, _) => {
+                return Err(Error::new(
+                    ErrorKind::Protocol,
+                    format!("the peer answered hello with {:?}", h.kind),
+                ))
+            }
+        };
+        match (&s.token, &welcome.proof) {
+            (Some(token), Some(proof)) => {
+                if !auth::verify(token, "te-server", &welcome.nonce, &nonce, proof) {
+                    return Err(Error::new(
+                        ErrorKind::Unauthorized,
+                        "the peer could not prove this engine's auth_token: set the same token on both",
+                    ));
+                }
+                let mine = auth::prove(token, "te-client", &nonce, &welcome.nonce);
+                let proof = Proof {
+                    proof: mine.to_vec(),
+                };
+                write(&mut stream, &wire::frame(Kind::Proof, 0, &wire::encode(&proof))).await?;
+            }
+            (Some(_), None) => {
+                return Err(Error::new(
+                    ErrorKind::Unauthorized,
+                    "the peer has no auth_token and this engine requires one: set the same token on both",
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(Error::new(
+                    ErrorKind::Unauthorized,
+                    "the peer requires an auth_token: set the same [engine] auth_token on this engine",
+                ))
+            }
+            (None, None) => {}
+        }
+        match read_frame(&mut stream, nmax).await? {
+            (h, p) if h.kind == Kind::Ready => wire::decode::<Identity>(&p, "ready"),
+            (h, p) if h.kind == Kind::Error => {
+                Err(wire::decode::<wire::WireError>(&p, "error")?.into_error())
+            }
+            (h, _) => Err(Error::new(
+                ErrorKind::Protocol,
+                format!("the peer answered the handshake with {:?}", h.kind),
+            )),
+        }
+    })
+    .await?;
+    Ok((stream, peer))
+}
+
+async fn run(
+    shared: Arc<Shared>,
+    session: Arc<Session>,
+    mut rx: mpsc::UnboundedReceiver<Request>,
+    deadline: Deadline,
+    _guard: super::TaskGuard,
+) {
+    let addr = session.addr.clone();
+    let mut closing = shared.closing.subscribe();
+    let opened = tokio::select! {
+        r = open(&shared, &addr, deadline) => r,
+        _ = closed(&mut closing) => Err(shared.shut_down_error()),
+    };
+    let (stream, peer) = match opened {
+        Ok(v) => v,
+        Err(e) => {
+            let e = e.with_operation("connect").with_context("peer", &addr);
+            *lock(&session.failure) = Some(e.clone());
+            end(&shared, &session);
+            rx.close();
+            while let Ok(req) = rx.try_recv() {
+                (req.reply)(Err(e.clone()));
+            }
+            return;
+        }
+    };
+    shared.link_up(&peer);
+    let pending: Pending = Arc::new(Mutex::new(HashMap::new()));
+    let (mut reader, mut writer) = stream.into_split();
+    let heartbeat = shared
+        .settings
+        .heartbeat
+        .min(Duration::from_millis(peer.heartbeat_ms.max(50)));
+    let idle = 3 * shared.settings.heartbeat;
+    let (pong_tx, mut pong_rx) = mpsc::unbounded_channel::<u64>();
+    let nmax = shared.settings.notification_max;
+    let p2 = pending.clone();
+    // Replies, pings and goodbyes from the peer.
+    let mut reading = tokio::spawn(async move {
+        loop {
+            let (h, payload) = match tokio::time::timeout(idle, read_frame(&mut reader, nmax)).await
+            {
+                Ok(Ok(f)) => f,
+                Ok(Err(e)) => return Err(e),
+                Err(_) => {
+                    return Err(Error::new(
+                        ErrorKind::PeerUnreachable,
+                        "the peer's control plane went silent (no heartbeat)",
+                    ))
+                }
+            };
+            match h.kind {
+                Kind::Pong => {}
+                Kind::Ping => {
+                    let _ = pong_tx.send(h.id);
+                }
+                Kind::Bye => return Ok(()),
+                _ => {
+                    let waiting = lock(&p2).remove(&h.id);
+                    if let Some((_, reply)) = waiting {
+                        let r = if h.kind == Kind::Error {
+                            wire::decode::<wire::WireError>(&payload, "error")
+                                .and_then(|w| Err(w.into_error()))
+                        } else {
+                            Ok((h.kind, payload))
+                        };
+                        reply(r);
+                    }
+                }
+            }
+        }
+    });
+    let mut tick = tokio::time::interval(heartbeat);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut next_id = 1u64;
+    let outcome: std::result::Result<bool, Error> = loop {
+        tokio::select! {
+            r = &mut reading => break match r {
+                Ok(Ok(())) => Ok(true),
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err(session_closed(&addr)),
+            },
+            req = rx.recv() => {
+                let Some(req) = req else { break Ok(false) };
+                if req.deadline.is_past() {
+                    (req.reply)(Err(Error::new(ErrorKind::Timeout, "the deadline passed before the request was sent")));
+                    continue;
+                }
+                let id = next_id;
+                next_id += 1;
+                lock(&pending).insert(id, (req.deadline, req.reply));
+                if let Err(e) = write(&mut writer, &wire::frame(req.kind, id, &req.body)).await {
+                    break Err(e);
+                }
+            }
+            id = pong_rx.recv() => {
+                if let Some(id) = id {
+                    if let Err(e) = write(&mut writer, &wire::frame(Kind::Pong, id, &[])).await {
+                        break Err(e);
+                    }
+                }
+            }
+            _ = tick.tick() => {
+                expire(&pending);
+                if let Err(e) = write(&mut writer, &wire::frame(Kind::Ping, 0, &[])).await {
+                    break Err(e);
+                }
+            }
+            _ = closed(&mut closing) => {
+                let _ = tokio::time::timeout(heartbeat, write(&mut writer, &wire::frame(Kind::Bye, 0, &[]))).await;
+                break Ok(false);
+            }
+        }
+    };
+    reading.abort();
+    end(&shared, &session);
+    rx.close();
+    let e = match &outcome {
+        Err(e) => e.clone().with_context("peer", &addr),
+        Ok(_) => session_closed(&addr),
+    };
+    // Requests never written to this connection go to a fresh session: the peer
+    // may have said goodbye because it restarted, and its new life is listening.
+    while let Ok(req) = rx.try_recv() {
+        redispatch(&shared, &addr, req);
+    }
+    let waiting: Vec<_> = lock(&pending).drain().collect();
+    for (_, (_, reply)) in waiting {
+        reply(Err(e.clone()));
+    }
+    // A goodbye from the peer, or our own shutdown, is not a loss.
+    let graceful = matches!(outcome, Ok(true)) || shared.closed.load(Ordering::Acquire);
+    shared.link_down(&peer, graceful);
+}
+
+/// Sends a request that its session could not carry on a fresh session to `addr`,
+/// unless the engine is closing or the request's deadline has passed.
+fn redispatch(shared: &Arc<Shared>, addr: &str, req: Request) {
+    if shared.closed.load(Ordering::Acquire) {
+        return (req.reply)(Err(shared.shut_down_error()));
+    }
+    if req.deadline.is_past() {
+        return (req.reply)(Err(session_closed(addr)));
+    }
+    let s = Session::get(shared, addr, req.deadline);
+    if let Err(mpsc::error::SendError(req)) = s.tx.send(req) {
+        let e = lock(&s.failure).clone();
+        (req.reply)(Err(e.unwrap_or_else(|| session_closed(addr))));
+    }
+}
+
+/// Fails requests whose deadline passed while they waited for an answer.
+fn expire(pending: &Pending) {
+    let expired: Vec<Reply> = {
+        let mut p = lock(pending);
+        let ids: Vec<u64> = p
+            .iter()
+            .filter(|(_, (d, _))| d.is_past())
+            .map(|(id, _)| *id)
+            .collect();
+        ids.into_iter()
+            .filter_map(|id| p.remove(&id).map(|(_, r)| r))
+            .collect()
+    };
+    for reply in expired {
+        reply(Err(Error::new(
+            ErrorKind::Timeout,
+            "the peer did not answer before the deadline",
+        )));
+    }
+}
+
+/// Marks the session dead and forgets it (if it is still the one on record).
+fn end(shared: &Shared, session: &Arc<Session>) {
+    session.alive.store(false, Ordering::Release);
+    let mut sessions = lock(&shared.sessions);
+    if sessions
+        .get(&session.addr)
+        .is_some_and(|s| Arc::ptr_eq(s, session))
+    {
+        sessions.remove(&session.addr);
+    }
+}

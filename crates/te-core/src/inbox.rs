@@ -1,0 +1,249 @@
+//! What peers send an engine that its user reads: notifications (bounded in bytes) and
+//! peer events (bounded in number, oldest dropped). Both can be drained without
+//! blocking, waited for with a timeout, or awaited.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Condvar, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// A message a peer attached to a batch, received after the batch's data landed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    /// The sending engine's name, as its authenticated session gave it.
+    pub from: String,
+    /// The sending engine's epoch.
+    pub from_epoch: u64,
+    /// The sending engine's control-plane address (reply there with `Engine::connect`).
+    pub from_address: String,
+    /// When it was received.
+    pub received: SystemTime,
+    /// The message bytes.
+    pub message: Vec<u8>,
+}
+
+/// What happened to a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerEventKind {
+    /// Its session broke without a goodbye: it died, or the network between us did.
+    /// Whatever it was pushing will not complete.
+    Lost,
+    /// It came back with a new epoch: what it had in flight in its previous life will
+    /// not complete, and its regions and layouts are new.
+    Restarted,
+    /// It closed its session on purpose (its engine shut down).
+    Left,
+}
+
+/// A peer that had a session with this engine disappeared, restarted or left.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerEvent {
+    /// What happened.
+    pub kind: PeerEventKind,
+    /// The peer's engine name.
+    pub name: String,
+    /// Its epoch (the new one, for `Restarted`).
+    pub epoch: u64,
+    /// Its epoch before, for `Restarted`.
+    pub previous_epoch: Option<u64>,
+    /// Its control-plane address.
+    pub address: String,
+    /// When this engine noticed.
+    pub at: SystemTime,
+}
+
+struct State<T> {
+    items: VecDeque<(T, usize)>,
+    bytes: usize,
+    dropped: u64,
+    wakers: Vec<Waker>,
+}
+
+/// A bounded queue that can be waited on and awaited.
+pub(crate) struct Mailbox<T> {
+    state: Mutex<State<T>>,
+    cond: Condvar,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl<T> Mailbox<T> {
+    pub(crate) fn new() -> Mailbox<T> {
+        Mailbox {
+            state: Mutex::new(State {
+                items: VecDeque::new(),
+                bytes: 0,
+                dropped: 0,
+                wakers: Vec::new(),
+            }),
+            cond: Condvar::new(),
+        }
+    }
+
+    fn wake(&self, mut s: std::sync::MutexGuard<'_, State<T>>) {
+        let wakers = std::mem::take(&mut s.wakers);
+        drop(s);
+        self.cond.notify_one();
+        for w in wakers {
+            w.wake();
+        }
+    }
+
+    /// Queues `item` of `size` bytes unless that would pass `budget` bytes in all.
+    pub(crate) fn push_within(&self, item: T, size: usize, budget: usize) -> Result<()> {
+        let mut s = lock(&self.state);
+        if s.bytes + size > budget {
+            return Err(Error::new(
+                ErrorKind::Busy,
+                format!(
+                    "the receiver holds {} bytes of unread notifications and its budget is {budget}; it must read them (or raise notification_bytes)",
+                    s.bytes
+                ),
+            ));
+        }
+        s.bytes += size;
+        s.items.push_back((item, size));
+        self.wake(s);
+        Ok(())
+    }
+
+    /// Queues `item`, dropping the oldest beyond `capacity` items.
+    pub(crate) fn push_dropping(&self, item: T, capacity: usize) {
+        let mut s = lock(&self.state);
+        while s.items.len() >= capacity.max(1) {
+            if let Some((_, size)) = s.items.pop_front() {
+                s.bytes -= size;
+                s.dropped += 1;
+            }
+        }
+        s.items.push_back((item, 0));
+        self.wake(s);
+    }
+
+    /// Items dropped because the queue was full.
+    pub(crate) fn dropped(&self) -> u64 {
+        lock(&self.state).dropped
+    }
+
+    fn take(s: &mut State<T>) -> Option<T> {
+        let (item, size) = s.items.pop_front()?;
+        s.bytes -= size;
+        Some(item)
+    }
+
+    /// The next item, waiting at most `timeout`.
+    pub(crate) fn pop(&self, timeout: Duration) -> Option<T> {
+        let end = Instant::now() + timeout;
+        let mut s = lock(&self.state);
+        loop {
+            if let Some(item) = Mailbox::take(&mut s) {
+                return Some(item);
+            }
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            s = self
+                .cond
+                .wait_timeout(s, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Everything queued, without waiting.
+    pub(crate) fn drain(&self) -> Vec<T> {
+        let mut s = lock(&self.state);
+        s.bytes = 0;
+        s.items.drain(..).map(|(item, _)| item).collect()
+    }
+
+    /// A future of the next item.
+    pub(crate) fn next(&self) -> Next<'_, T> {
+        Next(self)
+    }
+}
+
+/// The future [`Mailbox::next`] returns.
+pub struct Next<'a, T>(&'a Mailbox<T>);
+
+impl<T> std::fmt::Debug for Next<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Next")
+    }
+}
+
+impl<T> Future for Next<'_, T> {
+    type Output = T;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        let mut s = lock(&self.0.state);
+        match Mailbox::take(&mut s) {
+            Some(item) => Poll::Ready(item),
+            None => {
+                if !s.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+                    s.wakers.push(cx.waker().clone());
+                }
+                Poll::Pending
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_byte_budget_refuses_with_busy_and_reading_frees_it() {
+        let m = Mailbox::new();
+        m.push_within(1, 60, 100).unwrap();
+        let e = m.push_within(2, 60, 100).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Busy);
+        assert_eq!(m.pop(Duration::ZERO), Some(1));
+        m.push_within(2, 60, 100).unwrap();
+        assert_eq!(m.drain(), vec![2]);
+        assert!(m.drain().is_empty());
+    }
+
+    #[test]
+    fn a_full_event_queue_drops_the_oldest_and_counts_them() {
+        let m = Mailbox::new();
+        for i in 0..5 {
+            m.push_dropping(i, 3);
+        }
+        assert_eq!(m.drain(), vec![2, 3, 4]);
+        assert_eq!(m.dropped(), 2);
+    }
+
+    #[test]
+    fn an_awaited_item_wakes_its_waker() {
+        use std::sync::Arc;
+        use std::task::Wake;
+        struct Flag(std::sync::atomic::AtomicBool);
+        impl Wake for Flag {
+            fn wake(self: Arc<Self>) {
+                self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let m = Mailbox::new();
+        let flag = Arc::new(Flag(std::sync::atomic::AtomicBool::new(false)));
+        let waker = Waker::from(flag.clone());
+        let mut next = m.next();
+        assert!(Pin::new(&mut next)
+            .poll(&mut Context::from_waker(&waker))
+            .is_pending());
+        m.push_dropping(7, 10);
+        assert!(flag.0.load(std::sync::atomic::Ordering::SeqCst));
+        assert_eq!(
+            Pin::new(&mut next).poll(&mut Context::from_waker(&waker)),
+            Poll::Ready(7)
+        );
+    }
+}

@@ -1,0 +1,326 @@
+//! How the suite makes engines and targets of the backend under test.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use libtest_mimic::Failed;
+
+use super::remote::{unhex, RemoteTarget};
+use super::{e2f, fail};
+use crate::{
+    Access, BackendContext, Buffer, Config, Deadline, Engine, ErrorKind, KvGroup, KvLayout, KvSlot,
+    MemoryKind, Notification, Peer, RegionDesc, RegionId, Registry, TransferBackend,
+};
+
+/// How the suite makes engines of the backend under test.
+#[derive(Debug, Clone)]
+pub struct Harness {
+    label: String,
+    config: Config,
+    slow: Option<Config>,
+    memory: (MemoryKind, MemoryKind),
+    remote: Option<(String, Option<String>)>,
+}
+
+impl Harness {
+    /// A harness whose engines come from `config`.
+    pub fn new(label: &str, config: Config) -> Harness {
+        Harness {
+            label: label.to_string(),
+            config,
+            slow: None,
+            memory: (MemoryKind::Host, MemoryKind::Host),
+            remote: None,
+        }
+    }
+
+    /// Puts the initiator's buffers in `initiator` memory and the target's in `target`
+    /// memory (`host`, `fakedev:0`, `cuda:0`, …) instead of host memory.
+    pub fn with_memory(mut self, initiator: MemoryKind, target: MemoryKind) -> Harness {
+        self.memory = (initiator, target);
+        self
+    }
+
+    /// Adds a configuration whose batches take about 200 ms.
+    pub fn with_slow(mut self, slow: Config) -> Harness {
+        self.slow = Some(slow);
+        self
+    }
+
+    /// Runs every target engine in a child process: this test binary again, started
+    /// with the target's configuration (`config`, or `slow` for the slow tests) as TOML
+    /// text. The test's `main` must call
+    /// [`serve_target_if_asked`](super::serve_target_if_asked) first.
+    pub fn with_remote_target(mut self, config: &str, slow: Option<&str>) -> Harness {
+        self.remote = Some((config.to_string(), slow.map(str::to_string)));
+        self
+    }
+
+    pub(super) fn label(&self) -> &str {
+        &self.label
+    }
+
+    pub(super) fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub(super) fn has_slow(&self) -> bool {
+        self.slow.is_some()
+    }
+
+    /// The initiator's and the target's memory kinds.
+    pub(super) fn memory(&self) -> &(MemoryKind, MemoryKind) {
+        &self.memory
+    }
+
+    /// A backend of the kind under test, below any engine (for tests that must get
+    /// past the engine's own checks, or count completions the engine would hide).
+    pub(super) fn raw_backend(&self) -> Result<Arc<dyn TransferBackend>, Failed> {
+        let registry = Registry::discover(&self.config.engine.plugin_dirs);
+        let entry = registry.get(&self.config.engine.backend).map_err(e2f)?;
+        let ctx: BackendContext = self.config.backend_context(&self.config.engine.backend);
+        entry.create(&ctx).map_err(e2f)
+    }
+
+    pub(super) fn engine(&self, config: &Config, name: &str) -> Result<Engine, Failed> {
+        let mut c = config.clone();
+        c.engine.name = format!("{}-{name}", self.label);
+        Engine::from_config(&c).map_err(|e| fail(format!("cannot create engine: {e}")))
+    }
+
+    pub(super) fn target(&self, slow: bool) -> Result<Target, Failed> {
+        match &self.remote {
+            None => {
+                let config = if slow {
+                    self.slow.as_ref().unwrap_or(&self.config)
+                } else {
+                    &self.config
+                };
+                Ok(Target::Local(
+                    self.engine(config, "target")?,
+                    self.memory.1.clone(),
+                ))
+            }
+            Some((normal, slow_toml)) => {
+                let toml = if slow {
+                    slow_toml.as_ref().unwrap_or(normal)
+                } else {
+                    normal
+                };
+                Ok(Target::Remote(Arc::new(RemoteTarget::spawn(
+                    toml,
+                    &self.memory.1,
+                )?)))
+            }
+        }
+    }
+
+    /// A target with a remotely readable and writable buffer, an initiator with a local
+    /// buffer, and the initiator's peer for the target.
+    pub(super) fn pair(&self, slow: bool, len: usize) -> Result<Pair, Failed> {
+        let target = self.target(slow)?;
+        let config = if slow {
+            self.slow.as_ref().unwrap_or(&self.config)
+        } else {
+            &self.config
+        };
+        let initiator = self.engine(config, "initiator")?;
+        let remote = target.alloc("dst", len, Access::REMOTE_READ_WRITE)?;
+        let local = initiator
+            .alloc_on(&self.memory.0, "src", len, Access::LOCAL)
+            .map_err(e2f)?;
+        let peer = initiator.connect(&target.address()).map_err(e2f)?;
+        let remote_desc = peer
+            .region("dst")
+            .ok_or_else(|| fail("the target's region is not in its descriptor"))?;
+        if remote_desc.kind != self.memory.1 {
+            return Err(fail(format!(
+                "the target's buffer is {} memory, not {}",
+                remote_desc.kind, self.memory.1
+            )));
+        }
+        Ok(Pair {
+            remote_desc,
+            peer,
+            local,
+            remote,
+            initiator,
+            target,
+        })
+    }
+}
+
+/// Field order matters: buffers deregister before their engines go.
+pub(super) struct Pair {
+    pub(super) remote_desc: RegionDesc,
+    pub(super) peer: Peer,
+    pub(super) local: Buffer,
+    pub(super) remote: TargetBuffer,
+    pub(super) initiator: Engine,
+    pub(super) target: Target,
+}
+
+/// The deadline tests use for calls below the engine.
+pub(super) fn soon() -> Deadline {
+    Deadline::after(Duration::from_secs(10))
+}
+
+/// The target engine: in this process, or in a child process.
+pub(super) enum Target {
+    Local(Engine, MemoryKind),
+    Remote(Arc<RemoteTarget>),
+}
+
+pub(super) enum TargetBuffer {
+    Local(Buffer),
+    Remote(Arc<RemoteTarget>, RegionId),
+}
+
+impl Target {
+    pub(super) fn address(&self) -> String {
+        match self {
+            Target::Local(e, _) => e.address().to_string(),
+            Target::Remote(r) => r.address.clone(),
+        }
+    }
+
+    pub(super) fn epoch(&self) -> u64 {
+        match self {
+            Target::Local(e, _) => e.epoch(),
+            Target::Remote(r) => r.epoch,
+        }
+    }
+
+    pub(super) fn alloc(
+        &self,
+        name: &str,
+        len: usize,
+        access: Access,
+    ) -> Result<TargetBuffer, Failed> {
+        match self {
+            Target::Local(e, kind) => e
+                .alloc_on(kind, name, len, access)
+                .map(TargetBuffer::Local)
+                .map_err(e2f),
+            Target::Remote(r) => {
+                let access = format!(
+                    "{}{}",
+                    u8::from(access.remote_read),
+                    u8::from(access.remote_write)
+                );
+                let id = r.call(&format!("alloc {name} {len} {access}"))?;
+                let id = id
+                    .parse()
+                    .map_err(|_| fail(format!("bad region id from the target: {id}")))?;
+                Ok(TargetBuffer::Remote(r.clone(), RegionId(id)))
+            }
+        }
+    }
+
+    /// Registers layout `name` on the target over `buffer`: one group `layer0` with a
+    /// `key` and a `value` slot of `blocks` blocks of `bpb` bytes, back to back.
+    pub(super) fn two_slot_layout(
+        &self,
+        name: &str,
+        buffer: &TargetBuffer,
+        bpb: u64,
+        blocks: u64,
+    ) -> Result<(), Failed> {
+        match self {
+            Target::Local(e, _) => e
+                .register_layout(two_slots(name, buffer.id(), bpb, blocks))
+                .map_err(e2f),
+            Target::Remote(r) => r
+                .call(&format!("layout {name} {} {bpb} {blocks}", buffer.id().0))
+                .map(|_| ()),
+        }
+    }
+
+    pub(super) fn recv_notification(
+        &self,
+        timeout: Duration,
+    ) -> Result<Option<Notification>, Failed> {
+        match self {
+            Target::Local(e, _) => Ok(e.recv_notification(timeout)),
+            Target::Remote(r) => {
+                let reply = r.call(&format!("notification {}", timeout.as_millis()))?;
+                if reply == "none" {
+                    return Ok(None);
+                }
+                let mut parts = reply.split(' ');
+                let mut next = || parts.next().unwrap_or("");
+                let (epoch, message, from, from_address) = (next(), next(), next(), next());
+                Ok(Some(Notification {
+                    from: from.to_string(),
+                    from_address: from_address.to_string(),
+                    received: std::time::SystemTime::now(),
+                    from_epoch: epoch
+                        .parse()
+                        .map_err(|_| fail(format!("bad notification: {reply}")))?,
+                    message: unhex(message)?,
+                }))
+            }
+        }
+    }
+}
+
+impl TargetBuffer {
+    pub(super) fn id(&self) -> RegionId {
+        match self {
+            TargetBuffer::Local(b) => b.id(),
+            TargetBuffer::Remote(_, id) => *id,
+        }
+    }
+
+    pub(super) fn to_vec(&self) -> crate::Result<Vec<u8>> {
+        match self {
+            TargetBuffer::Local(b) => b.to_vec(),
+            TargetBuffer::Remote(r, id) => r
+                .call(&format!("read {}", id.0))
+                .map_err(|e| crate::Error::new(ErrorKind::Io, format!("{e:?}")))
+                .and_then(|hex| {
+                    unhex(&hex)
+                        .map_err(|e| crate::Error::new(ErrorKind::Protocol, format!("{e:?}")))
+                }),
+        }
+    }
+
+    pub(super) fn read(&self, offset: usize, out: &mut [u8]) -> crate::Result<()> {
+        let all = self.to_vec()?;
+        let src = all
+            .get(offset..offset + out.len())
+            .ok_or_else(|| crate::Error::new(ErrorKind::OutOfBounds, "read past the buffer"))?;
+        out.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+impl Drop for TargetBuffer {
+    fn drop(&mut self) {
+        if let TargetBuffer::Remote(r, id) = self {
+            let _ = r.call(&format!("free {}", id.0));
+        }
+    }
+}
+
+/// One group `layer0` with `key` and `value` slots of `blocks` blocks of `bpb` bytes,
+/// back to back in `region`.
+pub(super) fn two_slots(name: &str, region: RegionId, bpb: u64, blocks: u64) -> KvLayout {
+    KvLayout {
+        name: name.to_string(),
+        groups: vec![KvGroup {
+            name: "layer0".into(),
+            slots: ["key", "value"]
+                .iter()
+                .enumerate()
+                .map(|(i, n)| KvSlot {
+                    name: n.to_string(),
+                    region,
+                    offset: i as u64 * bpb * blocks,
+                    bytes_per_block: bpb,
+                    blocks,
+                })
+                .collect(),
+        }],
+    }
+}

@@ -1,0 +1,292 @@
+//! Turning a batch into shim transfers: its requests checked and split into
+//! descriptors, its local regions counted in (see `regions`), its WRITEs and READs
+//! posted as one vector each. The buffers for all of that are reused from batch to
+//! batch, so a post allocates nothing once they have grown.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use te_core::{Completion, Error, ErrorKind, Op, Result, TransferRequest};
+
+use crate::ffi::{Desc, E_STALE, E_UNREACHABLE, OP_READ, OP_WRITE};
+use crate::peer::Link;
+use crate::regions::{Region, Regions};
+
+/// Descriptors a scratch buffer holds before it has to grow.
+const SCRATCH_DESCS: usize = 256;
+
+/// A batch's descriptors and the regions it counted itself in on.
+#[derive(Debug)]
+pub(crate) struct Scratch {
+    writes: Vec<Desc>,
+    reads: Vec<Desc>,
+    held: Vec<Arc<Region>>,
+}
+
+impl Scratch {
+    fn new() -> Scratch {
+        Scratch {
+            writes: Vec::with_capacity(SCRATCH_DESCS),
+            reads: Vec::with_capacity(SCRATCH_DESCS),
+            held: Vec::with_capacity(8),
+        }
+    }
+}
+
+/// One batch in flight: up to two shim transfers (its WRITEs and its READs).
+///
+/// Fields drop in order: the link (closing the connection if this was its last user,
+/// which ends its transfers) before the completion reports the batch cancelled.
+pub(crate) struct InFlight {
+    pub(crate) link: Arc<Link>,
+    /// Transfers not yet reported finished.
+    xfers: [Option<u64>; 2],
+    /// The batch's first failure.
+    error: Option<Error>,
+    scratch: Scratch,
+    done: Completion,
+}
+
+impl InFlight {
+    /// Queries the batch's unfinished transfers; true once all have finished.
+    pub(crate) fn poll(&mut self) -> bool {
+        let mut pending = false;
+        for slot in &mut self.xfers {
+            let Some(xfer) = *slot else { continue };
+            match self.link.conn.query(xfer) {
+                Ok(false) => pending = true,
+                Ok(true) => *slot = None,
+                Err(e) => {
+                    *slot = None;
+                    if matches!(e.code(), Some(E_STALE | E_UNREACHABLE)) {
+                        self.link.stale.store(true, Ordering::Release);
+                    }
+                    if self.error.is_none() {
+                        self.error = Some(Error::from(e).with_operation("transfer"));
+                    }
+                }
+            }
+        }
+        !pending
+    }
+}
+
+/// Plans, posts and finishes batches; shared by the submitting threads and the
+/// completion thread (which posts batches that waited for a connection).
+#[derive(Debug)]
+pub(crate) struct Poster {
+    pub(crate) regions: Arc<Regions>,
+    max_desc: u64,
+    pool: Mutex<Vec<Scratch>>,
+}
+
+impl Poster {
+    pub(crate) fn new(regions: Arc<Regions>, max_desc: u64) -> Poster {
+        Poster {
+            regions,
+            max_desc,
+            pool: Mutex::new(vec![Scratch::new()]),
+        }
+    }
+
+    fn take(&self) -> Scratch {
+        self.pool
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .unwrap_or_else(Scratch::new)
+    }
+
+    /// Counts the batch out of its regions and keeps its buffers for the next one.
+    fn put(&self, mut s: Scratch) {
+        for r in s.held.drain(..) {
+            self.regions.leave(&r);
+        }
+        s.writes.clear();
+        s.reads.clear();
+        self.pool.lock().unwrap_or_else(|p| p.into_inner()).push(s);
+    }
+
+    /// Checks `batch` against the local regions and `link`'s snapshot of the peer's,
+    /// counts it in on its local regions and posts it.
+    ///
+    /// # Errors
+    /// Whatever makes the whole batch fail before any byte moved, with its completion
+    /// handed back uncompleted.
+    pub(crate) fn start(
+        &self,
+        link: Arc<Link>,
+        batch: &[TransferRequest],
+        done: Completion,
+    ) -> std::result::Result<InFlight, Box<(Error, Completion)>> {
+        let mut scratch = self.take();
+        if let Err(e) = self.plan(&link, batch, &mut scratch) {
+            self.put(scratch);
+            return Err(Box::new((e, done)));
+        }
+        let mut xfers = [None, None];
+        let mut error = None;
+        for (op, descs) in [(OP_WRITE, &scratch.writes), (OP_READ, &scratch.reads)] {
+            if descs.is_empty() {
+                continue;
+            }
+            match link.conn.post(op, descs) {
+                Ok(x) => {
+                    let slot = if xfers[0].is_none() { 0 } else { 1 };
+                    xfers[slot] = Some(x);
+                }
+                Err(e) => {
+                    if matches!(e.code(), Some(E_STALE | E_UNREACHABLE)) {
+                        link.stale.store(true, Ordering::Release);
+                    }
+                    // The WRITEs may be in flight: then the batch fails once they
+                    // finished, and keeps its regions counted in until then.
+                    error = Some(Error::from(e));
+                    break;
+                }
+            }
+        }
+        if xfers[0].is_none() {
+            self.put(scratch);
+            let e = error.unwrap_or_else(|| {
+                Error::new(ErrorKind::InvalidRequest, "the batch has no requests")
+            });
+            return Err(Box::new((e, done)));
+        }
+        Ok(InFlight {
+            link,
+            xfers,
+            error,
+            scratch,
+            done,
+        })
+    }
+
+    /// Completes a batch whose transfers all finished.
+    pub(crate) fn finish(&self, b: InFlight) {
+        let InFlight {
+            link,
+            error,
+            scratch,
+            done,
+            ..
+        } = b;
+        self.put(scratch);
+        drop(link);
+        done.complete(match error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        });
+    }
+
+    /// Fills `scratch` with the batch's descriptors, split at the shim's limit, and
+    /// counts the batch in on each local region it uses.
+    fn plan(&self, link: &Link, batch: &[TransferRequest], scratch: &mut Scratch) -> Result<()> {
+        self.regions.with(|live| {
+            for (i, r) in batch.iter().enumerate() {
+                let fail = |kind, m: String| Err(Error::new(kind, m).with_context("request", i));
+                let local = match scratch.held.iter().find(|h| h.id == r.local) {
+                    Some(h) => h.clone(),
+                    None => {
+                        let h = live.enter(r.local).map_err(|e| e.with_context("request", i))?;
+                        scratch.held.push(h.clone());
+                        h
+                    }
+                };
+                let Some(&(remote_addr, remote_len)) = link.remote.get(&r.remote) else {
+                    link.stale.store(true, Ordering::Release);
+                    return fail(
+                        ErrorKind::NotRegistered,
+                        format!(
+                            "the peer's region {} is not in the connection's region table; the connection will be renewed",
+                            r.remote
+                        ),
+                    );
+                };
+                if !fits(r.local_offset, r.len, local.len)
+                    || !fits(r.remote_offset, r.len, remote_len)
+                    || r.len == 0
+                {
+                    return fail(
+                        ErrorKind::OutOfBounds,
+                        format!(
+                            "{} of {} bytes at local {}+{} / remote {}+{} does not fit its regions",
+                            r.op, r.len, r.local, r.local_offset, r.remote, r.remote_offset
+                        ),
+                    );
+                }
+                let out = match r.op {
+                    Op::Write => &mut scratch.writes,
+                    Op::Read => &mut scratch.reads,
+                };
+                split(
+                    out,
+                    local.mr,
+                    local.addr + r.local_offset,
+                    remote_addr + r.remote_offset,
+                    r.len,
+                    self.max_desc,
+                );
+            }
+            Ok(())
+        })
+    }
+}
+
+fn fits(offset: u64, len: u64, region_len: u64) -> bool {
+    offset.checked_add(len).is_some_and(|end| end <= region_len)
+}
+
+/// Appends descriptors covering `len` bytes, none longer than `max`.
+pub(crate) fn split(
+    out: &mut Vec<Desc>,
+    mr: u64,
+    local_addr: u64,
+    remote_addr: u64,
+    len: u64,
+    max: u64,
+) {
+    let mut done = 0;
+    while done < len {
+        let n = max.min(len - done);
+        out.push(Desc {
+            local_mr: mr,
+            local_addr: local_addr + done,
+            remote_addr: remote_addr + done,
+            len: n,
+        });
+        done += n;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_over_the_limit_is_split_into_contiguous_descriptors_that_cover_it_exactly() {
+        const GIB: u64 = 1 << 30;
+        for (len, max, expect) in [
+            (5 * GIB, GIB, 5),
+            (5 * GIB + 1, GIB, 6),
+            (4 * GIB, u32::MAX as u64, 2),
+            (4096, 4096, 1),
+            (1, GIB, 1),
+        ] {
+            let mut out = Vec::new();
+            split(&mut out, 7, 0x1000, 0x9000_0000, len, max);
+            assert_eq!(out.len(), expect, "{len} bytes at most {max} each");
+            assert_eq!(out.iter().map(|d| d.len).sum::<u64>(), len);
+            assert!(out
+                .iter()
+                .all(|d| d.len <= max && d.len > 0 && d.local_mr == 7));
+            for (i, d) in out.iter().enumerate() {
+                let at = i as u64 * max;
+                assert_eq!(
+                    (d.local_addr, d.remote_addr),
+                    (0x1000 + at, 0x9000_0000 + at)
+                );
+            }
+        }
+    }
+}

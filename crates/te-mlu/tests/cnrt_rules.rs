@@ -1,0 +1,382 @@
+//! What real CNRT and Linux do that te-mlu must cope with, as the FAKE libcnrt now
+//! models it: a queue only takes copies while its own MLU is current; `cnrtQueueSync`
+//! spins unless the device flag says block; copies waiting together are synchronized
+//! together; a peer's `/proc/PID/fd` is out of reach from another PID namespace; and a
+//! region a peer may still be copying into is never reported deregistered.
+//!
+//! The tests run one at a time: they read the fake's process-wide counters. Copies take
+//! 20 ms, so every wait for a queue really waits. The binary re-executes itself with
+//! `TE_MLU_TEST_ROLE=target` (under `unshare --pid --fork`) as the second process.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use libtest_mimic::{Arguments, Failed, Trial};
+use te_core::device::{DeviceCopy, DeviceRuntime};
+use te_core::{
+    Access, Completion, Deadline, Engine, ErrorKind, MemoryDesc, RegionDesc, RegionId, SegmentDesc,
+    TransferBackend, TransferRequest,
+};
+use te_mlu::{MluBackend, MluConfig};
+
+type Counter = unsafe extern "C" fn(*const std::ffi::c_char) -> u64;
+
+/// A counter of the fake libcnrt this process loaded.
+fn counter(name: &str) -> u64 {
+    // SAFETY: the same file te-mlu loaded, so dlopen returns the same instance; its
+    // initialisers only read environment variables.
+    let lib = unsafe { libloading::Library::new(env!("TE_MLU_FAKE_CNRT")) }.expect("fake");
+    // SAFETY: the fake-only function's prototype.
+    let f: libloading::Symbol<'_, Counter> =
+        unsafe { lib.get(b"te_fake_cnrt_counter\0") }.expect("te_fake_cnrt_counter");
+    let name = std::ffi::CString::new(name).expect("name");
+    // SAFETY: a NUL-terminated name.
+    unsafe { f(name.as_ptr()) }
+}
+
+fn e2f(e: te_core::Error) -> Failed {
+    format!("{e:?}").into()
+}
+
+macro_rules! ensure {
+    ($cond:expr, $($msg:tt)+) => {
+        if !$cond {
+            return Err(format!($($msg)+).into());
+        }
+    };
+}
+
+fn copies_alternating_between_mlus_each_run_with_their_own_mlu_current() -> Result<(), Failed> {
+    // The stub moves mlu:N memory through the runtime's copy thread, whose queues were
+    // each created with their own MLU current.
+    let e = Engine::from_config(&config("stub", "")).map_err(e2f)?;
+    let len = 64 << 10;
+    let a = e.alloc_on(&mlu(0), "a", len, Access::LOCAL).map_err(e2f)?;
+    let b = e.alloc_on(&mlu(1), "b", len, Access::LOCAL).map_err(e2f)?;
+    for (round, seed) in [(0, 1u8), (1, 2), (2, 3), (3, 4)] {
+        let (buf, which) = if round % 2 == 0 { (&a, 0) } else { (&b, 1) };
+        let data: Vec<u8> = (0..len as u64).map(|i| byte(i, seed)).collect();
+        buf.write(0, &data)
+            .map_err(|e| format!("round {round}: a copy to mlu:{which} failed: {e}"))?;
+        ensure!(
+            buf.to_vec().map_err(e2f)? == data,
+            "round {round}: mlu:{which} holds other bytes"
+        );
+    }
+    Ok(())
+}
+
+fn waiting_for_copies_blocks_instead_of_spinning() -> Result<(), Failed> {
+    let rt = te_mlu::runtime().map_err(e2f)?;
+    ensure!(
+        rt.blocking_sync(),
+        "the runtime did not get cnrtDeviceScheduleBlock on every MLU"
+    );
+    let e = Engine::from_config(&config("mlu", "")).map_err(e2f)?;
+    let target = Engine::from_config(&config("mlu", "")).map_err(e2f)?;
+    let dst = target
+        .alloc_on(&mlu(1), "dst", 64 << 10, Access::REMOTE_READ_WRITE)
+        .map_err(e2f)?;
+    let src = filled(&e, &mlu(0), "src", 64 << 10, Access::LOCAL, 7);
+    let peer = e.connect(&target.address().to_string()).map_err(e2f)?;
+    let remote = peer.region("dst").ok_or("no dst")?.id;
+    let (spun, syncs) = (counter("spin_ns"), counter("syncs"));
+    for _ in 0..4 {
+        let req = [TransferRequest::write(src.id(), 0, remote, 0, 64 << 10)];
+        e.transfer(&peer, &req).map_err(e2f)?.wait().map_err(e2f)?;
+    }
+    ensure!(
+        dst.to_vec().map_err(e2f)? == src.to_vec().map_err(e2f)?,
+        "the copies left other bytes"
+    );
+    ensure!(
+        counter("syncs") > syncs,
+        "no cnrtQueueSync happened, so this test proves nothing"
+    );
+    let spun = counter("spin_ns") - spun;
+    ensure!(
+        spun == 0,
+        "cnrtQueueSync spun a core for {} ms",
+        spun / 1_000_000
+    );
+    Ok(())
+}
+
+fn copies_waiting_together_are_synchronized_together() -> Result<(), Failed> {
+    let rt = te_mlu::runtime().map_err(e2f)?;
+    let len = 4096usize;
+    let copies = 32usize;
+    let dev = rt.alloc(0, len * copies).map_err(e2f)?;
+    let host: Vec<Vec<u8>> = (0..copies)
+        .map(|i| (0..len as u64).map(|b| byte(b, i as u8)).collect())
+        .collect();
+    let (tx, rx) = mpsc::channel();
+    let syncs = counter("syncs");
+    for (i, h) in host.iter().enumerate() {
+        let tx = tx.clone();
+        let copy = DeviceCopy::ToDevice {
+            ordinal: 0,
+            device: dev + (i * len) as u64,
+            host: h.as_ptr(),
+            len,
+        };
+        // SAFETY: `host` outlives every copy (all are awaited below before it drops),
+        // and each device range is inside the allocation.
+        unsafe {
+            rt.copy(
+                copy,
+                Box::new(move |r| {
+                    let _ = tx.send(r);
+                }),
+            )
+        }
+        .map_err(e2f)?;
+    }
+    for _ in 0..copies {
+        rx.recv_timeout(Duration::from_secs(20))
+            .map_err(|_| "a copy never completed")?
+            .map_err(e2f)?;
+    }
+    let synced = counter("syncs") - syncs;
+    let mut back = vec![0u8; len * copies];
+    // SAFETY: `back` is borrowed until the synchronous copy returns.
+    unsafe {
+        (&*rt as &dyn DeviceRuntime).copy_sync(DeviceCopy::ToHost {
+            ordinal: 0,
+            device: dev,
+            host: back.as_mut_ptr(),
+            len: back.len(),
+        })
+    }
+    .map_err(e2f)?;
+    rt.free(0, dev).map_err(e2f)?;
+    ensure!(back == host.concat(), "the grouped copies left other bytes");
+    ensure!(
+        synced <= copies as u64 / 4,
+        "{copies} copies submitted together took {synced} queue synchronizations"
+    );
+    Ok(())
+}
+
+fn completion(timeout: Duration) -> (Completion, mpsc::Receiver<te_core::Result<()>>) {
+    let (tx, rx) = mpsc::channel();
+    let c = Completion::new(timeout, move |r, _| {
+        let _ = tx.send(r);
+    });
+    (c, rx)
+}
+
+fn deregister_past_its_timeout_fails_while_a_peer_batch_still_holds_the_region(
+) -> Result<(), Failed> {
+    let rt = te_mlu::runtime().map_err(e2f)?;
+    let len = 64u64 << 10;
+    let mut slow = MluConfig::default();
+    slow.debug_delay = Duration::from_millis(600);
+    let ctx = te_core::BackendContext::default();
+    let initiator = MluBackend::new(slow, &ctx).map_err(e2f)?;
+    let target = MluBackend::new(MluConfig::default(), &ctx).map_err(e2f)?;
+    let soon = || Deadline::after(Duration::from_secs(10));
+    let src = rt.alloc(0, len as usize).map_err(e2f)?;
+    let dst = rt.alloc(1, len as usize).map_err(e2f)?;
+    let result = (|| -> Result<(), Failed> {
+        let mem = |addr, n, access| MemoryDesc {
+            name: "m".into(),
+            addr,
+            len,
+            kind: mlu(n),
+            access,
+        };
+        initiator
+            .register(RegionId(10), &mem(src, 0, Access::LOCAL))
+            .map_err(e2f)?;
+        let key = target
+            .register(RegionId(1), &mem(dst, 1, Access::REMOTE_READ_WRITE))
+            .map_err(e2f)?;
+        let seg = SegmentDesc {
+            engine: "target".into(),
+            epoch: 1,
+            address: String::new(),
+            backend: te_mlu::NAME.into(),
+            endpoint: target.endpoint(),
+            regions: vec![RegionDesc {
+                id: RegionId(1),
+                name: "m".into(),
+                addr: dst,
+                len,
+                kind: mlu(1),
+                access: Access::REMOTE_READ_WRITE,
+                key,
+            }],
+            layouts: Vec::new(),
+        };
+        let peer = initiator.connect(&seg, soon()).map_err(e2f)?;
+        let (done, rx) = completion(Duration::from_secs(10));
+        let req = [TransferRequest::write(RegionId(10), 0, RegionId(1), 0, len)];
+        initiator.submit(peer, &req, done).map_err(e2f)?;
+        // The batch is counted in on the target's region and copies in 600 ms.
+        let start = Instant::now();
+        match target.deregister(RegionId(1), Deadline::after(Duration::from_millis(100))) {
+            Ok(()) => {
+                return Err(format!(
+                    "deregister returned Ok after {:?} while a peer's batch was about to copy into the region",
+                    start.elapsed()
+                )
+                .into())
+            }
+            Err(e) => ensure!(
+                e.kind() == ErrorKind::Timeout && e.to_string().contains("must stay allocated"),
+                "unclear error: {e:?}"
+            ),
+        }
+        rx.recv_timeout(Duration::from_secs(10))
+            .map_err(|_| "the batch never completed")?
+            .map_err(e2f)?;
+        target
+            .deregister(RegionId(1), soon())
+            .map_err(|e| format!("deregister once the batch finished: {e:?}"))?;
+        initiator.deregister(RegionId(10), soon()).map_err(e2f)?;
+        Ok(())
+    })();
+    drop((initiator, target));
+    rt.free(0, src).map_err(e2f)?;
+    rt.free(1, dst).map_err(e2f)?;
+    result
+}
+
+/// The second process: a target engine on the mlu backend, serving until stdin closes.
+fn target_main() {
+    let e = Engine::from_config(&config("mlu", "")).expect("target engine");
+    let dst = e
+        .alloc_on(&mlu(0), "dst", 1 << 20, Access::REMOTE_READ_WRITE)
+        .expect("dst");
+    println!("ADDR {}", e.address());
+    std::io::stdout().flush().expect("stdout");
+    for line in std::io::stdin().lock().lines() {
+        let line = line.expect("stdin");
+        if let Some(seed) = line.strip_prefix("CHECK ") {
+            let seed: u8 = seed.trim().parse().expect("seed");
+            let want: Vec<u8> = (0..1u64 << 20).map(|i| byte(i, seed)).collect();
+            let ok = dst.to_vec().map(|v| v == want).unwrap_or(false);
+            println!("{}", if ok { "OK" } else { "BAD" });
+            std::io::stdout().flush().expect("stdout");
+        }
+    }
+}
+
+fn a_peer_in_another_pid_namespace_exchanges_mlu_memory() -> Result<(), Failed> {
+    let probe = Command::new("unshare")
+        .args(["--pid", "--fork", "--kill-child", "true"])
+        .output();
+    match probe {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => {
+            println!(
+                "skipped: this machine cannot run a process in a new PID namespace (unshare: {})",
+                String::from_utf8_lossy(&o.stderr).trim()
+            );
+            return Ok(());
+        }
+        Err(e) => {
+            println!("skipped: no `unshare` to run a process in a new PID namespace ({e})");
+            return Ok(());
+        }
+    }
+    let mut child = Command::new("unshare")
+        .args(["--pid", "--fork", "--kill-child", "--"])
+        .arg(std::env::current_exe().map_err(|e| e.to_string())?)
+        .env("TE_MLU_TEST_ROLE", "target")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot start the target under unshare: {e}"))?;
+    let result = (|| -> Result<(), Failed> {
+        let mut out = BufReader::new(child.stdout.take().ok_or("no stdout")?);
+        let mut line = String::new();
+        out.read_line(&mut line).map_err(|e| e.to_string())?;
+        let addr = line
+            .strip_prefix("ADDR ")
+            .ok_or_else(|| format!("the target process said {line:?}"))?
+            .trim()
+            .to_string();
+        let e = Engine::from_config(&config("mlu", "")).map_err(e2f)?;
+        let len = 1u64 << 20;
+        let src = filled(&e, &mlu(1), "src", len, Access::LOCAL, 9);
+        let back = e
+            .alloc_on(&mlu(0), "back", len as usize, Access::LOCAL)
+            .map_err(e2f)?;
+        let peer = e
+            .connect(&addr)
+            .map_err(|e| format!("connecting to a peer in another PID namespace: {e}"))?;
+        let dst = peer.region("dst").ok_or("the target has no `dst`")?.id;
+        e.transfer(&peer, &[TransferRequest::write(src.id(), 0, dst, 0, len)])
+            .map_err(e2f)?
+            .wait()
+            .map_err(e2f)?;
+        let stdin = child.stdin.as_mut().ok_or("no stdin")?;
+        writeln!(stdin, "CHECK 9").map_err(|e| e.to_string())?;
+        stdin.flush().map_err(|e| e.to_string())?;
+        let mut reply = String::new();
+        out.read_line(&mut reply).map_err(|e| e.to_string())?;
+        ensure!(
+            reply.trim() == "OK",
+            "the target found other bytes: {reply:?}"
+        );
+        e.transfer(&peer, &[TransferRequest::read(back.id(), 0, dst, 0, len)])
+            .map_err(e2f)?
+            .wait()
+            .map_err(e2f)?;
+        ensure!(
+            back.to_vec().map_err(e2f)? == src.to_vec().map_err(e2f)?,
+            "bytes read back from the other namespace differ"
+        );
+        Ok(())
+    })();
+    drop(child.stdin.take());
+    let status = child.wait().map_err(|e| e.to_string())?;
+    result?;
+    ensure!(status.success(), "the target process exited with {status}");
+    Ok(())
+}
+
+fn main() {
+    use_fake_cnrt(&[("TE_FAKE_CNRT_COPY_DELAY_US", "20000")]);
+    if std::env::var("TE_MLU_TEST_ROLE").as_deref() == Ok("target") {
+        target_main();
+        return;
+    }
+    type Test = fn() -> Result<(), Failed>;
+    let tests: [(&str, Test); 5] = [
+        (
+            "copies_alternating_between_mlus_each_run_with_their_own_mlu_current",
+            copies_alternating_between_mlus_each_run_with_their_own_mlu_current,
+        ),
+        (
+            "waiting_for_copies_blocks_instead_of_spinning",
+            waiting_for_copies_blocks_instead_of_spinning,
+        ),
+        (
+            "copies_waiting_together_are_synchronized_together",
+            copies_waiting_together_are_synchronized_together,
+        ),
+        (
+            "deregister_past_its_timeout_fails_while_a_peer_batch_still_holds_the_region",
+            deregister_past_its_timeout_fails_while_a_peer_batch_still_holds_the_region,
+        ),
+        (
+            "a_peer_in_another_pid_namespace_exchanges_mlu_memory",
+            a_peer_in_another_pid_namespace_exchanges_mlu_memory,
+        ),
+    ];
+    let trials = tests
+        .into_iter()
+        .map(|(name, f)| Trial::test(format!("mlu_fake_cnrt_rules::{name}"), f))
+        .collect();
+    let mut args = Arguments::from_args();
+    args.test_threads = Some(1);
+    libtest_mimic::run(&args, trials).exit()
+}

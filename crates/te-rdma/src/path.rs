@@ -1,0 +1,599 @@
+//! The data path: a peer's paths (one RC QP each), the slices (jobs) they carry,
+//! posting, settling completions, retrying on another path, and retiring a peer's QPs.
+//!
+//! Every slice is accounted for exactly once, and its batch completes only when all of
+//! its slices are (module `track`). A slice that failed with a transport or flush error
+//! is posted again on another healthy path of the peer; any other error (remote access,
+//! local protection, invalid request) fails its batch and touches no other path.
+//!
+//! **Where abort hooks in.** The backend's `abort` stops a batch through
+//! [`BatchState::abort`] (`track`) and takes its waiting slices off the peer's paths
+//! ([`drop_stopped`]; [`pump`] would not post them either), each accounted as it is
+//! dropped; the ones posted complete as the NIC completes them, and the batch's
+//! completion runs when the last is accounted for.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::TcpStream;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
+use std::time::Instant;
+
+use te_core::{Error, ErrorKind, Op, PeerId, RegionId};
+
+use crate::backend::{lock, Shared};
+use crate::device::Device;
+use crate::exchange::{Endpoint, GidType};
+use crate::ffi::{self, Cq, Mr, Qp};
+use crate::qp;
+use crate::track::{self, BatchState, Outcome, SendQueue};
+use crate::verbs;
+use crate::wr::{WorkItem, WrChain};
+
+/// A registered local region: one MR per device.
+pub(crate) struct LocalRegion {
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    /// Each MR's local key, by device: what slices post with. Kept apart from the MRs
+    /// so that reading one never touches an MR that `deregister` destroyed.
+    pub(crate) lkeys: Vec<u32>,
+    /// The MRs, destroyed by [`LocalRegion::release`] (or when the region is dropped).
+    mrs: Mutex<Vec<Mr>>,
+    /// The local devices that should move this region's bytes (nearest to its memory);
+    /// empty: any.
+    pub(crate) nics: Vec<usize>,
+    pins: Mutex<u64>,
+    unpinned: Condvar,
+    /// The DMA-BUF the MRs were made from; closed after them (field order).
+    _dmabuf: Option<OwnedFd>,
+}
+
+impl LocalRegion {
+    /// A region of `len` bytes at `addr` over `mrs` (one per device).
+    pub(crate) fn new(
+        addr: u64,
+        len: u64,
+        mrs: Vec<Mr>,
+        nics: Vec<usize>,
+        dmabuf: Option<OwnedFd>,
+    ) -> LocalRegion {
+        LocalRegion {
+            addr,
+            len,
+            lkeys: mrs.iter().map(Mr::lkey).collect(),
+            mrs: Mutex::new(mrs),
+            nics,
+            pins: Mutex::new(0),
+            unpinned: Condvar::new(),
+            _dmabuf: dmabuf,
+        }
+    }
+
+    /// Waits until no slice pins the region, or `deadline`; returns the slices still
+    /// pinning it (0: none).
+    pub(crate) fn wait_unpinned(&self, deadline: Instant) -> u64 {
+        let mut pins = lock(&self.pins);
+        while *pins > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            pins = self
+                .unpinned
+                .wait_timeout(pins, left)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+        }
+        *pins
+    }
+
+    /// Destroys the MRs: from here on the NICs refuse every key of the region, local
+    /// and remote, so nothing of this backend or its peers reaches the memory. Called
+    /// only when no slice pins the region and none can any more (it left the table).
+    pub(crate) fn release(&self) {
+        lock(&self.mrs).clear();
+    }
+
+    /// The remote key of each MR, by device.
+    pub(crate) fn rkeys(&self) -> Vec<u32> {
+        lock(&self.mrs).iter().map(Mr::rkey).collect()
+    }
+}
+
+/// Keeps a region registered while a slice uses it. Made only under the region
+/// table's lock, so `deregister`, which takes the region out of the table first, sees
+/// every pin there will ever be.
+pub(crate) struct Pin(pub(crate) Arc<LocalRegion>);
+
+impl Pin {
+    pub(crate) fn new(r: &Arc<LocalRegion>) -> Pin {
+        *lock(&r.pins) += 1;
+        Pin(r.clone())
+    }
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        let mut n = lock(&self.0.pins);
+        *n -= 1;
+        if *n == 0 {
+            self.0.unpinned.notify_all();
+        }
+    }
+}
+
+/// A peer's region: address and one rkey per peer device.
+#[derive(Debug)]
+pub(crate) struct RemoteRegion {
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) rkeys: Vec<u32>,
+}
+
+/// One slice on its way.
+pub(crate) struct Job {
+    pub(crate) batch: Arc<BatchState>,
+    pub(crate) op: Op,
+    pub(crate) local: Pin,
+    pub(crate) local_addr: u64,
+    pub(crate) remote: Arc<RemoteRegion>,
+    pub(crate) remote_addr: u64,
+    pub(crate) len: u32,
+    pub(crate) attempts: usize,
+}
+
+impl Job {
+    /// The slice landed.
+    fn landed(self) {
+        self.unpin().slice_done();
+    }
+
+    /// The slice failed for good, or was never posted.
+    fn failed(self, error: Error) {
+        self.unpin().slice_failed(error);
+    }
+
+    /// Drops the slice's pin before it is accounted, so that whoever the batch's
+    /// completion wakes finds the region unpinned (a `deregister` right after it does
+    /// not wait for this thread).
+    fn unpin(self) -> Arc<BatchState> {
+        let Job { batch, local, .. } = self;
+        drop(local);
+        batch
+    }
+}
+
+pub(crate) struct PathState {
+    pub(crate) sq: SendQueue<Job>,
+    pub(crate) waiting: VecDeque<Job>,
+    chain: WrChain,
+    items: Vec<WorkItem>,
+    posting: Vec<Job>,
+}
+
+impl PathState {
+    pub(crate) fn new(depth: usize) -> PathState {
+        PathState {
+            sq: SendQueue::new(depth),
+            waiting: VecDeque::new(),
+            chain: WrChain::default(),
+            items: Vec::new(),
+            posting: Vec::new(),
+        }
+    }
+}
+
+/// One RC QP to one peer device.
+pub(crate) struct Path {
+    pub(crate) tag: u64,
+    pub(crate) device: Arc<Device>,
+    pub(crate) remote_device: usize,
+    pub(crate) gid_type: GidType,
+    // Field order: the QP is destroyed before its CQ, and both before the jobs.
+    pub(crate) qp: Qp,
+    pub(crate) cq: Cq,
+    pub(crate) state: Mutex<PathState>,
+    /// Notified when the QP has nothing posted.
+    pub(crate) idle: Condvar,
+    /// The QP failed (or is being retired): it takes no new work.
+    pub(crate) broken: AtomicBool,
+    /// Its peer's path set was retired: once nothing is posted on it, it leaves its
+    /// device's completion thread.
+    pub(crate) retired: AtomicBool,
+    /// The peer this path belongs to (a target-side path has none).
+    pub(crate) peer: Weak<Peer>,
+    /// The peer's id and the backend, to find the peer's current paths after this set
+    /// was replaced.
+    pub(crate) peer_id: PeerId,
+    pub(crate) shared: Weak<Shared>,
+    pub(crate) signal_every: u32,
+}
+
+impl Path {
+    /// Marks the path failed and moves its QP to ERR, so what it holds comes back as
+    /// flush completions (and is retried elsewhere); the first time, asks for the
+    /// peer's paths to be rebuilt.
+    pub(crate) fn fail(&self, why: &str) {
+        if self.broken.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tracing::warn!(device = %self.device.name, qpn = self.qp.qpn(), reason = why, "an RDMA path failed");
+        if let Err(e) = self.qp.modify(qp::error(), "ERR") {
+            tracing::warn!(error = %e, "cannot move a QP to the error state");
+        }
+        if self.peer.strong_count() > 0 {
+            if let Some(s) = self.shared.upgrade() {
+                s.repair(self.peer_id);
+            }
+        }
+    }
+
+    /// Waits until nothing is posted on the QP, or `deadline`; true if nothing is.
+    fn wait_idle(&self, deadline: Instant) -> bool {
+        let mut st = lock(&self.state);
+        while st.sq.outstanding() > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            st = self
+                .idle
+                .wait_timeout(st, left)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+        }
+        true
+    }
+}
+
+/// A connected peer: its regions and paths, and the side channel that keeps the
+/// target's QPs alive.
+pub(crate) struct Peer {
+    pub(crate) id: PeerId,
+    pub(crate) endpoint: Endpoint,
+    pub(crate) regions: RwLock<HashMap<RegionId, Arc<RemoteRegion>>>,
+    pub(crate) paths: Vec<Arc<Path>>,
+    pub(crate) next: AtomicUsize,
+    pub(crate) side: TcpStream,
+    /// The peer is gone (side channel closed, disconnected, backend closing): its work
+    /// fails instead of moving to another path.
+    pub(crate) dead: AtomicBool,
+    /// Why the peer is dead, for the batches that fail because of it.
+    pub(crate) why: Mutex<String>,
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.side.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+impl Peer {
+    /// Marks the peer dead with the reason batches will fail with.
+    pub(crate) fn kill(&self, why: String) {
+        *lock(&self.why) = why;
+        self.dead.store(true, Ordering::Release);
+    }
+
+    /// The healthy paths.
+    pub(crate) fn healthy(&self) -> Vec<&Arc<Path>> {
+        self.paths
+            .iter()
+            .filter(|p| !p.broken.load(Ordering::Acquire))
+            .collect()
+    }
+}
+
+/// Why a job came back unfinished.
+pub(crate) enum Failure {
+    /// Another path may carry it (transport or flush error, a QP that failed before
+    /// posting it).
+    Retry(String),
+    /// Its own error: fails its batch.
+    Fatal(String, ErrorKind),
+}
+
+/// Queues jobs on a path and posts what fits.
+pub(crate) fn post(path: &Arc<Path>, jobs: impl IntoIterator<Item = Job>) {
+    let mut back = Vec::new();
+    {
+        let mut st = lock(&path.state);
+        st.waiting.extend(jobs);
+        pump(path, &mut st, &mut back);
+    }
+    for (job, why) in back {
+        settle(path, job, why);
+    }
+}
+
+/// Posts waiting jobs while the QP has room. A broken path hands its waiting jobs back
+/// to be retried elsewhere; jobs of a stopped batch are handed back unposted.
+fn pump(path: &Path, st: &mut PathState, back: &mut Vec<(Job, Failure)>) {
+    if path.broken.load(Ordering::Acquire) {
+        back.extend(
+            st.waiting
+                .drain(..)
+                .map(|j| (j, Failure::Retry("its QP failed before posting it".into()))),
+        );
+        return;
+    }
+    let dev = path.device.index;
+    while !st.waiting.is_empty() && st.sq.room() > 0 {
+        let PathState {
+            sq,
+            waiting,
+            chain,
+            items,
+            posting,
+        } = st;
+        items.clear();
+        posting.clear();
+        while posting.len() < sq.room() {
+            match waiting.pop_front() {
+                Some(j) if j.batch.is_stopped() => back.push((
+                    j,
+                    Failure::Fatal("its batch stopped".into(), ErrorKind::Cancelled),
+                )),
+                Some(j) => posting.push(j),
+                None => break,
+            }
+        }
+        let n = posting.len();
+        for (i, job) in posting.drain(..).enumerate() {
+            let item = WorkItem {
+                op: job.op,
+                wr_id: 0,
+                signaled: false,
+                local_addr: job.local_addr,
+                lkey: job.local.0.lkeys[dev],
+                remote_addr: job.remote_addr,
+                rkey: job.remote.rkeys[path.remote_device],
+                len: job.len,
+            };
+            match sq.push(job, i + 1 == n, path.signal_every) {
+                Ok((wr_id, signaled)) => items.push(WorkItem {
+                    wr_id,
+                    signaled,
+                    ..item
+                }),
+                Err(job) => waiting.push_front(job),
+            }
+        }
+        if items.is_empty() {
+            continue;
+        }
+        let head = chain.build(items);
+        // SAFETY: the chain names MRs pinned by the jobs now held in the send queue
+        // until their completions are settled.
+        let posted = unsafe { path.qp.post_send(head) };
+        if let Err((rc, accepted)) = posted {
+            let why = format!(
+                "ibv_post_send failed: {}",
+                std::io::Error::from_raw_os_error(rc)
+            );
+            // The work requests before the refused one are on the QP and come back as
+            // completions (flushed, once the QP is in ERR); the rest never reached it.
+            back.extend(
+                sq.unpush(items.len() - accepted.min(items.len()))
+                    .into_iter()
+                    .map(|j| (j, Failure::Retry(why.clone()))),
+            );
+            back.extend(waiting.drain(..).map(|j| (j, Failure::Retry(why.clone()))));
+            path.fail(&why);
+            return;
+        }
+    }
+}
+
+/// Polls a path's CQ empty and settles what completed.
+pub(crate) fn drain(path: &Arc<Path>, wc: &mut [verbs::ibv_wc]) {
+    let v = path.device.ctx.v;
+    loop {
+        let n = path.cq.poll(wc);
+        if n <= 0 {
+            if n < 0 {
+                tracing::error!(device = %path.device.name, "ibv_poll_cq failed");
+            }
+            return;
+        }
+        let mut done = Vec::new();
+        let mut back = Vec::new();
+        let mut failed_qp = None;
+        {
+            let mut st = lock(&path.state);
+            for c in &wc[..n as usize] {
+                let ok = c.status == verbs::IBV_WC_SUCCESS;
+                let text = || {
+                    format!(
+                        "{} (status {}, vendor error {:#x})",
+                        ffi::status_text(v, c.status),
+                        c.status,
+                        c.vendor_err
+                    )
+                };
+                st.sq.complete(c.wr_id, ok, |job, outcome| match outcome {
+                    Outcome::Done => done.push(job),
+                    Outcome::Failed => {
+                        let f = if track::retryable(c.status) {
+                            Failure::Retry(text())
+                        } else if c.status == verbs::IBV_WC_REM_ACCESS_ERR {
+                            Failure::Fatal(
+                                format!("{}: the peer's NIC refused the region's key, range or rights (the region was deregistered, or the descriptor is stale: fetch it again)", text()),
+                                ErrorKind::NotRegistered,
+                            )
+                        } else {
+                            Failure::Fatal(text(), ErrorKind::Backend)
+                        };
+                        back.push((job, f));
+                    }
+                });
+                if !ok && failed_qp.is_none() {
+                    failed_qp = Some(text());
+                }
+            }
+            if failed_qp.is_none() {
+                pump(path, &mut st, &mut back);
+            }
+            if st.sq.outstanding() == 0 {
+                path.idle.notify_all();
+                if path.retired.load(Ordering::Acquire) {
+                    // Its retire gave up waiting; the last flush is in now.
+                    unhook(path);
+                }
+            }
+        }
+        if let Some(why) = failed_qp {
+            // The QP is in the error state after an error completion: everything else
+            // it holds comes back flushed.
+            path.fail(&why);
+            let mut st = lock(&path.state);
+            pump(path, &mut st, &mut back);
+        }
+        for job in done {
+            job.landed();
+        }
+        for (job, f) in back {
+            settle(path, job, f);
+        }
+    }
+}
+
+/// Takes the slices of stopped (aborted or failed) batches that wait unposted on
+/// `path` off it and accounts them, so that an aborted batch completes as soon as its
+/// posted slices are back rather than when the path next has room.
+pub(crate) fn drop_stopped(path: &Path) {
+    let stopped: Vec<Job> = {
+        let mut st = lock(&path.state);
+        if !st.waiting.iter().any(|j| j.batch.is_stopped()) {
+            return;
+        }
+        let (stopped, keep): (Vec<Job>, Vec<Job>) =
+            st.waiting.drain(..).partition(|j| j.batch.is_stopped());
+        st.waiting = keep.into();
+        stopped
+    };
+    // Outside the path's lock: the last slice completes the batch, whose callback is
+    // the engine's.
+    for job in stopped {
+        job.failed(Error::new(
+            ErrorKind::Cancelled,
+            "its batch stopped before this slice was posted",
+        ));
+    }
+}
+
+/// Removes `path` from its device's completion thread.
+fn unhook(path: &Path) {
+    path.device
+        .paths
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&path.tag);
+}
+
+/// A job came back from `from` without landing: retry it on another healthy path of
+/// the peer (the peer's current set, if it was rebuilt), or fail its slice.
+pub(crate) fn settle(from: &Path, mut job: Job, failure: Failure) {
+    if job.batch.is_stopped() {
+        // Its batch already failed or was aborted: only account the slice.
+        job.failed(Error::new(ErrorKind::Cancelled, "its batch stopped"));
+        return;
+    }
+    // The peer's current set of paths: this one's, or the set that replaced it.
+    let current = from
+        .shared
+        .upgrade()
+        .and_then(|s| s.peer(from.peer_id))
+        .or_else(|| from.peer.upgrade());
+    let (why, kind) = match failure {
+        Failure::Fatal(why, kind) => (why, kind),
+        Failure::Retry(why) => {
+            if let Some(p) = current.as_ref().filter(|p| !p.dead.load(Ordering::Acquire)) {
+                job.attempts += 1;
+                let healthy = p.healthy();
+                if job.attempts <= 2 * p.paths.len() && !healthy.is_empty() {
+                    let prefer: Vec<_> = healthy
+                        .iter()
+                        .filter(|h| {
+                            job.local.0.nics.is_empty()
+                                || job.local.0.nics.contains(&h.device.index)
+                        })
+                        .collect();
+                    let pick = p.next.fetch_add(1, Ordering::Relaxed);
+                    let to = if prefer.is_empty() {
+                        healthy[pick % healthy.len()]
+                    } else {
+                        prefer[pick % prefer.len()]
+                    };
+                    tracing::debug!(device = %from.device.name, reason = %why, "an RDMA slice moves to another path");
+                    let to = to.clone();
+                    post(&to, [job]);
+                    return;
+                }
+            }
+            (why, ErrorKind::PeerUnreachable)
+        }
+    };
+    let because = match current.as_ref() {
+        None => " (the peer was disconnected)".to_string(),
+        Some(p) if p.dead.load(Ordering::Acquire) => format!(" ({})", lock(&p.why)),
+        Some(p) if p.healthy().is_empty() => {
+            "; no healthy path to the peer is left (they are being rebuilt)".into()
+        }
+        Some(_) => String::new(),
+    };
+    let kind = if current
+        .as_ref()
+        .is_some_and(|p| p.dead.load(Ordering::Acquire))
+    {
+        ErrorKind::PeerUnreachable
+    } else {
+        kind
+    };
+    let error = Error::new(
+        kind,
+        format!(
+            "RDMA {} of {} bytes on {} failed: {why}{because}",
+            job.op, job.len, from.device.name
+        ),
+    );
+    job.failed(error);
+}
+
+/// Retires a peer's QPs: moves each to ERR, waits (until `deadline`) for the flush
+/// completions that hand back everything they held, then settles the work that was
+/// never posted (failed if the peer is dead, else moved to its current paths). A path
+/// leaves its completion thread only once it has drained (here, or when its last flush
+/// completion comes in after `deadline`); until then what is still posted keeps its
+/// region pinned and completes when the NIC flushes it. Returns whether every QP
+/// drained by `deadline`.
+pub(crate) fn retire(peer: &Peer, deadline: Instant) -> bool {
+    let why = lock(&peer.why).clone();
+    for p in &peer.paths {
+        p.retired.store(true, Ordering::Release);
+        p.broken.store(true, Ordering::Release);
+        if let Err(e) = p.qp.modify(qp::error(), "ERR") {
+            tracing::warn!(error = %e, "cannot move a QP to the error state");
+        }
+    }
+    let mut drained = true;
+    for p in &peer.paths {
+        drained &= p.wait_idle(deadline);
+    }
+    for p in &peer.paths {
+        let jobs: Vec<Job> = lock(&p.state).waiting.drain(..).collect();
+        for job in jobs {
+            settle(p, job, Failure::Retry(format!("its QP was retired: {why}")));
+        }
+    }
+    for p in &peer.paths {
+        // A path with work still posted leaves when its last flush comes in (`drain`).
+        if lock(&p.state).sq.outstanding() == 0 {
+            unhook(p);
+        }
+    }
+    if !drained {
+        tracing::warn!("RDMA QPs did not flush in time; their regions stay pinned until they do");
+    }
+    drained
+}
