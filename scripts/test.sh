@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 
 # Debian packages: qperf is the raw-socket baseline `te bench --baseline` compares with;
 # libibverbs-dev is the verbs.h that te-rdma's own verbs declarations are checked against
-# (the build needs neither, and the machine needs no RDMA device).
-packages=(qperf libibverbs-dev)
+# (the build needs neither, and the machine needs no RDMA device); etcd-server is the
+# metadata store the name-resolution tests start; iproute2 builds their test hosts.
+packages=(qperf libibverbs-dev etcd-server iproute2)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -23,6 +24,11 @@ if [ ${#missing[@]} -gt 0 ]; then
   else
     echo "== not root: skipping apt-get install of ${missing[*]} (tests that need them say so)"
   fi
+fi
+
+# As root the packages above are installed, so the tests that need them must not skip.
+if [ "$(id -u)" -eq 0 ]; then
+  export TE_REQUIRE_ETCD=1
 fi
 
 echo "== cargo fmt --check"

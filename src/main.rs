@@ -1,4 +1,4 @@
-//! The `te` command line: `info`, `check`, `serve`, `bench`.
+//! The `te` command line: `info`, `check`, `serve`, `bench`, `peers`.
 //!
 //! Exit codes: 0 on success, 1 with a one-line cause on stderr on error, 2 for
 //! command-line usage errors.
@@ -45,6 +45,15 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Measure throughput and latency over loopback or against a `te serve`.
     Bench(Box<bench::BenchArgs>),
+    /// List the engines published in the configuration's metadata store (etcd).
+    Peers {
+        /// Configuration file (default: $TE_CONFIG, else built-in defaults).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Print one JSON object per engine instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn init_logging(verbose: u8) {
@@ -75,6 +84,7 @@ fn main() -> ExitCode {
         Command::Check { config } => check(config),
         Command::Serve(args) => serve::run(args),
         Command::Bench(args) => bench::run(*args),
+        Command::Peers { config, json } => peers(config, json),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -84,6 +94,29 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn peers(config: Option<PathBuf>, json: bool) -> te::Result<()> {
+    let config = Config::resolve(config.as_deref())?;
+    let store = te::metadata::open(&config.engine)?;
+    let engines = store.list(te::Deadline::after(config.engine.default_timeout))?;
+    if json {
+        for e in &engines {
+            println!("{}", serde_json::to_string(e).unwrap_or_default());
+        }
+        return Ok(());
+    }
+    println!("{:<24} {:<18} {:<10} ADDRESS", "NAME", "EPOCH", "BACKEND");
+    for e in &engines {
+        println!(
+            "{:<24} {:<18x} {:<10} {}",
+            e.name, e.epoch, e.backend, e.address
+        );
+    }
+    if engines.is_empty() {
+        eprintln!("no engines in {}", store.describe());
+    }
+    Ok(())
 }
 
 fn info(config: Option<PathBuf>, json: bool) -> te::Result<()> {

@@ -47,8 +47,14 @@ pub struct EngineConfig {
     /// challenge–response) before the control plane or any backend's connections say
     /// or accept anything. Unset: no authentication.
     pub auth_token: Option<String>,
-    /// Where peers find descriptors: `p2p` (from each engine's control plane).
+    /// Where engines find each other: `p2p` (by `host:port`, descriptors from each
+    /// engine's control plane) or `etcd://HOST:PORT[,HOST:PORT…]` (by name too).
     pub metadata: String,
+    /// The key prefix under which engines publish themselves in the metadata store.
+    pub metadata_prefix: String,
+    /// How long an engine's entry outlives the engine's last renewal of it.
+    #[serde(deserialize_with = "de::duration")]
+    pub metadata_ttl: Duration,
     /// The deadline of a batch or connect that sets none.
     #[serde(deserialize_with = "de::duration")]
     pub default_timeout: Duration,
@@ -84,6 +90,8 @@ impl Default for EngineConfig {
             plugin_dirs: Vec::new(),
             listen: "127.0.0.1:0".to_string(),
             metadata: "p2p".to_string(),
+            metadata_prefix: "/te/".to_string(),
+            metadata_ttl: Duration::from_secs(10),
             default_timeout: Duration::from_secs(30),
             advertise: None,
             auth_token: None,
@@ -291,11 +299,18 @@ impl Config {
         if self.engine.backend.is_empty() {
             return bad("[engine] backend is empty; name a backend (`te info` lists them)".into());
         }
-        if self.engine.metadata != "p2p" {
-            return bad(format!(
-                "[engine] metadata = \"{}\" is not supported by this build; use \"p2p\"",
-                self.engine.metadata
-            ));
+        if let Err(e) = crate::metadata::parse(&self.engine.metadata) {
+            return bad(e.message().to_string());
+        }
+        if self.engine.metadata_ttl < Duration::from_secs(1) {
+            return bad(
+                "[engine] metadata_ttl must be at least 1s (etcd leases count seconds)".into(),
+            );
+        }
+        if self.engine.metadata_prefix.is_empty() {
+            return bad(
+                "[engine] metadata_prefix is empty; use a key prefix such as \"/te/\"".into(),
+            );
         }
         if self.engine.default_timeout.is_zero() {
             return bad("[engine] default_timeout must be greater than zero".into());
@@ -410,8 +425,12 @@ mod tests {
     fn bad_values_are_refused_with_the_reason() {
         let e = parse("[engine]\ndefault_timeout = \"soon\"\n").unwrap_err();
         assert!(e.to_string().contains("not a duration"), "{e}");
-        let e = parse("[engine]\nmetadata = \"etcd://x:2379\"\n").unwrap_err();
-        assert!(e.to_string().contains("p2p"), "{e}");
+        let e = parse("[engine]\nmetadata = \"zk://x:2181\"\n").unwrap_err();
+        assert!(e.to_string().contains("etcd://HOST:PORT"), "{e}");
+        let c = parse("[engine]\nmetadata = \"etcd://x:2379\"\nmetadata_ttl = \"3s\"\n").unwrap();
+        assert_eq!(c.engine.metadata_ttl, Duration::from_secs(3));
+        let e = parse("[engine]\nmetadata_ttl = \"10ms\"\n").unwrap_err();
+        assert!(e.to_string().contains("at least 1s"), "{e}");
     }
 
     #[test]

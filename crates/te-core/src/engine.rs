@@ -24,6 +24,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::hook::{ControlHook, HookSlot, HookTarget};
 use crate::inbox::{Mailbox, Next, Notification, PeerEvent};
 use crate::kv::{self, KvLayout, KvSelection};
+use crate::metadata::{self, EngineEntry, MetadataStore};
 use crate::region::{fits, Pins, Region};
 use crate::registry::{Origin, Registry};
 
@@ -92,6 +93,7 @@ struct Inner {
     inbox: Mailbox<Notification>,
     timer: Timer,
     control: Arc<control::Shared>,
+    store: Arc<dyn MetadataStore>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -189,6 +191,7 @@ impl Engine {
             hook.clone(),
         )?;
         hook.attach(Arc::downgrade(&plane.shared()));
+        let store = metadata::open(&config)?;
         let inner = Arc::new(Inner {
             inbox: Mailbox::new(),
             backend,
@@ -203,10 +206,27 @@ impl Engine {
             peers: Mutex::new(HashMap::new()),
             timer: Timer::start()?,
             control: plane.shared(),
+            store,
             config,
         });
         let handler: Weak<dyn Handler> = Arc::downgrade(&inner) as Weak<dyn Handler>;
         plane.set_handler(handler);
+        let weak = Arc::downgrade(&inner);
+        inner.store.on_stale(Box::new(move |old| {
+            if let Some(inner) = weak.upgrade() {
+                inner.forget(&old.address);
+            }
+        }));
+        let entry = EngineEntry {
+            name: inner.config.name.clone(),
+            epoch,
+            address: inner.control.address().to_string(),
+            backend: inner.backend.info().name.clone(),
+        };
+        inner
+            .store
+            .publish(&entry, inner.deadline(None))
+            .map_err(|e| e.with_operation("publish engine"))?;
         tracing::info!(
             engine = %inner.config.name,
             backend = %inner.backend.info().name,
@@ -296,8 +316,9 @@ impl Engine {
         Buffer::new(kind, name, len, access, |desc| self.inner.register(desc))
     }
 
-    /// Connects to the engine whose control plane listens at `addr` (`host:port`),
-    /// within the engine's default timeout. Cached: a second call returns the same peer
+    /// Connects to the engine whose control plane listens at `addr` (`host:port`, or
+    /// an engine's name with an etcd metadata store), within the engine's default
+    /// timeout. Cached: a second call returns the same peer
     /// until a failure or a restart invalidates it.
     ///
     /// # Errors
@@ -517,7 +538,14 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        // Goodbye to every peer first, then the backend lets them go.
+        // Out of the directory first, goodbye to every peer next, then the backend
+        // lets them go.
+        let bound = self
+            .inner
+            .config
+            .default_timeout
+            .min(Duration::from_secs(2));
+        self.inner.store.withdraw(Deadline::after(bound));
         self.control.take();
         let peers: Vec<Peer> = lock(&self.inner.peers).drain().map(|(_, p)| p).collect();
         let deadline = self.inner.deadline(None);
@@ -798,7 +826,37 @@ impl Inner {
         }
     }
 
+    /// The address of `peer`: itself if it is `host:port`, else the address the
+    /// metadata store has for that name.
+    fn resolve(&self, peer: &str, deadline: Deadline) -> Result<String> {
+        if metadata::is_address(peer) || self.config.metadata == "p2p" {
+            return Ok(peer.to_string());
+        }
+        match self.store.resolve(peer, deadline) {
+            Ok(Some(entry)) => Ok(entry.address),
+            Ok(None) => Err(Error::new(
+                ErrorKind::PeerUnreachable,
+                format!(
+                    "no engine named `{peer}` in {}; is it running? (`te peers` lists the engines there)",
+                    self.store.describe()
+                ),
+            )),
+            Err(e) => Err(e),
+        }
+        .map_err(|e| e.with_operation("connect").with_context("peer", peer))
+    }
+
+    /// Invalidates the cached peers at `address` (their store entry went stale).
+    fn forget(&self, address: &str) {
+        for p in lock(&self.peers).values() {
+            if p.inner.addr == address {
+                p.inner.valid.store(false, Ordering::Release);
+            }
+        }
+    }
+
     fn connect(&self, addr: &str, deadline: Deadline) -> Result<Peer> {
+        let addr = &self.resolve(addr, deadline)?;
         if let Some(p) = lock(&self.peers).get(addr) {
             if self.live(p) {
                 return Ok(p.clone());

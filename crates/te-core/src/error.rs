@@ -118,7 +118,10 @@ impl Error {
 
     /// Adds a `key=value` pair of context.
     pub fn with_context(mut self, key: &'static str, value: impl fmt::Display) -> Error {
-        self.context.push((key, value.to_string()));
+        let value = value.to_string();
+        if !self.context.iter().any(|(k, v)| *k == key && *v == value) {
+            self.context.push((key, value));
+        }
         self
     }
 

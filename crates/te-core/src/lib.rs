@@ -45,6 +45,7 @@ pub mod fakedev;
 pub mod hook;
 mod inbox;
 pub mod kv;
+pub mod metadata;
 pub mod net;
 pub mod plugin;
 mod region;

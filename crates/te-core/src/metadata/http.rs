@@ -1,0 +1,232 @@
+//! Just enough HTTP/1.1 to speak JSON to etcd's gateway: one POST per connection,
+//! and a chunked response read as a stream of JSON values (for watches).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+use crate::backend::Deadline;
+use crate::error::{Error, ErrorKind, Result};
+
+/// The largest response body read (etcd's own request limit is 1.5 MiB).
+const MAX_BODY: usize = 16 << 20;
+
+fn unreachable(endpoint: &str, what: &str, e: impl std::fmt::Display) -> Error {
+    Error::new(
+        ErrorKind::PeerUnreachable,
+        format!("metadata store at {endpoint}: {what}: {e}"),
+    )
+}
+
+/// Connects to `endpoint` and sends `POST path` with a JSON body; the response's
+/// status line and headers are read, the body is left on the returned reader.
+pub(super) fn post(
+    endpoint: &str,
+    path: &str,
+    body: &serde_json::Value,
+    deadline: Deadline,
+) -> Result<Response> {
+    let addrs: Vec<_> = endpoint
+        .to_socket_addrs()
+        .map_err(|e| unreachable(endpoint, "cannot resolve", e))?
+        .collect();
+    let mut last = None;
+    let mut stream = None;
+    for a in addrs {
+        let left = deadline.remaining();
+        if left.is_zero() {
+            break;
+        }
+        match TcpStream::connect_timeout(&a, left) {
+            Ok(s) => {
+                stream = Some(s);
+                break;
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    let Some(mut stream) = stream else {
+        return Err(match last {
+            Some(e) => unreachable(endpoint, "cannot connect", e),
+            None => unreachable(endpoint, "cannot connect", "the deadline passed"),
+        });
+    };
+    let timeout = deadline.remaining().max(Duration::from_millis(1));
+    let _ = stream.set_read_timeout(Some(timeout));
+    let _ = stream.set_write_timeout(Some(timeout));
+    let _ = stream.set_nodelay(true);
+    let body = body.to_string();
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: {endpoint}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream
+        .write_all(request.as_bytes())
+        .map_err(|e| unreachable(endpoint, "cannot send a request", e))?;
+    let mut reader = BufReader::new(stream);
+    let mut line = String::new();
+    read_line(&mut reader, &mut line, endpoint)?;
+    let status: u16 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| protocol(endpoint, format!("not an HTTP status line: {line:?}")))?;
+    let mut length = None;
+    let mut chunked = false;
+    loop {
+        line.clear();
+        read_line(&mut reader, &mut line, endpoint)?;
+        let header = line.trim_end();
+        if header.is_empty() {
+            break;
+        }
+        let (name, value) = header.split_once(':').unwrap_or((header, ""));
+        let value = value.trim();
+        if name.eq_ignore_ascii_case("content-length") {
+            length = value.parse::<usize>().ok();
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            chunked = value.eq_ignore_ascii_case("chunked");
+        }
+    }
+    Ok(Response {
+        endpoint: endpoint.to_string(),
+        status,
+        length,
+        chunked,
+        reader,
+    })
+}
+
+fn protocol(endpoint: &str, what: String) -> Error {
+    Error::new(
+        ErrorKind::Protocol,
+        format!("metadata store at {endpoint}: {what}; is it etcd (3.4 or later)?"),
+    )
+}
+
+fn read_line(r: &mut impl BufRead, line: &mut String, endpoint: &str) -> Result<()> {
+    let n = r
+        .by_ref()
+        .take(64 << 10)
+        .read_line(line)
+        .map_err(|e| unreachable(endpoint, "the connection broke", e))?;
+    if n == 0 {
+        return Err(unreachable(
+            endpoint,
+            "the connection broke",
+            "closed mid-response",
+        ));
+    }
+    Ok(())
+}
+
+/// A response whose body is still to be read.
+pub(super) struct Response {
+    endpoint: String,
+    status: u16,
+    length: Option<usize>,
+    chunked: bool,
+    reader: BufReader<TcpStream>,
+}
+
+impl Response {
+    /// The whole body as one JSON value; an HTTP error status becomes an error
+    /// carrying etcd's message.
+    pub(super) fn json(mut self) -> Result<serde_json::Value> {
+        let mut body = Vec::new();
+        if self.chunked {
+            while let Some(chunk) = self.chunk()? {
+                body.extend_from_slice(&chunk);
+                if body.len() > MAX_BODY {
+                    return Err(protocol(&self.endpoint, "response too large".into()));
+                }
+            }
+        } else {
+            let limit = self.length.unwrap_or(MAX_BODY).min(MAX_BODY);
+            (&mut self.reader)
+                .take(limit as u64)
+                .read_to_end(&mut body)
+                .map_err(|e| unreachable(&self.endpoint, "the connection broke", e))?;
+        }
+        let value: serde_json::Value = serde_json::from_slice(&body).map_err(|e| {
+            protocol(
+                &self.endpoint,
+                format!("the answer is not JSON ({e}), status {}", self.status),
+            )
+        })?;
+        if self.status != 200 {
+            let message = value
+                .get("message")
+                .or_else(|| value.get("error"))
+                .and_then(|m| m.as_str())
+                .unwrap_or("no message");
+            return Err(Error::new(
+                ErrorKind::Protocol,
+                format!(
+                    "metadata store at {}: HTTP {}: {message}",
+                    self.endpoint, self.status
+                ),
+            ));
+        }
+        Ok(value)
+    }
+
+    /// The next chunk of a chunked body; `None` at its end.
+    fn chunk(&mut self) -> Result<Option<Vec<u8>>> {
+        let mut line = String::new();
+        read_line(&mut self.reader, &mut line, &self.endpoint)?;
+        let size = line.trim_end().split(';').next().unwrap_or("");
+        let size = usize::from_str_radix(size.trim(), 16)
+            .map_err(|_| protocol(&self.endpoint, format!("bad chunk size {line:?}")))?;
+        if size > MAX_BODY {
+            return Err(protocol(&self.endpoint, "chunk too large".into()));
+        }
+        let mut chunk = vec![0; size + 2];
+        self.reader
+            .read_exact(&mut chunk)
+            .map_err(|e| unreachable(&self.endpoint, "the connection broke", e))?;
+        chunk.truncate(size);
+        Ok((size > 0).then_some(chunk))
+    }
+
+    /// Calls `f` with each JSON value of a streamed (chunked) body until the stream
+    /// ends, breaks, or `f` returns false. Blocks between values; the read timeout is
+    /// lifted, so only the stream's end or a shutdown of its socket ends the wait.
+    pub(super) fn stream(mut self, mut f: impl FnMut(serde_json::Value) -> bool) -> Result<()> {
+        let _ = self.reader.get_ref().set_read_timeout(None);
+        if self.status != 200 {
+            return self.json().map(drop);
+        }
+        let mut pending = Vec::new();
+        while let Some(chunk) = self.chunk()? {
+            pending.extend_from_slice(&chunk);
+            let mut values = serde_json::Deserializer::from_slice(&pending).into_iter();
+            let mut used = 0;
+            loop {
+                match values.next() {
+                    None => break,
+                    Some(Ok(v)) => {
+                        used = values.byte_offset();
+                        if !f(v) {
+                            return Ok(());
+                        }
+                    }
+                    Some(Err(e)) if e.is_eof() => break,
+                    Some(Err(e)) => {
+                        return Err(protocol(&self.endpoint, format!("bad stream: {e}")))
+                    }
+                }
+            }
+            pending.drain(..used);
+            if pending.len() > MAX_BODY {
+                return Err(protocol(&self.endpoint, "streamed value too large".into()));
+            }
+        }
+        Ok(())
+    }
+
+    /// A second handle on the socket, to shut it down from another thread.
+    pub(super) fn socket(&self) -> Option<TcpStream> {
+        self.reader.get_ref().try_clone().ok()
+    }
+}
