@@ -9,8 +9,10 @@ cd "$(dirname "$0")/.."
 # Debian packages: qperf is the raw-socket baseline `te bench --baseline` compares with;
 # libibverbs-dev is the verbs.h that te-rdma's own verbs declarations are checked against
 # (the build needs neither, and the machine needs no RDMA device); etcd-server is the
-# metadata store the name-resolution tests start; iproute2 builds their test hosts.
-packages=(qperf libibverbs-dev etcd-server iproute2)
+# metadata store the name-resolution tests start; iproute2 builds the test hosts of
+# the network-namespace tests, and nftables drops packets for them where the kernel
+# has no netem.
+packages=(qperf libibverbs-dev etcd-server iproute2 nftables)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
