@@ -69,8 +69,9 @@ pub(crate) struct BenchArgs {
     /// Write an SVG plot of throughput against block size, one line per batch size.
     #[arg(long, value_name = "FILE.svg")]
     pub(crate) plot: Option<PathBuf>,
-    /// Measure against a `te serve` at HOST:PORT instead of a target in this process.
-    #[arg(long, value_name = "HOST:PORT")]
+    /// Measure against a `te serve` at HOST:PORT (or by its name, with an etcd
+    /// `metadata` store) instead of a target in this process.
+    #[arg(long, value_name = "HOST:PORT|NAME")]
     pub(crate) target: Option<String>,
     /// The most each side allocates; batches that need more reuse block slots [default: 1GiB].
     #[arg(long, value_name = "SIZE")]
