@@ -28,9 +28,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
 fi
 
-# As root the packages above are installed, so the tests that need them must not skip.
+# As root the packages above are installed, so the tests that need them must not skip
+# (TE_REQUIRE turns a test's "skipped: cannot run here" into a failure).
 if [ "$(id -u)" -eq 0 ]; then
-  export TE_REQUIRE_ETCD=1
+  export TE_REQUIRE="${TE_REQUIRE:+$TE_REQUIRE,}etcd"
 fi
 
 echo "== cargo fmt --check"

@@ -3,7 +3,7 @@
 //! the same name, an etcd restart, and etcd unreachable at start.
 //!
 //! Without an `etcd` binary on PATH each test says so and passes, unless
-//! `TE_REQUIRE_ETCD=1`, which makes a missing etcd a failure.
+//! `TE_REQUIRE=etcd`, which makes a missing etcd a failure.
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -33,11 +33,7 @@ impl Etcd {
     /// Starts etcd, or `None` (with the reason printed) where there is none.
     fn start() -> Option<Etcd> {
         if Command::new("etcd").arg("--version").output().is_err() {
-            assert!(
-                std::env::var("TE_REQUIRE_ETCD").as_deref() != Ok("1"),
-                "TE_REQUIRE_ETCD=1 but there is no `etcd` on PATH (apt-get install etcd-server)"
-            );
-            eprintln!("skipped: no `etcd` on PATH (apt-get install etcd-server)");
+            te::require::skip("etcd", "no `etcd` on PATH (apt-get install etcd-server)");
             return None;
         }
         let dir =

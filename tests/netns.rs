@@ -2,7 +2,7 @@
 //! veth pair, `te serve` in one and `te bench` in the other.
 //!
 //! Needs root and `ip netns` (iproute2); where namespaces cannot be made, each test
-//! says why and passes. Loss is made with `tc netem` where the kernel has it, else with
+//! says why and passes (fails with `TE_REQUIRE=netns`). Loss is made with `tc netem` where the kernel has it, else with
 //! an nftables rule dropping 1 % of packets at random (then without the 1 ms delay,
 //! which nftables cannot add; the test says so). Print the numbers with
 //! `cargo test --test netns -- --nocapture --test-threads 1`.
@@ -40,7 +40,7 @@ impl Hosts {
     fn new(tag: &str) -> Option<Hosts> {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
-            eprintln!("skipped: network namespaces need root");
+            te::require::skip("netns", "network namespaces need root");
             return None;
         }
         let id = format!("{}{tag}", std::process::id() % 100_000);
@@ -48,14 +48,18 @@ impl Hosts {
         match Command::new("ip").args(["netns", "add", &a]).output() {
             Ok(o) if o.status.success() => {}
             Ok(o) => {
-                eprintln!(
-                    "skipped: `ip netns add` is not allowed here: {}",
-                    String::from_utf8_lossy(&o.stderr).trim()
+                let why = String::from_utf8_lossy(&o.stderr);
+                te::require::skip(
+                    "netns",
+                    format!("`ip netns add` is not allowed here: {}", why.trim()),
                 );
                 return None;
             }
             Err(e) => {
-                eprintln!("skipped: no `ip` command (apt-get install iproute2): {e}");
+                te::require::skip(
+                    "netns",
+                    format!("no `ip` command (apt-get install iproute2): {e}"),
+                );
                 return None;
             }
         }
@@ -262,7 +266,10 @@ fn transfers_over_a_lossy_link_complete_with_every_byte_verified() {
     let Some(hosts) = Hosts::new("l") else { return };
     let how = impair(&hosts);
     if how.is_empty() {
-        eprintln!("skipped: neither tc netem nor nftables can impair the link here");
+        te::require::skip(
+            "netns",
+            "neither tc netem nor nftables can impair the link here",
+        );
         return;
     }
     let (mut serve, addr) = hosts.serve();

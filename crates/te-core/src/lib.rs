@@ -50,6 +50,7 @@ pub mod net;
 pub mod plugin;
 mod region;
 pub mod registry;
+pub mod require;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 

@@ -2,7 +2,7 @@
 //! through the NIC (a QP to a QP of the same host goes through the HCA).
 //!
 //! Where the backend cannot run (no libibverbs, no device, no active port) it prints
-//! why and runs no trial. `TE_RDMA_CONFIG` may hold extra `[backends.rdma]` lines, e.g.
+//! why and runs no trial (fails with `TE_REQUIRE=rdma`). `TE_RDMA_CONFIG` may hold extra `[backends.rdma]` lines, e.g.
 //! `TE_RDMA_CONFIG='devices = ["mlx5_0"]'`; `TE_RDMA_MEMORY=cuda:0` puts both sides'
 //! buffers in GPU memory.
 
@@ -21,7 +21,7 @@ fn config(table: &str) -> Config {
 
 fn main() {
     if let Err(why) = te_rdma::probe() {
-        println!("rdma conformance: skipped, the backend cannot run here: {why}");
+        te_core::require::skip("rdma", format!("the backend cannot run here: {why}"));
         testkit::run(Vec::new());
     }
     let mut h = Harness::new("rdma", config(""));
