@@ -160,3 +160,74 @@ impl ControlHook {
         }
     }
 }
+
+/// A control plane of its own for a backend created outside an engine (tests and tools
+/// that drive a backend directly): the listener, sessions, limits and authentication an
+/// engine runs, from an [`EngineConfig`](crate::EngineConfig)'s `[engine]` settings,
+/// serving only the backend's messages (a peer asking it for a descriptor is told the
+/// engine is not ready). Hand [`StandaloneControl::hook`] to the backend, and drop the
+/// backend first.
+pub struct StandaloneControl {
+    plane: crate::control::ControlPlane,
+    hook: ControlHook,
+}
+
+impl fmt::Debug for StandaloneControl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StandaloneControl")
+            .field("address", &self.address())
+            .finish_non_exhaustive()
+    }
+}
+
+impl StandaloneControl {
+    /// Starts a control plane on `config.listen` that names itself `config.name` with
+    /// `epoch` (non-zero: the epoch the backend was created with).
+    ///
+    /// # Errors
+    /// `Io` if the address cannot be bound; `ConfigInvalid` for a zero epoch or an
+    /// address that cannot be advertised.
+    pub fn start(config: &crate::EngineConfig, epoch: u64) -> Result<StandaloneControl> {
+        if epoch == 0 {
+            return Err(Error::new(
+                ErrorKind::ConfigInvalid,
+                "a standalone control plane needs the backend's non-zero epoch",
+            ));
+        }
+        let settings = crate::control::Settings {
+            name: config.name.clone(),
+            epoch,
+            token: config.auth_token.clone().map(String::into_bytes),
+            heartbeat: config.heartbeat,
+            handshake_timeout: config.handshake_timeout,
+            max_pending: config.max_pending,
+            max_pending_per_source: config.max_pending_per_source,
+            max_sessions: config.max_sessions,
+            max_sessions_per_source: config.max_sessions_per_source,
+            notification_max: config.notification_max as usize,
+            versions: crate::control::VERSIONS,
+        };
+        let slot = Arc::new(HookSlot::default());
+        let plane = crate::control::ControlPlane::start(
+            settings,
+            &config.listen,
+            config.advertise.as_deref(),
+            slot.clone(),
+        )?;
+        slot.attach(Arc::downgrade(&plane.shared()));
+        Ok(StandaloneControl {
+            plane,
+            hook: ControlHook::new(HookTarget::Engine(slot)),
+        })
+    }
+
+    /// The hook to hand to the backend.
+    pub fn hook(&self) -> ControlHook {
+        self.hook.clone()
+    }
+
+    /// The address peers reach this control plane at (a descriptor's `address`).
+    pub fn address(&self) -> std::net::SocketAddr {
+        self.plane.shared().address()
+    }
+}

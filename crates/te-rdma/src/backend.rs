@@ -1,6 +1,7 @@
 //! The RDMA backend's `TransferBackend`: devices, registrations, peers, submission,
 //! and shutdown. The data path is in `path`, the devices' threads in `device`, the
-//! connect exchange and the background repair in `side`.
+//! connect exchange (over the engine's control-plane hook) and the background repair
+//! in `connect`.
 //!
 //! **Batches.** `submit` turns a batch into slices ([`Job`]s) sharing one
 //! [`BatchState`](crate::track::BatchState) (module `track`), which completes the
@@ -15,7 +16,6 @@
 //! the MRs, so that `Ok` means the NICs refuse every key of the region.
 
 use std::collections::{HashMap, VecDeque};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
@@ -23,17 +23,18 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use te_core::{
-    BackendInfo, BatchId, Capabilities, Completion, Deadline, Error, ErrorKind, MemoryDesc,
-    MemoryKind, PeerId, RegionId, Result, SegmentDesc, TransferBackend, TransferRequest,
+    BackendInfo, BatchId, Capabilities, Completion, ControlHook, Deadline, Error, ErrorKind,
+    MemoryDesc, MemoryKind, PeerId, RegionId, Result, SegmentDesc, TransferBackend,
+    TransferRequest,
 };
 
 use crate::config::{RdmaConfig, MAX_SLICE};
+use crate::connect::{self, Served};
 use crate::device::{self, Device};
 use crate::exchange::{self, DeviceInfo, Endpoint};
 use crate::ffi::{self, Mr};
 use crate::path::{self, Job, LocalRegion, Peer, Pin, RemoteRegion};
 use crate::plan;
-use crate::side;
 use crate::topology::{self, Place};
 use crate::track::InFlight;
 
@@ -59,8 +60,12 @@ pub(crate) struct Shared {
     next_peer: AtomicU64,
     pub(crate) next_tag: AtomicU64,
     pub(crate) closed: AtomicBool,
-    /// Side-channel connections this backend serves as the target, to close at drop.
-    serving: Mutex<HashMap<u64, TcpStream>>,
+    /// The engine's control plane: the exchange's requests go through it.
+    pub(crate) hook: ControlHook,
+    /// The next QP set id this backend asks a target for.
+    pub(crate) next_set: AtomicU64,
+    /// The QP sets this backend holds as the target, per initiator address.
+    pub(crate) served: Mutex<HashMap<String, Served>>,
     pub(crate) threads: Mutex<Vec<JoinHandle<()>>>,
     /// Peers whose paths the repair thread should rebuild.
     pub(crate) repairs: Mutex<VecDeque<PeerId>>,
@@ -72,10 +77,11 @@ pub struct RdmaBackend {
     info: BackendInfo,
     shared: Arc<Shared>,
     endpoint: Vec<u8>,
-    listener: Arc<TcpListener>,
     stop: Vec<OwnedFd>,
     device_threads: Mutex<Vec<JoinHandle<()>>>,
     repair_thread: Mutex<Option<JoinHandle<()>>>,
+    /// The control plane of a backend created outside an engine; dropped after the rest.
+    own_control: Option<te_core::hook::StandaloneControl>,
 }
 
 impl std::fmt::Debug for RdmaBackend {
@@ -134,21 +140,33 @@ impl RdmaBackend {
     /// [`RdmaBackend::with_epoch`] with a random epoch: a backend outside an engine.
     ///
     /// # Errors
-    /// As [`RdmaBackend::with_epoch`].
+    /// As [`RdmaBackend::with_hook`].
     pub fn new(config: RdmaConfig) -> Result<RdmaBackend> {
         RdmaBackend::with_epoch(config, te_core::random_nonzero())
     }
 
-    /// Opens the devices, starts their completion and event threads, the repair thread
-    /// and the side channel. `epoch` (non-zero; the engine's, from its
-    /// `BackendContext`) is the instance id the backend names itself with to peers, so
-    /// that a restarted engine is a new peer to them.
+    /// [`RdmaBackend::with_hook`] without a control plane: it connects only to backends
+    /// of its own process created the same way (their exchange is a direct call), and
+    /// nothing outside the process can connect to it.
+    ///
+    /// # Errors
+    /// As [`RdmaBackend::with_hook`].
+    pub fn with_epoch(config: RdmaConfig, epoch: u64) -> Result<RdmaBackend> {
+        RdmaBackend::with_hook(config, epoch, ControlHook::default())
+    }
+
+    /// Opens the devices and starts their completion and event threads and the repair
+    /// thread, and serves the connect exchange on `hook` (the engine's control plane,
+    /// from its `BackendContext`). `epoch` (non-zero; the engine's) is the instance id
+    /// the backend names itself with to peers, so that a restarted engine is a new
+    /// peer to them; a target checks it against the epoch the control plane
+    /// authenticated.
     ///
     /// # Errors
     /// `Unavailable` without libibverbs, devices or an active port (the reason says
-    /// which); `ConfigInvalid` for bad options or a zero epoch; `Io` if the listener
-    /// cannot bind.
-    pub fn with_epoch(config: RdmaConfig, epoch: u64) -> Result<RdmaBackend> {
+    /// which); `ConfigInvalid` for bad options or a zero epoch; `InvalidRequest` if
+    /// the hook serves another handler already.
+    pub fn with_hook(config: RdmaConfig, epoch: u64, hook: ControlHook) -> Result<RdmaBackend> {
         if epoch == 0 {
             return Err(config_error(
                 "the epoch (instance id) must not be zero".into(),
@@ -165,36 +183,15 @@ impl RdmaBackend {
                 )));
             }
         }
-        let listener = TcpListener::bind(&config.listen).map_err(|e| {
-            Error::new(
-                ErrorKind::Io,
-                format!(
-                    "cannot listen on {} for the rdma side channel",
-                    config.listen
-                ),
-            )
-            .with_source(e)
-        })?;
-        let bound = listener.local_addr().map_err(|e| {
-            Error::new(ErrorKind::Io, "the side channel has no address").with_source(e)
-        })?;
-        let advertised: SocketAddr = match &config.advertise {
-            Some(host) => (host.as_str(), bound.port())
-                .to_socket_addrs()
-                .ok()
-                .and_then(|mut a| a.next())
-                .ok_or_else(|| config_error(format!("advertise = {host:?} does not resolve")))?,
-            None if bound.ip().is_unspecified() => {
-                return Err(config_error(format!(
-                    "listen = {:?} binds every interface; set `advertise` to the address peers should use",
-                    config.listen
-                )))
+        for (key, value) in [("listen", &config.listen), ("advertise", &config.advertise)] {
+            if value.is_some() {
+                tracing::warn!(
+                    "[backends.rdma] {key} is deprecated and ignored: the connect exchange runs on the engine's control plane ([engine] listen, advertise)"
+                );
             }
-            None => bound,
-        };
+        }
         let instance = epoch;
         let endpoint = exchange::encode_endpoint(&Endpoint {
-            addr: advertised,
             instance,
             devices: devices
                 .iter()
@@ -223,7 +220,9 @@ impl RdmaBackend {
             next_peer: AtomicU64::new(1),
             next_tag: AtomicU64::new(1),
             closed: AtomicBool::new(false),
-            serving: Mutex::new(HashMap::new()),
+            hook: hook.clone(),
+            next_set: AtomicU64::new(1),
+            served: Mutex::new(HashMap::new()),
             threads: Mutex::new(Vec::new()),
             repairs: Mutex::new(VecDeque::new()),
             repair_wake: Condvar::new(),
@@ -244,12 +243,8 @@ impl RdmaBackend {
             stop.push(wr);
         }
         let weak = Arc::downgrade(&shared);
-        let repair_thread = spawn("te-rdma-repair", move || side::repair_loop(&weak))?;
-        let listener = Arc::new(listener);
-        let (s, l) = (shared.clone(), listener.clone());
-        let accept = spawn("te-rdma-accept", move || accept_loop(&s, &l))?;
-        lock(&shared.threads).push(accept);
-        Ok(RdmaBackend {
+        let repair_thread = spawn("te-rdma-repair", move || connect::repair_loop(&weak))?;
+        let backend = RdmaBackend {
             info: BackendInfo {
                 name: crate::NAME.to_string(),
                 version: env!("CARGO_PKG_VERSION").to_string(),
@@ -266,11 +261,31 @@ impl RdmaBackend {
             },
             shared,
             endpoint,
-            listener,
             stop,
             device_threads: Mutex::new(device_threads),
             repair_thread: Mutex::new(Some(repair_thread)),
-        })
+            own_control: None,
+        };
+        if hook.is_connected() {
+            hook.serve(Arc::new(connect::Target(Arc::downgrade(&backend.shared))))?;
+        } else {
+            connect::list_local(&backend.shared);
+        }
+        Ok(backend)
+    }
+
+    /// A backend outside an engine, on a control plane of its own (`control`, started
+    /// with `epoch`), also listed among the backends of this process that reach each
+    /// other directly.
+    pub(crate) fn outside_engine(
+        config: RdmaConfig,
+        epoch: u64,
+        control: te_core::hook::StandaloneControl,
+    ) -> Result<RdmaBackend> {
+        let mut b = RdmaBackend::with_hook(config, epoch, control.hook())?;
+        b.own_control = Some(control);
+        connect::list_local(&b.shared);
+        Ok(b)
     }
 
     /// The local devices that should move memory of `kind`: the configured ones, else
@@ -301,31 +316,6 @@ impl RdmaBackend {
             Vec::new()
         } else {
             near
-        }
-    }
-}
-
-fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
-    let mut next = 0u64;
-    for stream in listener.incoming() {
-        if shared.closed.load(Ordering::Acquire) {
-            return;
-        }
-        let Ok(stream) = stream else { continue };
-        next += 1;
-        let id = next;
-        if let Ok(c) = stream.try_clone() {
-            lock(&shared.serving).insert(id, c);
-        }
-        let s = shared.clone();
-        let handle = spawn("te-rdma-serve", move || {
-            if let Err(e) = side::serve(&s, stream) {
-                tracing::warn!(error = %e, "rdma connect exchange failed");
-            }
-            lock(&s.serving).remove(&id);
-        });
-        if let Ok(h) = handle {
-            lock(&shared.threads).push(h);
         }
     }
 }
@@ -446,7 +436,7 @@ impl TransferBackend for RdmaBackend {
         // No lock is held while the exchange runs.
         let id =
             known.unwrap_or_else(|| PeerId(self.shared.next_peer.fetch_add(1, Ordering::Relaxed)));
-        let peer = self.shared.establish(&ep, id, deadline)?;
+        let peer = self.shared.establish(&ep, &segment.address, id, deadline)?;
         *peer.regions.write().unwrap_or_else(|p| p.into_inner()) = regions;
         let old = self
             .shared
@@ -461,6 +451,7 @@ impl TransferBackend for RdmaBackend {
             // Work the old set still has posted completes (flushed) after this returns
             // if its QPs are slow to flush; its regions stay pinned until then.
             path::retire(&old, deadline.instant());
+            self.shared.release(&old, deadline);
         }
         Ok(id)
     }
@@ -475,7 +466,9 @@ impl TransferBackend for RdmaBackend {
             .ok_or_else(|| Error::new(ErrorKind::PeerUnreachable, "unknown peer"))?;
         lock(&self.shared.by_instance).retain(|_, id| *id != peer);
         old.kill("disconnected".into());
-        if !path::retire(&old, deadline.instant()) {
+        let flushed = path::retire(&old, deadline.instant());
+        self.shared.release(&old, deadline);
+        if !flushed {
             return Err(Error::new(
                 ErrorKind::Timeout,
                 "the peer's QPs did not flush their work requests by the deadline; their batches fail and their regions stay pinned until they do",
@@ -665,16 +658,16 @@ fn register_cuda(
 impl Drop for RdmaBackend {
     fn drop(&mut self) {
         self.shared.closed.store(true, Ordering::Release);
+        connect::unlist_local(self.shared.instance);
         // The repair thread first, so that it adds no peer after they are drained.
         self.shared.repair_wake.notify_all();
         if let Some(t) = lock(&self.repair_thread).take() {
             let _ = t.join();
         }
-        // SAFETY: shutting down our own listening socket wakes the accept loop.
-        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
-        for (_, s) in lock(&self.shared.serving).drain() {
-            let _ = s.shutdown(Shutdown::Both);
-        }
+        // The QPs this backend holds as a target go; their initiators see their work
+        // fail (as when this process exits).
+        let served: Vec<Served> = lock(&self.shared.served).drain().map(|(_, s)| s).collect();
+        drop(served);
         let peers: Vec<_> = self
             .shared
             .peers
@@ -686,11 +679,16 @@ impl Drop for RdmaBackend {
         // Every peer's QPs go to ERR and their flush completions are taken (the
         // completion threads still run) before the threads stop; whatever has not
         // flushed by then is dropped with its QP, which the NIC stops using.
-        let deadline = Instant::now() + side::RETIRE_WAIT;
+        let deadline = Instant::now() + connect::RETIRE_WAIT;
         for p in &peers {
             p.kill("the rdma backend is closing".into());
-            let _ = p.side.shutdown(Shutdown::Both);
             path::retire(p, deadline);
+        }
+        // The targets are told (if the control plane still runs: inside an engine it
+        // stopped first, and they learn of it from its goodbye and the epoch).
+        let released = Deadline::after(connect::RELEASE_WAIT);
+        for p in &peers {
+            self.shared.release(p, released);
         }
         for w in &self.stop {
             // SAFETY: writing one byte from a valid buffer to our own pipe.

@@ -18,10 +18,10 @@ pub struct RdmaConfig {
     pub port: u8,
     /// The GID index for RoCE; `None` picks the first RoCE v2 GID of the port.
     pub gid_index: Option<u8>,
-    /// Where the connect side channel listens (`HOST:PORT`; port 0 picks a free port).
-    pub listen: String,
-    /// The host or IP peers use to reach the side channel; default: the `listen` host.
-    /// Required when `listen` binds every interface.
+    /// Deprecated and ignored (a warning says so): the connect exchange runs on the
+    /// engine's control plane (`[engine] listen`). Accepted so that old files still load.
+    pub listen: Option<String>,
+    /// Deprecated and ignored, like `listen` (`[engine] advertise` is what peers use).
     pub advertise: Option<String>,
     /// Requests longer than this are cut into slices, striped across NICs and QPs.
     #[serde(deserialize_with = "te_core::config::de::size")]
@@ -60,7 +60,7 @@ impl Default for RdmaConfig {
             devices: Vec::new(),
             port: 1,
             gid_index: None,
-            listen: "127.0.0.1:0".to_string(),
+            listen: None,
             advertise: None,
             slice_size: 64 << 10,
             qps_per_path: 2,

@@ -1,46 +1,49 @@
 //! What travels between two RDMA backends: the endpoint bytes (in the segment
-//! descriptor), the per-region key bytes (rkeys), and the connect exchange on the side
-//! channel that swaps queue-pair numbers.
+//! descriptor), the per-region key bytes (rkeys), and the connect exchange that swaps
+//! queue-pair numbers over the engine's control-plane hook.
 //!
 //! Every format is little-endian, starts with a version, and is decoded strictly:
 //! wrong versions, short or trailing bytes, and out-of-range fields are `Protocol`
 //! errors naming what was wrong.
 //!
 //! **Endpoint** (`SegmentDesc::endpoint`):
-//! `version u8 = 2 · family u8 (4|6) · port u16 · ip [4|16] · instance u64 ·
-//! devices u8 (1–32) · per device: link_layer u8 (1 = InfiniBand, 2 = Ethernet) ·
-//! roce u8 (the GID types it offers: bit 0 RoCE v1, bit 1 RoCE v2; 0 on InfiniBand) ·
-//! name_len u8 · name`.
+//! `version u8 = 3 · instance u64 · devices u8 (1–32) · per device: link_layer u8
+//! (1 = InfiniBand, 2 = Ethernet) · roce u8 (the GID types it offers: bit 0 RoCE v1,
+//! bit 1 RoCE v2; 0 on InfiniBand) · name_len u8 · name`. The instance is the engine's
+//! epoch; the peer's engine is reached at the descriptor's `address`.
 //!
 //! **Region key** (`RegionDesc::key`): `version u8 = 1 · n u8 · n × rkey u32`, one
 //! rkey per device of the owner, in its endpoint's device order.
 //!
-//! **Connect exchange** (side channel, TCP): each message is a frame
-//! `len u32 · body`, with `len` ≤ [`MAX_MESSAGE`]; a body is
-//! `magic "TERC" · version u16 = 2 · kind u8` and then
+//! **Connect exchange** (a request and its answer, each one backend message on the
+//! engines' authenticated control plane; at most [`MAX_MESSAGE`] bytes): a body is
+//! `magic "TERC" · version u16 = 3 · kind u8` and then
 //! - kind 1, request (initiator → target): `initiator instance u64 · target instance
-//!   u64 · n u16 · n × path`;
+//!   u64 · set u64 · n u16 · n × path`; `set` names this set of QPs (the initiator's
+//!   choice, unique among its sets towards the target);
 //! - kind 2, accept (target → initiator): `n u16 · n × path`, one per requested path,
 //!   in the same order;
-//! - kind 3, refuse: `len u16 · UTF-8 reason`.
+//! - kind 4, release (initiator → target): `initiator instance u64 · target instance
+//!   u64 · set u64`; the answer is an empty body.
+//!
+//! A refusal is the hook's error answer (kind and message), not a message of its own.
 //!
 //! A path is `sender's device u8 · receiver's device u8 · qpn u32 · psn u32 · lid u16
 //! · gid [16] · mtu u8 (IBV_MTU_256 = 1 … IBV_MTU_4096 = 5) · link_layer u8 · port u8 ·
 //! gid_type u8 (0 InfiniBand, 1 RoCE v1, 2 RoCE v2; both ends use the same) ·
 //! rd_atomic u8 (the RDMA READs the sender serves at once, 1–255: the receiver's
-//! `max_rd_atomic` is capped by it)`. QP numbers and PSNs are 24-bit. The target keeps its side of the QPs for as long as
-//! the side channel stays open; closing it is the disconnect.
-
-use std::net::{IpAddr, SocketAddr};
+//! `max_rd_atomic` is capped by it)`. QP numbers and PSNs are 24-bit. The target keeps
+//! its side of a set until the initiator releases it, comes back at the same
+//! control-plane address with another epoch, or asks for more sets than a peer may hold.
 
 use te_core::{Error, ErrorKind, Result};
 
 /// The endpoint format's version.
-pub(crate) const ENDPOINT_VERSION: u8 = 2;
+pub(crate) const ENDPOINT_VERSION: u8 = 3;
 /// The region-key format's version.
 pub(crate) const KEY_VERSION: u8 = 1;
 /// The connect exchange's version.
-pub(crate) const EXCHANGE_VERSION: u16 = 2;
+pub(crate) const EXCHANGE_VERSION: u16 = 3;
 /// The connect exchange's magic.
 pub(crate) const MAGIC: [u8; 4] = *b"TERC";
 /// The largest connect-exchange frame body.
@@ -122,10 +125,9 @@ pub(crate) fn negotiate(a: (LinkLayer, u8), b: (LinkLayer, u8)) -> Option<GidTyp
     }
 }
 
-/// A backend's endpoint: its side channel, instance and devices.
+/// A backend's endpoint: its instance (the engine's epoch) and devices.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Endpoint {
-    pub(crate) addr: SocketAddr,
     pub(crate) instance: u64,
     pub(crate) devices: Vec<DeviceInfo>,
 }
@@ -156,13 +158,16 @@ pub(crate) enum Message {
     Request {
         initiator: u64,
         target: u64,
+        set: u64,
         paths: Vec<PathInfo>,
     },
     Accept {
         paths: Vec<PathInfo>,
     },
-    Refuse {
-        reason: String,
+    Release {
+        initiator: u64,
+        target: u64,
+        set: u64,
     },
 }
 
@@ -220,18 +225,6 @@ impl<'a> Reader<'a> {
 /// Encodes an endpoint.
 pub(crate) fn encode_endpoint(e: &Endpoint) -> Vec<u8> {
     let mut v = vec![ENDPOINT_VERSION];
-    match e.addr.ip() {
-        IpAddr::V4(ip) => {
-            v.push(4);
-            v.extend_from_slice(&e.addr.port().to_le_bytes());
-            v.extend_from_slice(&ip.octets());
-        }
-        IpAddr::V6(ip) => {
-            v.push(6);
-            v.extend_from_slice(&e.addr.port().to_le_bytes());
-            v.extend_from_slice(&ip.octets());
-        }
-    }
     v.extend_from_slice(&e.instance.to_le_bytes());
     v.push(e.devices.len() as u8);
     for d in &e.devices {
@@ -260,13 +253,6 @@ pub(crate) fn decode_endpoint(b: &[u8]) -> Result<Endpoint> {
             format!("version {version}, this build understands {ENDPOINT_VERSION}"),
         ));
     }
-    let family = r.u8("address family")?;
-    let port = r.u16("port")?;
-    let ip: IpAddr = match family {
-        4 => r.take::<4>("ip")?.into(),
-        6 => r.take::<16>("ip")?.into(),
-        f => return Err(protocol("endpoint", format!("address family {f}"))),
-    };
     let instance = r.u64("instance")?;
     let n = r.u8("device count")? as usize;
     if n == 0 || n > MAX_DEVICES {
@@ -294,11 +280,7 @@ pub(crate) fn decode_endpoint(b: &[u8]) -> Result<Endpoint> {
         });
     }
     r.end()?;
-    Ok(Endpoint {
-        addr: SocketAddr::new(ip, port),
-        instance,
-        devices,
-    })
+    Ok(Endpoint { instance, devices })
 }
 
 /// Encodes a region's rkeys, one per device.
@@ -435,25 +417,28 @@ pub(crate) fn encode(m: &Message) -> Vec<u8> {
         Message::Request {
             initiator,
             target,
+            set,
             paths,
         } => {
             v.push(1);
             v.extend_from_slice(&initiator.to_le_bytes());
             v.extend_from_slice(&target.to_le_bytes());
+            v.extend_from_slice(&set.to_le_bytes());
             put_paths(&mut v, paths);
         }
         Message::Accept { paths } => {
             v.push(2);
             put_paths(&mut v, paths);
         }
-        Message::Refuse { reason } => {
-            v.push(3);
-            let mut end = reason.len().min(1024);
-            while !reason.is_char_boundary(end) {
-                end -= 1;
-            }
-            v.extend_from_slice(&(end as u16).to_le_bytes());
-            v.extend_from_slice(&reason.as_bytes()[..end]);
+        Message::Release {
+            initiator,
+            target,
+            set,
+        } => {
+            v.push(4);
+            v.extend_from_slice(&initiator.to_le_bytes());
+            v.extend_from_slice(&target.to_le_bytes());
+            v.extend_from_slice(&set.to_le_bytes());
         }
     }
     v
@@ -462,8 +447,18 @@ pub(crate) fn encode(m: &Message) -> Vec<u8> {
 /// Decodes a message body.
 ///
 /// # Errors
-/// `Protocol`: wrong magic or version, unknown kind, out-of-range fields, bad lengths.
+/// `Protocol`: a body over [`MAX_MESSAGE`], wrong magic or version, unknown kind,
+/// out-of-range fields, bad lengths.
 pub(crate) fn decode(b: &[u8]) -> Result<Message> {
+    if b.len() > MAX_MESSAGE {
+        return Err(protocol(
+            "connect exchange",
+            format!(
+                "a {}-byte message exceeds the {MAX_MESSAGE}-byte limit",
+                b.len()
+            ),
+        ));
+    }
     let mut r = Reader {
         b,
         what: "connect exchange",
@@ -471,7 +466,7 @@ pub(crate) fn decode(b: &[u8]) -> Result<Message> {
     if r.take::<4>("magic")? != MAGIC {
         return Err(protocol(
             "connect exchange",
-            "bad magic: the peer's side channel is not a te rdma backend",
+            "bad magic: the message is not from a te rdma backend",
         ));
     }
     let version = r.u16("version")?;
@@ -485,55 +480,21 @@ pub(crate) fn decode(b: &[u8]) -> Result<Message> {
         1 => Message::Request {
             initiator: r.u64("initiator instance")?,
             target: r.u64("target instance")?,
+            set: r.u64("set")?,
             paths: get_paths(&mut r)?,
         },
         2 => Message::Accept {
             paths: get_paths(&mut r)?,
         },
-        3 => {
-            let n = r.u16("reason length")? as usize;
-            let reason = String::from_utf8_lossy(r.bytes(n, "reason")?).into_owned();
-            Message::Refuse { reason }
-        }
+        4 => Message::Release {
+            initiator: r.u64("initiator instance")?,
+            target: r.u64("target instance")?,
+            set: r.u64("set")?,
+        },
         k => return Err(protocol("connect exchange", format!("message kind {k}"))),
     };
     r.end()?;
     Ok(m)
-}
-
-/// Writes one framed message.
-///
-/// # Errors
-/// `Io` if the stream fails.
-pub(crate) fn write_message(w: &mut impl std::io::Write, m: &Message) -> Result<()> {
-    let body = encode(m);
-    let mut frame = (body.len() as u32).to_le_bytes().to_vec();
-    frame.extend_from_slice(&body);
-    w.write_all(&frame)
-        .and_then(|()| w.flush())
-        .map_err(|e| Error::new(ErrorKind::Io, "rdma side channel: write failed").with_source(e))
-}
-
-/// Reads one framed message.
-///
-/// # Errors
-/// `Io` if the stream fails or closes; `Protocol` for an oversized or malformed frame.
-pub(crate) fn read_message(r: &mut impl std::io::Read) -> Result<Message> {
-    let io = |e: std::io::Error| {
-        Error::new(ErrorKind::Io, "rdma side channel: read failed").with_source(e)
-    };
-    let mut len = [0u8; 4];
-    r.read_exact(&mut len).map_err(io)?;
-    let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_MESSAGE {
-        return Err(protocol(
-            "connect exchange",
-            format!("a {len}-byte frame exceeds the {MAX_MESSAGE}-byte limit"),
-        ));
-    }
-    let mut body = vec![0u8; len];
-    r.read_exact(&mut body).map_err(io)?;
-    decode(&body)
 }
 
 #[cfg(test)]
@@ -559,7 +520,6 @@ mod tests {
 
     fn endpoint() -> Endpoint {
         Endpoint {
-            addr: "10.0.0.7:7000".parse().unwrap(),
             instance: 0x0102_0304_0506_0708,
             devices: vec![
                 DeviceInfo {
@@ -580,20 +540,15 @@ mod tests {
     fn an_endpoint_round_trips_and_its_layout_is_little_endian() {
         let e = endpoint();
         let b = encode_endpoint(&e);
+        assert_eq!(b[0], 3, "version");
+        assert_eq!(&b[1..9], &0x0102_0304_0506_0708u64.to_le_bytes());
+        assert_eq!(b[9], 2);
         assert_eq!(
-            &b[..4],
-            &[2, 4, 0x58, 0x1b],
-            "version, family, port 7000 LE"
+            &b[10..13],
+            &[2, 3, 6],
+            "link layer, roce types, name length"
         );
-        assert_eq!(&b[4..8], &[10, 0, 0, 7]);
-        assert_eq!(&b[8..16], &0x0102_0304_0506_0708u64.to_le_bytes());
-        assert_eq!(b[16], 2);
         assert_eq!(decode_endpoint(&b).unwrap(), e);
-        let v6 = Endpoint {
-            addr: "[fe80::1]:1".parse().unwrap(),
-            ..endpoint()
-        };
-        assert_eq!(decode_endpoint(&encode_endpoint(&v6)).unwrap(), v6);
     }
 
     #[test]
@@ -604,16 +559,16 @@ mod tests {
         v[0] = 1;
         cases.push(v);
         let mut v = good.clone();
-        v[18] = 4; // the first device's RoCE types: an unknown bit
+        v[11] = 4; // the first device's RoCE types: an unknown bit
         cases.push(v);
         let mut v = good.clone();
         v.push(0);
         cases.push(v);
         let mut v = good.clone();
-        v[16] = 0;
+        v[9] = 0;
         cases.push(v);
         let mut v = good.clone();
-        v[17] = 9;
+        v[10] = 9;
         cases.push(v);
         for c in cases {
             let e = decode_endpoint(&c).unwrap_err();
@@ -634,28 +589,27 @@ mod tests {
     }
 
     #[test]
-    fn messages_round_trip_through_frames() {
+    fn messages_round_trip() {
         for m in [
             Message::Request {
                 initiator: 1,
                 target: u64::MAX,
+                set: 7,
                 paths: vec![path(0), path(3)],
             },
             Message::Accept {
                 paths: vec![path(2)],
             },
-            Message::Refuse {
-                reason: "instance mismatch: the target restarted".into(),
+            Message::Release {
+                initiator: 1,
+                target: 2,
+                set: 7,
             },
         ] {
-            let mut buf = Vec::new();
-            write_message(&mut buf, &m).unwrap();
-            assert_eq!(
-                u32::from_le_bytes(buf[..4].try_into().unwrap()) as usize,
-                buf.len() - 4
-            );
-            assert_eq!(&buf[4..8], b"TERC");
-            assert_eq!(read_message(&mut buf.as_slice()).unwrap(), m);
+            let b = encode(&m);
+            assert_eq!(&b[..4], b"TERC");
+            assert_eq!(&b[4..6], &3u16.to_le_bytes());
+            assert_eq!(decode(&b).unwrap(), m);
         }
     }
 
@@ -752,21 +706,10 @@ mod tests {
             assert_eq!(e.kind(), ErrorKind::Protocol, "{what}");
             assert!(e.to_string().contains(what), "{what}: {e}");
         }
-        let mut huge = ((MAX_MESSAGE + 1) as u32).to_le_bytes().to_vec();
-        huge.extend_from_slice(b"TERC");
-        let e = read_message(&mut huge.as_slice()).unwrap_err();
+        let mut huge = good.clone();
+        huge.resize(MAX_MESSAGE + 1, 0);
+        let e = decode(&huge).unwrap_err();
         assert!(e.to_string().contains("limit"), "{e}");
-    }
-
-    #[test]
-    fn a_long_refusal_is_cut_at_a_character_boundary() {
-        let reason = "é".repeat(2000);
-        let Message::Refuse { reason: back } =
-            decode(&encode(&Message::Refuse { reason })).unwrap()
-        else {
-            panic!("not a refusal")
-        };
-        assert!(back.len() <= 1024 && back.chars().all(|c| c == 'é'));
     }
 
     proptest! {

@@ -1,18 +1,22 @@
 //! te-rdma: the RDMA backend, on ibverbs, for host memory and CUDA memory.
 //!
 //! The engine's control plane exchanges segment descriptors; this backend's endpoint in
-//! them names its devices (name, link layer, RoCE GID types), its **instance id** (the
-//! engine's epoch, so a restarted engine is a new peer), and the address of a small
-//! TCP **side channel**. Each region is registered with every device
-//! and its key bytes carry one rkey per device. `connect` opens the side channel to the
-//! peer and runs the connect exchange (module `exchange`): for each path — an RC queue
-//! pair per (local NIC, peer NIC) pair, `qps_per_path` times — it sends its QP number,
-//! PSN, LID, GID and its type, MTU and READ depth, the target builds its half (at most
-//! `qps_per_path` × device pairs of them), moves it INIT → RTR → RTS and
-//! answers with its own, and the initiator does the same (module `qp` lists every
-//! attribute). The target keeps its QPs while the side channel stays open; the
-//! initiator watches the channel, so a peer that dies is noticed at once and its QPs
-//! are moved to the error state, failing what was in flight with `PeerUnreachable`.
+//! them names its devices (name, link layer, RoCE GID types) and its **instance id**
+//! (the engine's epoch, so a restarted engine is a new peer). Each region is registered
+//! with every device and its key bytes carry one rkey per device. `connect` runs the
+//! connect exchange (modules `exchange` and `connect`) as one request and answer on the
+//! engine's control-plane hook, so it is authenticated by `[engine] auth_token`, bounded
+//! by the control plane's limits and carries the caller's deadline; te-rdma runs no
+//! listener of its own. For each path — an RC queue pair per (local NIC, peer NIC)
+//! pair, `qps_per_path` times — the request carries its QP number, PSN, LID, GID and its
+//! type, MTU and READ depth; the target builds its half (at most `qps_per_path` × device
+//! pairs of them per request, at most two sets per initiator), moves it INIT → RTR →
+//! RTS and answers with its own, and the initiator does the same (module `qp` lists
+//! every attribute). The target keeps a set until the initiator releases it
+//! (disconnect, replacement, closing) or comes back with another epoch. A peer that
+//! dies is noticed by its QPs' transport errors (retries exhausted) and by the
+//! engine's session to it; its QPs are moved to the error state, failing what was in
+//! flight with `PeerUnreachable`.
 //!
 //! A batch is cut into slices of at most `slice_size` bytes (default 64 KiB), dealt
 //! round-robin over the peer's healthy paths, NIC pairs first (module `plan`). Each
@@ -68,8 +72,7 @@
 //! | `devices` | all with an active port | RDMA devices to use, e.g. `["mlx5_0", "mlx5_1"]` |
 //! | `port` | `1` | the port of each device |
 //! | `gid_index` | per type, the first (IPv4-mapped) GID | the one GID index to use; its type (RoCE v1 or v2) is then the only one offered |
-//! | `listen` | `"127.0.0.1:0"` | where the side channel binds |
-//! | `advertise` | the `listen` host | the address peers reach the side channel at; required with `0.0.0.0` |
+//! | `listen`, `advertise` | — | deprecated, ignored with a warning: the exchange uses `[engine] listen` / `advertise` |
 //! | `slice_size` | `"64KiB"` | requests are cut into slices this big, striped over NICs and QPs |
 //! | `qps_per_path` | `2` | RC QPs per (local NIC, peer NIC) pair |
 //! | `max_outstanding` | `128` | work requests one QP may have posted |
@@ -94,6 +97,7 @@ use te_core::{BackendContext, Result, TransferBackend};
 
 mod backend;
 mod config;
+mod connect;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod device;
@@ -102,7 +106,6 @@ mod ffi;
 mod path;
 mod plan;
 mod qp;
-mod side;
 mod topology;
 mod track;
 mod verbs;
@@ -129,9 +132,25 @@ pub fn probe() -> Result<()> {
 
 fn create(ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
     let config: RdmaConfig = ctx.parse(NAME)?;
-    Ok(Arc::new(RdmaBackend::with_epoch(
-        config,
-        ctx.epoch_or_random(),
+    let epoch = ctx.epoch_or_random();
+    if ctx.hook.is_connected() {
+        return Ok(Arc::new(RdmaBackend::with_hook(
+            config,
+            epoch,
+            ctx.hook.clone(),
+        )?));
+    }
+    // Outside an engine (a tool, a test below the engine): the exchange needs a
+    // control plane to reach engines, so the backend runs te-core's, with the
+    // context's name and token, and also reaches backends of this process made the
+    // same way directly.
+    backend::probe()?;
+    let mut engine = te_core::EngineConfig::default();
+    engine.name = ctx.engine.clone();
+    engine.auth_token = ctx.auth_token.clone();
+    let control = te_core::hook::StandaloneControl::start(&engine, epoch)?;
+    Ok(Arc::new(RdmaBackend::outside_engine(
+        config, epoch, control,
     )?))
 }
 

@@ -13,7 +13,6 @@
 //! completion runs when the last is accounted for.
 
 use std::collections::{HashMap, VecDeque};
-use std::net::TcpStream;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
@@ -246,26 +245,23 @@ impl Path {
     }
 }
 
-/// A connected peer: its regions and paths, and the side channel that keeps the
-/// target's QPs alive.
+/// A connected peer: its regions and paths (one QP set, which its target holds until
+/// it is released).
 pub(crate) struct Peer {
     pub(crate) id: PeerId,
     pub(crate) endpoint: Endpoint,
+    /// The peer engine's control-plane address, where the exchange goes.
+    pub(crate) address: String,
+    /// The id of the QP set the target holds for these paths.
+    pub(crate) set: u64,
     pub(crate) regions: RwLock<HashMap<RegionId, Arc<RemoteRegion>>>,
     pub(crate) paths: Vec<Arc<Path>>,
     pub(crate) next: AtomicUsize,
-    pub(crate) side: TcpStream,
-    /// The peer is gone (side channel closed, disconnected, backend closing): its work
+    /// The peer is gone (disconnected, replaced, backend closing): its work
     /// fails instead of moving to another path.
     pub(crate) dead: AtomicBool,
     /// Why the peer is dead, for the batches that fail because of it.
     pub(crate) why: Mutex<String>,
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.side.shutdown(std::net::Shutdown::Both);
-    }
 }
 
 impl Peer {

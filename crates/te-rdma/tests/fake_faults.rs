@@ -1,7 +1,8 @@
 //! te-rdma against the FAKE verbs provider's injected faults and hostile peers: the
 //! acceptance tests of the RDMA hardening. Each drives `RdmaBackend` directly (so a
-//! test can present keys and ranges the engine would never let through) and steers
-//! the fake through its `fakeverbs_*` control functions.
+//! test can present keys and ranges the engine would never let through), each backend
+//! with a control plane of its own for the connect exchange, and steers the fake
+//! through its `fakeverbs_*` control functions.
 //!
 //! Run as `cargo test -p te-rdma --test fake_faults`. The binary doubles as the target
 //! of the two-process test when started with `TE_RDMA_FAKE_TARGET=1`.
@@ -13,6 +14,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use libtest_mimic::{Arguments, Failed, Trial};
+use te_core::hook::StandaloneControl;
 use te_core::{
     Access, Completion, Deadline, ErrorKind, MemoryDesc, MemoryKind, PeerId, RegionDesc, RegionId,
     SegmentDesc, TransferBackend, TransferRequest,
@@ -107,26 +109,50 @@ impl Fake {
     }
 }
 
-fn backend(devices: &[&str]) -> RdmaBackend {
+/// A backend with the control plane its connect exchange runs on (dropped after it).
+struct Node {
+    backend: RdmaBackend,
+    control: StandaloneControl,
+}
+
+impl std::ops::Deref for Node {
+    type Target = RdmaBackend;
+    fn deref(&self) -> &RdmaBackend {
+        &self.backend
+    }
+}
+
+/// A backend of epoch `epoch` behind a control plane of its own on 127.0.0.1.
+fn node_with(config: RdmaConfig, epoch: u64) -> te_core::Result<Node> {
+    let control = StandaloneControl::start(&te_core::EngineConfig::default(), epoch)?;
+    let backend = RdmaBackend::with_hook(config, epoch, control.hook())?;
+    Ok(Node { backend, control })
+}
+
+fn node(config: RdmaConfig) -> te_core::Result<Node> {
+    node_with(config, te_core::random_nonzero())
+}
+
+fn backend(devices: &[&str]) -> Node {
     backend_with(devices, 1)
 }
 
-fn backend_with(devices: &[&str], qps_per_path: usize) -> RdmaBackend {
+fn backend_with(devices: &[&str], qps_per_path: usize) -> Node {
     let mut c = RdmaConfig::default();
     c.devices = devices.iter().map(|d| d.to_string()).collect();
     c.qps_per_path = qps_per_path;
-    RdmaBackend::new(c).expect("an rdma backend on the fake")
+    node(c).expect("an rdma backend on the fake")
 }
 
 /// An initiator on `fakeslow` (each work request takes 200 ms) that posts one work
 /// request at a time, so a batch of several slices keeps most of them waiting.
-fn one_at_a_time() -> RdmaBackend {
+fn one_at_a_time() -> Node {
     let mut c = RdmaConfig::default();
     c.devices = vec!["fakeslow".into()];
     c.qps_per_path = 1;
     c.max_outstanding = 1;
     c.signal_every = 1;
-    RdmaBackend::new(c).expect("an rdma backend on the fake")
+    node(c).expect("an rdma backend on the fake")
 }
 
 fn host(buf: &[u8], access: Access) -> MemoryDesc {
@@ -139,11 +165,20 @@ fn host(buf: &[u8], access: Access) -> MemoryDesc {
     }
 }
 
-fn segment(endpoint: Vec<u8>, regions: Vec<RegionDesc>) -> SegmentDesc {
+/// `target`'s descriptor, with `regions`.
+fn segment(target: &Node, regions: Vec<RegionDesc>) -> SegmentDesc {
+    segment_at(
+        target.endpoint(),
+        target.control.address().to_string(),
+        regions,
+    )
+}
+
+fn segment_at(endpoint: Vec<u8>, address: String, regions: Vec<RegionDesc>) -> SegmentDesc {
     SegmentDesc {
         engine: "target".into(),
         epoch: 1,
-        address: String::new(),
+        address,
         backend: "rdma".into(),
         endpoint,
         regions,
@@ -249,7 +284,7 @@ fn a_peer_that_knows_a_local_regions_address_and_key_gets_a_remote_access_error_
     attacker.register(RegionId(1), &host(&mine, Access::LOCAL))?;
     let peer = attacker.connect(
         &segment(
-            target.endpoint(),
+            &target,
             vec![region(7, &secret, forged), region(8, &readable, rkey_bytes)],
         ),
         soon(),
@@ -318,8 +353,8 @@ fn a_peer_that_knows_a_local_regions_address_and_key_gets_a_remote_access_error_
 /// A target with one remotely writable 1 MiB region, an initiator with a 1 MiB source,
 /// both on fake0 and fake1 (two paths, one QP each), connected.
 struct Pair {
-    target: RdmaBackend,
-    initiator: RdmaBackend,
+    target: Node,
+    initiator: Node,
     dst: Vec<u8>,
     src: Vec<u8>,
     peer: PeerId,
@@ -332,10 +367,7 @@ fn pair() -> Result<Pair, Failed> {
     let initiator = backend(&["fake0", "fake1"]);
     let src = pattern(1 << 20, 9);
     initiator.register(RegionId(1), &host(&src, Access::LOCAL))?;
-    let peer = initiator.connect(
-        &segment(target.endpoint(), vec![region(1, &dst, key)]),
-        soon(),
-    )?;
+    let peer = initiator.connect(&segment(&target, vec![region(1, &dst, key)]), soon())?;
     Ok(Pair {
         target,
         initiator,
@@ -412,7 +444,7 @@ fn a_peer_killed_mid_batch_fails_the_batch_within_its_deadline_and_nothing_lands
     let mut line = String::new();
     BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line)?;
     let words: Vec<&str> = line.split_whitespace().collect();
-    let [ready, endpoint, addr, len, key] = words[..] else {
+    let [ready, endpoint, address, addr, len, key] = words[..] else {
         let _ = child.kill();
         return Err(format!("the target did not start: {line:?}").into());
     };
@@ -427,7 +459,8 @@ fn a_peer_killed_mid_batch_fails_the_batch_within_its_deadline_and_nothing_lands
     let initiator = backend(&["fakeslow"]);
     let local = vec![0u8; 8 << 16];
     initiator.register(RegionId(1), &host(&local, Access::LOCAL))?;
-    let peer = initiator.connect(&segment(unhex(endpoint), vec![remote]), soon())?;
+    let seg = segment_at(unhex(endpoint), address.to_string(), vec![remote]);
+    let peer = initiator.connect(&seg, soon())?;
     let killer = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(300));
         let _ = child.kill();
@@ -489,10 +522,7 @@ fn a_peer_with_only_roce_v1_and_fewer_read_slots_is_reached_over_v1_with_a_cappe
     let initiator = backend(&["fake0"]);
     let dst = vec![0u8; 1 << 20];
     initiator.register(RegionId(1), &host(&dst, Access::LOCAL))?;
-    let peer = initiator.connect(
-        &segment(target.endpoint(), vec![region(1, &src, key)]),
-        soon(),
-    )?;
+    let peer = initiator.connect(&segment(&target, vec![region(1, &src, key)]), soon())?;
     let req = TransferRequest::read(RegionId(1), 0, RegionId(1), 0, dst.len() as u64);
     run(&initiator, peer, &[req], &fake).0?;
     check(dst == src, "the READ did not land".into())
@@ -501,9 +531,9 @@ fn a_peer_with_only_roce_v1_and_fewer_read_slots_is_reached_over_v1_with_a_cappe
 fn a_request_for_more_qps_than_the_cap_is_refused_with_the_reason() -> Result<(), Failed> {
     let target = backend_with(&["fake0"], 1);
     let initiator = backend_with(&["fake0"], 4);
-    match initiator.connect(&segment(target.endpoint(), Vec::new()), soon()) {
+    match initiator.connect(&segment(&target, Vec::new()), soon()) {
         Err(e)
-            if e.kind() == ErrorKind::PeerUnreachable && e.to_string().contains("qps_per_path") =>
+            if e.kind() == ErrorKind::InvalidRequest && e.to_string().contains("qps_per_path") =>
         {
             Ok(())
         }
@@ -568,8 +598,8 @@ fn disconnect_moves_the_qps_to_error_and_waits_for_their_flushes() -> Result<(),
 /// A target on fake0 with a remotely writable region of 8 slices, an initiator that
 /// posts one slow work request at a time with an 8-slice source, connected.
 struct SlowPair {
-    target: RdmaBackend,
-    initiator: RdmaBackend,
+    target: Node,
+    initiator: Node,
     dst: Vec<u8>,
     src: Vec<u8>,
     peer: PeerId,
@@ -584,10 +614,7 @@ fn slow_pair() -> Result<SlowPair, Failed> {
     let initiator = one_at_a_time();
     let src = pattern(8 * SLICE, 4);
     initiator.register(RegionId(1), &host(&src, Access::LOCAL))?;
-    let peer = initiator.connect(
-        &segment(target.endpoint(), vec![region(1, &dst, key)]),
-        soon(),
-    )?;
+    let peer = initiator.connect(&segment(&target, vec![region(1, &dst, key)]), soon())?;
     Ok(SlowPair {
         target,
         initiator,
@@ -730,17 +757,13 @@ fn a_batchs_regions_are_unpinned_by_the_time_its_completion_runs() -> Result<(),
 fn connect_ends_at_the_callers_deadline_or_at_connect_timeout_whichever_is_sooner(
 ) -> Result<(), Failed> {
     let target = backend(&["fake0"]);
-    // A side channel that accepts connections (the kernel does) and never answers.
+    // A control plane that accepts connections (the kernel does) and never answers.
     let silent = std::net::TcpListener::bind("127.0.0.1:0")?;
-    let mut endpoint = target.endpoint();
-    // The endpoint begins with its version, 4 (IPv4), the port (little-endian) and the
-    // address.
-    check(
-        endpoint[1] == 4,
-        format!("not an IPv4 endpoint: {endpoint:?}"),
-    )?;
-    endpoint[2..4].copy_from_slice(&silent.local_addr()?.port().to_le_bytes());
-    let seg = segment(endpoint, Vec::new());
+    let seg = segment_at(
+        target.endpoint(),
+        silent.local_addr()?.to_string(),
+        Vec::new(),
+    );
 
     let initiator = backend(&["fake0"]);
     let start = Instant::now();
@@ -758,7 +781,7 @@ fn connect_ends_at_the_callers_deadline_or_at_connect_timeout_whichever_is_soone
     let mut c = RdmaConfig::default();
     c.devices = vec!["fake0".into()];
     c.connect_timeout = Duration::from_millis(300);
-    let impatient = RdmaBackend::new(c)?;
+    let impatient = node(c)?;
     let start = Instant::now();
     let r = impatient.connect(&seg, Deadline::after(Duration::from_secs(10)));
     let took = start.elapsed();
@@ -782,23 +805,24 @@ fn the_backend_names_itself_to_peers_with_the_engines_epoch() -> Result<(), Fail
         c
     };
     let epoch = 0x1234_5678_9abc_def0u64;
-    let b = RdmaBackend::with_epoch(config(), epoch)?;
-    // The endpoint: version, 4 (IPv4), port, address, then the instance id.
+    let b = node_with(config(), epoch)?;
+    // The endpoint: version, then the instance id.
     let endpoint = b.endpoint();
     check(
-        endpoint[1] == 4 && endpoint[8..16] == epoch.to_le_bytes(),
+        endpoint[0] == 3 && endpoint[1..9] == epoch.to_le_bytes(),
         format!("the endpoint does not carry epoch {epoch:#x}: {endpoint:?}"),
     )?;
     // A target names itself by epoch: a request for another instance is refused.
     let initiator = backend(&["fake0"]);
     let mut stale = endpoint.clone();
-    stale[8..16].copy_from_slice(&(epoch + 1).to_le_bytes());
-    let r = initiator.connect(&segment(stale, Vec::new()), soon());
+    stale[1..9].copy_from_slice(&(epoch + 1).to_le_bytes());
+    let address = b.control.address().to_string();
+    let r = initiator.connect(&segment_at(stale, address.clone(), Vec::new()), soon());
     check(
-        matches!(&r, Err(e) if e.kind() == ErrorKind::PeerUnreachable && e.to_string().contains("stale")),
+        matches!(&r, Err(e) if e.kind() == ErrorKind::PeerRestarted && e.to_string().contains("stale")),
         format!("a descriptor of another life: {r:?}"),
     )?;
-    initiator.connect(&segment(endpoint, Vec::new()), soon())?;
+    initiator.connect(&segment_at(endpoint, address, Vec::new()), soon())?;
     // Created by an engine, through the registry, with the engine's epoch.
     let ctx = te_core::BackendContext {
         engine: "e".into(),
@@ -811,7 +835,7 @@ fn the_backend_names_itself_to_peers_with_the_engines_epoch() -> Result<(), Fail
         .get(te_rdma::NAME)?
         .create(&ctx)?;
     check(
-        made.endpoint()[8..16] == (epoch + 2).to_le_bytes(),
+        made.endpoint()[1..9] == (epoch + 2).to_le_bytes(),
         "the registry's backend does not name itself with its context's epoch".into(),
     )?;
     let r = RdmaBackend::with_epoch(config(), 0);
@@ -858,8 +882,9 @@ fn serve_target() -> ! {
         .register(RegionId(1), &host(&buf, Access::REMOTE_READ_WRITE))
         .expect("register");
     println!(
-        "ready {} {} {} {}",
+        "ready {} {} {} {} {}",
         hex(&target.endpoint()),
+        target.control.address(),
         buf.as_ptr() as u64,
         buf.len(),
         hex(&key)

@@ -1,26 +1,57 @@
-//! The side channel: the connect exchange that builds a peer's QPs (initiator and
-//! target halves), the watch that notices a peer leaving, and the background repair
-//! that rebuilds a peer's paths after one failed.
+//! The connect exchange over the engine's control-plane hook (initiator and target
+//! halves), and the background repair that rebuilds a peer's paths after one failed.
 //!
+//! The exchange is one request and its answer, carried by the engines' authenticated,
+//! size-limited control plane within the caller's deadline; te-rdma runs no listener.
 //! The target builds at most `qps_per_path` × device pairs QPs for one request (the
 //! device pairs being the larger of its device count and the initiator devices the
-//! request names), and holds them while the initiator keeps the channel open.
+//! request names) and holds at most [`SETS_PER_PEER`] sets per initiator (its
+//! control-plane address): a set goes when the initiator releases it, when the
+//! initiator comes back at that address with another epoch (it restarted), when a newer
+//! set pushes it out, or when the backend closes.
 
-use std::collections::{HashMap, HashSet};
-use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
-use te_core::{Deadline, Error, ErrorKind, PeerId, Result};
+use te_core::{Deadline, Error, ErrorKind, MessageHandler, PeerId, PeerInfo, Result};
 
-use crate::backend::{lock, spawn, Shared};
+use crate::backend::{lock, Shared};
 use crate::device::Device;
 use crate::exchange::{self, Endpoint, GidType, Message};
 use crate::path::{self, Path, PathState, Peer};
 use crate::plan;
 use crate::qp;
+
+/// The most QP sets a target holds for one initiator: the one in use and the one a
+/// repair is building to replace it.
+pub(crate) const SETS_PER_PEER: usize = 2;
+
+/// Backends created outside an engine (no control plane), by instance: they reach
+/// each other, in this process only, by calling the target's handler directly.
+static LOCAL: Mutex<Vec<(u64, Weak<Shared>)>> = Mutex::new(Vec::new());
+
+/// Lists a backend without a control plane among those of this process.
+pub(crate) fn list_local(shared: &Arc<Shared>) {
+    let mut l = lock(&LOCAL);
+    l.retain(|(_, w)| w.strong_count() > 0);
+    l.push((shared.instance, Arc::downgrade(shared)));
+}
+
+/// Takes a backend off that list.
+pub(crate) fn unlist_local(instance: u64) {
+    lock(&LOCAL).retain(|(i, w)| *i != instance && w.strong_count() > 0);
+}
+
+/// The QP sets a target holds for one initiator (by its control-plane address).
+pub(crate) struct Served {
+    /// The initiator's epoch; a request from another epoch at the same address means it
+    /// restarted, and its previous life's sets go.
+    epoch: u64,
+    /// Oldest first: (set id, the target's half of its paths).
+    sets: VecDeque<(u64, Vec<Arc<Path>>)>,
+}
 
 impl Shared {
     /// A new path (QP and CQ) on `dev` towards peer device `remote_device`, in INIT.
@@ -57,19 +88,22 @@ impl Shared {
         Ok((path, psn))
     }
 
-    /// Connects to the peer `ep` describes: builds a QP per path, runs the exchange on
-    /// a new side channel, brings every QP to RTS, hooks the paths to their completion
-    /// threads and starts the watch on the channel. The exchange ends by `deadline` or
-    /// `connect_timeout` from now, whichever is sooner.
+    /// Connects to the peer `ep` describes, whose engine's control plane is at
+    /// `address`: builds a QP per path, sends the request through the hook, brings
+    /// every QP to RTS towards the answer and hooks the paths to their completion
+    /// threads. The exchange ends by `deadline` or `connect_timeout` from now,
+    /// whichever is sooner.
     ///
     /// # Errors
     /// `Timeout` if `deadline` passes first; `PeerUnreachable` if the peer cannot be
-    /// reached, refuses, or does not answer within `connect_timeout`; `Unsupported` if
-    /// no device pair can talk; `Protocol` for a malformed answer; `Backend` for verbs
-    /// failures.
+    /// reached or does not answer within `connect_timeout`; the target's refusal
+    /// (`InvalidRequest`, `PeerRestarted`, `Unauthorized`, …); `Unsupported` if no
+    /// device pair can talk or the backend has no control plane; `Protocol` for a
+    /// malformed answer; `Backend` for verbs failures.
     pub(crate) fn establish(
         self: &Arc<Self>,
         ep: &Endpoint,
+        address: &str,
         id: PeerId,
         deadline: Deadline,
     ) -> Result<Arc<Peer>> {
@@ -92,56 +126,39 @@ impl Shared {
         let limit = Instant::now() + self.config.connect_timeout;
         let callers = deadline.instant() <= limit;
         let until = if callers { deadline.instant() } else { limit };
-        // An error once the time is up is the time's: the caller's deadline, or the
-        // peer's silence.
+        // A timeout is the time's: the caller's deadline, or the peer's silence.
         let late = |e: Error| {
-            if Instant::now() < until {
+            if e.kind() != ErrorKind::Timeout && Instant::now() < until {
                 e
             } else if callers {
                 Error::new(
                     ErrorKind::Timeout,
-                    format!(
-                        "the deadline passed during the rdma connect exchange with {}",
-                        ep.addr
-                    ),
+                    format!("the deadline passed during the rdma connect exchange with {address}"),
                 )
                 .with_source(e)
             } else {
                 Error::new(
                     ErrorKind::PeerUnreachable,
                     format!(
-                        "the peer's rdma side channel at {} did not answer within connect_timeout ({:?})",
-                        ep.addr, self.config.connect_timeout
+                        "the peer's engine at {address} did not answer the rdma connect exchange within connect_timeout ({:?})",
+                        self.config.connect_timeout
                     ),
                 )
                 .with_source(e)
             }
         };
-        let left = until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
+        if Instant::now() >= until {
             return Err(late(Error::new(
                 ErrorKind::Timeout,
                 "no time was left to start the exchange",
             )));
         }
-        let side = TcpStream::connect_timeout(&ep.addr, left).map_err(|e| {
-            late(
-                Error::new(
-                    ErrorKind::PeerUnreachable,
-                    format!("cannot reach the peer's rdma side channel at {}", ep.addr),
-                )
-                .with_source(e),
-            )
-        })?;
-        let _ = side.set_nodelay(true);
         let order = plan::path_order(pairs.len(), self.config.qps_per_path);
         let depth = self.config.max_outstanding;
+        let set = self.next_set.fetch_add(1, Ordering::Relaxed);
+        let mut accepted = false;
         let mut built = Err(Error::new(ErrorKind::Backend, "not built"));
         let peer = Arc::new_cyclic(|weak: &Weak<Peer>| {
-            let mut channel = Until {
-                stream: &side,
-                until,
-            };
             built = (|| -> Result<Vec<Arc<Path>>> {
                 let mut paths = Vec::new();
                 let mut mine = Vec::new();
@@ -153,29 +170,23 @@ impl Shared {
                     mine.push(local[l].path_info(r, path.qp.qpn(), psn, kind));
                     paths.push((path, psn));
                 }
-                exchange::write_message(
-                    &mut channel,
-                    &Message::Request {
-                        initiator: self.instance,
-                        target: ep.instance,
-                        paths: mine,
-                    },
-                )?;
-                let theirs = match exchange::read_message(&mut channel)? {
+                let request = exchange::encode(&Message::Request {
+                    initiator: self.instance,
+                    target: ep.instance,
+                    set,
+                    paths: mine,
+                });
+                let answer = self.call(address, ep.instance, &request, Deadline::at(until))?;
+                let theirs = match exchange::decode(&answer)? {
                     Message::Accept { paths } => paths,
-                    Message::Refuse { reason } => {
-                        return Err(Error::new(
-                            ErrorKind::PeerUnreachable,
-                            format!("the peer refused the connection: {reason}"),
-                        ))
-                    }
-                    Message::Request { .. } => {
+                    other => {
                         return Err(Error::new(
                             ErrorKind::Protocol,
-                            "the peer answered with a request",
+                            format!("the peer answered a connect request with {other:?}"),
                         ))
                     }
                 };
+                accepted = true;
                 if theirs.len() != paths.len() {
                     return Err(Error::new(
                         ErrorKind::Protocol,
@@ -210,15 +221,22 @@ impl Shared {
             Peer {
                 id,
                 endpoint: ep.clone(),
+                address: address.to_string(),
+                set,
                 regions: RwLock::new(HashMap::new()),
                 paths: built.clone().unwrap_or_default(),
                 next: AtomicUsize::new(0),
-                side: side.try_clone().unwrap_or(side),
                 dead: AtomicBool::new(false),
                 why: Mutex::new(String::new()),
             }
         });
-        built?;
+        if let Err(e) = built {
+            if accepted {
+                // The target built its half; it need not keep it.
+                self.release(&peer, Deadline::at(until));
+            }
+            return Err(e);
+        }
         for p in &peer.paths {
             p.device
                 .paths
@@ -227,14 +245,46 @@ impl Shared {
                 .insert(p.tag, p.clone());
             p.cq.arm();
         }
-        let _ = peer.side.set_read_timeout(None);
-        let watch = peer.side.try_clone().map_err(|e| {
-            Error::new(ErrorKind::Io, "cannot watch the side channel").with_source(e)
-        })?;
-        let weak = Arc::downgrade(&peer);
-        let h = spawn("te-rdma-watch", move || watch_peer(watch, &weak))?;
-        lock(&self.threads).push(h);
         Ok(peer)
+    }
+
+    /// Sends an exchange message to the target `instance` whose engine's control plane
+    /// is at `address`; to a backend of this process created outside an engine, by a
+    /// direct call.
+    fn call(
+        &self,
+        address: &str,
+        instance: u64,
+        message: &[u8],
+        deadline: Deadline,
+    ) -> Result<Vec<u8>> {
+        let local = lock(&LOCAL)
+            .iter()
+            .find(|(i, _)| *i == instance)
+            .map(|(_, w)| w.clone());
+        if let Some(target) = local {
+            let me = PeerInfo {
+                name: "this process".into(),
+                epoch: self.instance,
+                address: format!("local:{:#x}", self.instance),
+            };
+            return Target(target).handle(&me, message, deadline);
+        }
+        self.hook.call(address, message, deadline)
+    }
+
+    /// Tells the target of `peer` that it may destroy its half of the peer's QP set.
+    /// Best effort, within `deadline`: a target that cannot be told keeps the set until
+    /// this engine returns with another epoch or a newer set pushes it out.
+    pub(crate) fn release(&self, peer: &Peer, deadline: Deadline) {
+        let message = exchange::encode(&Message::Release {
+            initiator: self.instance,
+            target: peer.endpoint.instance,
+            set: peer.set,
+        });
+        if let Err(e) = self.call(&peer.address, peer.endpoint.instance, &message, deadline) {
+            tracing::debug!(peer = %peer.address, error = %e, "cannot release the peer's rdma QPs");
+        }
     }
 
     /// The peer currently registered under `id`.
@@ -271,67 +321,11 @@ impl Shared {
     }
 }
 
-/// A side channel whose every read and write ends by `until`, so that one exchange of
-/// several calls is bounded by one point in time.
-struct Until<'a> {
-    stream: &'a TcpStream,
-    until: Instant,
-}
-
-impl Until<'_> {
-    fn left(&self) -> std::io::Result<Duration> {
-        let left = self.until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                "the connect exchange ran out of time",
-            ));
-        }
-        Ok(left)
-    }
-}
-
-impl Read for Until<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        self.stream.set_read_timeout(Some(self.left()?))?;
-        let mut stream = self.stream;
-        stream.read(buf)
-    }
-}
-
-impl Write for Until<'_> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.stream.set_write_timeout(Some(self.left()?))?;
-        let mut stream = self.stream;
-        stream.write(buf)
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        let mut stream = self.stream;
-        stream.flush()
-    }
-}
-
-/// Blocks on the side channel; when it closes, the peer is gone: its QPs are retired
-/// (moved to ERR, their flush completions awaited) and what they held fails with
-/// `PeerUnreachable`.
-pub(crate) fn watch_peer(mut side: TcpStream, peer: &Weak<Peer>) {
-    let mut sink = [0u8; 64];
-    while matches!(side.read(&mut sink), Ok(n) if n > 0) {}
-    if let Some(peer) = peer.upgrade() {
-        if peer.dead.load(Ordering::Acquire) {
-            return; // Disconnected or replaced on purpose; that path retires it.
-        }
-        peer.kill(format!(
-            "the peer's side channel at {} closed: it exited or disconnected",
-            peer.endpoint.addr
-        ));
-        path::retire(&peer, Instant::now() + RETIRE_WAIT);
-    }
-}
-
 /// How long retiring QPs waits for their flush completions.
 pub(crate) const RETIRE_WAIT: Duration = Duration::from_secs(5);
+
+/// How long a release nobody waits for (a repair's, the backend closing) may take.
+pub(crate) const RELEASE_WAIT: Duration = Duration::from_secs(1);
 
 /// The repair thread: rebuilds, in the background, the paths of peers one of whose
 /// paths failed. The new set replaces the old under the same peer id; the old set is
@@ -376,10 +370,12 @@ pub(crate) fn repair_loop(shared: &Weak<Shared>) {
             continue;
         }
         // Nobody waits for a repair: it is bounded by `connect_timeout` alone.
-        match s.establish(&old.endpoint, id, Deadline::after(s.config.connect_timeout)) {
+        let bound = Deadline::after(s.config.connect_timeout);
+        match s.establish(&old.endpoint, &old.address, id, bound) {
             Ok(new) if s.closed.load(Ordering::Acquire) => {
                 new.kill("the rdma backend is closing".into());
                 path::retire(&new, Instant::now() + RETIRE_WAIT);
+                s.release(&new, Deadline::after(RELEASE_WAIT));
                 return;
             }
             Ok(new) => {
@@ -394,12 +390,12 @@ pub(crate) fn repair_loop(shared: &Weak<Shared>) {
                     .write()
                     .unwrap_or_else(|p| p.into_inner())
                     .insert(id, new);
-                tracing::info!(peer = %old.endpoint.addr, "RDMA paths rebuilt");
+                tracing::info!(peer = %old.address, "RDMA paths rebuilt");
                 // The old set's work moves to the new set; it is not dead.
                 *lock(&old.why) = "replaced by rebuilt paths".into();
                 path::retire(&old, Instant::now() + RETIRE_WAIT);
                 old.dead.store(true, Ordering::Release);
-                let _ = old.side.shutdown(std::net::Shutdown::Both);
+                s.release(&old, Deadline::after(RELEASE_WAIT));
             }
             Err(e) => {
                 let wait = backoff
@@ -407,7 +403,7 @@ pub(crate) fn repair_loop(shared: &Weak<Shared>) {
                     .map_or(Duration::from_millis(50), |(d, _)| {
                         (*d * 2).min(Duration::from_secs(5))
                     });
-                tracing::warn!(peer = %old.endpoint.addr, error = %e, retry_in = ?wait, "cannot rebuild RDMA paths");
+                tracing::warn!(peer = %old.address, error = %e, retry_in = ?wait, "cannot rebuild RDMA paths");
                 if old.healthy().is_empty() {
                     *lock(&old.why) =
                         format!("every QP to the peer failed, and rebuilding them failed: {e}");
@@ -419,103 +415,177 @@ pub(crate) fn repair_loop(shared: &Weak<Shared>) {
     }
 }
 
-/// The target's side of the connect exchange: build a QP per requested path (within
-/// the cap), bring it to RTS towards the initiator's QP, answer, then keep the QPs
-/// until the initiator closes the side channel.
-pub(crate) fn serve(shared: &Arc<Shared>, mut stream: TcpStream) -> Result<()> {
-    let timeout = shared.config.connect_timeout;
-    let _ = stream.set_read_timeout(Some(timeout));
-    let _ = stream.set_write_timeout(Some(timeout));
-    let Message::Request {
-        target,
-        paths: asked,
-        ..
-    } = exchange::read_message(&mut stream)?
-    else {
-        return Err(Error::new(
-            ErrorKind::Protocol,
-            "expected a connect request",
-        ));
-    };
-    let refuse = |stream: &mut TcpStream, reason: String| {
-        let _ = exchange::write_message(
-            stream,
-            &Message::Refuse {
-                reason: reason.clone(),
-            },
-        );
-        Err(Error::new(ErrorKind::PeerUnreachable, reason))
-    };
-    if target != shared.instance {
-        return refuse(
-            &mut stream,
-            format!(
-                "the request names instance {target:#x}, this is {:#x}: the descriptor is stale (the target restarted)",
-                shared.instance
-            ),
-        );
+/// The target's side of the exchange, served on the engine's control plane: the
+/// requests of authenticated peers, within their deadline.
+pub(crate) struct Target(pub(crate) Weak<Shared>);
+
+impl MessageHandler for Target {
+    fn handle(&self, from: &PeerInfo, request: &[u8], deadline: Deadline) -> Result<Vec<u8>> {
+        let shared = self
+            .0
+            .upgrade()
+            .filter(|s| !s.closed.load(Ordering::Acquire))
+            .ok_or_else(|| Error::new(ErrorKind::Unavailable, "the rdma backend is closing"))?;
+        let message = exchange::decode(request).map_err(|e| {
+            tracing::warn!(peer = %from.address, name = %from.name, error = %e, "refused a malformed rdma request");
+            e
+        })?;
+        let (initiator, target) = match &message {
+            Message::Request {
+                initiator, target, ..
+            }
+            | Message::Release {
+                initiator, target, ..
+            } => (*initiator, *target),
+            Message::Accept { .. } => {
+                return Err(Error::new(
+                    ErrorKind::Protocol,
+                    "an rdma accept is an answer, not a request",
+                ))
+            }
+        };
+        if initiator != from.epoch {
+            return Err(Error::new(
+                ErrorKind::InvalidRequest,
+                format!(
+                    "the request names initiator instance {initiator:#x}, but the peer authenticated as epoch {:#x}: an rdma backend names itself with its engine's epoch",
+                    from.epoch
+                ),
+            ));
+        }
+        if target != shared.instance {
+            return Err(Error::new(
+                ErrorKind::PeerRestarted,
+                format!(
+                    "the request names instance {target:#x}, this is {:#x}: the descriptor is stale (the target restarted); connect again",
+                    shared.instance
+                ),
+            ));
+        }
+        match message {
+            Message::Request { set, paths, .. } => {
+                let (answer, held) = build(&shared, &paths, deadline)?;
+                shared.hold(from, set, held);
+                Ok(exchange::encode(&Message::Accept { paths: answer }))
+            }
+            Message::Release { set, .. } => {
+                let gone = {
+                    let mut served = lock(&shared.served);
+                    let gone = served
+                        .get_mut(&from.address)
+                        .filter(|s| s.epoch == from.epoch)
+                        .and_then(|s| {
+                            let i = s.sets.iter().position(|(id, _)| *id == set)?;
+                            s.sets.remove(i)
+                        });
+                    served.retain(|_, s| !s.sets.is_empty());
+                    gone
+                };
+                // The QPs are destroyed outside the table's lock.
+                drop(gone);
+                Ok(Vec::new())
+            }
+            Message::Accept { .. } => unreachable!("refused above"),
+        }
     }
+}
+
+impl Shared {
+    /// Keeps `paths` as set `set` of the initiator `from`: its sets of another epoch
+    /// go (it restarted), and so does its oldest set beyond [`SETS_PER_PEER`].
+    fn hold(&self, from: &PeerInfo, set: u64, paths: Vec<Arc<Path>>) {
+        let mut gone = Vec::new();
+        {
+            let mut served = lock(&self.served);
+            let entry = served.entry(from.address.clone()).or_insert(Served {
+                epoch: from.epoch,
+                sets: VecDeque::new(),
+            });
+            if entry.epoch != from.epoch {
+                tracing::info!(peer = %from.address, "an rdma peer came back with a new epoch; its previous QPs go");
+                gone.extend(entry.sets.drain(..));
+                entry.epoch = from.epoch;
+            }
+            if let Some(i) = entry.sets.iter().position(|(id, _)| *id == set) {
+                gone.extend(entry.sets.remove(i));
+            }
+            while entry.sets.len() >= SETS_PER_PEER {
+                tracing::warn!(peer = %from.address, "an rdma peer holds {SETS_PER_PEER} QP sets already; its oldest goes");
+                gone.extend(entry.sets.pop_front());
+            }
+            entry.sets.push_back((set, paths));
+        }
+        drop(gone);
+    }
+}
+
+/// Builds and brings to RTS a QP per requested path (within the cap), returning the
+/// answer's paths and the QPs.
+fn build(
+    shared: &Arc<Shared>,
+    asked: &[exchange::PathInfo],
+    deadline: Deadline,
+) -> Result<(Vec<exchange::PathInfo>, Vec<Arc<Path>>)> {
     let theirs: HashSet<u8> = asked.iter().map(|p| p.local_device).collect();
-    let cap = shared.config.qps_per_path * shared.devices.len().max(theirs.len());
+    let pairs = shared.devices.len().max(theirs.len());
+    let cap = shared.config.qps_per_path * pairs;
     if asked.len() > cap {
-        return refuse(
-            &mut stream,
+        return Err(Error::new(
+            ErrorKind::InvalidRequest,
             format!(
-                "the request asks for {} QPs; this side builds at most {cap} per connection (qps_per_path = {} × {} device pairs): make qps_per_path the same on both sides",
+                "the request asks for {} QPs; this side builds at most {cap} per connection (qps_per_path = {} × {pairs} device pairs): make qps_per_path the same on both sides",
                 asked.len(),
                 shared.config.qps_per_path,
-                shared.devices.len().max(theirs.len())
             ),
-        );
+        ));
     }
     let mut held = Vec::new();
     let mut answer = Vec::new();
-    for p in &asked {
+    for p in asked {
+        if deadline.is_past() {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                "the initiator's deadline passed while its QPs were being built",
+            ));
+        }
         let Some(dev) = shared.devices.get(p.remote_device as usize) else {
-            return refuse(&mut stream, format!("no device {} here", p.remote_device));
+            return Err(Error::new(
+                ErrorKind::InvalidRequest,
+                format!(
+                    "the request names device {}; this side has {}",
+                    p.remote_device,
+                    shared.devices.len()
+                ),
+            ));
         };
         let Some((sgid, _)) = dev
             .gid(p.gid_type)
             .filter(|_| dev.link_layer == p.link_layer)
         else {
-            return refuse(
-                &mut stream,
+            return Err(Error::new(
+                ErrorKind::Unsupported,
                 format!(
                     "device {} has no {:?} GID on the initiator's link layer",
                     dev.name, p.gid_type
                 ),
-            );
+            ));
         };
-        let built = shared.new_path(
+        let (path, psn) = shared.new_path(
             dev,
             p.local_device as usize,
             p.gid_type,
             (Weak::new(), PeerId(0)),
             1,
             false,
-        );
-        let (path, psn) = match built {
-            Ok(x) => x,
-            Err(e) => return refuse(&mut stream, e.to_string()),
-        };
-        if let Err(e) = path
-            .qp
+        )?;
+        path.qp
             .modify(qp::rtr(&dev.params, p, sgid), "RTR")
             .and_then(|()| {
                 path.qp
                     .modify(qp::rts(&dev.params, psn, p.rd_atomic), "RTS")
-            })
-        {
-            return refuse(&mut stream, e.to_string());
-        }
+            })?;
         answer.push(dev.path_info(p.local_device as usize, path.qp.qpn(), psn, p.gid_type));
         held.push(path);
     }
-    exchange::write_message(&mut stream, &Message::Accept { paths: answer })?;
-    let _ = stream.set_read_timeout(None);
-    // The QPs live until the initiator closes the side channel (or this backend closes).
-    let mut sink = [0u8; 64];
-    while matches!(stream.read(&mut sink), Ok(n) if n > 0) {}
-    drop(held);
-    Ok(())
+    Ok((answer, held))
 }
