@@ -135,13 +135,12 @@ fn malformed_oversized_and_forged_qp_requests_are_refused_and_the_target_keeps_s
         "qps_per_path",
         "a request for 100 QPs",
     )?;
-    // Larger requests are refused too (past the format's 1,024 paths, past its 64 KiB);
-    // today the control plane already refuses a backend message over 4 KiB as
-    // malformed, before te-rdma sees it.
+    // Larger requests are refused too: past the format's 1,024 paths by te-rdma, past
+    // the control plane's 64 KiB for a request before te-rdma sees it.
     expect(
         call(&request(epoch, instance, 1100)),
         ErrorKind::Protocol,
-        "",
+        "paths",
         "a request past the format's path limit",
     )?;
     let mut huge = good.clone();

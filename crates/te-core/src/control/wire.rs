@@ -276,7 +276,7 @@ mod bytes {
 
     pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
         struct V;
-        impl serde::de::Visitor<'_> for V {
+        impl<'de> serde::de::Visitor<'de> for V {
             type Value = Vec<u8>;
             fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
                 f.write_str("a byte string")
@@ -284,8 +284,23 @@ mod bytes {
             fn visit_bytes<E>(self, v: &[u8]) -> Result<Vec<u8>, E> {
                 Ok(v.to_vec())
             }
+            fn visit_byte_buf<E>(self, v: Vec<u8>) -> Result<Vec<u8>, E> {
+                Ok(v)
+            }
+            // ciborium hands byte strings longer than its scratch buffer over as a
+            // sequence of bytes.
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Vec<u8>, A::Error> {
+                let mut v = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 20));
+                while let Some(b) = seq.next_element::<u8>()? {
+                    v.push(b);
+                }
+                Ok(v)
+            }
         }
-        d.deserialize_bytes(V)
+        d.deserialize_byte_buf(V)
     }
 }
 
@@ -352,6 +367,32 @@ mod tests {
         let mut unknown = h.encode();
         unknown[3] = 200;
         assert!(Header::decode(&unknown, 1 << 20).is_err());
+    }
+
+    #[test]
+    fn byte_strings_of_any_size_round_trip() {
+        for len in [0, 1, 4095, 4096, 4097, 64 << 10, 1 << 20] {
+            let message: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+            let n: Notice = decode(
+                &encode(&Notice {
+                    to_epoch: 7,
+                    message: message.clone(),
+                }),
+                "notice",
+            )
+            .unwrap();
+            assert_eq!((n.to_epoch, n.message.len()), (7, len));
+            assert!(n.message == message, "{len} bytes changed on the way");
+            let m: BackendMsg = decode(
+                &encode(&BackendMsg {
+                    timeout_ms: 1,
+                    payload: message.clone(),
+                }),
+                "backend message",
+            )
+            .unwrap();
+            assert!(m.payload == message, "{len} bytes changed on the way");
+        }
     }
 
     #[test]
