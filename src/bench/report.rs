@@ -4,8 +4,8 @@
 //! one plain line when a point starts and one when it ends.
 
 use std::io::IsTerminal;
-use std::sync::Mutex;
 use std::time::Duration;
+use te_core::sync::Mutex;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use te::MemoryKind;
@@ -54,7 +54,7 @@ impl Progress {
 
     /// The current point's label.
     fn label(&self) -> String {
-        self.label.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.label.lock().clone()
     }
 
     /// A point begins.
@@ -69,7 +69,7 @@ impl Progress {
             layout.threads,
             if layout.threads == 1 { "" } else { "s" }
         );
-        *self.label.lock().unwrap_or_else(|p| p.into_inner()) = label.clone();
+        *self.label.lock() = label.clone();
         let what = match plan.stop {
             Stop::After(d) => format!("{:.2} s", d.as_secs_f64()),
             Stop::Iters(n) => format!("{n} batches per thread"),

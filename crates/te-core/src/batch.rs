@@ -4,12 +4,13 @@
 //! and waits never take an engine-wide lock. Waiting blocks on a condition variable or
 //! parks a `Waker`; nothing spins.
 
+use crate::sync::{Condvar, Mutex};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -127,7 +128,7 @@ impl BatchState {
 
     /// Sets how the backend is told to stop (once it has the batch).
     pub(crate) fn set_hook(&self, hook: AbortHook) {
-        *lock(&self.hook) = Some(hook);
+        *self.hook.lock() = Some(hook);
         // An abort that came before the hook was set is passed on now.
         if self.aborted().is_some() && !self.is_done() {
             self.call_hook();
@@ -137,7 +138,7 @@ impl BatchState {
     fn call_hook(&self) {
         // Not under the lock: the backend may release the batch inside the call, and
         // finishing it takes the lock.
-        let hook = lock(&self.hook).clone();
+        let hook = self.hook.lock().clone();
         if let Some(h) = hook {
             h();
         }
@@ -177,7 +178,7 @@ impl BatchState {
     /// Sets the result if none is set yet; returns whether this call set it.
     pub(crate) fn finish(&self, result: Result<()>) -> bool {
         let wakers = {
-            let mut slot = lock(&self.slot);
+            let mut slot = self.slot.lock();
             if slot.result.is_some() {
                 return false;
             }
@@ -185,17 +186,13 @@ impl BatchState {
             self.done.store(true, Ordering::Release);
             std::mem::take(&mut slot.wakers)
         };
-        lock(&self.hook).take();
+        self.hook.lock().take();
         self.cond.notify_all();
         for w in wakers {
             w.wake();
         }
         true
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A submitted batch: await it, wait for it, poll it, or cancel it. Clones share the
@@ -228,7 +225,7 @@ impl TransferHandle {
         if !self.state.is_done() {
             return TransferStatus::Pending;
         }
-        match &lock(&self.state.slot).result {
+        match &self.state.slot.lock().result {
             Some(Ok(())) => TransferStatus::Done,
             Some(Err(e)) => TransferStatus::Failed(e.clone()),
             None => TransferStatus::Pending,
@@ -255,16 +252,12 @@ impl TransferHandle {
     /// The batch's error: `Timeout` at the deadline, `Cancelled`, `PeerUnreachable`,
     /// what the backend reported.
     pub fn wait(&self) -> Result<()> {
-        let mut slot = lock(&self.state.slot);
+        let mut slot = self.state.slot.lock();
         loop {
             if let Some(r) = &slot.result {
                 return r.clone();
             }
-            slot = self
-                .state
-                .cond
-                .wait(slot)
-                .unwrap_or_else(|p| p.into_inner());
+            slot = self.state.cond.wait(slot);
         }
     }
 
@@ -274,7 +267,7 @@ impl TransferHandle {
     /// As [`TransferHandle::wait`], inside the `Some`.
     pub fn wait_timeout(&self, timeout: Duration) -> Option<Result<()>> {
         let end = Instant::now() + timeout;
-        let mut slot = lock(&self.state.slot);
+        let mut slot = self.state.slot.lock();
         loop {
             if let Some(r) = &slot.result {
                 return Some(r.clone());
@@ -283,12 +276,7 @@ impl TransferHandle {
             if left.is_zero() {
                 return None;
             }
-            slot = self
-                .state
-                .cond
-                .wait_timeout(slot, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            slot = self.state.cond.wait_timeout(slot, left).0;
         }
     }
 
@@ -302,7 +290,7 @@ impl Future for TransferHandle {
     type Output = Result<()>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
-        let mut slot = lock(&self.state.slot);
+        let mut slot = self.state.slot.lock();
         match &slot.result {
             Some(r) => Poll::Ready(r.clone()),
             None => {
@@ -374,7 +362,7 @@ impl Timer {
     }
 
     pub(crate) fn add(&self, state: &Arc<BatchState>) {
-        let mut guard = self.shared.heap.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.shared.heap.lock();
         let earliest = guard.heap.peek().map(|Reverse(d)| d.0);
         guard.heap.push(Reverse(Due(
             state.deadline.instant(),
@@ -397,7 +385,7 @@ impl Timer {
 }
 
 fn run_timer(shared: &TimerShared) {
-    let mut guard = shared.heap.lock().unwrap_or_else(|p| p.into_inner());
+    let mut guard = shared.heap.lock();
     loop {
         if guard.stop {
             return;
@@ -414,30 +402,22 @@ fn run_timer(shared: &TimerShared) {
                 // The hook may call into the backend: not under the heap's lock.
                 drop(guard);
                 b.request_abort(Abort::Deadline);
-                guard = shared.heap.lock().unwrap_or_else(|p| p.into_inner());
+                guard = shared.heap.lock();
             }
         }
         guard = match guard.heap.peek().map(|Reverse(d)| d.0) {
             Some(next) => {
                 let wait = next.saturating_duration_since(Instant::now());
-                shared
-                    .cond
-                    .wait_timeout(guard, wait)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0
+                shared.cond.wait_timeout(guard, wait).0
             }
-            None => shared.cond.wait(guard).unwrap_or_else(|p| p.into_inner()),
+            None => shared.cond.wait(guard),
         };
     }
 }
 
 impl Drop for Timer {
     fn drop(&mut self) {
-        self.shared
-            .heap
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .stop = true;
+        self.shared.heap.lock().stop = true;
         self.shared.cond.notify_all();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -545,7 +525,7 @@ mod tests {
             timer.add(&b);
             b.finish(Ok(()));
         }
-        let len = timer.shared.heap.lock().unwrap().heap.len();
+        let len = timer.shared.heap.lock().heap.len();
         assert!(len <= 2 * SWEEP_MIN, "{len} entries for no batch in flight");
     }
 

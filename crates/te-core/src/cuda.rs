@@ -27,9 +27,10 @@
 //! pops it again (`cuCtxPushCurrent` / `cuCtxPopCurrent`), so the calling thread's
 //! current context — a framework's own — is the same after the call as before.
 
+use crate::sync::Mutex;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Sender};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{result, sys};
 
@@ -143,7 +144,7 @@ impl Device {
 
     /// An event from the pool, or a new one (with a context current).
     fn event(&self) -> Result<Handle<sys::CUevent>> {
-        if let Some(e) = self.events.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+        if let Some(e) = self.events.lock().pop() {
             return Ok(e);
         }
         let mut ev: sys::CUevent = std::ptr::null_mut();
@@ -166,7 +167,7 @@ fn wait_loop(ctx: Ctx, rx: mpsc::Receiver<Waiting>, pool: &Mutex<Vec<Handle<sys:
                 sys::cuEventSynchronize(w.event.0).result()
             })
         });
-        pool.lock().unwrap_or_else(|p| p.into_inner()).push(w.event);
+        pool.lock().push(w.event);
         (w.done)(match w.error {
             Some(e) => Err(e),
             None => r,
@@ -267,10 +268,7 @@ impl Cuda {
         });
         match r {
             Ok((event, error)) => {
-                let sent = dev.waiters[dir]
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .send(Waiting { event, error, done });
+                let sent = dev.waiters[dir].lock().send(Waiting { event, error, done });
                 if let Err(mpsc::SendError(w)) = sent {
                     (w.done)(Err(Error::new(
                         ErrorKind::Unavailable,

@@ -10,9 +10,10 @@
 //! Runtimes are probed before use; a missing driver or library is an error that says
 //! so, never a panic. One instance per runtime serves the whole process.
 
+use crate::sync::Mutex;
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Arc};
 
 use crate::error::{Error, ErrorKind, Result};
 
@@ -216,7 +217,7 @@ impl Group {
             let _ = self.error.set(e);
         }
         if self.left.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
-            let done = self.done.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let done = self.done.lock().take();
             if let Some(done) = done {
                 done(match self.error.get() {
                     Some(e) => Err(e.clone()),
@@ -295,11 +296,10 @@ pub fn configure(tables: &std::collections::BTreeMap<String, toml::Table>) {
     // Never both locks at once: `runtime` takes them the other way round.
     let running: Vec<&'static str> = INSTANCES
         .lock()
-        .unwrap_or_else(|p| p.into_inner())
         .as_ref()
         .map(|i| i.keys().copied().collect())
         .unwrap_or_default();
-    let mut t = TABLES.lock().unwrap_or_else(|p| p.into_inner());
+    let mut t = TABLES.lock();
     let t = t.get_or_insert_with(HashMap::new);
     for (name, table) in tables {
         let started = running.contains(&name.as_str());
@@ -330,14 +330,13 @@ pub fn runtime(name: &str) -> Result<Arc<dyn DeviceRuntime>> {
             ),
         ));
     };
-    let mut instances = INSTANCES.lock().unwrap_or_else(|p| p.into_inner());
+    let mut instances = INSTANCES.lock();
     instances
         .get_or_insert_with(HashMap::new)
         .entry(f.name)
         .or_insert_with(|| {
             let table = TABLES
                 .lock()
-                .unwrap_or_else(|p| p.into_inner())
                 .as_ref()
                 .and_then(|t| t.get(f.name).cloned())
                 .unwrap_or_default();

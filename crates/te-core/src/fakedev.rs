@@ -21,10 +21,11 @@
 //! What it cannot prove: DMA behaviour, a real driver's alignment or pinning rules,
 //! copy bandwidth, or anything about GPUDirect.
 
+use crate::sync::Mutex;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
@@ -122,21 +123,21 @@ fn execute(p: &Planned) {
         // SAFETY: the submitter guarantees the host range (the `copy` contract); the
         // arena range was checked when the copy was planned.
         (DeviceCopy::ToDevice { host, .. }, _, Some((arena, off))) => unsafe {
-            let a = arena.lock().unwrap_or_else(|p| p.into_inner());
+            let a = arena.lock();
             std::ptr::copy_nonoverlapping(host, a.as_ptr().add(*off) as *mut u8, len)
         },
         // SAFETY: as above.
         (DeviceCopy::ToHost { host, .. }, Some((arena, off)), _) => unsafe {
-            let a = arena.lock().unwrap_or_else(|p| p.into_inner());
+            let a = arena.lock();
             std::ptr::copy_nonoverlapping(a.as_ptr().add(*off), host, len)
         },
         (DeviceCopy::DeviceToDevice { .. }, Some((sa, so)), Some((da, doff))) => {
             if Arc::ptr_eq(sa, da) {
-                let mut a = sa.lock().unwrap_or_else(|p| p.into_inner());
+                let mut a = sa.lock();
                 a.copy_within(*so..*so + len, *doff);
             } else {
-                let s = sa.lock().unwrap_or_else(|p| p.into_inner());
-                let mut d = da.lock().unwrap_or_else(|p| p.into_inner());
+                let s = sa.lock();
+                let mut d = da.lock();
                 d[*doff..*doff + len].copy_from_slice(&s[*so..*so + len]);
             }
         }
@@ -197,9 +198,9 @@ crate::register_runtime!(
 
 impl FakeDev {
     fn find(&self, addr: u64) -> Option<(u64, Arena)> {
-        let allocs = self.allocs.lock().unwrap_or_else(|p| p.into_inner());
+        let allocs = self.allocs.lock();
         let (&base, arena) = allocs.0.range(..=addr).next_back()?;
-        let len = arena.lock().unwrap_or_else(|p| p.into_inner()).len() as u64;
+        let len = arena.lock().len() as u64;
         (addr < base + len).then(|| (base, arena.clone()))
     }
 
@@ -212,7 +213,7 @@ impl FakeDev {
     fn range(&self, device: u64, len: usize) -> Result<(Arena, usize)> {
         let (base, arena) = self.find(device).ok_or_else(|| not_device(device))?;
         let offset = (device - base) as usize;
-        let size = arena.lock().unwrap_or_else(|p| p.into_inner()).len();
+        let size = arena.lock().len();
         if offset.checked_add(len).is_none_or(|end| end > size) {
             return Err(Error::new(
                 ErrorKind::OutOfBounds,
@@ -248,7 +249,6 @@ impl FakeDev {
     fn send(&self, queue: &Mutex<Sender<Job>>, job: Job) -> Result<()> {
         queue
             .lock()
-            .unwrap_or_else(|p| p.into_inner())
             .send(job)
             .map_err(|_| Error::new(ErrorKind::Unavailable, "a fakedev queue thread is gone"))
     }
@@ -272,7 +272,7 @@ impl DeviceRuntime for FakeDev {
 
     fn pointer_info(&self, addr: u64) -> Result<PointerInfo> {
         let (base, arena) = self.find(addr).ok_or_else(|| not_device(addr))?;
-        let len = arena.lock().unwrap_or_else(|p| p.into_inner()).len() as u64;
+        let len = arena.lock().len() as u64;
         Ok(PointerInfo {
             ordinal: ((base - BASE) >> 44) as u32,
             base,
@@ -293,7 +293,7 @@ impl DeviceRuntime for FakeDev {
                 "cannot allocate zero bytes",
             ));
         }
-        let mut allocs = self.allocs.lock().unwrap_or_else(|p| p.into_inner());
+        let mut allocs = self.allocs.lock();
         let addr = allocs.1[ordinal as usize];
         allocs.1[ordinal as usize] = addr + (len as u64).next_multiple_of(4096);
         allocs.0.insert(addr, Arc::new(Mutex::new(vec![0; len])));
@@ -301,7 +301,7 @@ impl DeviceRuntime for FakeDev {
     }
 
     fn free(&self, _ordinal: u32, addr: u64) -> Result<()> {
-        let mut allocs = self.allocs.lock().unwrap_or_else(|p| p.into_inner());
+        let mut allocs = self.allocs.lock();
         allocs
             .0
             .remove(&addr)

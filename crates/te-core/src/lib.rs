@@ -51,6 +51,7 @@ pub mod plugin;
 mod region;
 pub mod registry;
 pub mod require;
+pub mod sync;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 

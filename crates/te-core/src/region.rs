@@ -7,8 +7,9 @@
 //! asks the backend to forget the region: so no batch in flight ever finds its memory
 //! deregistered, let alone freed, under it.
 
+use crate::sync::{Condvar, Mutex};
 use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use crate::backend::BatchId;
@@ -22,10 +23,6 @@ pub(crate) struct Region {
     unpinned: Condvar,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 impl Region {
     pub(crate) fn new(desc: RegionDesc) -> Arc<Region> {
         Arc::new(Region {
@@ -37,7 +34,8 @@ impl Region {
 
     /// The batches pinning the region now.
     pub(crate) fn pinned(&self) -> Vec<Arc<BatchState>> {
-        lock(&self.pins)
+        self.pins
+            .lock()
             .values()
             .filter_map(Weak::upgrade)
             .collect()
@@ -46,10 +44,10 @@ impl Region {
     /// Waits until no batch pins the region, until `until` (or for good with `None`).
     /// Returns whether none does.
     pub(crate) fn wait_unpinned(&self, until: Option<Instant>) -> bool {
-        let mut pins = lock(&self.pins);
+        let mut pins = self.pins.lock();
         while !pins.is_empty() {
             pins = match until {
-                None => self.unpinned.wait(pins).unwrap_or_else(|p| p.into_inner()),
+                None => self.unpinned.wait(pins),
                 Some(end) => {
                     let left = end.saturating_duration_since(Instant::now());
                     if left.is_zero() {
@@ -57,7 +55,6 @@ impl Region {
                     }
                     self.unpinned
                         .wait_timeout(pins, left.min(Duration::from_secs(3600)))
-                        .unwrap_or_else(|p| p.into_inner())
                         .0
                 }
             };
@@ -66,7 +63,7 @@ impl Region {
     }
 
     fn unpin(&self, batch: BatchId) {
-        let mut pins = lock(&self.pins);
+        let mut pins = self.pins.lock();
         pins.remove(&batch);
         if pins.is_empty() {
             self.unpinned.notify_all();
@@ -84,7 +81,7 @@ impl Pins {
     /// Pins each of `regions` (distinct) for `state`.
     pub(crate) fn new(state: &Arc<BatchState>, regions: Vec<Arc<Region>>) -> Pins {
         for r in &regions {
-            lock(&r.pins).insert(state.id(), Arc::downgrade(state));
+            r.pins.lock().insert(state.id(), Arc::downgrade(state));
         }
         Pins {
             batch: state.id(),

@@ -11,9 +11,10 @@
 //! built-in backend of the same name, and an operator can ship a fixed backend without
 //! rebuilding the application. `te info` lists every entry, marking the shadowed ones.
 
+use crate::sync::Mutex;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use crate::backend::{BackendContext, TransferBackend};
 use crate::error::{Error, ErrorKind, Result};
@@ -191,7 +192,7 @@ static LOADED: Mutex<Option<HashMap<PathBuf, Result<PluginModuleRef>>>> = Mutex:
 
 fn load_once(path: &Path) -> Result<PluginModuleRef> {
     let key = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
-    let mut loaded = LOADED.lock().unwrap_or_else(|p| p.into_inner());
+    let mut loaded = LOADED.lock();
     loaded
         .get_or_insert_with(HashMap::new)
         .entry(key)

@@ -5,8 +5,9 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+use te_core::sync::RwLock;
 
 use te_core::{
     BackendInfo, BatchId, Capabilities, Completion, Deadline, Error, ErrorKind, MemoryDesc, PeerId,
@@ -155,7 +156,7 @@ impl FlagcxBackend {
                 .collect(),
         );
         let (id, state) = {
-            let mut peers = self.peers.write().unwrap_or_else(|p| p.into_inner());
+            let mut peers = self.peers.write();
             let known = peers
                 .iter()
                 .find(|(_, p)| p.endpoint == endpoint && p.epoch == peer.epoch)
@@ -176,7 +177,7 @@ impl FlagcxBackend {
             Ok(()) => Ok(id),
             Err(e) => {
                 if state.never_connected() {
-                    let mut peers = self.peers.write().unwrap_or_else(|p| p.into_inner());
+                    let mut peers = self.peers.write();
                     if peers.get(&id).is_some_and(|p| Arc::ptr_eq(p, &state)) {
                         peers.remove(&id);
                     }
@@ -210,7 +211,7 @@ impl FlagcxBackend {
 
 impl Drop for FlagcxBackend {
     fn drop(&mut self) {
-        let peers = std::mem::take(&mut *self.peers.write().unwrap_or_else(|p| p.into_inner()));
+        let peers = std::mem::take(&mut *self.peers.write());
         for p in peers.values() {
             p.close();
         }
@@ -246,11 +247,7 @@ impl TransferBackend for FlagcxBackend {
     }
 
     fn disconnect(&self, peer: PeerId, _deadline: Deadline) -> Result<()> {
-        let removed = self
-            .peers
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&peer);
+        let removed = self.peers.write().remove(&peer);
         match removed {
             // Parked batches fail; those in flight finish, then the connection closes.
             Some(state) => {
@@ -265,13 +262,7 @@ impl TransferBackend for FlagcxBackend {
     }
 
     fn submit(&self, peer: PeerId, batch: &[TransferRequest], done: Completion) -> Result<()> {
-        let Some(state) = self
-            .peers
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&peer)
-            .cloned()
-        else {
+        let Some(state) = self.peers.read().get(&peer).cloned() else {
             return Err(Error::new(
                 ErrorKind::PeerUnreachable,
                 "the FlagCX backend is not connected to that peer",

@@ -4,7 +4,8 @@
 //! batch, so a post allocates nothing once they have grown.
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use te_core::sync::Mutex;
 
 use te_core::{Completion, Error, ErrorKind, Op, Result, TransferRequest};
 
@@ -90,11 +91,7 @@ impl Poster {
     }
 
     fn take(&self) -> Scratch {
-        self.pool
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop()
-            .unwrap_or_else(Scratch::new)
+        self.pool.lock().pop().unwrap_or_else(Scratch::new)
     }
 
     /// Counts the batch out of its regions and keeps its buffers for the next one.
@@ -104,7 +101,7 @@ impl Poster {
         }
         s.writes.clear();
         s.reads.clear();
-        self.pool.lock().unwrap_or_else(|p| p.into_inner()).push(s);
+        self.pool.lock().push(s);
     }
 
     /// Checks `batch` against the local regions and `link`'s snapshot of the peer's,

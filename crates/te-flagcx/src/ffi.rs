@@ -7,7 +7,8 @@
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, CStr, CString};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use te_core::sync::Mutex;
 
 use te_core::{Error, ErrorKind};
 
@@ -161,7 +162,7 @@ static LOADED: Mutex<Option<HashMap<PathBuf, Arc<Shim>>>> = Mutex::new(None);
 
 /// Loads the shim at `path` (once per path per process) and resolves every symbol.
 pub(crate) fn load(path: &Path) -> Result<Arc<Shim>, ShimError> {
-    let mut loaded = LOADED.lock().unwrap_or_else(|p| p.into_inner());
+    let mut loaded = LOADED.lock();
     let table = loaded.get_or_insert_with(HashMap::new);
     if let Some(shim) = table.get(path) {
         return Ok(shim.clone());

@@ -9,8 +9,9 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Instant;
+use te_core::sync::{Condvar, Mutex, MutexGuard};
 
 use te_core::{Error, ErrorKind, RegionId, Result, TransferRequest};
 
@@ -118,7 +119,7 @@ impl PeerState {
     }
 
     fn lock(&self) -> MutexGuard<'_, Slot> {
-        self.slot.lock().unwrap_or_else(|p| p.into_inner())
+        self.slot.lock()
     }
 
     /// Makes sure a connection covering `remote` exists, starting an attempt if none
@@ -149,11 +150,7 @@ impl PeerState {
                     ),
                 ));
             }
-            slot = self
-                .changed
-                .wait_timeout(slot, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            slot = self.changed.wait_timeout(slot, left).0;
         }
         match &slot.link {
             Some(l) if l.covers(&remote) => Ok(()),

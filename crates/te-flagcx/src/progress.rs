@@ -11,9 +11,10 @@
 //! transfer that reported anything but "pending" is never queried again.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::thread::{JoinHandle, ThreadId};
 use std::time::Duration;
+use te_core::sync::{Condvar, Mutex, MutexGuard};
 
 use te_core::{Completion, Error, ErrorKind, Result, TransferRequest};
 
@@ -53,7 +54,7 @@ struct Shared {
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Queue> {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+        self.queue.lock()
     }
 
     /// Wakes the thread wherever it waits. Called with the queue changed.
@@ -201,13 +202,8 @@ fn run(shared: &Shared, poster: &Poster) {
             q.kicked = false;
             if active.is_empty() && !news {
                 match earliest(&parked) {
-                    None => drop(shared.cond.wait(q).unwrap_or_else(|p| p.into_inner())),
-                    Some(left) if !left.is_zero() => drop(
-                        shared
-                            .cond
-                            .wait_timeout(q, left)
-                            .unwrap_or_else(|p| p.into_inner()),
-                    ),
+                    None => drop(shared.cond.wait(q)),
+                    Some(left) if !left.is_zero() => drop(shared.cond.wait_timeout(q, left)),
                     Some(_) => {}
                 }
             }

@@ -5,8 +5,9 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
-use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::sync::Arc;
 use std::time::Instant;
+use te_core::sync::{Condvar, Mutex, RwLock};
 
 use te_core::{Error, ErrorKind, RegionId, Result};
 
@@ -41,23 +42,20 @@ impl Regions {
             users: AtomicUsize::new(0),
             retiring: AtomicBool::new(false),
         });
-        self.map
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, region);
+        self.map.write().insert(id, region);
     }
 
     /// Runs `f` with the live regions, under the read lock that `retire` excludes, so
     /// that a region [`Regions::enter`]ed there cannot be retired unseen.
     pub(crate) fn with<T>(&self, f: impl FnOnce(&Live<'_>) -> T) -> T {
-        let map = self.map.read().unwrap_or_else(|p| p.into_inner());
+        let map = self.map.read();
         f(&Live(&map))
     }
 
     /// Counts a batch out of `region`, waking a `retire` waiting for it.
     pub(crate) fn leave(&self, region: &Region) {
         if region.users.fetch_sub(1, SeqCst) == 1 && region.retiring.load(SeqCst) {
-            let _idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            let _idle = self.idle.lock();
             self.released.notify_all();
         }
     }
@@ -72,7 +70,7 @@ impl Regions {
     /// stay allocated, and a later call waits again.
     pub(crate) fn retire(&self, id: RegionId, deadline: Instant) -> Result<Option<u64>> {
         let region = {
-            let map = self.map.write().unwrap_or_else(|p| p.into_inner());
+            let map = self.map.write();
             let Some(region) = map.get(&id) else {
                 return Err(Error::new(
                     ErrorKind::NotRegistered,
@@ -82,7 +80,7 @@ impl Regions {
             region.retiring.store(true, SeqCst);
             region.clone()
         };
-        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let mut idle = self.idle.lock();
         loop {
             let users = region.users.load(SeqCst);
             if users == 0 {
@@ -97,14 +95,10 @@ impl Regions {
                     ),
                 ));
             }
-            idle = self
-                .released
-                .wait_timeout(idle, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            idle = self.released.wait_timeout(idle, left).0;
         }
         drop(idle);
-        let mut map = self.map.write().unwrap_or_else(|p| p.into_inner());
+        let mut map = self.map.write();
         match map.get(&id) {
             Some(r) if Arc::ptr_eq(r, &region) => {
                 map.remove(&id);

@@ -26,9 +26,10 @@
 //!   `Timeout`, never `Ok`, and the region stays refused and counted.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
+use std::sync::{Arc, Weak};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::Instant;
+use te_core::sync::{Condvar, Mutex, RwLock};
 
 use te_core::{
     Access, BackendContext, BackendInfo, BatchId, Capabilities, Completion, Deadline, Error,
@@ -290,8 +291,8 @@ struct Shared {
 }
 
 impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Work> {
-        self.work.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> te_core::sync::MutexGuard<'_, Work> {
+        self.work.lock()
     }
 }
 
@@ -448,7 +449,7 @@ impl MluBackend {
     }
 
     fn map(&self, peer: &PeerState, ordinal: u32, handle: IpcHandle) -> Result<Arc<Mapping>> {
-        let mut maps = peer.maps.lock().unwrap_or_else(|p| p.into_inner());
+        let mut maps = peer.maps.lock();
         if let Some(m) = maps.get(&handle).and_then(Weak::upgrade) {
             return Ok(m);
         }
@@ -555,28 +556,20 @@ impl TransferBackend for MluBackend {
             write: mem.access.remote_write,
         };
         let slot = self.table.claim(id.0, extent)?;
-        self.locals
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(
-                id,
-                Local {
-                    addr: mem.addr,
-                    len: mem.len,
-                    mem: kind,
-                    slot,
-                },
-            );
+        self.locals.write().insert(
+            id,
+            Local {
+                addr: mem.addr,
+                len: mem.len,
+                mem: kind,
+                slot,
+            },
+        );
         Ok(Key { slot, handle }.encode())
     }
 
     fn deregister(&self, id: RegionId, deadline: Deadline) -> Result<()> {
-        let Some(local) = self
-            .locals
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&id)
-        else {
+        let Some(local) = self.locals.write().remove(&id) else {
             return Err(Error::new(
                 ErrorKind::NotRegistered,
                 format!("region {id} is not registered with the mlu backend"),
@@ -587,10 +580,7 @@ impl TransferBackend for MluBackend {
         }
         // A batch (of this process or a peer's) may still copy: the region stays
         // registered, dead in the table so no new batch enters it.
-        self.locals
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, local);
+        self.locals.write().insert(id, local);
         Err(Error::new(
             ErrorKind::Timeout,
             format!("region {id} is still used by batches at the deadline: a peer may still be copying into or out of it, so its memory must stay allocated; deregister it again later (a peer process that died holding it keeps it forever: restart this engine to reclaim it)"),
@@ -610,12 +600,7 @@ impl TransferBackend for MluBackend {
             ));
         }
         let id = PeerId(ep.instance);
-        let existing = self
-            .peers
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&id)
-            .cloned();
+        let existing = self.peers.read().get(&id).cloned();
         let state = match existing {
             Some(s) if s.endpoint == ep => s,
             _ => {
@@ -633,11 +618,7 @@ impl TransferBackend for MluBackend {
                 })
             }
         };
-        let old = state
-            .regions
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+        let old = state.regions.read().clone();
         let mut regions = HashMap::new();
         for r in &peer.regions {
             let remote = match old.get(&r.id) {
@@ -646,34 +627,20 @@ impl TransferBackend for MluBackend {
             };
             regions.insert(r.id, remote);
         }
-        *state.regions.write().unwrap_or_else(|p| p.into_inner()) = regions;
-        self.peers
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, state);
+        *state.regions.write() = regions;
+        self.peers.write().insert(id, state);
         Ok(id)
     }
 
     fn disconnect(&self, peer: PeerId, _deadline: Deadline) -> Result<()> {
-        match self
-            .peers
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&peer)
-        {
+        match self.peers.write().remove(&peer) {
             Some(_) => Ok(()),
             None => Err(Error::new(ErrorKind::PeerUnreachable, "unknown mlu peer")),
         }
     }
 
     fn submit(&self, peer: PeerId, batch: &[TransferRequest], done: Completion) -> Result<()> {
-        let Some(p) = self
-            .peers
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&peer)
-            .cloned()
-        else {
+        let Some(p) = self.peers.read().get(&peer).cloned() else {
             return Err(Error::new(
                 ErrorKind::PeerUnreachable,
                 "the mlu backend is not connected to that peer",
@@ -684,8 +651,8 @@ impl TransferBackend for MluBackend {
         let mut maps = Vec::new();
         let mut entered: Vec<(bool, u32)> = Vec::new();
         {
-            let locals = self.locals.read().unwrap_or_else(|p| p.into_inner());
-            let remotes = p.regions.read().unwrap_or_else(|p| p.into_inner());
+            let locals = self.locals.read();
+            let remotes = p.regions.read();
             for r in batch {
                 let l = locals.get(&r.local).ok_or_else(|| {
                     region_error(
@@ -918,14 +885,8 @@ fn worker(shared: &Shared, cnrt: &Cnrt) {
                             .map(|j| j.due.saturating_duration_since(now))
                             .min();
                         w = match wait {
-                            Some(d) => {
-                                shared
-                                    .cond
-                                    .wait_timeout(w, d)
-                                    .unwrap_or_else(|p| p.into_inner())
-                                    .0
-                            }
-                            None => shared.cond.wait(w).unwrap_or_else(|p| p.into_inner()),
+                            Some(d) => shared.cond.wait_timeout(w, d).0,
+                            None => shared.cond.wait(w),
                         };
                     }
                 }

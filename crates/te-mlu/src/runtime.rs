@@ -16,7 +16,8 @@
 
 use std::collections::HashMap;
 use std::sync::mpsc::{self, Sender};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
+use te_core::sync::Mutex;
 
 use te_core::device::{CopyDone, DeviceCopy, DeviceRuntime, PointerInfo};
 use te_core::{Error, ErrorKind, Result};
@@ -290,7 +291,7 @@ impl MluRuntime {
     /// # Errors
     /// CNRT's error from `cnrtAcquireMemHandle`.
     pub(crate) fn ipc_handle(&self, ordinal: u32, base: u64) -> Result<IpcHandle> {
-        let mut handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
+        let mut handles = self.handles.lock();
         if let Some(h) = handles.get(&base) {
             return Ok(*h);
         }
@@ -364,10 +365,7 @@ impl DeviceRuntime for MluRuntime {
     }
 
     fn free(&self, ordinal: u32, addr: u64) -> Result<()> {
-        self.handles
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&addr);
+        self.handles.lock().remove(&addr);
         self.cnrt.with_device(ordinal, || self.cnrt.free(addr))
     }
 
@@ -387,7 +385,6 @@ impl DeviceRuntime for MluRuntime {
         self.ordinal_ok(ordinal)?;
         self.jobs
             .lock()
-            .unwrap_or_else(|p| p.into_inner())
             .send((copy, done))
             .map_err(|_| Error::new(ErrorKind::Unavailable, "the MLU copy thread is gone"))
     }

@@ -18,9 +18,10 @@
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
+use te_core::sync::{Condvar, Mutex, RwLock};
 
 use te_core::{
     BackendInfo, BatchId, Capabilities, Completion, ControlHook, Deadline, Error, ErrorKind,
@@ -37,10 +38,6 @@ use crate::path::{self, Job, LocalRegion, Peer, Pin, RemoteRegion};
 use crate::plan;
 use crate::topology::{self, Place};
 use crate::track::InFlight;
-
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// What the backend's threads share.
 pub(crate) struct Shared {
@@ -367,22 +364,14 @@ impl TransferBackend for RdmaBackend {
         } else {
             Vec::new()
         };
-        self.shared
-            .regions
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, region);
+        self.shared.regions.write().insert(id, region);
         Ok(key)
     }
 
     fn deregister(&self, id: RegionId, deadline: Deadline) -> Result<()> {
         let region = {
-            let mut regions = self
-                .shared
-                .regions
-                .write()
-                .unwrap_or_else(|p| p.into_inner());
-            let mut closing = lock(&self.shared.closing);
+            let mut regions = self.shared.regions.write();
+            let mut closing = self.shared.closing.lock();
             // Out of the table, no new slice can pin it; one whose deregistration
             // timed out before is waited for again.
             match regions.remove(&id) {
@@ -405,7 +394,7 @@ impl TransferBackend for RdmaBackend {
             ));
         }
         region.release();
-        lock(&self.shared.closing).remove(&id);
+        self.shared.closing.lock().remove(&id);
         Ok(())
     }
 
@@ -426,10 +415,10 @@ impl TransferBackend for RdmaBackend {
                 ))
             })
             .collect::<Result<HashMap<_, _>>>()?;
-        let known = lock(&self.shared.by_instance).get(&ep.instance).copied();
+        let known = self.shared.by_instance.lock().get(&ep.instance).copied();
         if let Some(peer) = known.and_then(|id| self.shared.peer(id)) {
             if !peer.dead.load(Ordering::Acquire) && !peer.healthy().is_empty() {
-                *peer.regions.write().unwrap_or_else(|p| p.into_inner()) = regions;
+                *peer.regions.write() = regions;
                 return Ok(peer.id);
             }
         }
@@ -437,14 +426,9 @@ impl TransferBackend for RdmaBackend {
         let id =
             known.unwrap_or_else(|| PeerId(self.shared.next_peer.fetch_add(1, Ordering::Relaxed)));
         let peer = self.shared.establish(&ep, &segment.address, id, deadline)?;
-        *peer.regions.write().unwrap_or_else(|p| p.into_inner()) = regions;
-        let old = self
-            .shared
-            .peers
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, peer);
-        lock(&self.shared.by_instance).insert(ep.instance, id);
+        *peer.regions.write() = regions;
+        let old = self.shared.peers.write().insert(id, peer);
+        self.shared.by_instance.lock().insert(ep.instance, id);
         if let Some(old) = old {
             // Its QPs go to ERR first; what they held is flushed back before it fails.
             old.kill("replaced by a new connection after its QPs failed".into());
@@ -461,10 +445,9 @@ impl TransferBackend for RdmaBackend {
             .shared
             .peers
             .write()
-            .unwrap_or_else(|p| p.into_inner())
             .remove(&peer)
             .ok_or_else(|| Error::new(ErrorKind::PeerUnreachable, "unknown peer"))?;
-        lock(&self.shared.by_instance).retain(|_, id| *id != peer);
+        self.shared.by_instance.lock().retain(|_, id| *id != peer);
         old.kill("disconnected".into());
         let flushed = path::retire(&old, deadline.instant());
         self.shared.release(&old, deadline);
@@ -491,12 +474,12 @@ impl TransferBackend for RdmaBackend {
         if peer.dead.load(Ordering::Acquire) {
             return Err(Error::new(
                 ErrorKind::PeerUnreachable,
-                lock(&peer.why).clone(),
+                peer.why.lock().clone(),
             ));
         }
         let usable = peer.healthy();
         if usable.is_empty() {
-            let why = lock(&peer.why).clone();
+            let why = peer.why.lock().clone();
             return Err(Error::new(
                 ErrorKind::PeerUnreachable,
                 if why.is_empty() {
@@ -507,12 +490,8 @@ impl TransferBackend for RdmaBackend {
                 },
             ));
         }
-        let local_regions = self
-            .shared
-            .regions
-            .read()
-            .unwrap_or_else(|p| p.into_inner());
-        let remote_regions = peer.regions.read().unwrap_or_else(|p| p.into_inner());
+        let local_regions = self.shared.regions.read();
+        let remote_regions = peer.regions.read();
         let mut resolved = Vec::with_capacity(batch.len());
         for (i, r) in batch.iter().enumerate() {
             let local = local_regions.get(&r.local).ok_or_else(|| {
@@ -661,21 +640,14 @@ impl Drop for RdmaBackend {
         connect::unlist_local(self.shared.instance);
         // The repair thread first, so that it adds no peer after they are drained.
         self.shared.repair_wake.notify_all();
-        if let Some(t) = lock(&self.repair_thread).take() {
+        if let Some(t) = self.repair_thread.lock().take() {
             let _ = t.join();
         }
         // The QPs this backend holds as a target go; their initiators see their work
         // fail (as when this process exits).
-        let served: Vec<Served> = lock(&self.shared.served).drain().map(|(_, s)| s).collect();
+        let served: Vec<Served> = self.shared.served.lock().drain().map(|(_, s)| s).collect();
         drop(served);
-        let peers: Vec<_> = self
-            .shared
-            .peers
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain()
-            .map(|(_, p)| p)
-            .collect();
+        let peers: Vec<_> = self.shared.peers.write().drain().map(|(_, p)| p).collect();
         // Every peer's QPs go to ERR and their flush completions are taken (the
         // completion threads still run) before the threads stop; whatever has not
         // flushed by then is dropped with its QP, which the NIC stops using.
@@ -694,22 +666,18 @@ impl Drop for RdmaBackend {
             // SAFETY: writing one byte from a valid buffer to our own pipe.
             unsafe { libc::write(w.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
         }
-        for t in lock(&self.device_threads).drain(..) {
+        for t in self.device_threads.lock().drain(..) {
             let _ = t.join();
         }
-        for t in lock(&self.shared.threads).drain(..) {
+        for t in self.shared.threads.lock().drain(..) {
             let _ = t.join();
         }
         for d in &self.shared.devices {
-            d.paths.write().unwrap_or_else(|p| p.into_inner()).clear();
+            d.paths.write().clear();
         }
         // The MRs go before the devices that made them: `Shared` drops its devices
         // first, and closing a device does not deregister what it still holds.
-        self.shared
-            .regions
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .clear();
-        lock(&self.shared.closing).clear();
+        self.shared.regions.write().clear();
+        self.shared.closing.lock().clear();
     }
 }

@@ -12,12 +12,13 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
+use te_core::sync::{Condvar, Mutex, RwLock};
 
 use te_core::{Deadline, Error, ErrorKind, MessageHandler, PeerId, PeerInfo, Result};
 
-use crate::backend::{lock, Shared};
+use crate::backend::Shared;
 use crate::device::Device;
 use crate::exchange::{self, Endpoint, GidType, Message};
 use crate::path::{self, Path, PathState, Peer};
@@ -34,14 +35,16 @@ static LOCAL: Mutex<Vec<(u64, Weak<Shared>)>> = Mutex::new(Vec::new());
 
 /// Lists a backend without a control plane among those of this process.
 pub(crate) fn list_local(shared: &Arc<Shared>) {
-    let mut l = lock(&LOCAL);
+    let mut l = LOCAL.lock();
     l.retain(|(_, w)| w.strong_count() > 0);
     l.push((shared.instance, Arc::downgrade(shared)));
 }
 
 /// Takes a backend off that list.
 pub(crate) fn unlist_local(instance: u64) {
-    lock(&LOCAL).retain(|(i, w)| *i != instance && w.strong_count() > 0);
+    LOCAL
+        .lock()
+        .retain(|(i, w)| *i != instance && w.strong_count() > 0);
 }
 
 /// The QP sets a target holds for one initiator (by its control-plane address).
@@ -238,11 +241,7 @@ impl Shared {
             return Err(e);
         }
         for p in &peer.paths {
-            p.device
-                .paths
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(p.tag, p.clone());
+            p.device.paths.write().insert(p.tag, p.clone());
             p.cq.arm();
         }
         Ok(peer)
@@ -258,7 +257,8 @@ impl Shared {
         message: &[u8],
         deadline: Deadline,
     ) -> Result<Vec<u8>> {
-        let local = lock(&LOCAL)
+        let local = LOCAL
+            .lock()
             .iter()
             .find(|(i, _)| *i == instance)
             .map(|(_, w)| w.clone());
@@ -289,16 +289,12 @@ impl Shared {
 
     /// The peer currently registered under `id`.
     pub(crate) fn peer(&self, id: PeerId) -> Option<Arc<Peer>> {
-        self.peers
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&id)
-            .cloned()
+        self.peers.read().get(&id).cloned()
     }
 
     /// Asks the repair thread to rebuild peer `id`'s paths.
     pub(crate) fn repair(&self, id: PeerId) {
-        let mut q = lock(&self.repairs);
+        let mut q = self.repairs.lock();
         if !q.contains(&id) {
             q.push_back(id);
         }
@@ -310,7 +306,6 @@ impl Shared {
         let ids: Vec<PeerId> = self
             .peers
             .read()
-            .unwrap_or_else(|p| p.into_inner())
             .values()
             .filter(|p| !p.dead.load(Ordering::Acquire) && p.healthy().len() < p.paths.len())
             .map(|p| p.id)
@@ -337,7 +332,7 @@ pub(crate) fn repair_loop(shared: &Weak<Shared>) {
     loop {
         let Some(s) = shared.upgrade() else { return };
         let id = {
-            let mut q = lock(&s.repairs);
+            let mut q = s.repairs.lock();
             loop {
                 if s.closed.load(Ordering::Acquire) {
                     return;
@@ -357,11 +352,7 @@ pub(crate) fn repair_loop(shared: &Weak<Shared>) {
                         at.saturating_duration_since(now)
                     })
                     .max(Duration::from_millis(1));
-                q = s
-                    .repair_wake
-                    .wait_timeout(q, wake)
-                    .map(|(g, _)| g)
-                    .unwrap_or_else(|p| p.into_inner().0);
+                q = s.repair_wake.wait_timeout(q, wake).0;
             }
         };
         let Some(old) = s.peer(id) else { continue };
@@ -380,19 +371,12 @@ pub(crate) fn repair_loop(shared: &Weak<Shared>) {
             }
             Ok(new) => {
                 backoff.remove(&id);
-                let regions = old
-                    .regions
-                    .read()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .clone();
-                *new.regions.write().unwrap_or_else(|p| p.into_inner()) = regions;
-                s.peers
-                    .write()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(id, new);
+                let regions = old.regions.read().clone();
+                *new.regions.write() = regions;
+                s.peers.write().insert(id, new);
                 tracing::info!(peer = %old.address, "RDMA paths rebuilt");
                 // The old set's work moves to the new set; it is not dead.
-                *lock(&old.why) = "replaced by rebuilt paths".into();
+                *old.why.lock() = "replaced by rebuilt paths".into();
                 path::retire(&old, Instant::now() + RETIRE_WAIT);
                 old.dead.store(true, Ordering::Release);
                 s.release(&old, Deadline::after(RELEASE_WAIT));
@@ -405,7 +389,7 @@ pub(crate) fn repair_loop(shared: &Weak<Shared>) {
                     });
                 tracing::warn!(peer = %old.address, error = %e, retry_in = ?wait, "cannot rebuild RDMA paths");
                 if old.healthy().is_empty() {
-                    *lock(&old.why) =
+                    *old.why.lock() =
                         format!("every QP to the peer failed, and rebuilding them failed: {e}");
                 }
                 backoff.insert(id, (wait, Instant::now() + wait));
@@ -470,7 +454,7 @@ impl MessageHandler for Target {
             }
             Message::Release { set, .. } => {
                 let gone = {
-                    let mut served = lock(&shared.served);
+                    let mut served = shared.served.lock();
                     let gone = served
                         .get_mut(&from.address)
                         .filter(|s| s.epoch == from.epoch)
@@ -496,7 +480,7 @@ impl Shared {
     fn hold(&self, from: &PeerInfo, set: u64, paths: Vec<Arc<Path>>) {
         let mut gone = Vec::new();
         {
-            let mut served = lock(&self.served);
+            let mut served = self.served.lock();
             let entry = served.entry(from.address.clone()).or_insert(Served {
                 epoch: from.epoch,
                 sets: VecDeque::new(),

@@ -6,7 +6,8 @@
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, RwLock, Weak};
+use std::sync::{Arc, Weak};
+use te_core::sync::RwLock;
 
 use te_core::{Error, ErrorKind, Result};
 
@@ -83,12 +84,7 @@ impl Device {
 
     /// Every path on this device, for events that hit them all.
     fn all_paths(&self) -> Vec<Arc<Path>> {
-        self.paths
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-            .cloned()
-            .collect()
+        self.paths.read().values().cloned().collect()
     }
 }
 
@@ -259,12 +255,7 @@ pub(crate) fn completion_loop(dev: &Arc<Device>, stop: &OwnedFd) {
             }
             // SAFETY: `cq` is the CQ the event is for; acknowledged once.
             unsafe { (v.ibv_ack_cq_events)(cq, 1) };
-            let path = dev
-                .paths
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(&(tag as usize as u64))
-                .cloned();
+            let path = dev.paths.read().get(&(tag as usize as u64)).cloned();
             let Some(path) = path else { continue };
             // Re-arm before draining, so a completion that lands after the drain
             // raises a new event.
@@ -299,12 +290,7 @@ pub(crate) fn event_loop(dev: &Arc<Device>, shared: &Weak<Shared>, stop: &OwnedF
                             (*e.element.qp).qp_num,
                         )
                     };
-                    let path = dev
-                        .paths
-                        .read()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .get(&tag)
-                        .cloned();
+                    let path = dev.paths.read().get(&tag).cloned();
                     if path.is_none() {
                         // A target-side QP: a peer's request broke it (a bad key or
                         // range); that peer's side sees the error in its completion.

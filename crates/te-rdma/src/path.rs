@@ -15,12 +15,13 @@
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Instant;
+use te_core::sync::{Condvar, Mutex, RwLock};
 
 use te_core::{Error, ErrorKind, Op, PeerId, RegionId};
 
-use crate::backend::{lock, Shared};
+use crate::backend::Shared;
 use crate::device::Device;
 use crate::exchange::{Endpoint, GidType};
 use crate::ffi::{self, Cq, Mr, Qp};
@@ -71,17 +72,13 @@ impl LocalRegion {
     /// Waits until no slice pins the region, or `deadline`; returns the slices still
     /// pinning it (0: none).
     pub(crate) fn wait_unpinned(&self, deadline: Instant) -> u64 {
-        let mut pins = lock(&self.pins);
+        let mut pins = self.pins.lock();
         while *pins > 0 {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
             }
-            pins = self
-                .unpinned
-                .wait_timeout(pins, left)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|p| p.into_inner().0);
+            pins = self.unpinned.wait_timeout(pins, left).0;
         }
         *pins
     }
@@ -90,12 +87,12 @@ impl LocalRegion {
     /// and remote, so nothing of this backend or its peers reaches the memory. Called
     /// only when no slice pins the region and none can any more (it left the table).
     pub(crate) fn release(&self) {
-        lock(&self.mrs).clear();
+        self.mrs.lock().clear();
     }
 
     /// The remote key of each MR, by device.
     pub(crate) fn rkeys(&self) -> Vec<u32> {
-        lock(&self.mrs).iter().map(Mr::rkey).collect()
+        self.mrs.lock().iter().map(Mr::rkey).collect()
     }
 }
 
@@ -106,14 +103,14 @@ pub(crate) struct Pin(pub(crate) Arc<LocalRegion>);
 
 impl Pin {
     pub(crate) fn new(r: &Arc<LocalRegion>) -> Pin {
-        *lock(&r.pins) += 1;
+        *r.pins.lock() += 1;
         Pin(r.clone())
     }
 }
 
 impl Drop for Pin {
     fn drop(&mut self) {
-        let mut n = lock(&self.0.pins);
+        let mut n = self.0.pins.lock();
         *n -= 1;
         if *n == 0 {
             self.0.unpinned.notify_all();
@@ -229,17 +226,13 @@ impl Path {
 
     /// Waits until nothing is posted on the QP, or `deadline`; true if nothing is.
     fn wait_idle(&self, deadline: Instant) -> bool {
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock();
         while st.sq.outstanding() > 0 {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return false;
             }
-            st = self
-                .idle
-                .wait_timeout(st, left)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|p| p.into_inner().0);
+            st = self.idle.wait_timeout(st, left).0;
         }
         true
     }
@@ -267,7 +260,7 @@ pub(crate) struct Peer {
 impl Peer {
     /// Marks the peer dead with the reason batches will fail with.
     pub(crate) fn kill(&self, why: String) {
-        *lock(&self.why) = why;
+        *self.why.lock() = why;
         self.dead.store(true, Ordering::Release);
     }
 
@@ -293,7 +286,7 @@ pub(crate) enum Failure {
 pub(crate) fn post(path: &Arc<Path>, jobs: impl IntoIterator<Item = Job>) {
     let mut back = Vec::new();
     {
-        let mut st = lock(&path.state);
+        let mut st = path.state.lock();
         st.waiting.extend(jobs);
         pump(path, &mut st, &mut back);
     }
@@ -396,7 +389,7 @@ pub(crate) fn drain(path: &Arc<Path>, wc: &mut [verbs::ibv_wc]) {
         let mut back = Vec::new();
         let mut failed_qp = None;
         {
-            let mut st = lock(&path.state);
+            let mut st = path.state.lock();
             for c in &wc[..n as usize] {
                 let ok = c.status == verbs::IBV_WC_SUCCESS;
                 let text = || {
@@ -442,7 +435,7 @@ pub(crate) fn drain(path: &Arc<Path>, wc: &mut [verbs::ibv_wc]) {
             // The QP is in the error state after an error completion: everything else
             // it holds comes back flushed.
             path.fail(&why);
-            let mut st = lock(&path.state);
+            let mut st = path.state.lock();
             pump(path, &mut st, &mut back);
         }
         for job in done {
@@ -459,7 +452,7 @@ pub(crate) fn drain(path: &Arc<Path>, wc: &mut [verbs::ibv_wc]) {
 /// posted slices are back rather than when the path next has room.
 pub(crate) fn drop_stopped(path: &Path) {
     let stopped: Vec<Job> = {
-        let mut st = lock(&path.state);
+        let mut st = path.state.lock();
         if !st.waiting.iter().any(|j| j.batch.is_stopped()) {
             return;
         }
@@ -480,11 +473,7 @@ pub(crate) fn drop_stopped(path: &Path) {
 
 /// Removes `path` from its device's completion thread.
 fn unhook(path: &Path) {
-    path.device
-        .paths
-        .write()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(&path.tag);
+    path.device.paths.write().remove(&path.tag);
 }
 
 /// A job came back from `from` without landing: retry it on another healthy path of
@@ -532,7 +521,7 @@ pub(crate) fn settle(from: &Path, mut job: Job, failure: Failure) {
     };
     let because = match current.as_ref() {
         None => " (the peer was disconnected)".to_string(),
-        Some(p) if p.dead.load(Ordering::Acquire) => format!(" ({})", lock(&p.why)),
+        Some(p) if p.dead.load(Ordering::Acquire) => format!(" ({})", p.why.lock()),
         Some(p) if p.healthy().is_empty() => {
             "; no healthy path to the peer is left (they are being rebuilt)".into()
         }
@@ -564,7 +553,7 @@ pub(crate) fn settle(from: &Path, mut job: Job, failure: Failure) {
 /// region pinned and completes when the NIC flushes it. Returns whether every QP
 /// drained by `deadline`.
 pub(crate) fn retire(peer: &Peer, deadline: Instant) -> bool {
-    let why = lock(&peer.why).clone();
+    let why = peer.why.lock().clone();
     for p in &peer.paths {
         p.retired.store(true, Ordering::Release);
         p.broken.store(true, Ordering::Release);
@@ -577,14 +566,14 @@ pub(crate) fn retire(peer: &Peer, deadline: Instant) -> bool {
         drained &= p.wait_idle(deadline);
     }
     for p in &peer.paths {
-        let jobs: Vec<Job> = lock(&p.state).waiting.drain(..).collect();
+        let jobs: Vec<Job> = p.state.lock().waiting.drain(..).collect();
         for job in jobs {
             settle(p, job, Failure::Retry(format!("its QP was retired: {why}")));
         }
     }
     for p in &peer.paths {
         // A path with work still posted leaves when its last flush comes in (`drain`).
-        if lock(&p.state).sq.outstanding() == 0 {
+        if p.state.lock().sq.outstanding() == 0 {
             unhook(p);
         }
     }

@@ -15,7 +15,8 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
+use te_core::sync::Mutex;
 
 use te_core::{BatchId, Completion, Error, Result};
 
@@ -60,8 +61,8 @@ impl BatchState {
             if let Some(table) = self.table.upgrade() {
                 table.remove(self.id, self);
             }
-            let error = self.error.lock().unwrap_or_else(|p| p.into_inner()).take();
-            let done = self.done.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let error = self.error.lock().take();
+            let done = self.done.lock().take();
             if let Some(done) = done {
                 done.complete(error.map_or(Ok(()), Err));
             }
@@ -70,7 +71,7 @@ impl BatchState {
 
     /// Records `error` as the batch's if it is the first, and stops the batch.
     fn stop(&self, error: Error) {
-        let mut first = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        let mut first = self.error.lock();
         if first.is_none() {
             *first = Some(error);
         }
@@ -103,7 +104,6 @@ impl BatchState {
     fn abort_requested(&self) -> bool {
         self.done
             .lock()
-            .unwrap_or_else(|p| p.into_inner())
             .as_ref()
             .is_some_and(Completion::is_aborted)
     }
@@ -135,7 +135,6 @@ impl InFlight {
         let state = Arc::new(BatchState::in_table(slices, done, Arc::downgrade(self)));
         self.batches
             .lock()
-            .unwrap_or_else(|p| p.into_inner())
             .entry(id)
             .or_default()
             .push(Arc::downgrade(&state));
@@ -150,7 +149,6 @@ impl InFlight {
         let live: Vec<Arc<BatchState>> = self
             .batches
             .lock()
-            .unwrap_or_else(|p| p.into_inner())
             .get(&id)
             .map(|v| v.iter().filter_map(Weak::upgrade).collect())
             .unwrap_or_default();
@@ -163,7 +161,7 @@ impl InFlight {
 
     /// Forgets `state` (and whatever of `id` is gone).
     fn remove(&self, id: BatchId, state: &BatchState) {
-        let mut batches = self.batches.lock().unwrap_or_else(|p| p.into_inner());
+        let mut batches = self.batches.lock();
         if let Some(v) = batches.get_mut(&id) {
             v.retain(|w| !std::ptr::eq(w.as_ptr(), state) && w.strong_count() > 0);
             if v.is_empty() {
@@ -175,12 +173,7 @@ impl InFlight {
     /// Batches in the table.
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.batches
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-            .map(Vec::len)
-            .sum()
+        self.batches.lock().values().map(Vec::len).sum()
     }
 }
 

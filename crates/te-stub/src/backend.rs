@@ -3,9 +3,10 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, RwLock, RwLockReadGuard, Weak};
+use std::sync::{Arc, Weak};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::Instant;
+use te_core::sync::{Condvar, Mutex, RwLock, RwLockReadGuard};
 
 use te_core::device::{DeviceCopy, DeviceRuntime};
 use te_core::{
@@ -36,8 +37,8 @@ struct Endpoint {
 /// Every live stub endpoint of this copy of the stub, by id.
 static ENDPOINTS: Mutex<Option<HashMap<u64, Weak<Endpoint>>>> = Mutex::new(None);
 
-fn endpoints() -> std::sync::MutexGuard<'static, Option<HashMap<u64, Weak<Endpoint>>>> {
-    ENDPOINTS.lock().unwrap_or_else(|p| p.into_inner())
+fn endpoints() -> te_core::sync::MutexGuard<'static, Option<HashMap<u64, Weak<Endpoint>>>> {
+    ENDPOINTS.lock()
 }
 
 /// What the Nth batch is made to suffer.
@@ -70,8 +71,8 @@ struct WorkerShared {
 }
 
 impl WorkerShared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> te_core::sync::MutexGuard<'_, Queue> {
+        self.queue.lock()
     }
 }
 
@@ -188,24 +189,14 @@ impl TransferBackend for StubBackend {
             access: mem.access,
             device,
         };
-        self.local
-            .regions
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, region);
+        self.local.regions.write().insert(id, region);
         Ok(Vec::new())
     }
 
     fn deregister(&self, id: RegionId, _deadline: Deadline) -> Result<()> {
         // The write lock waits for copies under way, which hold the read lock and end
         // in bounded time (a copy is never left waiting on anything but memory).
-        match self
-            .local
-            .regions
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&id)
-        {
+        match self.local.regions.write().remove(&id) {
             Some(_) => Ok(()),
             None => Err(Error::new(
                 ErrorKind::NotRegistered,
@@ -239,38 +230,24 @@ impl TransferBackend for StubBackend {
                 "no live stub endpoint with that id here: its engine is gone, or uses another copy of the stub (built in vs. plugin)",
             ));
         };
-        self.peers
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(PeerId(id), ep);
+        self.peers.write().insert(PeerId(id), ep);
         Ok(PeerId(id))
     }
 
     fn disconnect(&self, peer: PeerId, _deadline: Deadline) -> Result<()> {
-        match self
-            .peers
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&peer)
-        {
+        match self.peers.write().remove(&peer) {
             Some(_) => Ok(()),
             None => Err(Error::new(ErrorKind::PeerUnreachable, "unknown peer")),
         }
     }
 
     fn submit(&self, peer: PeerId, batch: &[TransferRequest], done: Completion) -> Result<()> {
-        let ep = self
-            .peers
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&peer)
-            .cloned()
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::PeerUnreachable,
-                    "the stub is not connected to that peer (connect again)",
-                )
-            })?;
+        let ep = self.peers.read().get(&peer).cloned().ok_or_else(|| {
+            Error::new(
+                ErrorKind::PeerUnreachable,
+                "the stub is not connected to that peer (connect again)",
+            )
+        })?;
         if ep.strong_count() == 0 {
             return Err(Error::new(
                 ErrorKind::PeerUnreachable,
@@ -371,10 +348,9 @@ fn run(
                         shared
                             .cond
                             .wait_timeout(q, due.saturating_duration_since(now))
-                            .unwrap_or_else(|p| p.into_inner())
                             .0
                     }
-                    None => shared.cond.wait(q).unwrap_or_else(|p| p.into_inner()),
+                    None => shared.cond.wait(q),
                 };
             }
         };
@@ -383,7 +359,7 @@ fn run(
         if job.fault == Fault::Restart {
             let id = job.peer.upgrade().map(|p| PeerId(p.id));
             if let Some(id) = id {
-                peers.write().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                peers.write().remove(&id);
             }
         }
         job.done.complete(result);
@@ -591,7 +567,7 @@ fn copy(
 }
 
 fn read(e: &Endpoint) -> RwLockReadGuard<'_, HashMap<RegionId, Region>> {
-    e.regions.read().unwrap_or_else(|p| p.into_inner())
+    e.regions.read()
 }
 
 fn region(

@@ -6,10 +6,11 @@
 //! name resolved, that blocks on a watch stream over the prefix and reports resolved
 //! entries that change or disappear. Both wait on a condition variable between tries.
 
+use crate::sync::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -55,10 +56,6 @@ struct State {
     watch: Option<TcpStream>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 impl Etcd {
     pub(super) fn new(endpoints: Vec<String>, prefix: &str, ttl: Duration) -> Etcd {
         Etcd {
@@ -82,7 +79,7 @@ impl Etcd {
             .name(name.to_string())
             .spawn(move || f(shared))
             .map_err(|e| Error::io("start metadata thread", "cannot start a thread", e))?;
-        lock(&self.threads).push(t);
+        self.threads.lock().push(t);
         Ok(())
     }
 }
@@ -90,14 +87,14 @@ impl Etcd {
 impl Drop for Etcd {
     fn drop(&mut self) {
         {
-            let mut st = lock(&self.shared.state);
+            let mut st = self.shared.state.lock();
             st.stop = true;
             if let Some(s) = st.watch.take() {
                 let _ = s.shutdown(std::net::Shutdown::Both);
             }
         }
         self.shared.wake.notify_all();
-        for t in lock(&self.threads).drain(..) {
+        for t in self.threads.lock().drain(..) {
             // The last engine reference may be dropped on the watcher itself (from
             // its stale-entry callback); it ends on its own once it sees `stop`.
             if t.thread().id() != std::thread::current().id() {
@@ -113,23 +110,23 @@ impl MetadataStore for Etcd {
     }
 
     fn publish(&self, entry: &EngineEntry, deadline: Deadline) -> Result<()> {
-        lock(&self.shared.state).published = Some(entry.clone());
+        self.shared.state.lock().published = Some(entry.clone());
         self.shared.put_with_lease(deadline)?;
         self.spawn("te-etcd-lease", keep)
     }
 
     fn resolve(&self, name: &str, deadline: Deadline) -> Result<Option<EngineEntry>> {
         // While the watch is up, what it has not reported stale is current.
-        if lock(&self.shared.state).watch.is_some() {
-            if let Some(e) = lock(&self.shared.cache).get(name) {
+        if self.shared.state.lock().watch.is_some() {
+            if let Some(e) = self.shared.cache.lock().get(name) {
                 return Ok(Some(e.clone()));
             }
         }
         let found = self.shared.get(name, deadline)?;
         if let Some(e) = &found {
-            lock(&self.shared.cache).insert(name.to_string(), e.clone());
+            self.shared.cache.lock().insert(name.to_string(), e.clone());
             let start = {
-                let mut st = lock(&self.shared.state);
+                let mut st = self.shared.state.lock();
                 !std::mem::replace(&mut st.watching, true)
             };
             if start {
@@ -158,12 +155,12 @@ impl MetadataStore for Etcd {
     }
 
     fn on_stale(&self, f: OnStale) {
-        *lock(&self.shared.on_stale) = Some(Arc::new(f));
+        *self.shared.on_stale.lock() = Some(Arc::new(f));
     }
 
     fn withdraw(&self, deadline: Deadline) {
         let (entry, lease) = {
-            let mut st = lock(&self.shared.state);
+            let mut st = self.shared.state.lock();
             (st.published.take(), std::mem::take(&mut st.lease))
         };
         self.shared.wake.notify_all();
@@ -230,7 +227,7 @@ impl Shared {
 
     /// Grants a new lease and puts the published entry under it.
     fn put_with_lease(&self, deadline: Deadline) -> Result<()> {
-        let Some(entry) = lock(&self.state).published.clone() else {
+        let Some(entry) = self.state.lock().published.clone() else {
             return Ok(());
         };
         let ttl = self.ttl.as_secs().max(1);
@@ -249,7 +246,7 @@ impl Shared {
             json!({"key": B64.encode(self.key(&entry.name)), "value": B64.encode(value), "lease": lease.to_string()}),
             deadline,
         )?;
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock();
         if st.published.is_some() {
             st.lease = lease;
         }
@@ -258,7 +255,7 @@ impl Shared {
 
     /// Renews the lease, or publishes anew if etcd no longer knows it.
     fn renew(&self, deadline: Deadline) -> Result<()> {
-        let lease = lock(&self.state).lease;
+        let lease = self.state.lock().lease;
         if lease != 0 {
             match self.call(
                 "/v3/lease/keepalive",
@@ -277,7 +274,7 @@ impl Shared {
     /// Reports a resolved entry that changed or disappeared, and forgets it.
     fn changed(&self, name: &str, now: Option<EngineEntry>) {
         let old = {
-            let mut cache = lock(&self.cache);
+            let mut cache = self.cache.lock();
             match cache.get(name) {
                 Some(old) if now.as_ref() != Some(old) => cache.remove(name),
                 _ => None,
@@ -285,7 +282,7 @@ impl Shared {
         };
         if let Some(old) = old {
             tracing::info!(peer = %old.name, address = %old.address, "metadata: the peer's entry changed or disappeared");
-            let f = lock(&self.on_stale).clone();
+            let f = self.on_stale.lock().clone();
             if let Some(f) = f {
                 f(&old);
             }
@@ -294,7 +291,7 @@ impl Shared {
 
     /// Checks every resolved entry against the store (after the watch was down).
     fn resync(&self) {
-        let names: Vec<String> = lock(&self.cache).keys().cloned().collect();
+        let names: Vec<String> = self.cache.lock().keys().cloned().collect();
         for name in names {
             if let Ok(now) = self.get(&name, Deadline::after(REQUEST)) {
                 self.changed(&name, now);
@@ -329,11 +326,8 @@ impl Shared {
 
     /// Waits up to `wait` unless stopped; true if stopped.
     fn pause(&self, wait: Duration) -> bool {
-        let st = lock(&self.state);
-        let (st, _) = self
-            .wake
-            .wait_timeout_while(st, wait, |s| !s.stop)
-            .unwrap_or_else(|p| p.into_inner());
+        let st = self.state.lock();
+        let (st, _) = self.wake.wait_timeout_while(st, wait, |s| !s.stop);
         st.stop
     }
 }
@@ -347,7 +341,7 @@ fn keep(shared: Arc<Shared>) {
         if shared.pause(wait) {
             return;
         }
-        if lock(&shared.state).published.is_none() {
+        if shared.state.lock().published.is_none() {
             return;
         }
         match shared.renew(Deadline::after(period.min(REQUEST))) {
@@ -383,7 +377,7 @@ fn watch(shared: Arc<Shared>) {
             Deadline::after(REQUEST),
         ) {
             {
-                let mut st = lock(&shared.state);
+                let mut st = shared.state.lock();
                 if st.stop {
                     return;
                 }
@@ -391,7 +385,7 @@ fn watch(shared: Arc<Shared>) {
             }
             shared.resync();
             let _ = response.stream(|v| shared.apply(&v));
-            lock(&shared.state).watch = None;
+            shared.state.lock().watch = None;
         } else {
             shared.preferred.store((at + 1) % n, Ordering::Relaxed);
         }

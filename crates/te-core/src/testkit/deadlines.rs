@@ -1,6 +1,8 @@
 //! Deadlines, waiting and shutdown with work in flight (the slow configuration).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use crate::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use libtest_mimic::Failed;
@@ -105,28 +107,27 @@ pub(super) fn dropping_the_engine_with_batches_in_flight_neither_hangs_nor_crash
 pub(super) fn a_handle_can_be_awaited_as_a_future(h: &Harness) -> Result<(), Failed> {
     use std::future::Future;
     use std::task::{Context, Poll, Wake, Waker};
-    struct Flag(Mutex<bool>, std::sync::Condvar);
+    struct Flag(Mutex<bool>, crate::sync::Condvar);
     impl Wake for Flag {
         fn wake(self: Arc<Self>) {
-            *self.0.lock().unwrap_or_else(|p| p.into_inner()) = true;
+            *self.0.lock() = true;
             self.1.notify_all();
         }
     }
     let p = h.pair(true, 4096)?;
     let req = TransferRequest::write(p.local.id(), 0, p.remote_desc.id, 0, 16);
     let mut handle = p.initiator.transfer(&p.peer, &[req]).map_err(e2f)?;
-    let flag = Arc::new(Flag(Mutex::new(false), std::sync::Condvar::new()));
+    let flag = Arc::new(Flag(Mutex::new(false), crate::sync::Condvar::new()));
     let waker = Waker::from(flag.clone());
     let mut cx = Context::from_waker(&waker);
     ensure!(
         std::pin::Pin::new(&mut handle).poll(&mut cx).is_pending(),
         "a slow batch was ready at once"
     );
-    let woken = flag.0.lock().unwrap_or_else(|p| p.into_inner());
+    let woken = flag.0.lock();
     let (woken, _) = flag
         .1
-        .wait_timeout_while(woken, Duration::from_secs(10), |w| !*w)
-        .unwrap_or_else(|p| p.into_inner());
+        .wait_timeout_while(woken, Duration::from_secs(10), |w| !*w);
     ensure!(*woken, "the waker was not called");
     drop(woken);
     match std::pin::Pin::new(&mut handle).poll(&mut cx) {
@@ -138,10 +139,10 @@ pub(super) fn a_handle_can_be_awaited_as_a_future(h: &Harness) -> Result<(), Fai
 pub(super) fn every_clone_of_a_handle_wakes(h: &Harness) -> Result<(), Failed> {
     use std::future::Future;
     use std::task::{Context, Wake, Waker};
-    struct Flag(Mutex<bool>, std::sync::Condvar);
+    struct Flag(Mutex<bool>, crate::sync::Condvar);
     impl Wake for Flag {
         fn wake(self: Arc<Self>) {
-            *self.0.lock().unwrap_or_else(|p| p.into_inner()) = true;
+            *self.0.lock() = true;
             self.1.notify_all();
         }
     }
@@ -151,7 +152,7 @@ pub(super) fn every_clone_of_a_handle_wakes(h: &Harness) -> Result<(), Failed> {
     let start = Instant::now();
     // Two futures polled with two different wakers, and two threads waiting.
     let flags: Vec<Arc<Flag>> = (0..2)
-        .map(|_| Arc::new(Flag(Mutex::new(false), std::sync::Condvar::new())))
+        .map(|_| Arc::new(Flag(Mutex::new(false), crate::sync::Condvar::new())))
         .collect();
     for f in &flags {
         let waker = Waker::from(f.clone());
@@ -174,10 +175,9 @@ pub(super) fn every_clone_of_a_handle_wakes(h: &Harness) -> Result<(), Failed> {
         ensure!(r.is_some(), "a waiting clone was not woken within 10 s");
     }
     for (i, f) in flags.iter().enumerate() {
-        let woken = f.0.lock().unwrap_or_else(|p| p.into_inner());
+        let woken = f.0.lock();
         let (woken, _) =
-            f.1.wait_timeout_while(woken, Duration::from_secs(10), |w| !*w)
-                .unwrap_or_else(|p| p.into_inner());
+            f.1.wait_timeout_while(woken, Duration::from_secs(10), |w| !*w);
         ensure!(*woken, "the waker of future {i} was not called");
     }
     ensure!(

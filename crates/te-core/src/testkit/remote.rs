@@ -1,8 +1,8 @@
 //! A target engine in a child process.
 
+use crate::sync::Mutex;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::sync::Mutex;
 use std::time::Duration;
 
 use libtest_mimic::Failed;
@@ -74,7 +74,7 @@ impl RemoteTarget {
     }
 
     pub(super) fn call(&self, command: &str) -> Result<String, Failed> {
-        let mut io = self.io.lock().unwrap_or_else(|p| p.into_inner());
+        let mut io = self.io.lock();
         writeln!(io.0, "{command}")
             .map_err(|e| fail(format!("the target process is gone: {e}")))?;
         let mut line = String::new();
@@ -90,7 +90,7 @@ impl RemoteTarget {
 
 impl Drop for RemoteTarget {
     fn drop(&mut self) {
-        let mut child = self.child.lock().unwrap_or_else(|p| p.into_inner());
+        let mut child = self.child.lock();
         let _ = child.kill();
         let _ = child.wait();
     }

@@ -1,7 +1,8 @@
 //! Transfers that must work: data moves, completes once, notifications follow data.
 
+use crate::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use libtest_mimic::Failed;
@@ -185,24 +186,18 @@ pub(super) fn many_concurrent_batches_from_several_threads_all_complete(
                     );
                     match p.initiator.transfer(&p.peer, &[req]) {
                         Ok(hd) => handles.push(hd),
-                        Err(e) => errors
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .push(e.to_string()),
+                        Err(e) => errors.lock().push(e.to_string()),
                     }
                 }
                 for hd in handles {
                     if let Err(e) = hd.wait() {
-                        errors
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .push(e.to_string());
+                        errors.lock().push(e.to_string());
                     }
                 }
             });
         }
     });
-    let errors = errors.into_inner().unwrap_or_else(|p| p.into_inner());
+    let errors = errors.into_inner();
     ensure!(
         errors.is_empty(),
         "{} batches failed, first: {}",

@@ -1,0 +1,190 @@
+//! Locks that do not poison.
+//!
+//! A panic while a lock is held poisons a `std::sync` lock, and every later `lock()`
+//! returns an error. te's locks guard plain state (queues, tables, flags) that stays
+//! consistent between statements, and a panicking thread in te is already a bug
+//! reported elsewhere; refusing every later caller would turn one bug into a dead
+//! engine. These wrappers recover the guard instead, so callers write `m.lock()`
+//! rather than repeating the recovery at every call site.
+
+use std::fmt;
+use std::sync::{self as std_sync, WaitTimeoutResult};
+use std::time::Duration;
+
+pub use std::sync::{MutexGuard, RwLockReadGuard, RwLockWriteGuard};
+
+/// A mutual-exclusion lock whose `lock` never fails (see the module docs).
+#[derive(Default)]
+pub struct Mutex<T: ?Sized>(std_sync::Mutex<T>);
+
+impl<T> Mutex<T> {
+    /// A new unlocked mutex holding `value`.
+    pub const fn new(value: T) -> Self {
+        Self(std_sync::Mutex::new(value))
+    }
+
+    /// Consumes the mutex and returns its value.
+    pub fn into_inner(self) -> T {
+        self.0.into_inner().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl<T: ?Sized> Mutex<T> {
+    /// Blocks until the lock is held, and returns its guard.
+    pub fn lock(&self) -> MutexGuard<'_, T> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The guard if the lock is free now, `None` if another thread holds it.
+    pub fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
+        match self.0.try_lock() {
+            Ok(g) => Some(g),
+            Err(std_sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std_sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// The value, through an exclusive borrow: no locking needed.
+    pub fn get_mut(&mut self) -> &mut T {
+        self.0.get_mut().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl<T: ?Sized + fmt::Debug> fmt::Debug for Mutex<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// A reader-writer lock whose `read` and `write` never fail (see the module docs).
+#[derive(Default)]
+pub struct RwLock<T: ?Sized>(std_sync::RwLock<T>);
+
+impl<T> RwLock<T> {
+    /// A new unlocked lock holding `value`.
+    pub const fn new(value: T) -> Self {
+        Self(std_sync::RwLock::new(value))
+    }
+
+    /// Consumes the lock and returns its value.
+    pub fn into_inner(self) -> T {
+        self.0.into_inner().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl<T: ?Sized> RwLock<T> {
+    /// Blocks until shared access is held.
+    pub fn read(&self) -> RwLockReadGuard<'_, T> {
+        self.0.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Blocks until exclusive access is held.
+    pub fn write(&self) -> RwLockWriteGuard<'_, T> {
+        self.0.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The value, through an exclusive borrow: no locking needed.
+    pub fn get_mut(&mut self) -> &mut T {
+        self.0.get_mut().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl<T: ?Sized + fmt::Debug> fmt::Debug for RwLock<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// A condition variable for [`Mutex`] guards whose waits never fail.
+#[derive(Debug, Default)]
+pub struct Condvar(std_sync::Condvar);
+
+impl Condvar {
+    /// A new condition variable.
+    pub const fn new() -> Self {
+        Self(std_sync::Condvar::new())
+    }
+
+    /// Releases `guard`, blocks until notified (or a spurious wake-up), relocks.
+    pub fn wait<'a, T>(&self, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+        self.0.wait(guard).unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// As [`wait`](Self::wait), for at most `timeout`.
+    pub fn wait_timeout<'a, T>(
+        &self,
+        guard: MutexGuard<'a, T>,
+        timeout: Duration,
+    ) -> (MutexGuard<'a, T>, WaitTimeoutResult) {
+        self.0
+            .wait_timeout(guard, timeout)
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Blocks while `condition` holds.
+    pub fn wait_while<'a, T, F>(&self, guard: MutexGuard<'a, T>, condition: F) -> MutexGuard<'a, T>
+    where
+        F: FnMut(&mut T) -> bool,
+    {
+        self.0
+            .wait_while(guard, condition)
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Blocks while `condition` holds, for at most `timeout`.
+    pub fn wait_timeout_while<'a, T, F>(
+        &self,
+        guard: MutexGuard<'a, T>,
+        timeout: Duration,
+        condition: F,
+    ) -> (MutexGuard<'a, T>, WaitTimeoutResult)
+    where
+        F: FnMut(&mut T) -> bool,
+    {
+        self.0
+            .wait_timeout_while(guard, timeout, condition)
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Wakes one waiter.
+    pub fn notify_one(&self) {
+        self.0.notify_one()
+    }
+
+    /// Wakes every waiter.
+    pub fn notify_all(&self) {
+        self.0.notify_all()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn a_panic_while_locked_does_not_lock_out_later_callers() {
+        let m = Arc::new(Mutex::new(1));
+        let m2 = Arc::clone(&m);
+        let r = std::thread::spawn(move || {
+            let mut g = m2.lock();
+            *g = 2;
+            panic!("while holding the lock");
+        })
+        .join();
+        assert!(r.is_err());
+        assert_eq!(*m.lock(), 2);
+        let rw = RwLock::new(3);
+        *rw.write() += 1;
+        assert_eq!(*rw.read(), 4);
+    }
+
+    #[test]
+    fn wait_timeout_while_reports_the_timeout() {
+        let m = Mutex::new(false);
+        let cv = Condvar::new();
+        let (g, r) = cv.wait_timeout_while(m.lock(), Duration::from_millis(10), |done| !*done);
+        assert!(r.timed_out());
+        assert!(!*g);
+    }
+}
