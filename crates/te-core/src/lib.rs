@@ -73,7 +73,7 @@ pub use hook::{ControlHook, MessageHandler, PeerInfo};
 pub use inbox::Notification;
 pub use inbox::{Next, PeerEvent, PeerEventKind};
 pub use kv::{KvGroup, KvLayout, KvSelection, KvSlot};
-pub use registry::{Origin, Registry};
+pub use registry::{BackendType, Origin, Registry};
 
 #[doc(hidden)]
 pub use inventory;

@@ -36,13 +36,49 @@ pub struct BackendFactory {
 
 inventory::collect!(BackendFactory);
 
+/// A backend the registry builds by type: its name, its `[backends.NAME]` table and
+/// its constructor. A backend crate implements it once and registers with
+/// `te_core::register_backend!(MyBackend);`.
+pub trait BackendType: TransferBackend + Sized {
+    /// The registry name (`[engine] backend = "…"`), also the crate's `NAME`.
+    const NAME: &'static str;
+    /// The `[backends.NAME]` table, parsed (unknown keys refused) before `create`.
+    type Config: serde::de::DeserializeOwned;
+
+    /// Says whether the backend can run here (library present, devices present), and
+    /// if not, why. The default: it always can.
+    ///
+    /// # Errors
+    /// `Unavailable`, saying what is missing.
+    fn probe() -> Result<()> {
+        Ok(())
+    }
+
+    /// Builds an instance from its parsed table and the engine's context.
+    ///
+    /// # Errors
+    /// Whatever stops the backend from starting, with a message saying what to fix.
+    fn create(config: Self::Config, ctx: &BackendContext) -> Result<Self>;
+}
+
+/// Builds a [`BackendType`] as the registry does: parses its `[backends.NAME]` table
+/// from the context, then calls its `create`.
+///
+/// # Errors
+/// `ConfigInvalid` for a bad table; otherwise what `create` returns.
+pub fn build<B: BackendType + 'static>(ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
+    let config: B::Config = ctx.parse(B::NAME)?;
+    Ok(Arc::new(B::create(config, ctx)?))
+}
+
 /// Registers a backend crate: as a built-in backend (through `inventory`) and as the
-/// root module of its cdylib (symbol `te_plugin_<crate name>`).
+/// root module of its cdylib (symbol `te_plugin_<crate name>`). Once per crate:
 ///
 /// ```ignore
-/// te_core::register_backend!(NAME, probe, create);
+/// te_core::register_backend!(MyBackend); // MyBackend: te_core::BackendType
 /// ```
-/// with `probe: fn() -> te_core::Result<()>` and
+/// or, with plain functions, `te_core::register_backend!(NAME, probe, create)` with
+/// `probe: fn() -> te_core::Result<()>` and
 /// `create: fn(&te_core::BackendContext) -> te_core::Result<Arc<dyn TransferBackend>>`.
 #[macro_export]
 macro_rules! register_backend {
@@ -83,6 +119,23 @@ macro_rules! register_backend {
                 )
             }
         };
+    };
+    ($backend:ty) => {
+        #[doc(hidden)]
+        fn __te_backend_probe() -> $crate::Result<()> {
+            <$backend as $crate::registry::BackendType>::probe()
+        }
+        #[doc(hidden)]
+        fn __te_backend_create(
+            ctx: &$crate::BackendContext,
+        ) -> $crate::Result<::std::sync::Arc<dyn $crate::TransferBackend>> {
+            $crate::registry::build::<$backend>(ctx)
+        }
+        $crate::register_backend!(
+            <$backend as $crate::registry::BackendType>::NAME,
+            __te_backend_probe,
+            __te_backend_create
+        );
     };
 }
 

@@ -29,9 +29,8 @@
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-use te_core::{BackendContext, Error, ErrorKind, Result, TransferBackend};
+use te_core::{BackendContext, BackendType, Error, ErrorKind, Result};
 
 mod backend;
 mod batch;
@@ -68,6 +67,19 @@ fn shim_path(configured: Option<&Path>) -> PathBuf {
     PathBuf::from(BUILT_SHIM.unwrap_or(SHIM_FILE))
 }
 
+impl BackendType for FlagcxBackend {
+    const NAME: &'static str = NAME;
+    type Config = FlagcxConfig;
+
+    fn probe() -> Result<()> {
+        probe()
+    }
+
+    fn create(config: FlagcxConfig, _ctx: &BackendContext) -> Result<Self> {
+        FlagcxBackend::new(config)
+    }
+}
+
 fn probe() -> Result<()> {
     let path = shim_path(None);
     match ffi::load(&path) {
@@ -82,9 +94,4 @@ fn probe() -> Result<()> {
     }
 }
 
-fn create(ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
-    let config: FlagcxConfig = ctx.parse(NAME)?;
-    Ok(Arc::new(FlagcxBackend::new(config)?))
-}
-
-te_core::register_backend!(NAME, probe, create);
+te_core::register_backend!(FlagcxBackend);

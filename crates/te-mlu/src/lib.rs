@@ -33,9 +33,7 @@
 #![warn(missing_debug_implementations, missing_docs, unreachable_pub)]
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
 
-use std::sync::Arc;
-
-use te_core::{BackendContext, Result, TransferBackend};
+use te_core::{BackendContext, BackendType, Result};
 
 mod backend;
 mod config;
@@ -51,16 +49,20 @@ pub use runtime::{instance as runtime, MluRuntime, RUNTIME};
 /// The mlu backend's registry name.
 pub const NAME: &str = "mlu";
 
-fn probe() -> Result<()> {
-    runtime::instance().map(|_| ())
+impl BackendType for MluBackend {
+    const NAME: &'static str = NAME;
+    type Config = MluConfig;
+
+    fn probe() -> Result<()> {
+        runtime::instance().map(|_| ())
+    }
+
+    fn create(config: MluConfig, ctx: &BackendContext) -> Result<Self> {
+        MluBackend::new(config, ctx)
+    }
 }
 
-fn create(ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
-    let config: MluConfig = ctx.parse(NAME)?;
-    Ok(Arc::new(MluBackend::new(config, ctx)?))
-}
-
-te_core::register_backend!(NAME, probe, create);
+te_core::register_backend!(MluBackend);
 
 #[cfg(test)]
 mod tests {

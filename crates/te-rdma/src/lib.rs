@@ -91,9 +91,7 @@
 #![warn(missing_debug_implementations, missing_docs, unreachable_pub)]
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
 
-use std::sync::Arc;
-
-use te_core::{BackendContext, Result, TransferBackend};
+use te_core::{BackendContext, BackendType, Result};
 
 mod backend;
 mod config;
@@ -130,15 +128,23 @@ pub fn probe() -> Result<()> {
     backend::probe()
 }
 
-fn create(ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
-    let config: RdmaConfig = ctx.parse(NAME)?;
+impl BackendType for RdmaBackend {
+    const NAME: &'static str = NAME;
+    type Config = RdmaConfig;
+
+    fn probe() -> Result<()> {
+        backend::probe()
+    }
+
+    fn create(config: RdmaConfig, ctx: &BackendContext) -> Result<Self> {
+        create(config, ctx)
+    }
+}
+
+fn create(config: RdmaConfig, ctx: &BackendContext) -> Result<RdmaBackend> {
     let epoch = ctx.epoch_or_random();
     if ctx.hook.is_connected() {
-        return Ok(Arc::new(RdmaBackend::with_hook(
-            config,
-            epoch,
-            ctx.hook.clone(),
-        )?));
+        return RdmaBackend::with_hook(config, epoch, ctx.hook.clone());
     }
     // Outside an engine (a tool, a test below the engine): the exchange needs a
     // control plane to reach engines, so the backend runs te-core's, with the
@@ -149,12 +155,10 @@ fn create(ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
     engine.name = ctx.engine.clone();
     engine.auth_token = ctx.auth_token.clone();
     let control = te_core::hook::StandaloneControl::start(&engine, epoch)?;
-    Ok(Arc::new(RdmaBackend::outside_engine(
-        config, epoch, control,
-    )?))
+    RdmaBackend::outside_engine(config, epoch, control)
 }
 
-te_core::register_backend!(NAME, probe, create);
+te_core::register_backend!(RdmaBackend);
 
 #[cfg(test)]
 mod tests {
@@ -179,7 +183,7 @@ mod tests {
             source: "test".into(),
             ..Default::default()
         };
-        let e = create(&ctx).unwrap_err();
+        let e = te_core::registry::build::<RdmaBackend>(&ctx).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Unavailable);
         assert_eq!(e.message(), why.message());
     }
@@ -200,7 +204,7 @@ mod tests {
             source: "rdma.toml".into(),
             ..Default::default()
         };
-        let e = create(&ctx).unwrap_err();
+        let e = te_core::registry::build::<RdmaBackend>(&ctx).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::ConfigInvalid);
         assert!(e.to_string().contains("slice_sise"), "{e}");
     }

@@ -29,9 +29,7 @@
 #![warn(missing_debug_implementations, missing_docs, unreachable_pub)]
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
 
-use std::sync::Arc;
-
-use te_core::{BackendContext, Result, TransferBackend};
+use te_core::{BackendContext, BackendType, Result};
 
 mod backend;
 mod config;
@@ -42,13 +40,13 @@ pub use config::{Mode, StubConfig};
 /// The stub's registry name.
 pub const NAME: &str = "stub";
 
-fn probe() -> Result<()> {
-    Ok(())
+impl BackendType for StubBackend {
+    const NAME: &'static str = NAME;
+    type Config = StubConfig;
+
+    fn create(config: StubConfig, ctx: &BackendContext) -> Result<Self> {
+        StubBackend::new(config, ctx)
+    }
 }
 
-fn create(ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
-    let config: StubConfig = ctx.parse(NAME)?;
-    Ok(Arc::new(StubBackend::new(config, ctx)?))
-}
-
-te_core::register_backend!(NAME, probe, create);
+te_core::register_backend!(StubBackend);

@@ -69,9 +69,7 @@
 #![warn(missing_debug_implementations, missing_docs, unreachable_pub)]
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
 
-use std::sync::Arc;
-
-use te_core::{BackendContext, Result, TransferBackend};
+use te_core::{BackendContext, BackendType, Result};
 
 mod backend;
 mod config;
@@ -90,13 +88,13 @@ pub use config::TcpConfig;
 /// The TCP backend's registry name.
 pub const NAME: &str = "tcp";
 
-fn probe() -> Result<()> {
-    Ok(())
+impl BackendType for TcpBackend {
+    const NAME: &'static str = NAME;
+    type Config = TcpConfig;
+
+    fn create(config: TcpConfig, ctx: &BackendContext) -> Result<Self> {
+        TcpBackend::new(config, ctx)
+    }
 }
 
-fn create(ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
-    let config: TcpConfig = ctx.parse(NAME)?;
-    Ok(Arc::new(TcpBackend::new(config, ctx)?))
-}
-
-te_core::register_backend!(NAME, probe, create);
+te_core::register_backend!(TcpBackend);
