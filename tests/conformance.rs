@@ -1,5 +1,7 @@
-//! The conformance suite against every backend this build can reach: te-stub built in,
-//! and te-stub loaded as a plugin from the cdylib `cargo build --workspace` produced.
+//! The conformance suite on te-stub where the facade matters: loaded as a plugin from
+//! the cdylib `cargo build --workspace` produced, on fake-device memory, and as the
+//! contract's adversary. The plain built-in run is te-stub's own
+//! `crates/te-stub/tests/conformance.rs`.
 
 use std::path::PathBuf;
 
@@ -45,8 +47,6 @@ fn main() {
             .collect::<Vec<_>>()
     );
 
-    let builtin = Harness::new("stub_builtin", stub_config(None, ""))
-        .with_slow(stub_config(None, "delay = \"200ms\""));
     let plugin = Harness::new("stub_plugin", stub_config(Some(dir.clone()), ""))
         .with_slow(stub_config(Some(dir), "delay = \"200ms\""));
     // Device memory through the fake device runtime: both sides on devices, and mixed.
@@ -63,8 +63,7 @@ fn main() {
             None,
             "delay = \"200ms\"\nignore_abort = true\nreorder = true",
         ));
-    let mut trials = testkit::trials(&builtin);
-    trials.extend(testkit::trials(&plugin));
+    let mut trials = testkit::trials(&plugin);
     trials.extend(testkit::trials(&adversary));
     trials.extend(testkit::trials(&fakedev(
         "stub_fakedev",

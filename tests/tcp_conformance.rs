@@ -30,9 +30,9 @@ fn main() {
     testkit::serve_target_if_asked();
     // The slow configuration holds every request 200 ms at the target.
     let slow = "debug_delay = \"200ms\"";
-    let builtin =
-        Harness::new("tcp_builtin", tcp_config(None, "")).with_slow(tcp_config(None, slow));
-    let mut trials = testkit::trials(&builtin);
+    // Built in, in this process and with every target in a child process.
+    let builtin = Harness::for_backend("tcp", "", Some(slow)).labelled("tcp_builtin");
+    let mut trials = testkit::trials_everywhere(&builtin);
     let dir = plugin_dir();
     let lib = dir.join(format!("libte_tcp{}", std::env::consts::DLL_SUFFIX));
     assert!(
@@ -50,11 +50,6 @@ fn main() {
     let plugin = Harness::new("tcp_plugin", tcp_config(Some(dir.clone()), ""))
         .with_slow(tcp_config(Some(dir), slow));
     trials.extend(testkit::trials(&plugin));
-    let toml = |table: &str| format!("[engine]\nbackend = \"tcp\"\n[backends.tcp]\n{table}\n");
-    let two_process = Harness::new("tcp_two_process", tcp_config(None, ""))
-        .with_slow(tcp_config(None, slow))
-        .with_remote_target(&toml(""), Some(&toml(slow)));
-    trials.extend(testkit::trials(&two_process));
     // Device memory, staged through pinned host buffers: the fake device on both sides
     // and mixed with host memory, in this process; and on both sides across processes.
     for (label, initiator, target) in [
@@ -70,7 +65,10 @@ fn main() {
     let two_process_fakedev = Harness::new("tcp_two_process_fakedev", tcp_config(None, ""))
         .with_slow(tcp_config(None, slow))
         .with_memory("fakedev:0".parse().unwrap(), "fakedev:0".parse().unwrap())
-        .with_remote_target(&toml(""), Some(&toml(slow)));
+        .with_remote_target(
+            &testkit::engine_toml("tcp", ""),
+            Some(&testkit::engine_toml("tcp", slow)),
+        );
     trials.extend(testkit::trials(&two_process_fakedev));
     testkit::run(trials);
 }

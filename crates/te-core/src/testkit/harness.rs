@@ -20,6 +20,28 @@ pub struct Harness {
     slow: Option<Config>,
     memory: (MemoryKind, MemoryKind),
     remote: Option<(String, Option<String>)>,
+    /// The engine TOML behind `config` and `slow`, where the harness was made from
+    /// tables ([`Harness::for_backend`]): what a child-process target is started with.
+    toml: Option<(String, Option<String>)>,
+}
+
+/// The TOML text of an engine of backend `name` whose `[backends.NAME]` table is
+/// `table` (TOML lines, may be empty).
+pub fn engine_toml(name: &str, table: &str) -> String {
+    format!("[engine]\nbackend = \"{name}\"\n[backends.{name}]\n{table}\n")
+}
+
+/// [`engine_toml`], parsed.
+///
+/// # Panics
+/// On a table that does not parse: a test's own fixture is wrong.
+pub fn engine_config(name: &str, table: &str) -> Config {
+    Config::from_toml(
+        &engine_toml(name, table),
+        &format!("{name}-conformance.toml"),
+        std::path::Path::new("."),
+    )
+    .unwrap_or_else(|e| panic!("the test's [backends.{name}] table is invalid: {e}"))
 }
 
 impl Harness {
@@ -31,7 +53,39 @@ impl Harness {
             slow: None,
             memory: (MemoryKind::Host, MemoryKind::Host),
             remote: None,
+            toml: None,
         }
+    }
+
+    /// The harness every backend crate's conformance test starts from: engines of
+    /// backend `name` with `table` as their `[backends.NAME]` table, and `slow` as the
+    /// table whose batches take about 200 ms (the stub's `delay`, te-tcp's
+    /// `debug_delay`). [`trials_everywhere`](super::trials_everywhere) runs it in one
+    /// process and, where the backend reaches across processes, across two.
+    pub fn for_backend(name: &str, table: &str, slow: Option<&str>) -> Harness {
+        let mut h = Harness::new(name, engine_config(name, table));
+        if let Some(slow) = slow {
+            h = h.with_slow(engine_config(name, slow));
+        }
+        h.toml = Some((engine_toml(name, table), slow.map(|s| engine_toml(name, s))));
+        h
+    }
+
+    /// The same harness under another label (test names start with it).
+    pub fn labelled(mut self, label: &str) -> Harness {
+        self.label = label.to_string();
+        self
+    }
+
+    /// This harness with every target in a child process, where it was made by
+    /// [`for_backend`](Self::for_backend); `None` otherwise.
+    pub(super) fn across_processes(&self) -> Option<Harness> {
+        let (normal, slow) = self.toml.clone()?;
+        Some(
+            self.clone()
+                .labelled(&format!("{}_two_process", self.label))
+                .with_remote_target(&normal, slow.as_deref()),
+        )
     }
 
     /// Puts the initiator's buffers in `initiator` memory and the target's in `target`

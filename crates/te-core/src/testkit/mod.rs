@@ -7,14 +7,14 @@
 //! use te_core::testkit::{self, Harness};
 //! fn main() {
 //!     testkit::serve_target_if_asked();
-//!     let h = Harness::new("stub", config).with_slow(slow_config);
-//!     testkit::run(testkit::trials(&h));
+//!     let h = Harness::for_backend(my_backend::NAME, "", Some("delay = \"200ms\""));
+//!     testkit::run(testkit::trials_everywhere(&h));
 //! }
 //! ```
-//!
-//! `slow` is a configuration of the same backend whose batches take about 200 ms (the
-//! stub's `delay`, te-tcp's `debug_delay`); tests about deadlines, cancelling, waiting
-//! and shutdown with work in flight need it and are skipped without it.
+//! (`crates/te-stub/tests/conformance.rs` is that test.) The second table is one of the
+//! same backend whose batches take about 200 ms (the stub's `delay`, te-tcp's
+//! `debug_delay`); tests about deadlines, cancelling, waiting and shutdown with work in
+//! flight need it and are skipped without it.
 //!
 //! The tests live by area: [`transfers`] (what must work), [`refusals`] (what must be
 //! refused, and where), [`deadlines`] (time and shutdown), [`memory`] (the caller's
@@ -40,7 +40,7 @@ mod refusals;
 mod remote;
 mod transfers;
 
-pub use harness::Harness;
+pub use harness::{engine_config, engine_toml, Harness};
 pub use remote::serve_target_if_asked;
 
 pub(crate) fn fail(m: impl Into<String>) -> Failed {
@@ -122,16 +122,21 @@ fn specs(caps: &Capabilities) -> Vec<Spec> {
     ]
 }
 
+/// The capabilities of the harness's backend, or why it cannot be created.
+fn capabilities(h: &Harness) -> Result<Capabilities, String> {
+    Registry::discover(&h.config().engine.plugin_dirs)
+        .get(&h.config().engine.backend)
+        .and_then(|e| e.create(&h.config().backend_context(&h.config().engine.backend)))
+        .map(|b| b.info().capabilities.clone())
+        .map_err(|e| e.to_string())
+}
+
 /// Every contract test, for the harness's backend; those its capabilities (or a
 /// missing slow configuration) rule out are marked ignored.
 pub fn trials(h: &Harness) -> Vec<Trial> {
-    let caps = match Registry::discover(&h.config().engine.plugin_dirs)
-        .get(&h.config().engine.backend)
-        .and_then(|e| e.create(&h.config().backend_context(&h.config().engine.backend)))
-    {
-        Ok(b) => b.info().capabilities.clone(),
-        Err(e) => {
-            let msg = e.to_string();
+    let caps = match capabilities(h) {
+        Ok(caps) => caps,
+        Err(msg) => {
             return vec![Trial::test(
                 format!("{}::backend_can_be_created", h.label()),
                 move || Err(fail(msg)),
@@ -147,6 +152,20 @@ pub fn trials(h: &Harness) -> Vec<Trial> {
                 .with_ignored_flag(ignored)
         })
         .collect()
+}
+
+/// [`trials`] in this process, and again with every target engine in a child process
+/// when the backend reaches across processes and the harness was made by
+/// [`Harness::for_backend`]. The test's `main` must call [`serve_target_if_asked`]
+/// first.
+pub fn trials_everywhere(h: &Harness) -> Vec<Trial> {
+    let mut all = trials(h);
+    if capabilities(h).is_ok_and(|c| c.cross_process) {
+        if let Some(remote) = h.across_processes() {
+            all.extend(trials(&remote));
+        }
+    }
+    all
 }
 
 /// Runs trials as a test binary's `main` does, exiting with the result.
