@@ -216,8 +216,11 @@ fn check(config: Option<PathBuf>) -> te::Result<()> {
                 format!("[backends.{other}] in {}: {}", config.source, e.message()),
             )
         })?;
-        if entry.available().is_ok() {
-            entry.create(&config.backend_context(other))?;
+        let ctx = config.backend_context(other);
+        match entry.check_table(&ctx) {
+            Some(checked) => checked?,
+            None if entry.available().is_ok() => drop(entry.create(&ctx)?),
+            None => {}
         }
     }
     let e = &config.engine;

@@ -32,6 +32,9 @@ pub struct BackendFactory {
     pub probe: fn() -> Result<()>,
     /// Creates an instance from its context.
     pub create: fn(&BackendContext) -> Result<Arc<dyn TransferBackend>>,
+    /// Parses the context's `[backends.NAME]` table without creating anything, where
+    /// the backend registered by type ([`BackendType`]).
+    pub check: Option<fn(&BackendContext) -> Result<()>>,
 }
 
 inventory::collect!(BackendFactory);
@@ -71,6 +74,15 @@ pub fn build<B: BackendType + 'static>(ctx: &BackendContext) -> Result<Arc<dyn T
     Ok(Arc::new(B::create(config, ctx)?))
 }
 
+/// Parses a [`BackendType`]'s `[backends.NAME]` table from the context, creating
+/// nothing: what `te check` uses for backends that cannot run here.
+///
+/// # Errors
+/// `ConfigInvalid`, naming the offending key and the file.
+pub fn check_table<B: BackendType>(ctx: &BackendContext) -> Result<()> {
+    ctx.parse::<B::Config>(B::NAME).map(|_| ())
+}
+
 /// Registers a backend crate: as a built-in backend (through `inventory`) and as the
 /// root module of its cdylib (symbol `te_plugin_<crate name>`). Once per crate:
 ///
@@ -83,12 +95,16 @@ pub fn build<B: BackendType + 'static>(ctx: &BackendContext) -> Result<Arc<dyn T
 #[macro_export]
 macro_rules! register_backend {
     ($name:expr, $probe:path, $create:path) => {
+        $crate::register_backend!(@with_check $name, $probe, $create, None);
+    };
+    (@with_check $name:expr, $probe:path, $create:path, $check:expr) => {
         $crate::inventory::submit! {
             $crate::registry::BackendFactory {
                 name: $name,
                 version: env!("CARGO_PKG_VERSION"),
                 probe: $probe,
                 create: $create,
+                check: $check,
             }
         }
 
@@ -132,9 +148,10 @@ macro_rules! register_backend {
             $crate::registry::build::<$backend>(ctx)
         }
         $crate::register_backend!(
-            <$backend as $crate::registry::BackendType>::NAME,
+            @with_check <$backend as $crate::registry::BackendType>::NAME,
             __te_backend_probe,
-            __te_backend_create
+            __te_backend_create,
+            Some($crate::registry::check_table::<$backend>)
         );
     };
 }
@@ -203,6 +220,19 @@ impl Entry {
     /// True if an earlier entry of the same name is used instead (see the module docs).
     pub fn is_shadowed(&self) -> bool {
         self.shadowed
+    }
+
+    /// Parses the context's `[backends.NAME]` table without creating the backend:
+    /// `None` where this entry cannot (a plugin, or a backend registered by functions
+    /// rather than by type), so only [`create`](Self::create) can tell.
+    ///
+    /// # Errors
+    /// `ConfigInvalid`, naming the offending key and the file.
+    pub fn check_table(&self, ctx: &BackendContext) -> Option<Result<()>> {
+        match self.source {
+            Source::BuiltIn(f) => f.check.map(|check| check(ctx)),
+            Source::Plugin(_) => None,
+        }
     }
 
     /// Creates the backend.

@@ -1,0 +1,79 @@
+//! The shipped `plugins.toml` agrees with the code: every key in it, commented out or
+//! not, parses, and every backend linked into te has a table there.
+
+use std::path::Path;
+
+use te::{Config, Origin, Registry};
+
+/// `plugins.toml` with every commented-out key and table header uncommented.
+fn every_key() -> String {
+    let text = std::fs::read_to_string("plugins.toml").expect("plugins.toml at the root");
+    text.lines()
+        .map(|line| match line.strip_prefix("# ") {
+            Some(rest) if looks_like_toml(rest) => rest,
+            _ => line,
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// A `key = value` line or a `[table]` header, as opposed to prose.
+fn looks_like_toml(line: &str) -> bool {
+    if line.starts_with("[backends.") && line.ends_with(']') {
+        return true;
+    }
+    line.split_once(" = ").is_some_and(|(key, _)| {
+        !key.is_empty() && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    })
+}
+
+#[test]
+fn every_key_in_plugins_toml_parses_with_its_backend() {
+    let text = every_key();
+    let config = Config::from_toml(&text, "plugins.toml (all keys)", Path::new("."))
+        .unwrap_or_else(|e| panic!("plugins.toml, every key uncommented: {e}"));
+    let registry = Registry::discover(&[]);
+    assert!(!config.backends.is_empty());
+    for name in config.backends.keys() {
+        let entry = registry
+            .get(name)
+            .unwrap_or_else(|e| panic!("plugins.toml has [backends.{name}]: {e}"));
+        match entry.check_table(&config.backend_context(name)) {
+            Some(checked) => {
+                checked.unwrap_or_else(|e| panic!("[backends.{name}] in plugins.toml: {e}"))
+            }
+            None => panic!("{name} is built in but cannot check its table without creating"),
+        }
+    }
+}
+
+#[test]
+fn every_linked_backend_has_a_table_in_plugins_toml() {
+    let config = Config::from_toml(&every_key(), "plugins.toml", Path::new(".")).unwrap();
+    for entry in Registry::discover(&[]).entries() {
+        if entry.origin() == &Origin::BuiltIn {
+            assert!(
+                config.backends.contains_key(entry.name()),
+                "plugins.toml documents no [backends.{}] table",
+                entry.name()
+            );
+        }
+    }
+}
+
+#[test]
+fn a_misspelt_key_in_a_table_is_caught_without_creating_the_backend() {
+    let config = Config::from_toml(
+        "[backends.rdma]\nslice_sise = \"1MiB\"\n",
+        "typo.toml",
+        Path::new("."),
+    )
+    .unwrap();
+    let entry = Registry::discover(&[]).get("rdma").unwrap().clone();
+    let e = entry
+        .check_table(&config.backend_context("rdma"))
+        .expect("rdma registers by type")
+        .unwrap_err();
+    assert!(e.to_string().contains("slice_sise"), "{e}");
+    assert!(e.to_string().contains("typo.toml"), "{e}");
+}
