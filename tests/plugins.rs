@@ -3,25 +3,8 @@
 
 use std::path::{Path, PathBuf};
 
+use te::testkit::built_plugin;
 use te::{Config, Engine, ErrorKind, Origin, Registry};
-
-fn target_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    exe.parent()
-        .and_then(|d| d.parent())
-        .expect("target/<profile>")
-        .to_path_buf()
-}
-
-fn built(name: &str) -> PathBuf {
-    let p = target_dir().join(format!("lib{name}{}", std::env::consts::DLL_SUFFIX));
-    assert!(
-        p.exists(),
-        "{} is missing: run `cargo build --workspace` first",
-        p.display()
-    );
-    p
-}
 
 fn scratch(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("te-plugins-{tag}-{}", std::process::id()));
@@ -39,8 +22,8 @@ fn copy(from: &Path, dir: &Path, name: &str) -> PathBuf {
 #[test]
 fn a_plugin_built_against_another_te_core_layout_is_refused_with_a_message() {
     let dir = scratch("abi");
-    let bad = copy(&built("abi_mismatch_fixture"), &dir, "te_abi_mismatch");
-    let good = copy(&built("te_stub"), &dir, "te_stub");
+    let bad = copy(&built_plugin("abi_mismatch_fixture"), &dir, "te_abi_mismatch");
+    let good = copy(&built_plugin("te_stub"), &dir, "te_stub");
     let registry = Registry::discover(std::slice::from_ref(&dir));
     let problem = registry
         .problems()
@@ -63,7 +46,7 @@ fn a_plugin_built_against_another_te_core_layout_is_refused_with_a_message() {
 fn a_library_that_is_no_plugin_is_refused_with_a_message() {
     let dir = scratch("noplugin");
     // The fixture exports only `te_plugin_te_abi_mismatch`, not `te_plugin_te_other`.
-    let lib = copy(&built("abi_mismatch_fixture"), &dir, "te_other");
+    let lib = copy(&built_plugin("abi_mismatch_fixture"), &dir, "te_other");
     std::fs::write(
         dir.join(format!("libte_garbage{}", std::env::consts::DLL_SUFFIX)),
         b"not elf",

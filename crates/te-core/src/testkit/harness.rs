@@ -44,6 +44,33 @@ pub fn engine_config(name: &str, table: &str) -> Config {
     .unwrap_or_else(|e| panic!("the test's [backends.{name}] table is invalid: {e}"))
 }
 
+/// The directory cargo puts the workspace's cdylibs in (`target/<profile>`), found
+/// from the running test executable (`target/<profile>/deps/…`).
+///
+/// # Panics
+/// When the executable is not under such a directory.
+pub fn plugin_dir() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    exe.parent()
+        .and_then(|deps| deps.parent())
+        .expect("the test executable is in target/<profile>/deps")
+        .to_path_buf()
+}
+
+/// The plugin file `lib<crate_name>.so` that `cargo build --workspace` built.
+///
+/// # Panics
+/// When it is missing, saying to build the workspace first.
+pub fn built_plugin(crate_name: &str) -> std::path::PathBuf {
+    let lib = plugin_dir().join(format!("lib{crate_name}{}", std::env::consts::DLL_SUFFIX));
+    assert!(
+        lib.exists(),
+        "{} is missing: run `cargo build --workspace` before `cargo test` (the README's test command does)",
+        lib.display()
+    );
+    lib
+}
+
 impl Harness {
     /// A harness whose engines come from `config`.
     pub fn new(label: &str, config: Config) -> Harness {
@@ -69,6 +96,36 @@ impl Harness {
         }
         h.toml = Some((engine_toml(name, table), slow.map(|s| engine_toml(name, s))));
         h
+    }
+
+    /// Runs the backend from the plugin `lib<crate_name>.so` that `cargo build
+    /// --workspace` built rather than the built-in one (for the normal and the slow
+    /// configuration).
+    ///
+    /// # Panics
+    /// When the plugin is missing or does not shadow the built-in backend, with the
+    /// registry's reasons.
+    pub fn with_built_plugin(mut self, crate_name: &str) -> Harness {
+        let lib = built_plugin(crate_name);
+        let dir = plugin_dir();
+        let registry = Registry::discover(std::slice::from_ref(&dir));
+        let name = &self.config.engine.backend;
+        let origin = registry.get(name).map(|e| e.origin().clone());
+        assert_eq!(
+            origin.as_ref().ok(),
+            Some(&crate::Origin::Plugin(lib)),
+            "the {name} plugin must shadow the built-in {name}; plugin problems: {:?}",
+            registry
+                .problems()
+                .iter()
+                .map(|p| p.error.to_string())
+                .collect::<Vec<_>>()
+        );
+        self.config.engine.plugin_dirs = vec![dir.clone()];
+        if let Some(slow) = &mut self.slow {
+            slow.engine.plugin_dirs = vec![dir];
+        }
+        self
     }
 
     /// The same harness under another label (test names start with it).

@@ -40,7 +40,7 @@ mod refusals;
 mod remote;
 mod transfers;
 
-pub use harness::{engine_config, engine_toml, Harness};
+pub use harness::{built_plugin, engine_config, engine_toml, plugin_dir, Harness};
 pub use remote::serve_target_if_asked;
 
 pub(crate) fn fail(m: impl Into<String>) -> Failed {
