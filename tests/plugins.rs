@@ -22,7 +22,11 @@ fn copy(from: &Path, dir: &Path, name: &str) -> PathBuf {
 #[test]
 fn a_plugin_built_against_another_te_core_layout_is_refused_with_a_message() {
     let dir = scratch("abi");
-    let bad = copy(&built_plugin("abi_mismatch_fixture"), &dir, "te_abi_mismatch");
+    let bad = copy(
+        &built_plugin("abi_mismatch_fixture"),
+        &dir,
+        "te_abi_mismatch",
+    );
     let good = copy(&built_plugin("te_stub"), &dir, "te_stub");
     let registry = Registry::discover(std::slice::from_ref(&dir));
     let problem = registry

@@ -32,7 +32,7 @@ pub mod auth;
 mod backend;
 mod batch;
 mod buffer;
-mod codec;
+pub mod codec;
 pub mod config;
 mod control;
 #[cfg(feature = "cuda")]

@@ -38,10 +38,14 @@ use te_core::{
 };
 
 use crate::config::{IpcMode, MluConfig};
+use crate::endpoint::{process_id, Endpoint, Key};
 use crate::ffi::{dir, Cnrt, IpcHandle, Queue};
 use crate::handoff::{self, Server};
 use crate::runtime::{self, MluRuntime, RUNTIME};
 use crate::shm::{Extent, Table};
+
+/// How long `connect` waits for a peer's table server to answer.
+const TABLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Where a region's bytes are, as this process addresses them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,143 +99,6 @@ struct PeerState {
     table: Arc<Table>,
     regions: RwLock<HashMap<RegionId, Arc<Remote>>>,
     maps: Mutex<HashMap<IpcHandle, Weak<Mapping>>>,
-}
-
-/// What a peer learns about this backend instance.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Endpoint {
-    instance: u64,
-    /// Random per process: tells a peer in this process from one in another.
-    process: u64,
-    /// The abstract socket serving the region table.
-    socket: String,
-    host: String,
-    buses: Vec<String>,
-}
-
-const ENDPOINT_MAGIC: &[u8; 6] = b"TEMLU\x02";
-
-/// How long `connect` waits for a peer's table server to answer.
-const TABLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// This process's random id.
-fn process_id() -> u64 {
-    static ID: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *ID.get_or_init(|| rand::random::<u64>() | 1)
-}
-
-impl Endpoint {
-    fn encode(&self) -> Vec<u8> {
-        let mut v = ENDPOINT_MAGIC.to_vec();
-        v.extend_from_slice(&self.instance.to_le_bytes());
-        v.extend_from_slice(&self.process.to_le_bytes());
-        v.extend_from_slice(&(self.socket.len() as u16).to_le_bytes());
-        v.extend_from_slice(self.socket.as_bytes());
-        v.extend_from_slice(&(self.host.len() as u16).to_le_bytes());
-        v.extend_from_slice(self.host.as_bytes());
-        v.extend_from_slice(&(self.buses.len() as u16).to_le_bytes());
-        for b in &self.buses {
-            v.push(b.len() as u8);
-            v.extend_from_slice(b.as_bytes());
-        }
-        v
-    }
-
-    fn decode(b: &[u8]) -> Result<Endpoint> {
-        let bad = || {
-            Error::new(
-                ErrorKind::Protocol,
-                "the peer's endpoint is not an mlu endpoint of this version",
-            )
-        };
-        let mut r = Reader(b);
-        if r.take(6).ok_or_else(bad)? != ENDPOINT_MAGIC {
-            return Err(bad());
-        }
-        let instance = r.u64().ok_or_else(bad)?;
-        let process = r.u64().ok_or_else(bad)?;
-        let n = r.u16().ok_or_else(bad)? as usize;
-        let socket = String::from_utf8_lossy(r.take(n).ok_or_else(bad)?).into_owned();
-        let n = r.u16().ok_or_else(bad)? as usize;
-        let host = String::from_utf8_lossy(r.take(n).ok_or_else(bad)?).into_owned();
-        let count = r.u16().ok_or_else(bad)?;
-        let mut buses = Vec::new();
-        for _ in 0..count {
-            let n = r.take(1).ok_or_else(bad)?[0] as usize;
-            buses.push(String::from_utf8_lossy(r.take(n).ok_or_else(bad)?).into_owned());
-        }
-        Ok(Endpoint {
-            instance,
-            process,
-            socket,
-            host,
-            buses,
-        })
-    }
-}
-
-struct Reader<'a>(&'a [u8]);
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
-        if self.0.len() < n {
-            return None;
-        }
-        let (a, b) = self.0.split_at(n);
-        self.0 = b;
-        Some(a)
-    }
-    fn u16(&mut self) -> Option<u16> {
-        self.take(2).map(|b| u16::from_le_bytes([b[0], b[1]]))
-    }
-    fn u32(&mut self) -> Option<u32> {
-        self.take(4)
-            .and_then(|b| b.try_into().ok())
-            .map(u32::from_le_bytes)
-    }
-    fn u64(&mut self) -> Option<u64> {
-        self.take(8)
-            .and_then(|b| b.try_into().ok())
-            .map(u64::from_le_bytes)
-    }
-}
-
-/// A region's remote key: its table slot and, for MLU memory, the IPC handle of its
-/// allocation and its offset there.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Key {
-    slot: u32,
-    handle: Option<(IpcHandle, u64)>,
-}
-
-impl Key {
-    fn encode(&self) -> Vec<u8> {
-        let mut v = self.slot.to_le_bytes().to_vec();
-        match self.handle {
-            None => v.push(0),
-            Some((h, off)) => {
-                v.push(1);
-                v.extend_from_slice(&h);
-                v.extend_from_slice(&off.to_le_bytes());
-            }
-        }
-        v
-    }
-
-    fn decode(b: &[u8]) -> Result<Key> {
-        let bad = || Error::new(ErrorKind::Protocol, "a region key is not an mlu key");
-        let mut r = Reader(b);
-        let slot = r.u32().ok_or_else(bad)?;
-        let handle = match r.take(1).ok_or_else(bad)?[0] {
-            0 => None,
-            1 => {
-                let h: IpcHandle = r.take(8).ok_or_else(bad)?.try_into().map_err(|_| bad())?;
-                Some((h, r.u64().ok_or_else(bad)?))
-            }
-            _ => return Err(bad()),
-        };
-        Ok(Key { slot, handle })
-    }
 }
 
 /// A batch's claim on one region: counted out again when dropped.

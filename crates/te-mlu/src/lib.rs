@@ -37,6 +37,7 @@ use te_core::{BackendContext, BackendType, Result};
 
 mod backend;
 mod config;
+mod endpoint;
 mod ffi;
 mod handoff;
 mod runtime;
