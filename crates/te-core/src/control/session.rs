@@ -107,11 +107,29 @@ pub(crate) async fn read_frame<R: AsyncReadExt + Unpin>(
     r: &mut R,
     notification_max: usize,
 ) -> Result<(Header, Vec<u8>)> {
+    let header = read_header(r, notification_max).await?;
+    let payload = read_payload(r, &header).await?;
+    Ok((header, payload))
+}
+
+/// Reads and checks a frame's header, so its kind can be judged before any of its
+/// payload is read.
+pub(crate) async fn read_header<R: AsyncReadExt + Unpin>(
+    r: &mut R,
+    notification_max: usize,
+) -> Result<Header> {
     let mut h = [0u8; HEADER];
     r.read_exact(&mut h)
         .await
         .map_err(|e| Error::io("read frame", "the connection to the peer broke", e))?;
-    let header = Header::decode(&h, notification_max)?;
+    Header::decode(&h, notification_max)
+}
+
+/// Reads the payload announced by `header`, allocating only as its bytes arrive.
+pub(crate) async fn read_payload<R: AsyncReadExt + Unpin>(
+    r: &mut R,
+    header: &Header,
+) -> Result<Vec<u8>> {
     let mut payload = Vec::new();
     r.take(header.len as u64)
         .read_to_end(&mut payload)
@@ -124,7 +142,25 @@ pub(crate) async fn read_frame<R: AsyncReadExt + Unpin>(
         )
         .with_operation("read frame"));
     }
-    Ok((header, payload))
+    Ok(payload)
+}
+
+/// Reads the server's answer during the handshake: `expected` or an error, refused by
+/// its header otherwise, before its payload is read.
+async fn read_answer(
+    stream: &mut TcpStream,
+    expected: Kind,
+    to: &str,
+) -> Result<(Header, Vec<u8>)> {
+    let h = read_header(stream, 0).await?;
+    if h.kind != expected && h.kind != Kind::Error {
+        return Err(Error::new(
+            ErrorKind::Protocol,
+            format!("the peer answered {to} with {:?}", h.kind),
+        ));
+    }
+    let payload = read_payload(stream, &h).await?;
+    Ok((h, payload))
 }
 
 /// Runs `f` until `deadline`.
@@ -194,10 +230,9 @@ async fn open(shared: &Shared, addr: &str, deadline: Deadline) -> Result<(TcpStr
         address: me.address,
         heartbeat_ms: me.heartbeat_ms,
     };
-    let nmax = s.notification_max;
     let peer = within(deadline, "the control-plane handshake", async {
         write(&mut stream, &wire::frame(Kind::Hello, 0, &wire::encode(&hello))).await?;
-        let welcome: Welcome = match read_frame(&mut stream, nmax).await? {
+        let welcome: Welcome = match read_answer(&mut stream, Kind::Welcome, "hello").await? {
             (h, p) if h.kind == Kind::Welcome => wire::decode(&p, "welcome")?,
             (h, p) if h.kind == Kind::Error => {
                 return Err(wire::decode::<wire::WireError>(&p, "error")?.into_error())
@@ -237,7 +272,7 @@ async fn open(shared: &Shared, addr: &str, deadline: Deadline) -> Result<(TcpStr
             }
             (None, None) => {}
         }
-        match read_frame(&mut stream, nmax).await? {
+        match read_answer(&mut stream, Kind::Ready, "the handshake").await? {
             (h, p) if h.kind == Kind::Ready => wire::decode::<Identity>(&p, "ready"),
             (h, p) if h.kind == Kind::Error => {
                 Err(wire::decode::<wire::WireError>(&p, "error")?.into_error())
