@@ -244,6 +244,15 @@ async fn open(shared: &Shared, addr: &str, deadline: Deadline) -> Result<(TcpStr
                 ))
             }
         };
+        if welcome.version < s.versions.0 || welcome.version > s.versions.1 {
+            return Err(Error::new(
+                ErrorKind::Protocol,
+                format!(
+                    "the peer chose protocol version {}, outside the {}..={} this engine speaks; upgrade the older engine",
+                    welcome.version, s.versions.0, s.versions.1
+                ),
+            ));
+        }
         match (&s.token, &welcome.proof) {
             (Some(token), Some(proof)) => {
                 if !auth::verify(token, "te-server", &welcome.nonce, &nonce, proof) {
