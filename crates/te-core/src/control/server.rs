@@ -277,6 +277,7 @@ async fn handshake(
         epoch: hello.epoch,
         address: hello.address,
         heartbeat_ms: hello.heartbeat_ms,
+        notification_max: None,
     })
 }
 

@@ -384,6 +384,10 @@ async fn run(
                     (req.reply)(Err(Error::new(ErrorKind::Timeout, "the deadline passed before the request was sent")));
                     continue;
                 }
+                if let Err(e) = fits(&peer, req.kind, req.body.len()) {
+                    (req.reply)(Err(e));
+                    continue;
+                }
                 let id = next_id;
                 next_id += 1;
                 lock(&pending).insert(id, (req.deadline, req.reply));
@@ -429,6 +433,41 @@ async fn run(
     // A goodbye from the peer, or our own shutdown, is not a loss.
     let graceful = matches!(outcome, Ok(true)) || shared.closed.load(Ordering::Acquire);
     shared.link_down(&peer, graceful);
+}
+
+/// What a notice's encoding adds to its message, at most.
+const NOTICE_OVERHEAD: usize = 64;
+
+/// Refuses, before it is sent, a request larger than the peer said it accepts: the
+/// peer would refuse its frame and close the session, failing every other request on
+/// it.
+pub(super) fn fits(peer: &Identity, kind: Kind, len: usize) -> Result<()> {
+    let Some(max) = peer.notification_max else {
+        return Ok(());
+    };
+    let max = usize::try_from(max).unwrap_or(usize::MAX);
+    // A notice's encoding adds at most a few dozen bytes to its message; the peer
+    // answers `Busy` itself for one within that margin.
+    if kind == Kind::Notify && len > max.saturating_add(NOTICE_OVERHEAD) {
+        return Err(Error::new(
+            ErrorKind::Busy,
+            format!(
+                "a notification of about {len} bytes exceeds the peer's notification_max ({max} bytes); send bulk data as a transfer"
+            ),
+        )
+        .with_context("peer", &peer.address));
+    }
+    if len > kind.limit(max) {
+        return Err(Error::new(
+            ErrorKind::InvalidRequest,
+            format!(
+                "a {kind:?} request of {len} bytes exceeds the peer's {}-byte limit",
+                kind.limit(max)
+            ),
+        )
+        .with_context("peer", &peer.address));
+    }
+    Ok(())
 }
 
 /// Sends a request that its session could not carry on a fresh session to `addr`,
