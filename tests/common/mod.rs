@@ -25,6 +25,7 @@ pub mod kind {
     pub const SEGMENT: u8 = 7;
     pub const NOTIFY: u8 = 8;
     pub const ACK: u8 = 9;
+    pub const BYE: u8 = 14;
 }
 
 /// A global allocator that counts the bytes live on the heap, so a test can show that
