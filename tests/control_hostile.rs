@@ -515,3 +515,67 @@ fn a_slowloris_handshake_is_cut_at_the_handshake_timeout() {
     let _ = s.shutdown(Shutdown::Both);
     dribble.join().unwrap();
 }
+
+/// CPU time a process has used (user and system), in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // The fields after the command name, which is in parentheses.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are the 14th and 15th fields of the line, 12th and 13th here.
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+#[test]
+fn running_out_of_descriptors_neither_spins_nor_stops_accepting() {
+    let _s = serial();
+    let serve = common::Serve::start(&["--backend", "tcp", "--buffer-size", "1MiB"]);
+    let pid = serve.child.id();
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count() as u64;
+    let limit = libc::rlimit {
+        rlim_cur: open + 16,
+        rlim_max: open + 16,
+    };
+    // SAFETY: `limit` is a valid rlimit; the old value is not asked for.
+    if unsafe {
+        libc::prlimit(
+            pid as i32,
+            libc::RLIMIT_NOFILE,
+            &limit,
+            std::ptr::null_mut(),
+        )
+    } != 0
+    {
+        println!("SKIP: cannot lower te serve's RLIMIT_NOFILE");
+        return;
+    }
+    // More connections than te serve has descriptors for.
+    let idle: Vec<TcpStream> = (0..120)
+        .map(|_| TcpStream::connect(&serve.addr).expect("an idle socket connects"))
+        .collect();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    let (before, start) = (cpu_ticks(pid), Instant::now());
+    std::thread::sleep(Duration::from_secs(1));
+    let used = (cpu_ticks(pid) - before) as f64 / hz as f64;
+    let wall = start.elapsed().as_secs_f64();
+    println!(
+        "out of descriptors ({} allowed): te serve used {used:.2} s of CPU in {wall:.2} s",
+        open + 16
+    );
+    assert!(used < 0.3 * wall, "the accept loop spins: {used} s of CPU");
+    // A genuine peer gets in while the sockets are still held, and after.
+    let start = Instant::now();
+    let (mut s, _) = common::handshake(&serve.addr, "genuine", 1).expect("served meanwhile");
+    s.write_all(&common::frame(kind::GET_SEGMENT, 1, &[]))
+        .unwrap();
+    assert_eq!(common::read_frame(&mut s).unwrap().0, kind::SEGMENT);
+    println!("a genuine peer got the descriptor in {:?}", start.elapsed());
+    drop((s, idle));
+    let (mut s, _) = common::handshake(&serve.addr, "later", 2).expect("served after");
+    s.write_all(&common::frame(kind::GET_SEGMENT, 1, &[]))
+        .unwrap();
+    assert_eq!(common::read_frame(&mut s).unwrap().0, kind::SEGMENT);
+}
