@@ -148,12 +148,12 @@ fn a_thousand_handshakes_against_one_te_serve_complete() {
             .collect()
     });
     let concurrent = start.elapsed();
-    let rss_held = serve.rss_kib();
+    let (rss_held, threads) = (serve.rss_kib(), serve.threads());
     assert_eq!(held.len(), 1000);
     println!(
         "1000 sequential handshakes (hello, welcome, ready, descriptor): {sequential:?}; \
          1000 from 20 threads, all held: {concurrent:?}; te serve RSS {rss_before} KiB \
-         before, {rss_held} KiB with 1000 sessions"
+         before, {rss_held} KiB and {threads} threads with 1000 sessions"
     );
     drop(held);
 }

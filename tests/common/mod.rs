@@ -287,14 +287,24 @@ impl Serve {
 
     /// Its resident set, in KiB.
     pub fn rss_kib(&self) -> u64 {
+        self.status("VmRSS:")
+    }
+
+    /// Its threads.
+    pub fn threads(&self) -> u64 {
+        self.status("Threads:")
+    }
+
+    /// A number from its `/proc/PID/status`.
+    fn status(&self, field: &str) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
             .expect("read the server's /proc status");
         status
             .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .find_map(|l| l.strip_prefix(field))
             .and_then(|v| v.split_whitespace().next())
             .and_then(|v| v.parse().ok())
-            .expect("VmRSS in /proc status")
+            .unwrap_or_else(|| panic!("{field} in /proc status"))
     }
 }
 
