@@ -292,9 +292,13 @@ impl Serve {
     }
 
     fn start_on(backend: &str, size: &str, mem: &str) -> Serve {
+        Serve::start_with(&["--backend", backend, "--buffer-size", size, "--mem", mem])
+    }
+
+    fn start_with(args: &[&str]) -> Serve {
         let mut child = te()
-            .args(["serve", "--backend", backend, "--buffer-size", size])
-            .args(["--mem", mem])
+            .arg("serve")
+            .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -438,4 +442,68 @@ fn verify_fails_the_run_when_bytes_do_not_arrive() {
         );
     }
     let _ = std::fs::remove_file(&cfg);
+}
+
+/// A configuration file in the temporary directory, removed when dropped.
+struct TempConfig(std::path::PathBuf);
+
+impl TempConfig {
+    fn new(name: &str, text: &str) -> TempConfig {
+        let path =
+            std::env::temp_dir().join(format!("te-cli-bench-{}-{name}.toml", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        TempConfig(path)
+    }
+
+    fn path(&self) -> &str {
+        self.0.to_str().unwrap()
+    }
+}
+
+impl Drop for TempConfig {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// A short verified bench against `addr`, with `config` if given.
+fn tokened<'a>(addr: &'a str, config: Option<&'a str>) -> Vec<&'a str> {
+    let mut a = vec![
+        "--backend",
+        "tcp",
+        "--target",
+        addr,
+        "--block-size",
+        "64KiB",
+        "--duration",
+        "200ms",
+        "--warmup",
+        "0s",
+        "--verify",
+        "--json",
+    ];
+    if let Some(c) = config {
+        a.extend(["--config", c]);
+    }
+    a
+}
+
+#[test]
+fn bench_against_a_serve_with_an_auth_token_needs_the_same_token() {
+    let right = TempConfig::new("right", "[engine]\nauth_token = \"s3cret\"\n");
+    let wrong = TempConfig::new("wrong", "[engine]\nauth_token = \"guess\"\n");
+    let serve = Serve::start_with(&[
+        "--config",
+        right.path(),
+        "--backend",
+        "tcp",
+        "--buffer-size",
+        "4MiB",
+    ]);
+    let v = &json_lines(&bench(&tokened(&serve.addr, Some(right.path()))))[0];
+    assert_eq!(v["backend"], "tcp");
+    assert!(v["gb_per_s"].as_f64().unwrap() > 0.0, "{v}");
+    let stderr = failed(&tokened(&serve.addr, Some(wrong.path())), &["auth_token"]);
+    assert!(stderr.contains("could not prove"), "{stderr}");
+    failed(&tokened(&serve.addr, None), &["auth_token"]);
 }

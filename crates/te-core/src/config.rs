@@ -58,7 +58,8 @@ pub struct EngineConfig {
     /// The deadline of a batch or connect that sets none.
     #[serde(deserialize_with = "de::duration")]
     pub default_timeout: Duration,
-    /// Bytes of received notifications kept until read; senders get `Busy` beyond.
+    /// Bytes of received notifications kept until read, each counted with its sender's
+    /// name and address and a fixed overhead; senders get `Busy` beyond.
     #[serde(deserialize_with = "de::size")]
     pub notification_bytes: u64,
     /// The largest notification accepted, in bytes.

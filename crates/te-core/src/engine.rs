@@ -568,7 +568,12 @@ impl Handler for Inner {
                 "this engine restarted since the sender connected; the notification belongs to its previous life",
             ));
         }
-        let size = message.len();
+        // Charged at what it holds, not only its message: a flood of empty
+        // notifications is bounded by the same budget.
+        let size = std::mem::size_of::<Notification>()
+            + from.name.len()
+            + from.address.len()
+            + message.len();
         self.inbox.push_within(
             Notification {
                 from: from.name.clone(),

@@ -20,6 +20,8 @@
 
 mod server;
 mod session;
+#[cfg(test)]
+mod tests;
 pub(crate) mod wire;
 
 use std::collections::HashMap;
@@ -159,6 +161,7 @@ impl Shared {
             epoch: self.settings.epoch,
             address: self.address.to_string(),
             heartbeat_ms: self.settings.heartbeat.as_millis() as u64,
+            notification_max: Some(self.settings.notification_max as u64),
         }
     }
 

@@ -11,7 +11,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify};
 
-use super::session::{read_frame, within};
+use super::session::{read_header, read_payload, within};
 use super::wire::{self, BackendMsg, Hello, Identity, Kind, Notice, Proof, Welcome};
 use super::{closed, Shared};
 use crate::auth;
@@ -218,15 +218,16 @@ async fn handshake(
     writer: &mut tokio::net::tcp::OwnedWriteHalf,
 ) -> Result<Identity> {
     let s = &shared.settings;
-    let hello: Hello = match read_frame(reader, 0).await? {
-        (h, p) if h.kind == Kind::Hello => wire::decode(&p, "hello")?,
-        (h, _) => {
-            return Err(Error::new(
-                ErrorKind::Protocol,
-                format!("a connection must start with hello, not {:?}", h.kind),
-            ))
-        }
-    };
+    // Each frame's kind is checked before its payload is read: before the handshake a
+    // peer may send only small frames, whatever limit its kind has later.
+    let h = read_header(reader, 0).await?;
+    if h.kind != Kind::Hello {
+        return Err(Error::new(
+            ErrorKind::Protocol,
+            format!("a connection must start with hello, not {:?}", h.kind),
+        ));
+    }
+    let hello: Hello = wire::decode(&read_payload(reader, &h).await?, "hello")?;
     let version = hello.versions.1.min(s.versions.1);
     if version < hello.versions.0.max(s.versions.0) {
         return Err(Error::new(
@@ -253,18 +254,17 @@ async fn handshake(
     )
     .await?;
     if let Some(token) = &s.token {
-        let p: Proof = match read_frame(reader, 0).await? {
-            (h, p) if h.kind == Kind::Proof => wire::decode(&p, "proof")?,
-            (h, _) => {
-                return Err(Error::new(
-                    ErrorKind::Unauthorized,
-                    format!(
+        let h = read_header(reader, 0).await?;
+        if h.kind != Kind::Proof {
+            return Err(Error::new(
+                ErrorKind::Unauthorized,
+                format!(
                     "this engine requires an auth_token; the peer sent {:?} instead of its proof",
                     h.kind
                 ),
-                ))
-            }
-        };
+            ));
+        }
+        let p: Proof = wire::decode(&read_payload(reader, &h).await?, "proof")?;
         if !auth::verify(token, "te-client", &hello.nonce, &nonce, &p.proof) {
             return Err(Error::new(
                 ErrorKind::Unauthorized,
@@ -277,6 +277,7 @@ async fn handshake(
         epoch: hello.epoch,
         address: hello.address,
         heartbeat_ms: hello.heartbeat_ms,
+        notification_max: None,
     })
 }
 
@@ -307,7 +308,7 @@ async fn session(
     let reading = async move {
         loop {
             let frame = tokio::select! {
-                f = tokio::time::timeout(idle, read_frame(reader, shared.settings.notification_max)) => f,
+                f = tokio::time::timeout(idle, read_request(reader, shared.settings.notification_max)) => f,
                 _ = closed(&mut closing) => {
                     let _ = tx.send(wire::frame(Kind::Bye, 0, &[])).await;
                     return false;
@@ -371,6 +372,26 @@ async fn session(
         }
         () = &mut writing => false,
     }
+}
+
+/// Reads a request; a frame of another kind (an answer can be large) is refused
+/// before its payload is read.
+async fn read_request(
+    r: &mut tokio::net::tcp::OwnedReadHalf,
+    notification_max: usize,
+) -> Result<(wire::Header, Vec<u8>)> {
+    let h = read_header(r, notification_max).await?;
+    if !matches!(
+        h.kind,
+        Kind::Bye | Kind::Ping | Kind::Pong | Kind::GetSegment | Kind::Notify | Kind::Backend
+    ) {
+        return Err(Error::new(
+            ErrorKind::Protocol,
+            format!("a {:?} frame is not a request", h.kind),
+        ));
+    }
+    let payload = read_payload(r, &h).await?;
+    Ok((h, payload))
 }
 
 /// A reply frame: the answer, or the error.

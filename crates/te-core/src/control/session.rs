@@ -107,11 +107,29 @@ pub(crate) async fn read_frame<R: AsyncReadExt + Unpin>(
     r: &mut R,
     notification_max: usize,
 ) -> Result<(Header, Vec<u8>)> {
+    let header = read_header(r, notification_max).await?;
+    let payload = read_payload(r, &header).await?;
+    Ok((header, payload))
+}
+
+/// Reads and checks a frame's header, so its kind can be judged before any of its
+/// payload is read.
+pub(crate) async fn read_header<R: AsyncReadExt + Unpin>(
+    r: &mut R,
+    notification_max: usize,
+) -> Result<Header> {
     let mut h = [0u8; HEADER];
     r.read_exact(&mut h)
         .await
         .map_err(|e| Error::io("read frame", "the connection to the peer broke", e))?;
-    let header = Header::decode(&h, notification_max)?;
+    Header::decode(&h, notification_max)
+}
+
+/// Reads the payload announced by `header`, allocating only as its bytes arrive.
+pub(crate) async fn read_payload<R: AsyncReadExt + Unpin>(
+    r: &mut R,
+    header: &Header,
+) -> Result<Vec<u8>> {
     let mut payload = Vec::new();
     r.take(header.len as u64)
         .read_to_end(&mut payload)
@@ -124,7 +142,25 @@ pub(crate) async fn read_frame<R: AsyncReadExt + Unpin>(
         )
         .with_operation("read frame"));
     }
-    Ok((header, payload))
+    Ok(payload)
+}
+
+/// Reads the server's answer during the handshake: `expected` or an error, refused by
+/// its header otherwise, before its payload is read.
+async fn read_answer(
+    stream: &mut TcpStream,
+    expected: Kind,
+    to: &str,
+) -> Result<(Header, Vec<u8>)> {
+    let h = read_header(stream, 0).await?;
+    if h.kind != expected && h.kind != Kind::Error {
+        return Err(Error::new(
+            ErrorKind::Protocol,
+            format!("the peer answered {to} with {:?}", h.kind),
+        ));
+    }
+    let payload = read_payload(stream, &h).await?;
+    Ok((h, payload))
 }
 
 /// Runs `f` until `deadline`.
@@ -194,10 +230,9 @@ async fn open(shared: &Shared, addr: &str, deadline: Deadline) -> Result<(TcpStr
         address: me.address,
         heartbeat_ms: me.heartbeat_ms,
     };
-    let nmax = s.notification_max;
     let peer = within(deadline, "the control-plane handshake", async {
         write(&mut stream, &wire::frame(Kind::Hello, 0, &wire::encode(&hello))).await?;
-        let welcome: Welcome = match read_frame(&mut stream, nmax).await? {
+        let welcome: Welcome = match read_answer(&mut stream, Kind::Welcome, "hello").await? {
             (h, p) if h.kind == Kind::Welcome => wire::decode(&p, "welcome")?,
             (h, p) if h.kind == Kind::Error => {
                 return Err(wire::decode::<wire::WireError>(&p, "error")?.into_error())
@@ -209,6 +244,15 @@ async fn open(shared: &Shared, addr: &str, deadline: Deadline) -> Result<(TcpStr
                 ))
             }
         };
+        if welcome.version < s.versions.0 || welcome.version > s.versions.1 {
+            return Err(Error::new(
+                ErrorKind::Protocol,
+                format!(
+                    "the peer chose protocol version {}, outside the {}..={} this engine speaks; upgrade the older engine",
+                    welcome.version, s.versions.0, s.versions.1
+                ),
+            ));
+        }
         match (&s.token, &welcome.proof) {
             (Some(token), Some(proof)) => {
                 if !auth::verify(token, "te-server", &welcome.nonce, &nonce, proof) {
@@ -237,7 +281,7 @@ async fn open(shared: &Shared, addr: &str, deadline: Deadline) -> Result<(TcpStr
             }
             (None, None) => {}
         }
-        match read_frame(&mut stream, nmax).await? {
+        match read_answer(&mut stream, Kind::Ready, "the handshake").await? {
             (h, p) if h.kind == Kind::Ready => wire::decode::<Identity>(&p, "ready"),
             (h, p) if h.kind == Kind::Error => {
                 Err(wire::decode::<wire::WireError>(&p, "error")?.into_error())
@@ -340,6 +384,10 @@ async fn run(
                     (req.reply)(Err(Error::new(ErrorKind::Timeout, "the deadline passed before the request was sent")));
                     continue;
                 }
+                if let Err(e) = fits(&peer, req.kind, req.body.len()) {
+                    (req.reply)(Err(e));
+                    continue;
+                }
                 let id = next_id;
                 next_id += 1;
                 lock(&pending).insert(id, (req.deadline, req.reply));
@@ -385,6 +433,41 @@ async fn run(
     // A goodbye from the peer, or our own shutdown, is not a loss.
     let graceful = matches!(outcome, Ok(true)) || shared.closed.load(Ordering::Acquire);
     shared.link_down(&peer, graceful);
+}
+
+/// What a notice's encoding adds to its message, at most.
+const NOTICE_OVERHEAD: usize = 64;
+
+/// Refuses, before it is sent, a request larger than the peer said it accepts: the
+/// peer would refuse its frame and close the session, failing every other request on
+/// it.
+pub(super) fn fits(peer: &Identity, kind: Kind, len: usize) -> Result<()> {
+    let Some(max) = peer.notification_max else {
+        return Ok(());
+    };
+    let max = usize::try_from(max).unwrap_or(usize::MAX);
+    // A notice's encoding adds at most a few dozen bytes to its message; the peer
+    // answers `Busy` itself for one within that margin.
+    if kind == Kind::Notify && len > max.saturating_add(NOTICE_OVERHEAD) {
+        return Err(Error::new(
+            ErrorKind::Busy,
+            format!(
+                "a notification of about {len} bytes exceeds the peer's notification_max ({max} bytes); send bulk data as a transfer"
+            ),
+        )
+        .with_context("peer", &peer.address));
+    }
+    if len > kind.limit(max) {
+        return Err(Error::new(
+            ErrorKind::InvalidRequest,
+            format!(
+                "a {kind:?} request of {len} bytes exceeds the peer's {}-byte limit",
+                kind.limit(max)
+            ),
+        )
+        .with_context("peer", &peer.address));
+    }
+    Ok(())
 }
 
 /// Sends a request that its session could not carry on a fresh session to `addr`,

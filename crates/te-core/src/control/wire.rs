@@ -222,6 +222,11 @@ pub(crate) struct Identity {
     pub(crate) epoch: u64,
     pub(crate) address: String,
     pub(crate) heartbeat_ms: u64,
+    /// The largest notification this engine accepts, in bytes, announced in `Ready`
+    /// so a sender refuses a larger one itself instead of sending it (absent from an
+    /// engine that does not announce it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) notification_max: Option<u64>,
 }
 
 /// A notification as it travels: the receiver's expected epoch and the message. The
