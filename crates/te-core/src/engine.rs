@@ -5,10 +5,11 @@
 //! regions before anything is posted, and turns backend completions into
 //! [`TransferHandle`]s. One deadline is drawn per call and covers everything under it.
 
+use crate::sync::{Mutex, RwLock};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use crate::backend::{random_nonzero, BatchId, Completion, Deadline, TransferBackend};
@@ -27,18 +28,6 @@ use crate::kv::{self, KvLayout, KvSelection};
 use crate::metadata::{self, EngineEntry, MetadataStore};
 use crate::region::{fits, Pins, Region};
 use crate::registry::{Origin, Registry};
-
-fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
-    l.read().unwrap_or_else(|p| p.into_inner())
-}
-
-fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
-    l.write().unwrap_or_else(|p| p.into_inner())
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// Per-batch options.
 #[derive(Debug, Clone, Default)]
@@ -463,7 +452,10 @@ impl Engine {
             Op::Write => "push blocks",
         };
         let deadline = self.inner.deadline(options.transfer.timeout);
-        let local = read(&self.inner.layouts)
+        let local = self
+            .inner
+            .layouts
+            .read()
             .get(layout)
             .map(|l| l.local.clone())
             .ok_or_else(|| {
@@ -547,7 +539,7 @@ impl Drop for Engine {
             .min(Duration::from_secs(2));
         self.inner.store.withdraw(Deadline::after(bound));
         self.control.take();
-        let peers: Vec<Peer> = lock(&self.inner.peers).drain().map(|(_, p)| p).collect();
+        let peers: Vec<Peer> = self.inner.peers.lock().drain().map(|(_, p)| p).collect();
         let deadline = self.inner.deadline(None);
         for p in peers {
             p.inner.valid.store(false, Ordering::Release);
@@ -607,13 +599,17 @@ impl Inner {
     }
 
     fn segment(&self) -> SegmentDesc {
-        let mut regions: Vec<RegionDesc> = read(&self.regions)
+        let mut regions: Vec<RegionDesc> = self
+            .regions
+            .read()
             .values()
             .filter(|r| r.desc.access.remote_read || r.desc.access.remote_write)
             .map(|r| r.desc.clone())
             .collect();
         regions.sort_by_key(|r| r.id);
-        let mut layouts: Vec<KvLayout> = read(&self.layouts)
+        let mut layouts: Vec<KvLayout> = self
+            .layouts
+            .read()
             .values()
             .map(|l| l.published.clone())
             .collect();
@@ -696,7 +692,7 @@ impl Inner {
             access: desc.access,
             key,
         };
-        write(&self.regions).insert(id, Region::new(region.clone()));
+        self.regions.write().insert(id, Region::new(region.clone()));
         Ok(region)
     }
 
@@ -705,7 +701,9 @@ impl Inner {
     /// memory contract outranks the clock); then the backend forgets it. Layouts built
     /// on it are withdrawn first.
     fn release_region(&self, id: RegionId, deadline: Deadline) -> Result<()> {
-        let built_on: Vec<String> = read(&self.layouts)
+        let built_on: Vec<String> = self
+            .layouts
+            .read()
             .iter()
             .filter(|(_, l)| l.views.iter().any(|(parent, _)| *parent == id))
             .map(|(name, _)| name.clone())
@@ -715,7 +713,7 @@ impl Inner {
                 tracing::warn!(layout = %name, error = %e, "withdrawing a layout failed");
             }
         }
-        let Some(region) = write(&self.regions).remove(&id) else {
+        let Some(region) = self.regions.write().remove(&id) else {
             return Err(Error::new(
                 ErrorKind::NotRegistered,
                 format!("region {id} is not registered (or was deregistered already)"),
@@ -740,7 +738,7 @@ impl Inner {
         if let Err(e) = layout.validate() {
             return fail(e);
         }
-        if read(&self.layouts).contains_key(&layout.name) {
+        if self.layouts.read().contains_key(&layout.name) {
             return fail(Error::new(
                 ErrorKind::InvalidRequest,
                 format!("a layout named `{}` is already registered", layout.name),
@@ -763,7 +761,7 @@ impl Inner {
             for si in 0..entry.local.groups[gi].slots.len() {
                 let (g, s) = (&entry.local.groups[gi], &entry.local.groups[gi].slots[si]);
                 let at = format!("layout `{name}` group `{}` slot `{}`", g.name, s.name);
-                let parent = read(&self.regions).get(&s.region).map(|r| r.desc.clone());
+                let parent = self.regions.read().get(&s.region).map(|r| r.desc.clone());
                 let Some(parent) = parent else {
                     let e = Error::new(
                         ErrorKind::NotRegistered,
@@ -797,7 +795,7 @@ impl Inner {
                 }
             }
         }
-        let mut layouts = write(&self.layouts);
+        let mut layouts = self.layouts.write();
         if layouts.contains_key(&name) {
             drop(layouts);
             let e = Error::new(
@@ -811,7 +809,7 @@ impl Inner {
     }
 
     fn withdraw_layout(&self, name: &str, deadline: Deadline) -> Result<KvLayout> {
-        let entry = write(&self.layouts).remove(name).ok_or_else(|| {
+        let entry = self.layouts.write().remove(name).ok_or_else(|| {
             Error::new(
                 ErrorKind::NotRegistered,
                 format!("no layout named `{name}`"),
@@ -853,7 +851,7 @@ impl Inner {
 
     /// Invalidates the cached peers at `address` (their store entry went stale).
     fn forget(&self, address: &str) {
-        for p in lock(&self.peers).values() {
+        for p in self.peers.lock().values() {
             if p.inner.addr == address {
                 p.inner.valid.store(false, Ordering::Release);
             }
@@ -862,7 +860,7 @@ impl Inner {
 
     fn connect(&self, addr: &str, deadline: Deadline) -> Result<Peer> {
         let addr = &self.resolve(addr, deadline)?;
-        if let Some(p) = lock(&self.peers).get(addr) {
+        if let Some(p) = self.peers.lock().get(addr) {
             if self.live(p) {
                 return Ok(p.clone());
             }
@@ -881,7 +879,7 @@ impl Inner {
                 valid: AtomicBool::new(true),
             }),
         };
-        let old = lock(&self.peers).insert(addr.to_string(), peer.clone());
+        let old = self.peers.lock().insert(addr.to_string(), peer.clone());
         if let Some(old) = old {
             old.inner.valid.store(false, Ordering::Release);
             if old.inner.backend_id != backend_id {
@@ -920,7 +918,7 @@ impl Inner {
             .with_operation("connect")
             .with_context("peer", addr));
         }
-        for local in read(&self.layouts).values() {
+        for local in self.layouts.read().values() {
             if let Some(remote) = segment.layout(&local.local.name) {
                 local
                     .local
@@ -962,7 +960,7 @@ impl Inner {
             .with_context("peer", &peer.inner.addr));
         }
         self.backend.connect(&segment, deadline)?;
-        *write(&peer.inner.segment) = Arc::new(segment);
+        *peer.inner.segment.write() = Arc::new(segment);
         Ok(())
     }
 
@@ -980,7 +978,7 @@ impl Inner {
             segment = peer.segment();
         }
         let caps = &self.backend.info().capabilities;
-        let local = read(&self.regions);
+        let local = self.regions.read();
         let mut pinned: Vec<Arc<Region>> = Vec::new();
         for (i, r) in requests.iter().enumerate() {
             let fail = |kind: ErrorKind, m: String| {
@@ -1159,7 +1157,7 @@ impl Join {
         submitted: Option<Result<()>>,
     ) {
         let result = {
-            let mut j = lock(join);
+            let mut j = join.lock();
             if completed.is_some() {
                 j.completed = completed;
             }
@@ -1172,7 +1170,7 @@ impl Join {
                 _ => return,
             }
         };
-        if let Some(f) = lock(finisher).take() {
+        if let Some(f) = finisher.lock().take() {
             f.finish(result);
         }
     }
@@ -1272,7 +1270,7 @@ impl Peer {
 
     /// The peer's descriptor, as last fetched.
     pub fn segment(&self) -> Arc<SegmentDesc> {
-        read(&self.inner.segment).clone()
+        self.inner.segment.read().clone()
     }
 
     /// The peer's first region registered under `name`.

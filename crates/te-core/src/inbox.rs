@@ -2,10 +2,10 @@
 //! peer events (bounded in number, oldest dropped). Both can be drained without
 //! blocking, waited for with a timeout, or awaited.
 
+use crate::sync::{Condvar, Mutex};
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Condvar, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -69,10 +69,6 @@ pub(crate) struct Mailbox<T> {
     cond: Condvar,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 impl<T> Mailbox<T> {
     pub(crate) fn new() -> Mailbox<T> {
         Mailbox {
@@ -86,7 +82,7 @@ impl<T> Mailbox<T> {
         }
     }
 
-    fn wake(&self, mut s: std::sync::MutexGuard<'_, State<T>>) {
+    fn wake(&self, mut s: crate::sync::MutexGuard<'_, State<T>>) {
         let wakers = std::mem::take(&mut s.wakers);
         drop(s);
         self.cond.notify_one();
@@ -97,7 +93,7 @@ impl<T> Mailbox<T> {
 
     /// Queues `item` of `size` bytes unless that would pass `budget` bytes in all.
     pub(crate) fn push_within(&self, item: T, size: usize, budget: usize) -> Result<()> {
-        let mut s = lock(&self.state);
+        let mut s = self.state.lock();
         if s.bytes + size > budget {
             return Err(Error::new(
                 ErrorKind::Busy,
@@ -115,7 +111,7 @@ impl<T> Mailbox<T> {
 
     /// Queues `item`, dropping the oldest beyond `capacity` items.
     pub(crate) fn push_dropping(&self, item: T, capacity: usize) {
-        let mut s = lock(&self.state);
+        let mut s = self.state.lock();
         while s.items.len() >= capacity.max(1) {
             if let Some((_, size)) = s.items.pop_front() {
                 s.bytes -= size;
@@ -128,7 +124,7 @@ impl<T> Mailbox<T> {
 
     /// Items dropped because the queue was full.
     pub(crate) fn dropped(&self) -> u64 {
-        lock(&self.state).dropped
+        self.state.lock().dropped
     }
 
     fn take(s: &mut State<T>) -> Option<T> {
@@ -140,7 +136,7 @@ impl<T> Mailbox<T> {
     /// The next item, waiting at most `timeout`.
     pub(crate) fn pop(&self, timeout: Duration) -> Option<T> {
         let end = Instant::now() + timeout;
-        let mut s = lock(&self.state);
+        let mut s = self.state.lock();
         loop {
             if let Some(item) = Mailbox::take(&mut s) {
                 return Some(item);
@@ -149,17 +145,13 @@ impl<T> Mailbox<T> {
             if left.is_zero() {
                 return None;
             }
-            s = self
-                .cond
-                .wait_timeout(s, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            s = self.cond.wait_timeout(s, left).0;
         }
     }
 
     /// Everything queued, without waiting.
     pub(crate) fn drain(&self) -> Vec<T> {
-        let mut s = lock(&self.state);
+        let mut s = self.state.lock();
         s.bytes = 0;
         s.items.drain(..).map(|(item, _)| item).collect()
     }
@@ -183,7 +175,7 @@ impl<T> Future for Next<'_, T> {
     type Output = T;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
-        let mut s = lock(&self.0.state);
+        let mut s = self.0.state.lock();
         match Mailbox::take(&mut s) {
             Some(item) => Poll::Ready(item),
             None => {

@@ -24,10 +24,11 @@ mod session;
 mod tests;
 pub(crate) mod wire;
 
+use crate::sync::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime};
 
@@ -100,7 +101,7 @@ impl Shared {
     /// A peer's session or connection came up. A new epoch under a known name is a
     /// restart.
     fn link_up(&self, peer: &Identity) {
-        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+        let mut links = self.links.lock();
         let entry = links
             .peers
             .entry(peer.name.clone())
@@ -115,7 +116,7 @@ impl Shared {
 
     /// A peer's session or connection ended; the last one of its life to end says how.
     fn link_down(&self, peer: &Identity, graceful: bool) {
-        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+        let mut links = self.links.lock();
         let Some(entry) = links.peers.get_mut(&peer.name) else {
             return;
         };
@@ -150,7 +151,7 @@ impl Shared {
 
     /// Counts a task in for the orderly shutdown; the guard counts it out.
     fn task(self: &Arc<Self>) -> TaskGuard {
-        *self.tasks.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        *self.tasks.lock() += 1;
         TaskGuard(self.clone())
     }
 
@@ -220,11 +221,7 @@ impl Shared {
 
     /// Whether the session to `addr` is up.
     pub(crate) fn session_alive(&self, addr: &str) -> bool {
-        self.sessions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(addr)
-            .is_some_and(|s| s.is_alive())
+        self.sessions.lock().get(addr).is_some_and(|s| s.is_alive())
     }
 
     /// The address peers reach this control plane at.
@@ -242,7 +239,7 @@ struct TaskGuard(Arc<Shared>);
 
 impl Drop for TaskGuard {
     fn drop(&mut self) {
-        let mut n = self.0.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        let mut n = self.0.tasks.lock();
         *n -= 1;
         if *n == 0 {
             self.0.tasks_done.notify_all();
@@ -337,7 +334,7 @@ impl Drop for ControlPlane {
         // then the runtime stops and cancels what is left.
         self.shared.closing.send_replace(true);
         let bound = self.shared.settings.heartbeat + Duration::from_millis(100);
-        let n = self.shared.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        let n = self.shared.tasks.lock();
         let _ = self
             .shared
             .tasks_done
@@ -350,10 +347,6 @@ impl Drop for ControlPlane {
                 let _ = t.join();
             }
         }
-        self.shared
-            .sessions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clear();
+        self.shared.sessions.lock().clear();
     }
 }

@@ -1,10 +1,11 @@
 //! The control plane's listener: admission under caps, the handshake, and serving an
 //! authenticated peer's requests.
 
+use crate::sync::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
@@ -25,10 +26,6 @@ struct Admission {
     sessions: HashMap<IpAddr, usize>,
     total: usize,
     next: u64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Admission {
@@ -80,7 +77,7 @@ impl Ticket {
     /// Turns an authenticated connection into a session, within the session caps.
     fn promote(&mut self) -> Result<()> {
         let s = &self.shared.settings;
-        let mut a = lock(&self.admission);
+        let mut a = self.admission.lock();
         a.forget(self.id);
         let from_source = a.sessions.get(&self.ip).copied().unwrap_or(0);
         if a.total >= s.max_sessions || from_source >= s.max_sessions_per_source {
@@ -101,7 +98,7 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        let mut a = lock(&self.admission);
+        let mut a = self.admission.lock();
         if self.session {
             a.total -= 1;
             if let Some(n) = a.sessions.get_mut(&self.ip) {
@@ -142,7 +139,9 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
                 backoff = Duration::ZERO;
                 let s = &shared.settings;
                 let (id, evict) =
-                    lock(&admission).admit(peer.ip(), s.max_pending_per_source, s.max_pending);
+                    admission
+                        .lock()
+                        .admit(peer.ip(), s.max_pending_per_source, s.max_pending);
                 let ticket = Ticket {
                     shared: shared.clone(),
                     admission: admission.clone(),
@@ -163,7 +162,7 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
                 }
                 failures += 1;
                 if scarce {
-                    lock(&admission).evict_oldest();
+                    admission.lock().evict_oldest();
                 }
                 backoff = (backoff * 2).clamp(Duration::from_millis(5), Duration::from_secs(1));
                 tokio::select! {

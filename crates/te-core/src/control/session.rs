@@ -1,9 +1,10 @@
 //! A session: this engine's one persistent, authenticated connection to a peer's
 //! control plane, carrying its requests pipelined.
 
+use crate::sync::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -36,14 +37,10 @@ pub(crate) struct Session {
     failure: Mutex<Option<Error>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 impl Session {
     /// The session to `addr`, opened (within `deadline`) if there is none alive.
     pub(crate) fn get(shared: &Arc<Shared>, addr: &str, deadline: Deadline) -> Arc<Session> {
-        let mut sessions = lock(&shared.sessions);
+        let mut sessions = shared.sessions.lock();
         if let Some(s) = sessions.get(addr) {
             if s.alive.load(Ordering::Acquire) {
                 return s.clone();
@@ -82,7 +79,7 @@ impl Session {
             reply,
         };
         if let Err(mpsc::error::SendError(req)) = self.tx.send(req) {
-            match lock(&self.failure).clone() {
+            match self.failure.lock().clone() {
                 Some(e) => (req.reply)(Err(e)),
                 None => redispatch(shared, &self.addr, req),
             }
@@ -313,7 +310,7 @@ async fn run(
         Ok(v) => v,
         Err(e) => {
             let e = e.with_operation("connect").with_context("peer", &addr);
-            *lock(&session.failure) = Some(e.clone());
+            *session.failure.lock() = Some(e.clone());
             end(&shared, &session);
             rx.close();
             while let Ok(req) = rx.try_recv() {
@@ -354,7 +351,7 @@ async fn run(
                 }
                 Kind::Bye => return Ok(()),
                 _ => {
-                    let waiting = lock(&p2).remove(&h.id);
+                    let waiting = p2.lock().remove(&h.id);
                     if let Some((_, reply)) = waiting {
                         let r = if h.kind == Kind::Error {
                             wire::decode::<wire::WireError>(&payload, "error")
@@ -390,7 +387,7 @@ async fn run(
                 }
                 let id = next_id;
                 next_id += 1;
-                lock(&pending).insert(id, (req.deadline, req.reply));
+                pending.lock().insert(id, (req.deadline, req.reply));
                 if let Err(e) = write(&mut writer, &wire::frame(req.kind, id, &req.body)).await {
                     break Err(e);
                 }
@@ -426,7 +423,7 @@ async fn run(
     while let Ok(req) = rx.try_recv() {
         redispatch(&shared, &addr, req);
     }
-    let waiting: Vec<_> = lock(&pending).drain().collect();
+    let waiting: Vec<_> = pending.lock().drain().collect();
     for (_, (_, reply)) in waiting {
         reply(Err(e.clone()));
     }
@@ -481,7 +478,7 @@ fn redispatch(shared: &Arc<Shared>, addr: &str, req: Request) {
     }
     let s = Session::get(shared, addr, req.deadline);
     if let Err(mpsc::error::SendError(req)) = s.tx.send(req) {
-        let e = lock(&s.failure).clone();
+        let e = s.failure.lock().clone();
         (req.reply)(Err(e.unwrap_or_else(|| session_closed(addr))));
     }
 }
@@ -489,7 +486,7 @@ fn redispatch(shared: &Arc<Shared>, addr: &str, req: Request) {
 /// Fails requests whose deadline passed while they waited for an answer.
 fn expire(pending: &Pending) {
     let expired: Vec<Reply> = {
-        let mut p = lock(pending);
+        let mut p = pending.lock();
         let ids: Vec<u64> = p
             .iter()
             .filter(|(_, (d, _))| d.is_past())
@@ -510,7 +507,7 @@ fn expire(pending: &Pending) {
 /// Marks the session dead and forgets it (if it is still the one on record).
 fn end(shared: &Shared, session: &Arc<Session>) {
     session.alive.store(false, Ordering::Release);
-    let mut sessions = lock(&shared.sessions);
+    let mut sessions = shared.sessions.lock();
     if sessions
         .get(&session.addr)
         .is_some_and(|s| Arc::ptr_eq(s, session))
