@@ -1,0 +1,634 @@
+//! The engine: what users hold.
+//!
+//! It resolves the backend, serves the control plane, keeps registrations and peers,
+//! checks every request against both sides' descriptors and pins the batch's local
+//! regions before anything is posted, and turns backend completions into
+//! [`TransferHandle`]s. One deadline is drawn per call and covers everything under it.
+
+use crate::sync::{Mutex, RwLock};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use crate::backend::{random_nonzero, BatchId, Completion, Deadline, TransferBackend};
+use crate::batch::{Abort, BatchState, Timer, TransferHandle};
+use crate::buffer::Buffer;
+use crate::config::{Config, EngineConfig};
+use crate::control::{self, wire, ControlPlane, Handler, Identity, Kind, Settings};
+use crate::desc::{
+    Access, BackendInfo, MemoryDesc, MemoryKind, Op, PeerId, RegionDesc, RegionId, SegmentDesc,
+    TransferRequest,
+};
+use crate::error::{Error, ErrorKind, Result};
+use crate::hook::{ControlHook, HookSlot, HookTarget};
+use crate::inbox::{Mailbox, Next, Notification, PeerEvent};
+use crate::kv::{self, KvLayout, KvSelection};
+use crate::metadata::{self, EngineEntry, MetadataStore};
+use crate::region::{fits, Pins, Region};
+use crate::registry::{Origin, Registry};
+
+/// Per-batch options.
+#[derive(Debug, Clone, Default)]
+pub struct TransferOptions {
+    /// The batch's deadline, from the call; the engine's `default_timeout` if `None`.
+    /// It covers everything the call does: refreshing the peer's descriptor, the
+    /// transfer, and the notification.
+    pub timeout: Option<Duration>,
+    /// A message delivered to the peer after the batch's data is visible there.
+    pub notify: Option<Vec<u8>>,
+}
+
+/// Options of [`Engine::pull_blocks`] and [`Engine::push_blocks`].
+#[derive(Debug, Clone, Default)]
+pub struct BlockOptions {
+    /// Which groups and slots move; all by default.
+    pub selection: KvSelection,
+    /// Deadline and notification, as for any batch.
+    pub transfer: TransferOptions,
+}
+
+/// A transfer engine: one backend, one control plane, its registrations and peers.
+///
+/// Dropping it stops the control plane and disconnects its peers; batches still in
+/// flight fail (with `Cancelled` or `PeerUnreachable`) once their backend has released
+/// them, or complete. Registrations and buffers keep what they need of the engine and
+/// may outlive it.
+pub struct Engine {
+    inner: Arc<Inner>,
+    control: Option<ControlPlane>,
+}
+
+/// A KV layout as registered: the caller's version (for planning local requests) and
+/// the published one, whose slots are views registered as regions of their own.
+struct LayoutEntry {
+    local: KvLayout,
+    published: KvLayout,
+    /// `(parent, view)` for every slot.
+    views: Vec<(RegionId, RegionId)>,
+}
+
+struct Inner {
+    config: EngineConfig,
+    backend: Arc<dyn TransferBackend>,
+    origin: Origin,
+    epoch: u64,
+    next_region: AtomicU64,
+    next_batch: AtomicU64,
+    regions: RwLock<HashMap<RegionId, Arc<Region>>>,
+    layouts: RwLock<HashMap<String, LayoutEntry>>,
+    peers: Mutex<HashMap<String, Peer>>,
+    inbox: Mailbox<Notification>,
+    timer: Timer,
+    control: Arc<control::Shared>,
+    store: Arc<dyn MetadataStore>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("name", &self.inner.config.name)
+            .field("backend", &self.inner.backend.info().name)
+            .field("address", &self.address())
+            .field("epoch", &self.inner.epoch)
+            .finish()
+    }
+}
+
+impl Engine {
+    /// Builds an engine from a configuration: finds the backend in the registry
+    /// (built-in backends and the configured plugin directories), creates it with its
+    /// own table, and starts the control plane.
+    ///
+    /// # Errors
+    /// `ConfigInvalid` for an unknown backend (listing the available ones) or a bad
+    /// backend table; `Unavailable` if the backend cannot run here (with the probe's
+    /// reason); `Io` if the control plane cannot listen.
+    pub fn from_config(config: &Config) -> Result<Engine> {
+        let registry = Registry::discover(&config.engine.plugin_dirs);
+        Engine::with_registry(config, &registry)
+    }
+
+    /// As [`Engine::from_config`], with a registry already discovered.
+    ///
+    /// # Errors
+    /// As [`Engine::from_config`].
+    pub fn with_registry(config: &Config, registry: &Registry) -> Result<Engine> {
+        crate::device::configure(&config.runtimes);
+        let name = &config.engine.backend;
+        let entry = registry.get(name)?;
+        let mut ctx = config.backend_context(name);
+        ctx.epoch = random_nonzero();
+        let hook = Arc::new(HookSlot::default());
+        ctx.hook = ControlHook::new(HookTarget::Engine(hook.clone()));
+        let backend = entry.create(&ctx)?;
+        Engine::build(
+            config.engine.clone(),
+            backend,
+            entry.origin().clone(),
+            ctx.epoch,
+            hook,
+        )
+    }
+
+    /// Builds an engine around a backend instance created with epoch `epoch` in its
+    /// [`BackendContext`](crate::BackendContext) (0: the engine draws one).
+    ///
+    /// # Errors
+    /// `Io` if the control plane cannot listen or threads cannot start.
+    pub fn with_backend(
+        config: EngineConfig,
+        backend: Arc<dyn TransferBackend>,
+        origin: Origin,
+        epoch: u64,
+    ) -> Result<Engine> {
+        Engine::build(
+            config,
+            backend,
+            origin,
+            epoch,
+            Arc::new(HookSlot::default()),
+        )
+    }
+
+    fn build(
+        config: EngineConfig,
+        backend: Arc<dyn TransferBackend>,
+        origin: Origin,
+        epoch: u64,
+        hook: Arc<HookSlot>,
+    ) -> Result<Engine> {
+        let epoch = if epoch == 0 { random_nonzero() } else { epoch };
+        let settings = Settings {
+            name: config.name.clone(),
+            epoch,
+            token: config.auth_token.clone().map(String::into_bytes),
+            heartbeat: config.heartbeat,
+            handshake_timeout: config.handshake_timeout,
+            max_pending: config.max_pending,
+            max_pending_per_source: config.max_pending_per_source,
+            max_sessions: config.max_sessions,
+            max_sessions_per_source: config.max_sessions_per_source,
+            notification_max: config.notification_max as usize,
+            versions: control::VERSIONS,
+        };
+        let plane = ControlPlane::start(
+            settings,
+            &config.listen,
+            config.advertise.as_deref(),
+            hook.clone(),
+        )?;
+        hook.attach(Arc::downgrade(&plane.shared()));
+        let store = metadata::open(&config)?;
+        let inner = Arc::new(Inner {
+            inbox: Mailbox::new(),
+            backend,
+            origin,
+            epoch,
+            // Region ids start at a random point, so an id from an engine's previous
+            // life never names a region of this one.
+            next_region: AtomicU64::new(random_nonzero() >> 2),
+            next_batch: AtomicU64::new(1),
+            regions: RwLock::new(HashMap::new()),
+            layouts: RwLock::new(HashMap::new()),
+            peers: Mutex::new(HashMap::new()),
+            timer: Timer::start()?,
+            control: plane.shared(),
+            store,
+            config,
+        });
+        let handler: Weak<dyn Handler> = Arc::downgrade(&inner) as Weak<dyn Handler>;
+        plane.set_handler(handler);
+        let weak = Arc::downgrade(&inner);
+        inner.store.on_stale(Box::new(move |old| {
+            if let Some(inner) = weak.upgrade() {
+                inner.forget(&old.address);
+            }
+        }));
+        let entry = EngineEntry {
+            name: inner.config.name.clone(),
+            epoch,
+            address: inner.control.address().to_string(),
+            backend: inner.backend.info().name.clone(),
+        };
+        inner
+            .store
+            .publish(&entry, inner.deadline(None))
+            .map_err(|e| e.with_operation("publish engine"))?;
+        tracing::info!(
+            engine = %inner.config.name,
+            backend = %inner.backend.info().name,
+            address = %inner.control.address(),
+            "engine started"
+        );
+        Ok(Engine {
+            inner,
+            control: Some(plane),
+        })
+    }
+
+    /// The engine's name.
+    pub fn name(&self) -> &str {
+        &self.inner.config.name
+    }
+
+    /// The control-plane address peers pass to [`Engine::connect`].
+    pub fn address(&self) -> SocketAddr {
+        self.inner.control.address()
+    }
+
+    /// Random at every start; peers use it to notice a restart.
+    pub fn epoch(&self) -> u64 {
+        self.inner.epoch
+    }
+
+    /// The backend's name, version and capabilities.
+    pub fn backend_info(&self) -> &BackendInfo {
+        self.inner.backend.info()
+    }
+
+    /// Where the backend came from.
+    pub fn backend_origin(&self) -> &Origin {
+        &self.inner.origin
+    }
+
+    /// The engine's configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.config
+    }
+
+    /// The descriptor peers receive in the handshake.
+    pub fn segment(&self) -> SegmentDesc {
+        self.inner.segment()
+    }
+
+    /// Registers caller-owned memory. Deregistered when the [`Registration`] drops (or
+    /// by [`Registration::deregister`], which reports failure).
+    ///
+    /// # Safety
+    /// `desc.addr .. desc.addr + desc.len` must be memory of `desc.kind` that stays
+    /// valid until the registration is deregistered, and the caller must accept that
+    /// the backend reads it and (for local READ destinations and remotely writable
+    /// regions) writes it at any time until then. If deregistration fails, the memory
+    /// must never be freed (see [`Registration::deregister`]).
+    ///
+    /// # Errors
+    /// `InvalidRequest` for a null address, zero length or overflowing range;
+    /// `Unsupported` for a memory kind the backend cannot move; the backend's error if
+    /// it refuses the memory.
+    pub unsafe fn register(&self, desc: MemoryDesc) -> Result<Registration> {
+        self.inner.register(desc)
+    }
+
+    /// Allocates `len` zeroed, page-aligned bytes of host memory and registers them.
+    ///
+    /// # Errors
+    /// As [`Engine::register`]; `InvalidRequest` for zero length.
+    pub fn alloc(&self, name: &str, len: usize, access: Access) -> Result<Buffer> {
+        self.alloc_on(&MemoryKind::Host, name, len, access)
+    }
+
+    /// Allocates `len` zeroed bytes of memory of `kind` (host, or a device through its
+    /// runtime) and registers them.
+    ///
+    /// # Errors
+    /// As [`Engine::alloc`]; `Unsupported` or `Unavailable` if the device runtime is
+    /// unknown or cannot run here.
+    pub fn alloc_on(
+        &self,
+        kind: &MemoryKind,
+        name: &str,
+        len: usize,
+        access: Access,
+    ) -> Result<Buffer> {
+        Buffer::new(kind, name, len, access, |desc| self.inner.register(desc))
+    }
+
+    /// Connects to the engine whose control plane listens at `addr` (`host:port`, or
+    /// an engine's name with an etcd metadata store), within the engine's default
+    /// timeout. Cached: a second call returns the same peer
+    /// until a failure or a restart invalidates it.
+    ///
+    /// # Errors
+    /// As [`Engine::connect_with`].
+    pub fn connect(&self, addr: &str) -> Result<Peer> {
+        self.connect_with(addr, self.inner.config.default_timeout)
+    }
+
+    /// Connects to the engine at `addr`; name resolution, the handshake and the
+    /// backend's connection all happen within `timeout`.
+    ///
+    /// # Errors
+    /// `PeerUnreachable` if nothing answers; `Timeout` once `timeout` has passed;
+    /// `Unsupported` if the peer runs another backend; `Protocol` if it is not a te
+    /// engine.
+    pub fn connect_with(&self, addr: &str, timeout: Duration) -> Result<Peer> {
+        self.inner.connect(addr, Deadline::after(timeout))
+    }
+
+    /// Submits a batch with the default timeout and no notification.
+    ///
+    /// # Errors
+    /// As [`Engine::transfer_with`].
+    pub fn transfer(&self, peer: &Peer, requests: &[TransferRequest]) -> Result<TransferHandle> {
+        self.transfer_with(peer, requests, &TransferOptions::default())
+    }
+
+    /// Submits a batch. Every request is checked against the local registrations and
+    /// the peer's descriptor first; nothing is posted unless all of them pass. An empty
+    /// batch completes at once (after its notification, if any). The local regions the
+    /// batch names stay registered until the batch is released.
+    ///
+    /// # Errors
+    /// `InvalidRequest`, `NotRegistered`, `OutOfBounds` or `Unsupported` for a request
+    /// that does not fit; `PeerRestarted` if the peer restarted since `peer` was
+    /// obtained (connect again and look its regions up anew); `Timeout` if the deadline
+    /// passed while refreshing the peer's descriptor; the backend's error if it refuses
+    /// the batch as a whole.
+    pub fn transfer_with(
+        &self,
+        peer: &Peer,
+        requests: &[TransferRequest],
+        options: &TransferOptions,
+    ) -> Result<TransferHandle> {
+        let deadline = self.inner.deadline(options.timeout);
+        self.inner
+            .transfer(peer, requests, deadline, options.notify.clone())
+    }
+
+    /// Sends `message` to the peer on its own (an empty batch with a notification).
+    ///
+    /// # Errors
+    /// As [`Engine::transfer_with`].
+    pub fn notify(&self, peer: &Peer, message: Vec<u8>) -> Result<TransferHandle> {
+        let options = TransferOptions {
+            notify: Some(message),
+            ..TransferOptions::default()
+        };
+        self.transfer_with(peer, &[], &options)
+    }
+
+    /// Registers a KV-cache layout and publishes it to peers (in the descriptor they
+    /// fetch from now on). Every slot must lie inside a region registered here. Each
+    /// slot is also registered as a region of its own (a view, with its region's
+    /// access), and peers address the slot through it, so the receiving side refuses a
+    /// block transfer that reaches outside its slot, not only outside the region.
+    ///
+    /// # Errors
+    /// `InvalidRequest` for a malformed layout or a name already registered;
+    /// `NotRegistered` for a slot in an unknown region; `OutOfBounds` for a slot that
+    /// does not fit its region; the backend's error if it refuses a slot's view.
+    pub fn register_layout(&self, layout: KvLayout) -> Result<()> {
+        self.inner.register_layout(layout, None)
+    }
+
+    /// As [`Engine::register_layout`], with the slots' views published with `access`
+    /// instead of their regions' (so a framework can keep its allocation local and
+    /// expose only the slots).
+    ///
+    /// # Errors
+    /// As [`Engine::register_layout`].
+    pub fn register_layout_with(&self, layout: KvLayout, access: Access) -> Result<()> {
+        self.inner.register_layout(layout, Some(access))
+    }
+
+    /// Withdraws a layout, and deregisters its slots' views (waiting for transfers on
+    /// them, as any deregistration does).
+    ///
+    /// # Errors
+    /// `NotRegistered` if no layout has that name; a view's deregistration error.
+    pub fn deregister_layout(&self, name: &str) -> Result<KvLayout> {
+        let deadline = self.inner.deadline(None);
+        self.inner.withdraw_layout(name, deadline)
+    }
+
+    /// READs blocks `remote_ids` of the peer's layout `layout` into blocks `local_ids`
+    /// of the local layout of the same name (pairwise), merging runs of consecutive
+    /// ids into single requests. One deadline covers refreshing the peer's descriptor
+    /// and the batch.
+    ///
+    /// # Errors
+    /// As [`kv::plan`] for the block lists; `NotRegistered` if either side has no such
+    /// layout; as [`Engine::transfer_with`] for the requests.
+    pub fn pull_blocks(
+        &self,
+        peer: &Peer,
+        layout: &str,
+        remote_ids: &[u64],
+        local_ids: &[u64],
+        options: &BlockOptions,
+    ) -> Result<TransferHandle> {
+        self.blocks(Op::Read, peer, layout, remote_ids, local_ids, options)
+    }
+
+    /// WRITEs blocks `local_ids` of the local layout `layout` into blocks `remote_ids`
+    /// of the peer's layout of the same name (pairwise).
+    ///
+    /// # Errors
+    /// As [`Engine::pull_blocks`].
+    pub fn push_blocks(
+        &self,
+        peer: &Peer,
+        layout: &str,
+        remote_ids: &[u64],
+        local_ids: &[u64],
+        options: &BlockOptions,
+    ) -> Result<TransferHandle> {
+        self.blocks(Op::Write, peer, layout, remote_ids, local_ids, options)
+    }
+
+    fn blocks(
+        &self,
+        op: Op,
+        peer: &Peer,
+        layout: &str,
+        remote_ids: &[u64],
+        local_ids: &[u64],
+        options: &BlockOptions,
+    ) -> Result<TransferHandle> {
+        let operation = match op {
+            Op::Read => "pull blocks",
+            Op::Write => "push blocks",
+        };
+        let deadline = self.inner.deadline(options.transfer.timeout);
+        let local = self
+            .inner
+            .layouts
+            .read()
+            .get(layout)
+            .map(|l| l.local.clone())
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::NotRegistered,
+                    format!("no local layout named `{layout}`; register it first"),
+                )
+                .with_operation(operation)
+            })?;
+        let peer = self.inner.current(peer, deadline)?;
+        let mut remote = peer.segment().layout(layout).cloned();
+        if remote.is_none() {
+            self.inner.refresh(&peer, deadline)?;
+            remote = peer.segment().layout(layout).cloned();
+        }
+        let remote = remote.ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotRegistered,
+                format!("the peer has no layout named `{layout}`"),
+            )
+            .with_operation(operation)
+        })?;
+        let requests = kv::plan(
+            op,
+            &local,
+            &remote,
+            remote_ids,
+            local_ids,
+            &options.selection,
+        )
+        .map_err(|e| e.with_operation(operation))?;
+        self.inner
+            .transfer(&peer, &requests, deadline, options.transfer.notify.clone())
+    }
+
+    /// The next received notification, waiting at most `timeout`.
+    pub fn recv_notification(&self, timeout: Duration) -> Option<Notification> {
+        self.inner.inbox.pop(timeout)
+    }
+
+    /// Every notification received and not yet read, without waiting.
+    pub fn try_recv_notifications(&self) -> Vec<Notification> {
+        self.inner.inbox.drain()
+    }
+
+    /// The next notification, as a future (for async callers).
+    pub fn next_notification(&self) -> Next<'_, Notification> {
+        self.inner.inbox.next()
+    }
+
+    /// The next peer event (a peer lost, restarted or gone), waiting at most `timeout`.
+    pub fn recv_event(&self, timeout: Duration) -> Option<PeerEvent> {
+        self.inner.control.events.pop(timeout)
+    }
+
+    /// Every peer event not yet read, without waiting. At most the last 4,096 are
+    /// kept; [`Engine::events_dropped`] counts older ones that were dropped.
+    pub fn try_recv_events(&self) -> Vec<PeerEvent> {
+        self.inner.control.events.drain()
+    }
+
+    /// The next peer event, as a future.
+    pub fn next_event(&self) -> Next<'_, PeerEvent> {
+        self.inner.control.events.next()
+    }
+
+    /// Peer events dropped unread because too many were queued.
+    pub fn events_dropped(&self) -> u64 {
+        self.inner.control.events.dropped()
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // Out of the directory first, goodbye to every peer next, then the backend
+        // lets them go.
+        let bound = self
+            .inner
+            .config
+            .default_timeout
+            .min(Duration::from_secs(2));
+        self.inner.store.withdraw(Deadline::after(bound));
+        self.control.take();
+        let peers: Vec<Peer> = self.inner.peers.lock().drain().map(|(_, p)| p).collect();
+        let deadline = self.inner.deadline(None);
+        for p in peers {
+            p.inner.valid.store(false, Ordering::Release);
+            let _ = self.inner.backend.disconnect(p.inner.backend_id, deadline);
+        }
+    }
+}
+
+impl Handler for Inner {
+    fn segment(&self) -> SegmentDesc {
+        Inner::segment(self)
+    }
+
+    fn notify(&self, from: &Identity, to_epoch: u64, message: Vec<u8>) -> Result<()> {
+        if to_epoch != self.epoch {
+            return Err(Error::new(
+                ErrorKind::PeerRestarted,
+                "this engine restarted since the sender connected; the notification belongs to its previous life",
+            ));
+        }
+        // Charged at what it holds, not only its message: a flood of empty
+        // notifications is bounded by the same budget.
+        let size = std::mem::size_of::<Notification>()
+            + from.name.len()
+            + from.address.len()
+            + message.len();
+        self.inbox.push_within(
+            Notification {
+                from: from.name.clone(),
+                from_epoch: from.epoch,
+                from_address: from.address.clone(),
+                received: std::time::SystemTime::now(),
+                message,
+            },
+            size,
+            self.config.notification_bytes as usize,
+        )
+    }
+}
+
+impl Inner {
+    /// Whether a cached peer can be used as it is: not invalidated by a failure, and
+    /// its session (its liveness) still up.
+    fn live(&self, peer: &Peer) -> bool {
+        if !peer.inner.valid.load(Ordering::Acquire) {
+            return false;
+        }
+        if self.control.session_alive(&peer.inner.addr) {
+            return true;
+        }
+        peer.inner.valid.store(false, Ordering::Release);
+        false
+    }
+
+    fn deadline(&self, timeout: Option<Duration>) -> Deadline {
+        Deadline::after(timeout.unwrap_or(self.config.default_timeout))
+    }
+
+    fn segment(&self) -> SegmentDesc {
+        let mut regions: Vec<RegionDesc> = self
+            .regions
+            .read()
+            .values()
+            .filter(|r| r.desc.access.remote_read || r.desc.access.remote_write)
+            .map(|r| r.desc.clone())
+            .collect();
+        regions.sort_by_key(|r| r.id);
+        let mut layouts: Vec<KvLayout> = self
+            .layouts
+            .read()
+            .values()
+            .map(|l| l.published.clone())
+            .collect();
+        layouts.sort_by(|a, b| a.name.cmp(&b.name));
+        SegmentDesc {
+            engine: self.config.name.clone(),
+            epoch: self.epoch,
+            address: self.control.address().to_string(),
+            backend: self.backend.info().name.clone(),
+            endpoint: self.backend.endpoint(),
+            regions,
+            layouts,
+        }
+    }
+}
+
+mod peers;
+mod regions;
+mod submit;
+
+pub use peers::Peer;
+pub use regions::Registration;

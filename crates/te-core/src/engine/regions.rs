@@ -1,0 +1,272 @@
+//! Registrations and KV layouts: what the engine lends the backend, and how it is
+//! taken back.
+
+use super::*;
+
+impl Inner {
+    pub(super) fn register(self: &Arc<Self>, desc: MemoryDesc) -> Result<Registration> {
+        let bad =
+            |m: String| Err(Error::new(ErrorKind::InvalidRequest, m).with_operation("register"));
+        if desc.len == 0 {
+            return bad(format!("region `{}` has zero length", desc.name));
+        }
+        if desc.addr == 0 {
+            return bad(format!("region `{}` has a null address", desc.name));
+        }
+        if desc.addr.checked_add(desc.len).is_none() {
+            return bad(format!(
+                "region `{}` wraps around the address space",
+                desc.name
+            ));
+        }
+        let caps = &self.backend.info().capabilities;
+        if !caps.memory.iter().any(|m| m == desc.kind.runtime()) {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "backend `{}` cannot move {} memory (it moves: {})",
+                    self.backend.info().name,
+                    desc.kind,
+                    caps.memory.join(", ")
+                ),
+            )
+            .with_operation("register"));
+        }
+        if let MemoryKind::Device { runtime, ordinal } = &desc.kind {
+            let info = crate::device::runtime(runtime)
+                .and_then(|rt| rt.pointer_info(desc.addr))
+                .map_err(|e| e.with_operation("register"))?;
+            let inside = desc
+                .addr
+                .checked_add(desc.len)
+                .is_some_and(|end| end <= info.base + info.len);
+            if info.ordinal != *ordinal || !inside {
+                return bad(format!(
+                    "region `{}` ({:#x}+{}) is not inside one allocation of {}: the address belongs to {runtime}:{} ({:#x}+{})",
+                    desc.name, desc.addr, desc.len, desc.kind, info.ordinal, info.base, info.len
+                ));
+            }
+        }
+        let region = self.add_region(desc)?;
+        Ok(Registration {
+            engine: self.clone(),
+            region,
+            done: false,
+        })
+    }
+
+    /// Registers `desc` with the backend under a fresh id and enters it in the table.
+    pub(super) fn add_region(&self, desc: MemoryDesc) -> Result<RegionDesc> {
+        let id = RegionId(self.next_region.fetch_add(1, Ordering::Relaxed));
+        let key = self
+            .backend
+            .register(id, &desc)
+            .map_err(|e| e.with_operation("register"))?;
+        let region = RegionDesc {
+            id,
+            name: desc.name,
+            addr: desc.addr,
+            len: desc.len,
+            kind: desc.kind,
+            access: desc.access,
+            key,
+        };
+        self.regions.write().insert(id, Region::new(region.clone()));
+        Ok(region)
+    }
+
+    /// Deregisters region `id`: no new batch can name it; batches pinning it are waited
+    /// for until `deadline`, then aborted and waited for until they are released (the
+    /// memory contract outranks the clock); then the backend forgets it. Layouts built
+    /// on it are withdrawn first.
+    pub(super) fn release_region(&self, id: RegionId, deadline: Deadline) -> Result<()> {
+        let built_on: Vec<String> = self
+            .layouts
+            .read()
+            .iter()
+            .filter(|(_, l)| l.views.iter().any(|(parent, _)| *parent == id))
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in built_on {
+            if let Err(e) = self.withdraw_layout(&name, deadline) {
+                tracing::warn!(layout = %name, error = %e, "withdrawing a layout failed");
+            }
+        }
+        let Some(region) = self.regions.write().remove(&id) else {
+            return Err(Error::new(
+                ErrorKind::NotRegistered,
+                format!("region {id} is not registered (or was deregistered already)"),
+            )
+            .with_operation("deregister"));
+        };
+        if !region.wait_unpinned(Some(deadline.instant())) {
+            let pinned = region.pinned();
+            tracing::warn!(region = %id, batches = pinned.len(), "deregistering a region with batches in flight: aborting them");
+            for b in pinned {
+                b.request_abort(Abort::Deregister);
+            }
+            region.wait_unpinned(None);
+        }
+        self.backend
+            .deregister(id, deadline)
+            .map_err(|e| e.with_operation("deregister").with_context("region", id))
+    }
+
+    pub(super) fn register_layout(&self, layout: KvLayout, access: Option<Access>) -> Result<()> {
+        let fail = |e: Error| Err(e.with_operation("register layout"));
+        if let Err(e) = layout.validate() {
+            return fail(e);
+        }
+        if self.layouts.read().contains_key(&layout.name) {
+            return fail(Error::new(
+                ErrorKind::InvalidRequest,
+                format!("a layout named `{}` is already registered", layout.name),
+            ));
+        }
+        let mut entry = LayoutEntry {
+            published: layout.clone(),
+            local: layout,
+            views: Vec::new(),
+        };
+        let deadline = self.deadline(None);
+        let undo = |entry: &LayoutEntry, e: Error| {
+            for (_, view) in &entry.views {
+                let _ = self.release_region(*view, deadline);
+            }
+            fail(e)
+        };
+        let name = entry.local.name.clone();
+        for gi in 0..entry.local.groups.len() {
+            for si in 0..entry.local.groups[gi].slots.len() {
+                let (g, s) = (&entry.local.groups[gi], &entry.local.groups[gi].slots[si]);
+                let at = format!("layout `{name}` group `{}` slot `{}`", g.name, s.name);
+                let parent = self.regions.read().get(&s.region).map(|r| r.desc.clone());
+                let Some(parent) = parent else {
+                    let e = Error::new(
+                        ErrorKind::NotRegistered,
+                        format!("{at}: region {} is not registered here", s.region),
+                    );
+                    return undo(&entry, e);
+                };
+                let len = s.blocks * s.bytes_per_block;
+                if !fits(s.offset, len, parent.len) {
+                    let e = Error::new(
+                        ErrorKind::OutOfBounds,
+                        format!("{at}: {} blocks of {} bytes from offset {} do not fit region {} of {} bytes", s.blocks, s.bytes_per_block, s.offset, s.region, parent.len),
+                    );
+                    return undo(&entry, e);
+                }
+                let view = MemoryDesc {
+                    name: format!("{name}/{}/{}", g.name, s.name),
+                    addr: parent.addr + s.offset,
+                    len,
+                    kind: parent.kind.clone(),
+                    access: access.unwrap_or(parent.access),
+                };
+                match self.add_region(view) {
+                    Ok(v) => {
+                        entry.views.push((parent.id, v.id));
+                        let published = &mut entry.published.groups[gi].slots[si];
+                        published.region = v.id;
+                        published.offset = 0;
+                    }
+                    Err(e) => return undo(&entry, e),
+                }
+            }
+        }
+        let mut layouts = self.layouts.write();
+        if layouts.contains_key(&name) {
+            drop(layouts);
+            let e = Error::new(
+                ErrorKind::InvalidRequest,
+                format!("a layout named `{name}` is already registered"),
+            );
+            return undo(&entry, e);
+        }
+        layouts.insert(name, entry);
+        Ok(())
+    }
+
+    pub(super) fn withdraw_layout(&self, name: &str, deadline: Deadline) -> Result<KvLayout> {
+        let entry = self.layouts.write().remove(name).ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotRegistered,
+                format!("no layout named `{name}`"),
+            )
+            .with_operation("deregister layout")
+        })?;
+        let mut first_error = None;
+        for (_, view) in &entry.views {
+            if let Err(e) = self.release_region(*view, deadline) {
+                tracing::error!(region = %view, error = %e, "a layout slot's view could not be deregistered");
+                first_error.get_or_insert(e);
+            }
+        }
+        match first_error {
+            Some(e) => Err(e.with_operation("deregister layout")),
+            None => Ok(entry.local),
+        }
+    }
+}
+
+/// Registered memory; deregistered when dropped, or by [`Registration::deregister`].
+///
+/// Deregistration waits for the batches in flight on the region (up to the engine's
+/// default timeout), then aborts them and waits until their backend has released them,
+/// and only then asks the backend to forget the region: once it has returned, nothing
+/// of te touches the memory.
+pub struct Registration {
+    pub(super) engine: Arc<Inner>,
+    pub(super) region: RegionDesc,
+    pub(super) done: bool,
+}
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration")
+            .field("region", &self.region)
+            .finish()
+    }
+}
+
+impl Registration {
+    /// The region's id, for requests.
+    pub fn id(&self) -> RegionId {
+        self.region.id
+    }
+
+    /// The region as peers see it.
+    pub fn region(&self) -> &RegionDesc {
+        &self.region
+    }
+
+    /// Deregisters the region and says whether the backend let go of it.
+    ///
+    /// # Errors
+    /// The backend's error if it could not promise that nothing touches the memory
+    /// any more. The memory is then *quarantined*: its owner must never free or reuse
+    /// it (te's own buffers leak it on purpose, and say so in the log).
+    pub fn deregister(mut self) -> Result<()> {
+        self.done = true;
+        self.engine
+            .release_region(self.region.id, self.engine.deadline(None))
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        if let Err(e) = self
+            .engine
+            .release_region(self.region.id, self.engine.deadline(None))
+        {
+            tracing::error!(
+                region = %self.region.id,
+                error = %e,
+                "deregistration failed: the backend may still touch this memory; it must never be freed"
+            );
+        }
+    }
+}

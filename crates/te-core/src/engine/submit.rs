@@ -1,0 +1,274 @@
+//! Submitting a batch: every request checked against both sides, local regions
+//! pinned, and the backend's completion and the submission joined into one result.
+
+use super::*;
+
+impl Inner {
+    /// Checks every request and pins the batch's local regions; nothing is pinned
+    /// unless every request passes.
+    pub(super) fn check(
+        &self,
+        peer: &Peer,
+        requests: &[TransferRequest],
+        state: &Arc<BatchState>,
+    ) -> Result<Pins> {
+        let mut segment = peer.segment();
+        if requests.iter().any(|r| segment.region(r.remote).is_none()) {
+            self.refresh(peer, state.deadline())?;
+            segment = peer.segment();
+        }
+        let caps = &self.backend.info().capabilities;
+        let local = self.regions.read();
+        let mut pinned: Vec<Arc<Region>> = Vec::new();
+        for (i, r) in requests.iter().enumerate() {
+            let fail = |kind: ErrorKind, m: String| {
+                Err(Error::new(kind, m)
+                    .with_operation("transfer")
+                    .with_context("request", i))
+            };
+            if r.len == 0 {
+                return fail(ErrorKind::InvalidRequest, "zero-length request".into());
+            }
+            if r.len > caps.max_request_size {
+                return fail(
+                    ErrorKind::Unsupported,
+                    format!(
+                        "{} bytes exceed the backend's largest request ({}); split it",
+                        r.len, caps.max_request_size
+                    ),
+                );
+            }
+            let (allowed, right) = match r.op {
+                Op::Read => (caps.read, "remotely readable"),
+                Op::Write => (caps.write, "remotely writable"),
+            };
+            if !allowed {
+                return fail(
+                    ErrorKind::Unsupported,
+                    format!("backend `{}` cannot {}", self.backend.info().name, r.op),
+                );
+            }
+            let Some(l) = local.get(&r.local) else {
+                return fail(
+                    ErrorKind::NotRegistered,
+                    format!(
+                        "local region {} is not registered (or was deregistered)",
+                        r.local
+                    ),
+                );
+            };
+            if !fits(r.local_offset, r.len, l.desc.len) {
+                return fail(
+                    ErrorKind::OutOfBounds,
+                    format!(
+                        "local range {}+{} is outside region {} of {} bytes",
+                        r.local_offset, r.len, r.local, l.desc.len
+                    ),
+                );
+            }
+            let Some(rem) = segment.region(r.remote) else {
+                return fail(
+                    ErrorKind::NotRegistered,
+                    format!(
+                        "the peer has no region {} (never registered, or deregistered)",
+                        r.remote
+                    ),
+                );
+            };
+            let ok = match r.op {
+                Op::Read => rem.access.remote_read,
+                Op::Write => rem.access.remote_write,
+            };
+            if !ok {
+                return fail(
+                    ErrorKind::InvalidRequest,
+                    format!(
+                        "the peer's region {} (`{}`) is not {right}",
+                        r.remote, rem.name
+                    ),
+                );
+            }
+            if !fits(r.remote_offset, r.len, rem.len) {
+                return fail(
+                    ErrorKind::OutOfBounds,
+                    format!(
+                        "remote range {}+{} is outside the peer's region {} of {} bytes",
+                        r.remote_offset, r.len, r.remote, rem.len
+                    ),
+                );
+            }
+            if !pinned.iter().any(|p| p.desc.id == r.local) {
+                pinned.push(l.clone());
+            }
+        }
+        // Pinned under the table's read lock: a deregistration either removed the
+        // region before this check (which then failed) or waits for this batch.
+        Ok(Pins::new(state, pinned))
+    }
+
+    pub(super) fn transfer(
+        &self,
+        peer: &Peer,
+        requests: &[TransferRequest],
+        deadline: Deadline,
+        notify: Option<Vec<u8>>,
+    ) -> Result<TransferHandle> {
+        let state = BatchState::new(
+            BatchId(self.next_batch.fetch_add(1, Ordering::Relaxed)),
+            deadline,
+        );
+        let peer = self.current(peer, deadline)?;
+        let pins = self.check(&peer, requests, &state)?;
+        self.timer.add(&state);
+        let handle = TransferHandle::new(state.clone());
+        let finisher = Finisher {
+            state: state.clone(),
+            pins,
+            peer: peer.clone(),
+            notify: notify.map(|message| {
+                (
+                    self.control.clone(),
+                    wire::Notice {
+                        to_epoch: peer.inner.epoch,
+                        message,
+                    },
+                )
+            }),
+        };
+        if requests.is_empty() {
+            finisher.finish(Ok(()));
+            return Ok(handle);
+        }
+        // The batch ends when both the backend's completion and `submit`'s return are
+        // in, so an error returned by `submit` is never masked by the dropped completion.
+        // The pins go with the finisher: they are released once the backend has
+        // released the batch, right after its result is set.
+        let join = Arc::new(Mutex::new(Join::default()));
+        let (j, f) = (join.clone(), Arc::new(Mutex::new(Some(finisher))));
+        let f2 = f.clone();
+        let done = Completion::build(
+            state.id(),
+            deadline,
+            state.abort_flag(),
+            Box::new(move |r, dropped| {
+                let r = if dropped {
+                    Err(r
+                        .err()
+                        .unwrap_or_else(|| Error::new(ErrorKind::Cancelled, "dropped")))
+                } else {
+                    r
+                };
+                Join::arrive(&j, &f2, Some(r), None);
+            }),
+        );
+        let backend_id = peer.inner.backend_id;
+        let submitted = self.backend.submit(backend_id, requests, done);
+        let ok = submitted.is_ok();
+        Join::arrive(
+            &join,
+            &f,
+            None,
+            Some(submitted.map_err(|e| e.with_operation("transfer"))),
+        );
+        if ok {
+            let backend = Arc::downgrade(&self.backend);
+            let batch = state.id();
+            state.set_hook(Arc::new(move || {
+                if let Some(b) = backend.upgrade() {
+                    b.abort(backend_id, batch);
+                }
+            }));
+        }
+        Ok(handle)
+    }
+}
+
+#[derive(Default)]
+pub(super) struct Join {
+    pub(super) completed: Option<Result<()>>,
+    pub(super) submitted: Option<Result<()>>,
+}
+
+impl Join {
+    fn arrive(
+        join: &Mutex<Join>,
+        finisher: &Mutex<Option<Finisher>>,
+        completed: Option<Result<()>>,
+        submitted: Option<Result<()>>,
+    ) {
+        let result = {
+            let mut j = join.lock();
+            if completed.is_some() {
+                j.completed = completed;
+            }
+            if submitted.is_some() {
+                j.submitted = submitted;
+            }
+            match (&j.submitted, &j.completed) {
+                (Some(Err(e)), Some(_)) => Err(e.clone()),
+                (Some(Ok(())), Some(r)) => r.clone(),
+                _ => return,
+            }
+        };
+        if let Some(f) = finisher.lock().take() {
+            f.finish(result);
+        }
+    }
+}
+
+/// What happens when the backend has released a batch: peer bookkeeping, then either
+/// the notification or the final result. It runs on whichever thread completed the
+/// batch (often the backend's own), so it holds nothing that could make it the last
+/// owner of the engine or the backend.
+pub(super) struct Finisher {
+    pub(super) state: Arc<BatchState>,
+    /// The batch's pins on its local regions: dropped after its result is set (or,
+    /// with a notification, once it is only the notification that is left).
+    pub(super) pins: Pins,
+    pub(super) peer: Peer,
+    pub(super) notify: Option<(Arc<control::Shared>, wire::Notice)>,
+}
+
+impl Finisher {
+    fn finish(self, result: Result<()>) {
+        // An abort (deadline, cancel, deregistration) decides the result once the
+        // backend has released the batch, whatever the backend reported.
+        let result = match self.state.aborted() {
+            Some(why) => Err(why.error()),
+            None => result,
+        };
+        if let Err(e) = &result {
+            if matches!(
+                e.kind(),
+                ErrorKind::PeerUnreachable | ErrorKind::PeerRestarted
+            ) {
+                self.peer.inner.valid.store(false, Ordering::Release);
+            }
+        }
+        match (result, self.notify) {
+            (Ok(()), Some((control, notice))) => {
+                if let Some(why) = self.state.enter_notify() {
+                    self.state.finish(Err(why.error()));
+                    return;
+                }
+                drop(self.pins);
+                // Queued on the peer's session, pipelined with others; its answer (or
+                // the batch's deadline, whichever comes first) ends the batch.
+                let state = self.state.clone();
+                control.send(
+                    &self.peer.inner.addr,
+                    Kind::Notify,
+                    wire::encode(&notice),
+                    self.state.deadline(),
+                    Box::new(move |r| {
+                        state.finish(r.map(|_| ()).map_err(|e| e.with_operation("notify")));
+                    }),
+                );
+            }
+            (result, _) => {
+                self.state.finish(result);
+                drop(self.pins);
+            }
+        }
+    }
+}
