@@ -142,6 +142,20 @@ def test_a_dead_peer_fails_the_call_and_the_interpreter_survives(engines):
     assert b == 0 or local.get_batch_transfer_status([b]) < 0
 
 
+def test_managed_buffers_and_byte_copies(engines):
+    target, session, addr, local = engines
+    buf = local.allocate_managed_buffer(4096)
+    assert buf != 0
+    assert local.write_bytes_to_buffer(buf, b"hello te", 8) == 0
+    assert local.read_bytes_from_buffer(buf, 8) == b"hello te"
+    assert local.write_bytes_to_buffer(buf + 4090, b"too long", 8) < 0
+    assert local.transfer_sync_write(session, buf, addr, 4096) == 0
+    assert local.get_first_buffer_address(session) == addr
+    assert local.transfer_sync_read(session, buf, addr + 4096, 8) == 0
+    assert local.read_bytes_from_buffer(buf, 8) == bytes(8)
+    assert local.free_managed_buffer(buf, 4096) == 0
+
+
 def test_calls_before_initialize_fail_cleanly():
     e = TransferEngine()
     assert e.get_rpc_port() < 0

@@ -11,9 +11,12 @@ registered and refuses one outside all of them (a negative return, nothing writt
 Differences from Mooncake are listed in the package README (crates/te-python).
 """
 
+import ctypes
 import logging
 import os
+import pathlib
 import threading
+import tomllib
 
 from . import Engine, Error
 
@@ -44,6 +47,21 @@ def _timeout():
     return float(os.environ.get("MC_TRANSFER_TIMEOUT", "30"))
 
 
+def _base_config():
+    """The file named by ``$TE_CONFIG`` as a dict (backend tables, auth token, …), its
+    relative plugin directories made absolute; empty without it."""
+    path = os.environ.get("TE_CONFIG")
+    if not path:
+        return {}
+    with open(path, "rb") as f:
+        cfg = tomllib.load(f)
+    base = pathlib.Path(path).parent
+    dirs = cfg.get("engine", {}).get("plugin_dirs")
+    if dirs:
+        cfg["engine"]["plugin_dirs"] = [str(base / d) for d in dirs]
+    return cfg
+
+
 class TransferEngine:
     """Mooncake's ``TransferEngine``, backed by a :class:`te.Engine`."""
 
@@ -72,13 +90,17 @@ class TransferEngine:
         host = host or "127.0.0.1"
         if host == "localhost":
             host = "127.0.0.1"
-        engine = {"backend": protocol, "listen": f"{host}:{port}"}
-        meta = (metadata_server or "").strip()
-        if meta and meta.upper() != "P2PHANDSHAKE":
-            engine["metadata"] = meta if "://" in meta else f"etcd://{meta}"
         try:
-            self._engine = Engine({"engine": engine})
-        except Error as e:
+            cfg = _base_config()
+            engine = cfg.setdefault("engine", {})
+            engine.update(backend=protocol, listen=f"{host}:{port}")
+            meta = (metadata_server or "").strip()
+            if meta and meta.upper() != "P2PHANDSHAKE":
+                engine["metadata"] = meta if "://" in meta else f"etcd://{meta}"
+            else:
+                engine["metadata"] = "p2p"
+            self._engine = Engine(cfg)
+        except (Error, OSError, tomllib.TOMLDecodeError) as e:
             _log.error("initialize: %s", e)
             return FAILED
         self._hostname = host
@@ -102,16 +124,19 @@ class TransferEngine:
 
     # -- memory ---------------------------------------------------------------
 
-    def register_memory(self, buffer_addr, capacity):
-        """Registers ``capacity`` bytes at ``buffer_addr`` (host memory), readable and
-        writable by peers."""
+    def register_memory(self, buffer_addr, capacity, location="cpu"):
+        """Registers ``capacity`` bytes at ``buffer_addr``, readable and writable by
+        peers. ``location`` is ``"cpu"`` (default) or a device such as ``"cuda:0"``
+        (te does not probe the pointer for its device, as Mooncake does)."""
         if self._engine is None:
             return FAILED
         if buffer_addr in self._regs:
             return 0
+        device = "host" if location in ("cpu", "*", "", None) or str(location).startswith(
+            "cpu") else str(location)
         try:
             self._regs[buffer_addr] = self._engine.register(
-                int(buffer_addr), int(capacity), name=f"mc:{buffer_addr:#x}"
+                int(buffer_addr), int(capacity), device=device, name=f"mc:{buffer_addr:#x}"
             )
         except (Error, TypeError, ValueError, OverflowError) as e:
             _log.error("register_memory(%#x, %s): %s", buffer_addr, capacity, e)
@@ -147,6 +172,57 @@ class TransferEngine:
             if self.unregister_memory(a) != 0:
                 rc = FAILED
         return rc
+
+    def allocate_managed_buffer(self, length):
+        """Allocates and registers ``length`` zeroed bytes of host memory; returns the
+        address, or ``0`` on failure."""
+        if self._engine is None or length <= 0:
+            return 0
+        buf = (ctypes.c_uint8 * int(length))()
+        addr = ctypes.addressof(buf)
+        try:
+            self._regs[addr] = self._engine.register(addr, int(length), name=f"mc:{addr:#x}",
+                                                     keep=buf)
+        except Error as e:
+            _log.error("allocate_managed_buffer(%s): %s", length, e)
+            return 0
+        return addr
+
+    def free_managed_buffer(self, buffer_addr, length):
+        """Deregisters and frees a buffer from :meth:`allocate_managed_buffer`."""
+        return self.unregister_memory(buffer_addr)
+
+    def write_bytes_to_buffer(self, dest_address, src_ptr, length):
+        """Copies ``length`` bytes of ``src_ptr`` (bytes) to registered memory at
+        ``dest_address``."""
+        if not self._inside(dest_address, length) or len(src_ptr) < length:
+            return FAILED
+        ctypes.memmove(dest_address, bytes(src_ptr[:length]), length)
+        return 0
+
+    def read_bytes_from_buffer(self, source_address, length):
+        """``length`` bytes of registered memory at ``source_address`` (empty bytes if
+        that is not registered memory)."""
+        if not self._inside(source_address, length):
+            return b""
+        return ctypes.string_at(source_address, length)
+
+    def get_first_buffer_address(self, segment_name):
+        """The lowest address the peer ``segment_name`` (``host:port``) registered, or
+        ``0``."""
+        try:
+            peer = self._engine.connect(segment_name, timeout=_timeout())
+            regions = peer.regions()
+        except (Error, AttributeError) as e:
+            _log.error("get_first_buffer_address(%s): %s", segment_name, e)
+            return 0
+        return min((r["addr"] for r in regions), default=0)
+
+    def _inside(self, addr, length):
+        for reg in self._regs.values():
+            if reg.device == "host" and reg.addr <= addr and addr + length <= reg.addr + reg.len:
+                return True
+        return False
 
     # -- transfers ------------------------------------------------------------
 
