@@ -122,8 +122,9 @@ fn from_buffer<T: Element + Copy>(
 fn non_negative<T: TryInto<u64> + Copy + std::fmt::Display>(v: Vec<T>) -> PyResult<Vec<u64>> {
     v.into_iter()
         .map(|x| {
-            x.try_into()
-                .map_err(|_| PyValueError::new_err(format!("{x} is negative")))
+            x.try_into().map_err(|_| {
+                PyValueError::new_err(format!("{x} is negative or does not fit 64 bits"))
+            })
         })
         .collect()
 }

@@ -57,7 +57,10 @@ impl PyEngine {
         map.range(..=addr).rev().find_map(|(start, regions)| {
             regions
                 .iter()
-                .find(|(rlen, _)| addr.checked_add(len).is_some_and(|end| end <= start + rlen))
+                .find(|(rlen, _)| {
+                    addr.checked_add(len)
+                        .is_some_and(|end| end <= start.saturating_add(*rlen))
+                })
                 .map(|(_, id)| (*id, addr - start))
         })
     }

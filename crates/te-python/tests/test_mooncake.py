@@ -105,6 +105,11 @@ def test_addresses_outside_every_region_fail_and_write_nothing(engines):
     assert local.transfer_sync_write(session, src.ctypes.data, addr + (1 << 20), 16) < 0
     assert local.transfer_sync_write(session, src.ctypes.data, addr + (1 << 20) - 8, 16) < 0
     assert local.transfer_sync_write(session, src.ctypes.data, addr - 4096, 16) < 0
+    # Addresses at the top of the address space, and past it.
+    assert local.transfer_sync_write(session, src.ctypes.data, 2**64 - 8, 16) < 0
+    assert local.transfer_sync_write(session, 2**64 - 8, addr, 16) < 0
+    assert local.transfer_sync_write(session, src.ctypes.data, 2**64, 16) < 0
+    assert local.transfer_sync_write(session, src.ctypes.data, addr, -1) < 0
     # Local memory never registered.
     other = np.zeros(64, np.uint8)
     assert local.transfer_sync_write(session, other.ctypes.data, addr, 64) < 0
