@@ -75,7 +75,10 @@ def measure_kv(backend, op, batch, duration, warmup, model, config=None):
     """``{mode: bytes per second}`` of block pulls (``read``) or pushes (``write``) of a
     simulated model's KV cache, as ``te bench --kv`` measures them: ``contiguous``
     (one run of ids on both sides) and ``random`` (distinct random ids)."""
-    import numpy as np
+    try:
+        import numpy as np
+    except ImportError:
+        raise SystemExit("te.bench: --kv needs numpy (pip install numpy)") from None
 
     layers, bpb, blocks = model["layers"], model["bytes_per_block"], model["blocks"]
     if batch > blocks:
