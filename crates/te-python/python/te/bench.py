@@ -4,12 +4,14 @@ A target and an initiator engine run in this process and talk over loopback; the
 initiator submits batches of ``--batch`` requests of ``--block-size`` bytes and waits
 for each (GIL released), as ``te bench`` does. ``--compare PATH`` runs the Rust
 ``te bench`` binary at PATH with the same options in the same run and prints the
-ratio of the two throughputs.
+ratio of the two throughputs; ``--repeat N`` does that N times, alternating which
+side goes first, and ends with the medians.
 """
 
 import argparse
 import json
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -153,6 +155,17 @@ def rust_bench(path, args):
     return found
 
 
+def _report(args, rec, value):
+    ratio = rec["impl"] == "python/rust"
+    rec["ratio" if ratio else "gb_per_s"] = value
+    if args.json:
+        print(json.dumps(rec))
+        return
+    what = f"ratio {value:.3f}" if ratio else f"{value:.3f} GB/s"
+    print(f"{rec['round']!s:>6}  {rec['impl']:>11}  {rec['mode'] or '-':>10}  {rec['op']} "
+          f"{rec['block_size']} B × {rec['batch_size']}: {what}")
+
+
 def main(argv=None):
     """The command line."""
     p = argparse.ArgumentParser(prog="python -m te.bench", description=__doc__.split("\n\n")[0])
@@ -175,37 +188,53 @@ def main(argv=None):
     p.add_argument("--kv-blocks", type=int, default=256)
     p.add_argument("--compare", metavar="TE_BINARY",
                    help="also run `TE_BINARY bench` with the same options and print the ratio")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds (alternating which side runs first); medians at the end")
     args = p.parse_args(argv)
     if args.batch < 1:
         p.error("--batch must be at least 1")
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     args.op = args.op or ("read" if args.kv else "write")
-    config = args.config
     if args.kv:
         bpb = args.kv_heads * args.kv_head_dim * args.kv_block_tokens * args.kv_dtype_bytes
         model = {"layers": args.kv_layers, "bytes_per_block": bpb, "blocks": args.kv_blocks}
-        py = measure_kv(args.backend, args.op, args.batch, args.duration, args.warmup,
-                        model, config)
         block = bpb
+
+        def python():
+            return measure_kv(args.backend, args.op, args.batch, args.duration, args.warmup,
+                              model, args.config)
     else:
-        py = {"": measure(args.backend, args.op, args.block_size, args.batch, args.duration,
-                          args.warmup, config)}
         block = args.block_size
-    rs = rust_bench(args.compare, args) if args.compare else {}
-    for mode, bps in py.items():
-        rec = {"impl": "python", "backend": args.backend or "", "op": args.op, "mode": mode,
-               "block_size": block, "batch_size": args.batch, "gb_per_s": bps / 1e9}
-        rows = [rec]
-        if mode in rs:
-            rows.append(dict(rec, impl="rust", gb_per_s=rs[mode] / 1e9))
-            rows.append(dict(rec, impl="python/rust", gb_per_s=None, ratio=bps / rs[mode]))
-        for r in rows:
-            if args.json:
-                print(json.dumps(r))
-            elif r["gb_per_s"] is None:
-                print(f"{r['impl']:>11}  {mode or '-':>10}  ratio {r['ratio']:.3f}")
-            else:
-                print(f"{r['impl']:>11}  {mode or '-':>10}  {r['op']} {r['block_size']} B "
-                      f"× {r['batch_size']}: {r['gb_per_s']:.3f} GB/s")
+
+        def python():
+            return {"": measure(args.backend, args.op, args.block_size, args.batch,
+                                args.duration, args.warmup, args.config)}
+
+    base = {"backend": args.backend or "", "op": args.op, "block_size": block,
+            "batch_size": args.batch}
+    results = {}  # mode -> {"python": [...], "rust": [...], "python/rust": [...]}
+    for rnd in range(args.repeat):
+        # Alternate which side runs first, so neither always gets the quieter half.
+        if args.compare and rnd % 2:
+            rs = rust_bench(args.compare, args)
+            py = python()
+        else:
+            py = python()
+            rs = rust_bench(args.compare, args) if args.compare else {}
+        for mode, bps in py.items():
+            got = {"python": bps / 1e9}
+            if mode in rs:
+                got["rust"] = rs[mode] / 1e9
+                got["python/rust"] = bps / rs[mode]
+            for impl, v in got.items():
+                results.setdefault(mode, {}).setdefault(impl, []).append(v)
+                _report(args, dict(base, impl=impl, mode=mode, round=rnd + 1), v)
+    if args.repeat > 1:
+        for mode, by in results.items():
+            for impl, vs in by.items():
+                _report(args, dict(base, impl=impl, mode=mode, round="median"),
+                        statistics.median(vs))
     return 0
 
 
