@@ -11,8 +11,8 @@ cd "$(dirname "$0")/.."
 # (the build needs neither, and the machine needs no RDMA device); etcd-server is the
 # metadata store the name-resolution tests start; iproute2 builds the test hosts of
 # the network-namespace tests, and nftables drops packets for them where the kernel
-# has no netem.
-packages=(qperf libibverbs-dev etcd-server iproute2 nftables)
+# has no netem. python3 and python3-venv build and test the Python package.
+packages=(qperf libibverbs-dev etcd-server iproute2 nftables python3 python3-venv)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -40,6 +40,16 @@ echo "== cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== cargo build --workspace"
 cargo build --workspace --all-targets --locked
+# The Python package (crates/te-python): a virtual environment with pytest, numpy and
+# maturin from PyPI; `maturin develop` builds the extension into it (dev profile, on
+# top of the build above) and pytest runs the package's suite.
+echo "== python: crates/te-python"
+venv="$PWD/target/venv"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/pip" install -q pytest numpy "maturin>=1.5,<2"
+(cd crates/te-python && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop --locked)
+"$venv/bin/python" -m pytest -q -rs crates/te-python/tests
+
 echo "== cargo test --workspace"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT

@@ -1,0 +1,781 @@
+//! `te._te.Engine`, `Peer` and `Registration`.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+use te::{
+    BlockOptions, Engine, ErrorKind, KvGroup, KvLayout, KvSelection, KvSlot, MemoryDesc, Op, Peer,
+    RegionDesc, RegionId, Registration, TransferOptions, TransferRequest,
+};
+
+use crate::args;
+use crate::errors::{te_err, IntoPy};
+use crate::handle::PyHandle;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A layout slot from Python: `(name, region id, offset, bytes per block, blocks)`.
+type SlotSpec = (String, u64, u64, u64, u64);
+
+/// Local regions by start address, for callers that name memory by raw address.
+type AddrMap = Arc<RwLock<BTreeMap<u64, Vec<(u64, RegionId)>>>>;
+
+/// A transfer engine: one backend, one control plane, its registrations and peers.
+#[pyclass(module = "te._te", name = "Engine", subclass, frozen)]
+pub(crate) struct PyEngine {
+    engine: Mutex<Option<Arc<Engine>>>,
+    addrs: AddrMap,
+}
+
+impl PyEngine {
+    fn get(&self) -> PyResult<Arc<Engine>> {
+        lock(&self.engine).clone().ok_or_else(|| {
+            te_err(
+                ErrorKind::Cancelled,
+                "engine",
+                "the engine is closed; create a new one".into(),
+            )
+        })
+    }
+
+    fn options(notify: Option<Vec<u8>>, timeout: Option<f64>) -> PyResult<TransferOptions> {
+        Ok(TransferOptions {
+            timeout: args::timeout(timeout)?,
+            notify,
+        })
+    }
+
+    fn local_region(&self, addr: u64, len: u64) -> Option<(RegionId, u64)> {
+        let map = self.addrs.read().unwrap_or_else(|p| p.into_inner());
+        map.range(..=addr).rev().find_map(|(start, regions)| {
+            regions
+                .iter()
+                .find(|(rlen, _)| {
+                    addr.checked_add(len)
+                        .is_some_and(|end| end <= start.saturating_add(*rlen))
+                })
+                .map(|(_, id)| (*id, addr - start))
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn blocks(
+        &self,
+        py: Python<'_>,
+        op: Op,
+        peer: &PyPeer,
+        layout: &str,
+        local_ids: &Bound<'_, PyAny>,
+        remote_ids: &Bound<'_, PyAny>,
+        notify: Option<Vec<u8>>,
+        timeout: Option<f64>,
+        layers: Option<Vec<String>>,
+        slots: Option<Vec<String>>,
+    ) -> PyResult<PyHandle> {
+        let engine = self.get()?;
+        let local = args::ids(local_ids, "local_ids")?;
+        let remote = args::ids(remote_ids, "remote_ids")?;
+        let options = BlockOptions {
+            selection: KvSelection {
+                groups: layers,
+                slots,
+            },
+            transfer: Self::options(notify, timeout)?,
+        };
+        let peer = &peer.peer;
+        py.allow_threads(|| match op {
+            Op::Read => engine.pull_blocks(peer, layout, &remote, &local, &options),
+            Op::Write => engine.push_blocks(peer, layout, &remote, &local, &options),
+        })
+        .py_err()
+        .map(|handle| PyHandle { handle })
+    }
+}
+
+#[pymethods]
+impl PyEngine {
+    /// Starts an engine. `config` is `None` (the file named by `$TE_CONFIG`, else the
+    /// defaults: the stub backend), a path to a TOML file, or a dict with the file's
+    /// tables (`{"engine": {"backend": "tcp"}}`).
+    #[new]
+    #[pyo3(signature = (config=None))]
+    fn new(py: Python<'_>, config: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        let config = args::config(config)?;
+        let engine = py.allow_threads(|| Engine::from_config(&config)).py_err()?;
+        Ok(PyEngine {
+            engine: Mutex::new(Some(Arc::new(engine))),
+            addrs: Arc::default(),
+        })
+    }
+
+    /// The control-plane address peers pass to `connect` (`"ip:port"`).
+    #[getter]
+    fn address(&self) -> PyResult<String> {
+        Ok(self.get()?.address().to_string())
+    }
+
+    /// The engine's name, as peers see it.
+    #[getter]
+    fn name(&self) -> PyResult<String> {
+        Ok(self.get()?.name().to_string())
+    }
+
+    /// Random at every start; peers notice a restart by it.
+    #[getter]
+    fn epoch(&self) -> PyResult<u64> {
+        Ok(self.get()?.epoch())
+    }
+
+    /// The backend's registry name (`tcp`, `rdma`, `stub`, …).
+    #[getter]
+    fn backend(&self) -> PyResult<String> {
+        Ok(self.get()?.backend_info().name.to_string())
+    }
+
+    /// Stops the engine (control plane, peers); its batches fail or complete first.
+    /// Further calls raise `te.CancelledError`. Called by `with te.Engine() as e:`.
+    fn close(&self, py: Python<'_>) {
+        let engine = lock(&self.engine).take();
+        // Dropping the last reference stops threads and joins them: not under the GIL.
+        py.allow_threads(move || drop(engine));
+    }
+
+    /// Registers `nbytes` of memory at address `ptr` (an int) on `device` (`"host"`,
+    /// `"cuda:0"`, …) under `name`, with `access` for peers (`"rw"`, `"r"`, `"w"`,
+    /// `"local"`). The memory must stay valid until the returned registration is
+    /// deregistered; `keep` is held alive until then.
+    #[pyo3(signature = (ptr, nbytes, device="host", name="", access="rw", keep=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn register(
+        &self,
+        py: Python<'_>,
+        ptr: u64,
+        nbytes: u64,
+        device: &str,
+        name: &str,
+        access: &str,
+        keep: Option<PyObject>,
+    ) -> PyResult<PyRegistration> {
+        let engine = self.get()?;
+        let desc = MemoryDesc {
+            name: name.to_string(),
+            addr: ptr,
+            len: nbytes,
+            kind: args::device(device)?,
+            access: args::access(access)?,
+        };
+        // SAFETY: the caller vouches that `ptr .. ptr + nbytes` is memory of `device`
+        // that outlives the registration (the documented contract of this method);
+        // `keep` (a buffer or tensor the memory belongs to) is held until deregistration.
+        let reg = py
+            .allow_threads(|| unsafe { engine.register(desc) })
+            .py_err()?;
+        Ok(self.track(reg, keep))
+    }
+
+    /// Registers the memory of a writable, C-contiguous buffer-protocol object (a
+    /// `bytearray`, a numpy array, a writable `memoryview`) and keeps the object alive
+    /// until deregistration.
+    #[pyo3(signature = (obj, name="", access="rw"))]
+    fn register_buffer(
+        &self,
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        name: &str,
+        access: &str,
+    ) -> PyResult<PyRegistration> {
+        let buf = PyBuffer::<u8>::get(obj).map_err(|_| {
+            PyTypeError::new_err(
+                "register_buffer needs an object with the buffer protocol (bytearray, numpy array, memoryview)",
+            )
+        })?;
+        if buf.readonly() {
+            return Err(PyTypeError::new_err(
+                "the buffer is read-only (bytes?); register writable memory such as a bytearray",
+            ));
+        }
+        if !buf.is_c_contiguous() {
+            return Err(PyValueError::new_err("the buffer is not C-contiguous"));
+        }
+        let ptr = buf.buf_ptr() as u64;
+        let len = buf.len_bytes() as u64;
+        drop(buf);
+        self.register(
+            py,
+            ptr,
+            len,
+            "host",
+            name,
+            access,
+            Some(obj.clone().unbind()),
+        )
+    }
+
+    /// Connects to the engine at `addr` (`"host:port"`) within `timeout` seconds
+    /// (default: the engine's `default_timeout`). Cached per address.
+    #[pyo3(signature = (addr, timeout=None))]
+    fn connect(&self, py: Python<'_>, addr: &str, timeout: Option<f64>) -> PyResult<PyPeer> {
+        let engine = self.get()?;
+        let timeout = args::timeout(timeout)?;
+        let peer = py
+            .allow_threads(|| match timeout {
+                Some(t) => engine.connect_with(addr, t),
+                None => engine.connect(addr),
+            })
+            .py_err()?;
+        Ok(PyPeer { peer })
+    }
+
+    /// Submits requests to `peer`: a list of `(local_region, local_offset,
+    /// remote_region, remote_offset, length)` tuples or an N×5 integer array, all
+    /// `op` (`"write"` or `"read"`). `notify` (bytes) reaches the peer after the data.
+    #[pyo3(signature = (peer, requests, op="write", notify=None, timeout=None))]
+    fn transfer(
+        &self,
+        py: Python<'_>,
+        peer: &PyPeer,
+        requests: &Bound<'_, PyAny>,
+        op: &str,
+        notify: Option<Vec<u8>>,
+        timeout: Option<f64>,
+    ) -> PyResult<PyHandle> {
+        let engine = self.get()?;
+        let requests = args::requests(requests, args::op(op)?)?;
+        let options = Self::options(notify, timeout)?;
+        let peer = &peer.peer;
+        py.allow_threads(|| engine.transfer_with(peer, &requests, &options))
+            .py_err()
+            .map(|handle| PyHandle { handle })
+    }
+
+    /// Submits requests named by raw addresses, as Mooncake's callers do: local
+    /// `buffers[i]` (inside memory registered through this object) and the peer's
+    /// `peer_addrs[i]` (inside a region the peer registered), `lengths[i]` bytes each.
+    /// An address outside every registration raises `te.OutOfBoundsError` and nothing
+    /// is submitted.
+    #[pyo3(signature = (peer, op, buffers, peer_addrs, lengths, notify=None, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn transfer_addrs(
+        &self,
+        py: Python<'_>,
+        peer: &PyPeer,
+        op: &str,
+        buffers: &Bound<'_, PyAny>,
+        peer_addrs: &Bound<'_, PyAny>,
+        lengths: &Bound<'_, PyAny>,
+        notify: Option<Vec<u8>>,
+        timeout: Option<f64>,
+    ) -> PyResult<PyHandle> {
+        let engine = self.get()?;
+        let op = args::op(op)?;
+        let buffers = args::ids(buffers, "buffers")?;
+        let remote = args::ids(peer_addrs, "peer_buffer_addresses")?;
+        let lengths = args::ids(lengths, "lengths")?;
+        if buffers.len() != remote.len() || buffers.len() != lengths.len() {
+            return Err(PyValueError::new_err(format!(
+                "buffers ({}), peer addresses ({}) and lengths ({}) differ in length",
+                buffers.len(),
+                remote.len(),
+                lengths.len()
+            )));
+        }
+        let options = Self::options(notify, timeout)?;
+        let peer = &peer.peer;
+        let mut requests = Vec::with_capacity(buffers.len());
+        for (i, ((&local, &len), &addr)) in buffers.iter().zip(&lengths).zip(&remote).enumerate() {
+            let (local, local_offset) = self.local_region(local, len).ok_or_else(|| {
+                te_err(
+                    ErrorKind::NotRegistered,
+                    "transfer",
+                    format!(
+                        "request {i}: local address {local:#x} (+{len} bytes) is not inside memory registered with this engine"
+                    ),
+                )
+            })?;
+            requests.push(TransferRequest {
+                op,
+                local,
+                local_offset,
+                remote: RegionId(0),
+                remote_offset: addr,
+                len,
+            });
+        }
+        py.allow_threads(|| {
+            let mut regions = remote_regions(peer);
+            if requests.iter().any(|r| find(&regions, r.remote_offset, r.len).is_none()) {
+                refresh(&engine, peer)?;
+                regions = remote_regions(peer);
+            }
+            for (i, r) in requests.iter_mut().enumerate() {
+                let (id, offset) = find(&regions, r.remote_offset, r.len).ok_or_else(|| {
+                    te::Error::new(
+                        ErrorKind::OutOfBounds,
+                        format!(
+                            "request {i}: peer address {:#x} (+{} bytes) is not inside any region the peer registered",
+                            r.remote_offset, r.len
+                        ),
+                    )
+                    .with_operation("transfer")
+                })?;
+                r.remote = id;
+                r.remote_offset = offset;
+            }
+            engine.transfer_with(peer, &requests, &options)
+        })
+        .py_err()
+        .map(|handle| PyHandle { handle })
+    }
+
+    /// Sends `message` to `peer` on its own.
+    #[pyo3(signature = (peer, message, timeout=None))]
+    fn notify(
+        &self,
+        py: Python<'_>,
+        peer: &PyPeer,
+        message: Vec<u8>,
+        timeout: Option<f64>,
+    ) -> PyResult<PyHandle> {
+        let engine = self.get()?;
+        let options = Self::options(Some(message), timeout)?;
+        let peer = &peer.peer;
+        py.allow_threads(|| engine.transfer_with(peer, &[], &options))
+            .py_err()
+            .map(|handle| PyHandle { handle })
+    }
+
+    /// Registers and publishes a KV-cache layout: `groups` is a list of `(group_name,
+    /// [(slot_name, region_id, offset, bytes_per_block, blocks), …])`. `access`
+    /// (default: each region's own) is what peers may do to the slots.
+    #[pyo3(signature = (name, groups, access=None))]
+    fn register_layout(
+        &self,
+        py: Python<'_>,
+        name: String,
+        groups: Vec<(String, Vec<SlotSpec>)>,
+        access: Option<&str>,
+    ) -> PyResult<()> {
+        let engine = self.get()?;
+        let layout = KvLayout {
+            name,
+            groups: groups
+                .into_iter()
+                .map(|(name, slots)| KvGroup {
+                    name,
+                    slots: slots
+                        .into_iter()
+                        .map(|(name, region, offset, bytes_per_block, blocks)| KvSlot {
+                            name,
+                            region: RegionId(region),
+                            offset,
+                            bytes_per_block,
+                            blocks,
+                        })
+                        .collect(),
+                })
+                .collect(),
+        };
+        let access = access.map(args::access).transpose()?;
+        py.allow_threads(|| match access {
+            Some(a) => engine.register_layout_with(layout, a),
+            None => engine.register_layout(layout),
+        })
+        .py_err()
+    }
+
+    /// Withdraws a layout (waiting for transfers on its slots).
+    fn deregister_layout(&self, py: Python<'_>, name: &str) -> PyResult<()> {
+        let engine = self.get()?;
+        py.allow_threads(|| engine.deregister_layout(name).map(drop))
+            .py_err()
+    }
+
+    /// WRITEs blocks `local_ids` of the local layout `layout` into blocks `remote_ids`
+    /// of the peer's (pairwise; lists, numpy arrays or int64 tensors). `layers` and
+    /// `slots` select groups and slots (all by default).
+    #[pyo3(signature = (peer, layout, local_ids, remote_ids, notify=None, timeout=None, layers=None, slots=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn push_blocks(
+        &self,
+        py: Python<'_>,
+        peer: &PyPeer,
+        layout: &str,
+        local_ids: &Bound<'_, PyAny>,
+        remote_ids: &Bound<'_, PyAny>,
+        notify: Option<Vec<u8>>,
+        timeout: Option<f64>,
+        layers: Option<Vec<String>>,
+        slots: Option<Vec<String>>,
+    ) -> PyResult<PyHandle> {
+        self.blocks(
+            py,
+            Op::Write,
+            peer,
+            layout,
+            local_ids,
+            remote_ids,
+            notify,
+            timeout,
+            layers,
+            slots,
+        )
+    }
+
+    /// READs blocks `remote_ids` of the peer's layout `layout` into blocks `local_ids`
+    /// of the local one; as `push_blocks` otherwise.
+    #[pyo3(signature = (peer, layout, local_ids, remote_ids, notify=None, timeout=None, layers=None, slots=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn pull_blocks(
+        &self,
+        py: Python<'_>,
+        peer: &PyPeer,
+        layout: &str,
+        local_ids: &Bound<'_, PyAny>,
+        remote_ids: &Bound<'_, PyAny>,
+        notify: Option<Vec<u8>>,
+        timeout: Option<f64>,
+        layers: Option<Vec<String>>,
+        slots: Option<Vec<String>>,
+    ) -> PyResult<PyHandle> {
+        self.blocks(
+            py,
+            Op::Read,
+            peer,
+            layout,
+            local_ids,
+            remote_ids,
+            notify,
+            timeout,
+            layers,
+            slots,
+        )
+    }
+
+    /// Drains received notifications without waiting: `{sender name: [message, …]}`,
+    /// each sender's messages in arrival order.
+    fn get_notifications<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let engine = self.get()?;
+        let out = PyDict::new(py);
+        for n in engine.try_recv_notifications() {
+            let msg = PyBytes::new(py, &n.message);
+            match out.get_item(&n.from)? {
+                Some(list) => list.downcast::<PyList>()?.append(msg)?,
+                None => out.set_item(&n.from, PyList::new(py, [msg])?)?,
+            }
+        }
+        Ok(out)
+    }
+
+    /// Waits (GIL released) up to `timeout` seconds for one notification: `(sender
+    /// name, sender address, message)`, or `None`.
+    #[pyo3(signature = (timeout=0.0))]
+    fn recv_notification(
+        &self,
+        py: Python<'_>,
+        timeout: f64,
+    ) -> PyResult<Option<(String, String, Py<PyBytes>)>> {
+        let engine = self.get()?;
+        let t = args::timeout(Some(timeout))?.unwrap_or_default();
+        let n = py.allow_threads(|| engine.recv_notification(t));
+        Ok(n.map(|n| {
+            (
+                n.from,
+                n.from_address,
+                PyBytes::new(py, &n.message).unbind(),
+            )
+        }))
+    }
+
+    /// Drains peer events without waiting: dicts with `kind` (`"lost"`, `"restarted"`,
+    /// `"left"`), `name`, `address`, `epoch`, `previous_epoch`.
+    fn get_peer_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let engine = self.get()?;
+        engine
+            .try_recv_events()
+            .into_iter()
+            .map(|e| {
+                let d = PyDict::new(py);
+                let kind = match e.kind {
+                    te::PeerEventKind::Lost => "lost",
+                    te::PeerEventKind::Restarted => "restarted",
+                    te::PeerEventKind::Left => "left",
+                };
+                d.set_item("kind", kind)?;
+                d.set_item("name", e.name)?;
+                d.set_item("address", e.address)?;
+                d.set_item("epoch", e.epoch)?;
+                d.set_item("previous_epoch", e.previous_epoch)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
+    fn __repr__(&self) -> String {
+        match lock(&self.engine).as_ref() {
+            Some(e) => format!(
+                "<te.Engine {} backend={} address={}>",
+                e.name(),
+                e.backend_info().name,
+                e.address()
+            ),
+            None => "<te.Engine closed>".to_string(),
+        }
+    }
+}
+
+impl PyEngine {
+    fn track(&self, reg: Registration, keep: Option<PyObject>) -> PyRegistration {
+        let region = reg.region().clone();
+        let mut map = self.addrs.write().unwrap_or_else(|p| p.into_inner());
+        map.entry(region.addr)
+            .or_default()
+            .push((region.len, region.id));
+        PyRegistration {
+            reg: Mutex::new(Some(reg)),
+            region,
+            addrs: self.addrs.clone(),
+            keep: Mutex::new(keep),
+        }
+    }
+}
+
+fn remote_regions(peer: &Peer) -> Vec<RegionDesc> {
+    let mut r = peer.segment().regions.clone();
+    r.sort_by_key(|r| r.addr);
+    r
+}
+
+fn find(regions: &[RegionDesc], addr: u64, len: u64) -> Option<(RegionId, u64)> {
+    let end = addr.checked_add(len)?;
+    let upto = regions.partition_point(|r| r.addr <= addr);
+    regions[..upto]
+        .iter()
+        .rev()
+        .find(|r| end <= r.addr.saturating_add(r.len))
+        .map(|r| (r.id, addr - r.addr))
+}
+
+/// Fetches the peer's descriptor again. te-core refreshes a peer's descriptor when a
+/// batch names a region it does not know, and has no call for it on its own; a batch
+/// naming no region of the peer (id `u64::MAX`) is refused after that refresh, which
+/// is the only effect wanted here.
+fn refresh(engine: &Engine, peer: &Peer) -> te::Result<()> {
+    let probe = TransferRequest {
+        op: Op::Write,
+        local: RegionId(u64::MAX),
+        local_offset: 0,
+        remote: RegionId(u64::MAX),
+        remote_offset: 0,
+        len: 1,
+    };
+    let options = TransferOptions {
+        timeout: Some(engine.config().default_timeout.min(Duration::from_secs(30))),
+        notify: None,
+    };
+    match engine.transfer_with(peer, &[probe], &options) {
+        Err(e)
+            if matches!(
+                e.kind(),
+                ErrorKind::PeerRestarted | ErrorKind::PeerUnreachable | ErrorKind::Timeout
+            ) =>
+        {
+            Err(e)
+        }
+        // Refused as expected (or, impossibly, accepted: it names no real region).
+        _ => Ok(()),
+    }
+}
+
+/// A connected peer.
+#[pyclass(module = "te._te", name = "Peer", frozen)]
+pub(crate) struct PyPeer {
+    pub(crate) peer: Peer,
+}
+
+#[pymethods]
+impl PyPeer {
+    /// The control-plane address it was reached at.
+    #[getter]
+    fn address(&self) -> String {
+        self.peer.addr().to_string()
+    }
+
+    /// The peer engine's name.
+    #[getter]
+    fn name(&self) -> String {
+        self.peer.segment().engine.clone()
+    }
+
+    /// The peer's epoch when connected.
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.peer.epoch()
+    }
+
+    /// False once a failure or restart invalidated it (the engine reconnects on use).
+    #[getter]
+    fn valid(&self) -> bool {
+        self.peer.is_valid()
+    }
+
+    /// The regions the peer published, as last fetched: dicts with `id`, `name`,
+    /// `addr`, `len`, `device`, `access`.
+    fn regions<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        self.peer
+            .segment()
+            .regions
+            .iter()
+            .map(|r| region_dict(py, r))
+            .collect()
+    }
+
+    /// The id of the peer's first region named `name`, or `None`.
+    fn region(&self, name: &str) -> Option<u64> {
+        self.peer.region(name).map(|r| r.id.0)
+    }
+
+    /// The names of the peer's KV-cache layouts, as last fetched.
+    fn layouts(&self) -> Vec<String> {
+        self.peer
+            .segment()
+            .layouts
+            .iter()
+            .map(|l| l.name.clone())
+            .collect()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<te.Peer {} at {}>", self.name(), self.address())
+    }
+}
+
+fn region_dict<'py>(py: Python<'py>, r: &RegionDesc) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("id", r.id.0)?;
+    d.set_item("name", &r.name)?;
+    d.set_item("addr", r.addr)?;
+    d.set_item("len", r.len)?;
+    d.set_item("device", r.kind.to_string())?;
+    d.set_item("access", r.access.to_string())?;
+    Ok(d)
+}
+
+/// Registered memory; deregistered by `deregister()`, or when it is garbage-collected
+/// (then errors are only logged).
+#[pyclass(module = "te._te", name = "Registration", frozen)]
+pub(crate) struct PyRegistration {
+    reg: Mutex<Option<Registration>>,
+    region: RegionDesc,
+    addrs: AddrMap,
+    keep: Mutex<Option<PyObject>>,
+}
+
+#[pymethods]
+impl PyRegistration {
+    /// The region's id (what requests and layouts name).
+    #[getter]
+    fn id(&self) -> u64 {
+        self.region.id.0
+    }
+
+    /// Start address.
+    #[getter]
+    fn addr(&self) -> u64 {
+        self.region.addr
+    }
+
+    /// Length in bytes.
+    #[getter]
+    fn len(&self) -> u64 {
+        self.region.len
+    }
+
+    /// The name it was registered under.
+    #[getter]
+    fn name(&self) -> String {
+        self.region.name.clone()
+    }
+
+    /// Where the bytes live (`host`, `cuda:0`, …).
+    #[getter]
+    fn device(&self) -> String {
+        self.region.kind.to_string()
+    }
+
+    /// Deregisters: waits for batches using the region, then makes the backend forget
+    /// it. Afterwards te touches the memory no more. A second call does nothing. If it
+    /// raises, te may still touch the memory, so the object it belongs to is never freed.
+    fn deregister(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(reg) = lock(&self.reg).take() else {
+            return Ok(());
+        };
+        self.forget();
+        if let Err(e) = py.allow_threads(|| reg.deregister()) {
+            // te may still touch the memory: never free what it belongs to.
+            if let Some(keep) = lock(&self.keep).take() {
+                std::mem::forget(keep);
+            }
+            return Err(crate::errors::to_py(e));
+        }
+        lock(&self.keep).take();
+        Ok(())
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (_t=None, _v=None, _tb=None))]
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _t: Option<PyObject>,
+        _v: Option<PyObject>,
+        _tb: Option<PyObject>,
+    ) -> PyResult<()> {
+        self.deregister(py)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<te.Registration id={} {} bytes at {:#x} on {}>",
+            self.region.id, self.region.len, self.region.addr, self.region.kind
+        )
+    }
+}
+
+impl PyRegistration {
+    fn forget(&self) {
+        let mut map = self.addrs.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(v) = map.get_mut(&self.region.addr) {
+            v.retain(|(_, id)| *id != self.region.id);
+            if v.is_empty() {
+                map.remove(&self.region.addr);
+            }
+        }
+    }
+}
+
+impl Drop for PyRegistration {
+    fn drop(&mut self) {
+        let Some(reg) = lock(&self.reg).take() else {
+            return;
+        };
+        self.forget();
+        // Collected with the GIL held; deregistration may wait for batches.
+        let result = Python::with_gil(|py| py.allow_threads(|| reg.deregister()));
+        if result.is_err() {
+            // te may still touch the memory: never free what it belongs to.
+            if let Some(keep) = lock(&self.keep).take() {
+                std::mem::forget(keep);
+            }
+        }
+    }
+}

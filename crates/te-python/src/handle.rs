@@ -1,0 +1,102 @@
+//! `te.Handle`: a submitted batch, to poll, wait on, await or cancel.
+
+use std::time::{Duration, Instant};
+
+use pyo3::prelude::*;
+use te::{TransferHandle, TransferStatus};
+
+use crate::errors::to_py;
+
+/// How long a GIL-free wait sleeps before it checks for Ctrl-C.
+const SIGNAL_CHECK: Duration = Duration::from_millis(100);
+
+/// A submitted batch. `done()` polls without blocking, `wait(timeout)` blocks with the
+/// GIL released, `await handle` suspends a coroutine, `cancel()` asks the batch to stop.
+#[pyclass(module = "te._te", name = "Handle", frozen)]
+pub(crate) struct PyHandle {
+    pub(crate) handle: TransferHandle,
+}
+
+impl PyHandle {
+    fn result(&self) -> PyResult<bool> {
+        match self.handle.status() {
+            TransferStatus::Pending => Ok(false),
+            TransferStatus::Done => Ok(true),
+            TransferStatus::Failed(e) => Err(to_py(e)),
+        }
+    }
+}
+
+#[pymethods]
+impl PyHandle {
+    /// Whether the batch has resolved (completed, failed, timed out or was cancelled and
+    /// released). Never blocks; a scheduler calls it once per step.
+    fn done(&self) -> bool {
+        self.handle.is_done()
+    }
+
+    /// `"pending"`, `"done"` or `"failed"`.
+    fn status(&self) -> &'static str {
+        match self.handle.status() {
+            TransferStatus::Pending => "pending",
+            TransferStatus::Done => "done",
+            TransferStatus::Failed(_) => "failed",
+        }
+    }
+
+    /// The batch's error as an exception object, or `None` (pending or done).
+    fn error(&self, py: Python<'_>) -> Option<PyObject> {
+        match self.handle.status() {
+            TransferStatus::Failed(e) => Some(to_py(e).into_value(py).into_any()),
+            _ => None,
+        }
+    }
+
+    /// Waits for the batch with the GIL released: `True` once it completed, `False` if
+    /// it is still in flight after `timeout` seconds (`None`: until it resolves; the
+    /// batch's own deadline bounds that). Raises the batch's error if it failed, and
+    /// `KeyboardInterrupt` on Ctrl-C.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let end = crate::args::timeout(timeout)?.map(|t| Instant::now() + t);
+        loop {
+            let slice = match end {
+                Some(end) => end
+                    .saturating_duration_since(Instant::now())
+                    .min(SIGNAL_CHECK),
+                None => SIGNAL_CHECK,
+            };
+            let handle = &self.handle;
+            let done = py.allow_threads(|| handle.wait_timeout(slice).is_some());
+            if done {
+                return self.result();
+            }
+            if end.is_some_and(|e| Instant::now() >= e) {
+                return Ok(false);
+            }
+            py.check_signals()?;
+        }
+    }
+
+    /// Asks the batch to stop; it resolves with `te.CancelledError` once the backend has
+    /// released its memory (a batch already complete is not affected).
+    fn cancel(&self) {
+        self.handle.cancel();
+    }
+
+    /// Calls `callback()` from te's notifier thread once the batch resolves (what
+    /// `await` builds on; exceptions it raises are reported as unraisable).
+    fn _on_done(&self, callback: PyObject) -> PyResult<()> {
+        crate::notifier::on_done(self.handle.clone(), callback)
+    }
+
+    fn __await__<'py>(slf: Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let coro = py.import("te._aio")?.getattr("wait")?.call1((slf,))?;
+        coro.call_method0("__await__")
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<te.Handle {}>", self.status())
+    }
+}

@@ -1,0 +1,17 @@
+"""python -m te.bench runs both of its modes (a short run; speed is not tested here)."""
+
+import json
+
+from te import bench
+
+
+def test_bench_reports_plain_and_kv_throughput(capsys):
+    assert bench.main(["--backend", "stub", "--block-size", "4KiB", "--batch", "4",
+                       "--duration", "100ms", "--warmup", "0s", "--json"]) == 0
+    assert bench.main(["--backend", "tcp", "--kv", "--kv-layers", "2", "--kv-blocks", "8",
+                       "--kv-heads", "1", "--kv-head-dim", "64", "--batch", "4",
+                       "--duration", "100ms", "--warmup", "0s", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["mode"] for r in rows] == ["", "contiguous", "random"]
+    assert all(r["gb_per_s"] > 0 for r in rows)
+    assert rows[1]["block_size"] == 1 * 64 * 16 * 2 and rows[1]["op"] == "read"

@@ -1,0 +1,323 @@
+"""te's native Python API: two engines in one process, over tcp and the stub."""
+
+import asyncio
+import socket
+import time
+
+import numpy as np
+import pytest
+
+import te
+from conftest import config
+
+
+def pattern(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_every_error_kind_has_a_class_under_te_error():
+    for kind in te._te.error_kinds():
+        cls = te.errors.class_for(kind)
+        assert issubclass(cls, te.Error) and cls.kind == kind
+    assert issubclass(te.TimeoutError, TimeoutError)
+    assert issubclass(te.InvalidRequestError, ValueError)
+
+
+def test_engine_reports_its_address_name_epoch_and_backend(pair):
+    target, init, peer = pair
+    assert init.address.startswith("127.0.0.1:") and init.epoch > 0 and init.name
+    assert peer.address == target.address and peer.name == target.name
+    assert peer.epoch == target.epoch and peer.valid
+
+
+def test_write_then_read_moves_every_byte(pair):
+    target, init, peer = pair
+    n = 256 << 10
+    remote = np.zeros(n, dtype=np.uint8)
+    local = pattern(n, 1)
+    back = np.zeros(n, dtype=np.uint8)
+    rreg = target.register_buffer(remote, name="dst")
+    lreg = init.register_buffer(local)
+    breg = init.register_buffer(back)
+    reqs = [(lreg.id, i, rreg.id, i, 64 << 10) for i in range(0, n, 64 << 10)]
+    assert init.transfer(peer, reqs, op="write").wait(10)
+    assert np.array_equal(remote, local)
+    arr = np.array([(breg.id, 0, rreg.id, 0, n)], dtype=np.int64)
+    assert init.transfer(peer, arr, op="read").wait(10)
+    assert np.array_equal(back, local)
+    for r in (rreg, lreg, breg):
+        r.deregister()
+
+
+def test_register_takes_raw_pointers_and_tensor_like_objects(pair):
+    target, init, peer = pair
+    buf = np.zeros(4096, dtype=np.uint8)
+    reg = target.register(buf.ctypes.data, buf.nbytes, device="host", name="raw", keep=buf)
+    assert peer.region("raw") is None  # learnt on the next use, not before
+    src = init.register_tensor(pattern(4096, 2))
+    h = init.transfer(peer, [(src.id, 0, reg.id, 0, 4096)])
+    assert h.wait(10) and h.done() and h.status() == "done" and h.error() is None
+    assert peer.region("raw") == reg.id
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        init.register_tensor(np.zeros((8, 8), dtype=np.uint8)[:, ::2])
+    with pytest.raises(TypeError, match="read-only"):
+        init.register_buffer(b"immutable")
+    with pytest.raises(TypeError, match="not a tensor"):
+        init.register_tensor(object())
+
+
+class FakeTensor:
+    """What te reads of a torch tensor, over a numpy array (torch is not needed)."""
+
+    def __init__(self, a, device="cpu"):
+        self.a, self.device, self.shape = a, device, a.shape
+
+    def data_ptr(self):
+        return self.a.ctypes.data
+
+    def numel(self):
+        return self.a.size
+
+    def element_size(self):
+        return self.a.itemsize
+
+    def is_contiguous(self):
+        return self.a.flags["C_CONTIGUOUS"]
+
+
+@pytest.mark.parametrize("shape", ["pairs", "joint", "mla", "one-allocation"])
+def test_kv_caches_pull_with_a_notification_after_the_data(pair, shape):
+    target, init, peer = pair
+    layers, blocks, blk = 3, 8, 1024
+
+    def caches(seed):
+        rng = np.random.default_rng(seed)
+        mk = lambda *s: rng.integers(0, 256, s, dtype=np.uint8)  # noqa: E731
+        if shape == "pairs":
+            return [(mk(blocks, blk), mk(blocks, blk)) for _ in range(layers)]
+        if shape == "joint":
+            return {f"model.layers.{i}": mk(2, blocks, blk) for i in range(layers)}
+        if shape == "mla":
+            return [FakeTensor(mk(blocks, blk)) for _ in range(layers)]
+        big = mk(layers, 2, blocks, blk)
+        return [(big[i, 0], big[i, 1]) for i in range(layers)]
+
+    src, dst = caches(3), caches(4)
+    target.register_kv_caches("kv", src)
+    regs = init.register_kv_caches("kv", dst)
+    if shape == "one-allocation":
+        assert len(regs) == 1
+    remote_ids = np.array([1, 2, 3, 7], dtype=np.int64)
+    local_ids = [0, 1, 2, 5]
+    h = init.pull_blocks(peer, "kv", local_ids, remote_ids, notify=b"req-1 done", timeout=10)
+    assert h.wait(10)
+
+    def blocks_of(c, i):
+        arr = lambda t: t.a if isinstance(t, FakeTensor) else t  # noqa: E731
+        entries = list(c.values()) if isinstance(c, dict) else c
+        out = []
+        for e in entries:
+            if isinstance(e, tuple):
+                out += [arr(e[0])[i], arr(e[1])[i]]
+            elif shape == "joint":
+                out += [e[0, i], e[1, i]]
+            else:
+                out.append(arr(e)[i])
+        return out
+
+    for l_, r in zip(local_ids, remote_ids):
+        for a, b in zip(blocks_of(dst, l_), blocks_of(src, r)):
+            assert np.array_equal(a, b)
+    deadline = time.monotonic() + 5
+    got = {}
+    while not got and time.monotonic() < deadline:
+        got = target.get_notifications()
+        time.sleep(0.01)
+    assert got == {init.name: [b"req-1 done"]}
+    assert target.get_notifications() == {}
+    init.deregister_kv_caches("kv")
+    target.deregister_kv_caches("kv")
+
+
+def test_push_blocks_takes_ids_as_int64_tensors_and_selects_layers(pair):
+    target, init, peer = pair
+    src = [(pattern(4 * 512, 5).reshape(4, 512), pattern(4 * 512, 6).reshape(4, 512))]
+    dst = [(np.zeros((4, 512), np.uint8), np.zeros((4, 512), np.uint8))]
+    init.register_kv_caches("kv", src)
+    target.register_kv_caches("kv", dst)
+
+    class Ids(FakeTensor):
+        def __init__(self, a, dtype="torch.int64"):
+            super().__init__(a)
+            self.dtype = dtype
+
+    ids = Ids(np.array([0, 3], dtype=np.int64))
+    h = init.push_blocks(peer, "kv", ids, [1, 2], layers=["layer0"], slots=["value"])
+    assert h.wait(10)
+    assert np.array_equal(dst[0][1][[1, 2]], src[0][1][[0, 3]])
+    assert not dst[0][0].any()  # the key slot was not selected
+    with pytest.raises(TypeError, match="int64 on the CPU"):
+        init.push_blocks(peer, "kv", Ids(np.array([0], np.int32), "torch.int32"), [0])
+
+
+def test_await_resolves_without_blocking_the_loop(pair):
+    target, init, peer = pair
+    dst = target.register_buffer(bytearray(1 << 20))
+    src = init.register_buffer(bytearray(b"x" * (1 << 20)))
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        t = asyncio.create_task(ticker())
+        hs = [init.transfer(peer, [(src.id, 0, dst.id, 0, 1 << 20)]) for _ in range(8)]
+        await asyncio.gather(*hs)
+        t.cancel()
+        return ticks
+
+    assert asyncio.run(main()) > 0
+
+
+def test_bad_requests_raise_the_error_of_their_kind(pair):
+    target, init, peer = pair
+    dst = target.register_buffer(bytearray(4096))
+    src = init.register_buffer(bytearray(4096))
+    with pytest.raises(te.OutOfBoundsError) as e:
+        init.transfer(peer, [(src.id, 0, dst.id, 4000, 200)])
+    assert e.value.kind == "OutOfBounds" and e.value.operation == "transfer"
+    with pytest.raises(te.Error) as e:
+        init.transfer(peer, [(src.id + 1000, 0, dst.id, 0, 16)])
+    assert e.value.kind in ("NotRegistered", "InvalidRequest")
+    with pytest.raises(te.InvalidRequestError):
+        init.transfer(peer, [(src.id, 0, dst.id, 0, 0)])
+    with pytest.raises(te.InvalidRequestError, match="not `write` or `read`"):
+        init.transfer(peer, [], op="copy")
+    with pytest.raises(TypeError):
+        init.transfer(peer, [("a", 0, dst.id, 0, 1)])
+    with pytest.raises(TypeError, match="non-negative"):
+        init.transfer(peer, [(src.id, -1, dst.id, 0, 1)])
+    with pytest.raises(ValueError, match="negative"):
+        init.pull_blocks(peer, "kv", np.array([-1]), [0])
+    with pytest.raises(ValueError, match="N×5"):
+        init.transfer(peer, np.zeros((2, 4), dtype=np.int64))
+    with pytest.raises(TypeError):
+        init.transfer("not a peer", [])
+    with pytest.raises(te.NotRegisteredError, match="no local layout"):
+        init.pull_blocks(peer, "nope", [0], [0])
+    with pytest.raises(TypeError):
+        init.pull_blocks(peer, "nope", "0", [0])
+    with pytest.raises(ValueError, match="not one of"):
+        init.register_buffer(bytearray(16), access="everything")
+    with pytest.raises(te.InvalidRequestError):
+        init.register(0, 16)
+
+
+def test_bad_configs_are_config_errors():
+    with pytest.raises(te.ConfigInvalidError, match="nonsense"):
+        te.Engine({"engine": {"backend": "stub", "nonsense": 1}})
+    with pytest.raises(te.ConfigInvalidError, match="available"):
+        te.Engine({"engine": {"backend": "no-such-backend"}})
+    with pytest.raises(te.ConfigInvalidError):
+        te.Engine("/nonexistent/te.toml")
+    with pytest.raises(TypeError):
+        te.Engine(42)
+
+
+def test_dead_and_silent_peers_fail_within_the_timeout():
+    with te.Engine(config("tcp")) as e:
+        gone = te.Engine(config("tcp"))
+        addr = gone.address
+        gone.close()
+        with pytest.raises(te.PeerUnreachableError):
+            e.connect(addr, timeout=2)
+        with pytest.raises(te.CancelledError, match="closed"):
+            gone.connect(e.address)
+        with socket.socket() as s:  # accepts, never answers
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            t0 = time.monotonic()
+            with pytest.raises((te.TimeoutError, te.PeerUnreachableError, te.ProtocolError)):
+                e.connect("127.0.0.1:%d" % s.getsockname()[1], timeout=0.5)
+            assert time.monotonic() - t0 < 5
+
+
+def test_a_peer_that_dies_fails_the_next_batch_and_raises_an_event():
+    with te.Engine(config("tcp")) as e:
+        other = te.Engine(config("tcp"))
+        dst = other.register_buffer(bytearray(4096))
+        src = e.register_buffer(bytearray(4096))
+        addr = other.address
+        peer = e.connect(addr, timeout=5)
+        assert e.transfer(peer, [(src.id, 0, dst.id, 0, 4096)]).wait(10)
+        other.close()
+        with pytest.raises(te.Error) as err:
+            e.transfer(peer, [(src.id, 0, dst.id, 0, 4096)], timeout=3).wait(10)
+        assert err.value.kind in ("PeerUnreachable", "PeerRestarted", "Timeout", "Cancelled")
+        deadline = time.monotonic() + 5
+        events = []
+        while not events and time.monotonic() < deadline:
+            events = e.get_peer_events()
+            time.sleep(0.05)
+        assert events and events[0]["address"] == addr
+        assert events[0]["kind"] in ("left", "lost")
+
+
+def slow_pair(**stub):
+    a = te.Engine(config("stub", **stub))
+    b = te.Engine(config("stub", **stub))
+    dst = a.register_buffer(bytearray(4096))
+    src = b.register_buffer(bytearray(4096))
+    # The registrations live as long as the engines' test does.
+    a.keep, b.keep = dst, src
+    return a, b, b.connect(a.address), [(src.id, 0, dst.id, 0, 4096)]
+
+
+def test_wait_returns_false_while_pending_and_cancel_resolves_with_cancelled():
+    a, b, peer, reqs = slow_pair(delay="2s")
+    with a, b:
+        h = b.transfer(peer, reqs)
+        t0 = time.monotonic()
+        assert h.wait(0.2) is False and not h.done() and h.status() == "pending"
+        assert 0.15 < time.monotonic() - t0 < 1.5
+        h.cancel()
+        with pytest.raises(te.CancelledError):
+            h.wait(10)
+        assert h.done() and isinstance(h.error(), te.CancelledError)
+
+
+def test_a_batch_past_its_deadline_raises_te_timeout_error():
+    a, b, peer, reqs = slow_pair(delay="3s")
+    with a, b:
+        with pytest.raises(te.TimeoutError):
+            b.transfer(peer, reqs, timeout=0.3).wait(10)
+
+
+def test_awaiting_a_failed_batch_raises_its_error():
+    a, b, peer, reqs = slow_pair(fail_every=1)
+    with a, b:
+        async def main():
+            await b.transfer(peer, reqs)
+
+        with pytest.raises(te.BackendError):
+            asyncio.run(main())
+
+
+def test_torch_cuda_tensors_move_between_engines():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: torch.cuda.is_available() is False")
+    with te.Engine(config("tcp")) as a, te.Engine(config("tcp")) as b:
+        src = torch.arange(1 << 20, dtype=torch.uint8, device="cuda:0") % 251
+        dst = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:0")
+        rd = a.register_tensor(dst)
+        rs = b.register_tensor(src)
+        assert rd.device == "cuda:0"
+        peer = b.connect(a.address)
+        assert b.transfer(peer, [(rs.id, 0, rd.id, 0, 1 << 20)]).wait(30)
+        torch.cuda.synchronize()
+        assert torch.equal(src, dst)
