@@ -162,7 +162,7 @@ impl<T> Mailbox<T> {
     }
 }
 
-/// The future [`Mailbox::next`] returns.
+/// The future `Engine::next_notification` and `Engine::next_event` return.
 pub struct Next<'a, T>(&'a Mailbox<T>);
 
 impl<T> std::fmt::Debug for Next<'_, T> {
