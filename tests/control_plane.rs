@@ -172,3 +172,32 @@ fn a_peer_that_restarts_is_noticed_and_old_handles_refuse_its_new_life() {
         .unwrap();
     assert_eq!(&dst2.to_vec().unwrap()[..64], &[7; 64]);
 }
+
+#[test]
+fn refresh_makes_regions_registered_after_connect_visible() {
+    let config = Config::defaults();
+    let target = Engine::from_config(&config).unwrap();
+    let initiator = Engine::from_config(&config).unwrap();
+    let peer = initiator.connect(&target.address().to_string()).unwrap();
+    assert!(peer.region("late").is_none());
+    let _late = target
+        .alloc("late", 4096, Access::REMOTE_READ_WRITE)
+        .unwrap();
+    assert!(
+        peer.region("late").is_none(),
+        "a peer's descriptor is a snapshot"
+    );
+    initiator.refresh(&peer, Duration::from_secs(5)).unwrap();
+    assert_eq!(peer.region("late").expect("refreshed").len, 4096);
+    drop(target);
+    let e = initiator
+        .refresh(&peer, Duration::from_secs(2))
+        .expect_err("the target is gone");
+    assert!(
+        matches!(
+            e.kind(),
+            te::ErrorKind::PeerUnreachable | te::ErrorKind::PeerRestarted | te::ErrorKind::Timeout
+        ),
+        "{e}"
+    );
+}

@@ -562,35 +562,13 @@ fn find(regions: &[RegionDesc], addr: u64, len: u64) -> Option<(RegionId, u64)> 
         .map(|r| (r.id, addr - r.addr))
 }
 
-/// Fetches the peer's descriptor again. te-core refreshes a peer's descriptor when a
-/// batch names a region it does not know, and has no call for it on its own; a batch
-/// naming no region of the peer (id `u64::MAX`) is refused after that refresh, which
-/// is the only effect wanted here.
+/// Fetches the peer's descriptor again, within the engine's default timeout (at most
+/// 30 s).
 fn refresh(engine: &Engine, peer: &Peer) -> te::Result<()> {
-    let probe = TransferRequest {
-        op: Op::Write,
-        local: RegionId(u64::MAX),
-        local_offset: 0,
-        remote: RegionId(u64::MAX),
-        remote_offset: 0,
-        len: 1,
-    };
-    let options = TransferOptions {
-        timeout: Some(engine.config().default_timeout.min(Duration::from_secs(30))),
-        notify: None,
-    };
-    match engine.transfer_with(peer, &[probe], &options) {
-        Err(e)
-            if matches!(
-                e.kind(),
-                ErrorKind::PeerRestarted | ErrorKind::PeerUnreachable | ErrorKind::Timeout
-            ) =>
-        {
-            Err(e)
-        }
-        // Refused as expected (or, impossibly, accepted: it names no real region).
-        _ => Ok(()),
-    }
+    engine.refresh(
+        peer,
+        engine.config().default_timeout.min(Duration::from_secs(30)),
+    )
 }
 
 /// A connected peer.

@@ -327,6 +327,19 @@ impl Engine {
         self.inner.connect(addr, Deadline::after(timeout))
     }
 
+    /// Fetches `peer`'s descriptor again, within `timeout`: regions and KV layouts it
+    /// registered since `connect` become reachable through [`Peer::region`]. (A batch
+    /// naming a region the engine does not know does this by itself.)
+    ///
+    /// # Errors
+    /// `PeerRestarted` if the peer restarted (connect again); `PeerUnreachable` if
+    /// nothing answers; `Timeout` once `timeout` has passed.
+    pub fn refresh(&self, peer: &Peer, timeout: Duration) -> Result<()> {
+        self.inner
+            .refresh(peer, Deadline::after(timeout))
+            .map_err(|e| e.with_operation("refresh"))
+    }
+
     /// Submits a batch with the default timeout and no notification.
     ///
     /// # Errors
