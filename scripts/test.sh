@@ -13,6 +13,8 @@ cd "$(dirname "$0")/.."
 # the network-namespace tests, and nftables drops packets for them where the kernel
 # has no netem.
 packages=(qperf libibverbs-dev etcd-server iproute2 nftables)
+# g++ compiles the C++ test of the C ABI (tests/capi/run.sh).
+packages+=(g++)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -40,6 +42,14 @@ echo "== cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== cargo build --workspace"
 cargo build --workspace --all-targets --locked
+
+# The C ABI: libte.so / libte.a from C and C++ (tests/capi/run.sh).
+echo "== tests/capi/run.sh"
+if command -v cc >/dev/null && command -v c++ >/dev/null; then
+  bash tests/capi/run.sh
+else
+  echo "skipped: tests/capi/run.sh needs cc and c++ (Debian: gcc, g++)"
+fi
 echo "== cargo test --workspace"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
