@@ -109,3 +109,38 @@ pub extern "C" fn te_status_name(status: c_int) -> *const c_char {
     });
     name
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn last() -> String {
+        // SAFETY: te_last_error returns a NUL-terminated string of this thread.
+        unsafe { CStr::from_ptr(te_last_error()) }
+            .to_str()
+            .unwrap()
+            .to_string()
+    }
+
+    #[test]
+    fn a_panic_becomes_a_backend_error_with_a_message() {
+        let status = guard("te_test_call", || panic!("deliberately"));
+        assert_eq!(status, status_of(ErrorKind::Backend));
+        let message = last();
+        assert!(
+            message.contains("te_test_call") && message.contains("deliberately"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn an_error_becomes_its_negated_code_and_the_threads_message() {
+        let status = guard("te_test_call", || {
+            Err(Error::new(ErrorKind::OutOfBounds, "past the end"))
+        });
+        assert_eq!(status, -5);
+        assert_eq!(last(), "te_test_call: past the end");
+        let other = std::thread::spawn(last).join().unwrap();
+        assert_eq!(other, "", "another thread's last error is its own");
+    }
+}
