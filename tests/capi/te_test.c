@@ -247,6 +247,46 @@ static void a_dead_peer_is_reported_within_the_deadline(const char *self) {
     free(src);
 }
 
+/* A peer that hangs (stopped, its connections open): a batch to it fails within its
+ * deadline. Its handle resolves once the backend released the batch's memory, which
+ * te-tcp does when a socket operation on the hung peer times out (`io_timeout`, 10 s by
+ * default, so 500 ms here): the failure is PeerUnreachable at io_timeout or Timeout at
+ * the deadline, whichever comes first. */
+static const char *TCP_SHORT_IO = "[engine]\nbackend = \"tcp\"\n[backends.tcp]\nio_timeout = \"500ms\"\n";
+
+static void a_hung_peer_is_reported_within_the_deadline(const char *self) {
+    int pid;
+    char address[64];
+    FILE *child = start_target(self, &pid, address);
+    te_engine *e = engine(TCP_SHORT_IO);
+    uint8_t *src = calloc(1, CHUNK);
+    uint64_t lsrc, rdst;
+    OK(te_engine_register(e, "src", src, CHUNK, NULL, 0, &lsrc));
+    te_peer *peer = NULL;
+    OK(te_engine_connect(e, address, 5000, &peer));
+    OK(te_peer_region(peer, "dst", &rdst, NULL));
+    kill(pid, SIGSTOP);
+
+    int64_t start = now_ms();
+    te_request w = {TE_OP_WRITE, 0, lsrc, 0, rdst, 0, CHUNK};
+    te_batch *b = NULL;
+    OK(te_engine_transfer(e, peer, &w, 1, 2000, NULL, 0, &b));
+    if (te_batch_status(b) != TE_PENDING) FAIL("a batch to a stopped peer resolved at once");
+    int rc = te_batch_wait(b, -1);
+    int64_t took = now_ms() - start;
+    if ((rc != TE_ERR_TIMEOUT && rc != TE_ERR_PEER_UNREACHABLE) || took < 400 || took > 2000 + 1000)
+        FAIL("a batch to a hung peer: %d (%s) after %lld ms: %s", rc, te_status_name(rc),
+             (long long)took, te_last_error());
+    printf("  hung peer, batch: %s after %lld ms: %s\n", te_status_name(rc), (long long)took, te_last_error());
+    te_batch_free(b);
+    kill(pid, SIGKILL);
+    kill(pid, SIGCONT);
+    pclose(child);
+    te_peer_free(peer);
+    te_engine_free(e);
+    free(src);
+}
+
 /* Something that accepts TCP connections and never answers: connect times out at its
  * deadline, not before and not much after. */
 static void a_silent_peer_times_out_at_the_deadline(void) {
@@ -417,6 +457,7 @@ int main(int argc, char **argv) {
     RUN(null_and_bad_arguments_are_errors());
     RUN(two_processes_move_every_byte(argv[0]));
     RUN(a_dead_peer_is_reported_within_the_deadline(argv[0]));
+    RUN(a_hung_peer_is_reported_within_the_deadline(argv[0]));
     RUN(a_silent_peer_times_out_at_the_deadline());
     RUN(one_process());
     printf("C tests: ok\n");
