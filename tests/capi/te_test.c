@@ -448,6 +448,78 @@ static void one_process(void) {
     free(src);
 }
 
+struct worker {
+    te_engine *engine;
+    te_peer *peer;
+    uint64_t local, remote, offset;
+    int failed;
+};
+
+static void *work(void *arg) {
+    struct worker *w = arg;
+    for (int i = 0; i < 20 && !w->failed; i++) {
+        te_request r = {TE_OP_WRITE, 0, w->local, w->offset, w->remote, w->offset, CHUNK / 4};
+        te_batch *b = NULL;
+        if (te_engine_transfer(w->engine, w->peer, &r, 1, 0, NULL, 0, &b) != TE_OK ||
+            te_batch_wait(b, -1) != TE_OK)
+            w->failed = 1;
+        te_batch_free(b);
+        /* Each thread's last error is its own. */
+        char mine[32];
+        snprintf(mine, sizeof mine, "no-such-region-%llu", (unsigned long long)w->offset);
+        uint64_t id;
+        if (te_peer_region(w->peer, mine, &id, NULL) != TE_ERR_NOT_REGISTERED ||
+            !strstr(te_last_error(), mine))
+            w->failed = 2;
+    }
+    return NULL;
+}
+
+/* Four threads share one engine and one peer, each moving its own quarter. */
+static void threads_share_an_engine(void) {
+    te_engine *a = engine(TCP), *b = engine(TCP);
+    char aaddr[64];
+    address_of(a, aaddr);
+    uint8_t *dst = calloc(1, CHUNK), *src = malloc(CHUNK);
+    fill(src, CHUNK, 4);
+    uint64_t rdst, lsrc, remote;
+    OK(te_engine_register(a, "dst", dst, CHUNK, NULL, TE_ACCESS_REMOTE_WRITE, &rdst));
+    OK(te_engine_register(b, "src", src, CHUNK, NULL, 0, &lsrc));
+    te_peer *peer = NULL;
+    OK(te_engine_connect(b, aaddr, 0, &peer));
+    OK(te_peer_region(peer, "dst", &remote, NULL));
+    pthread_t t[4];
+    struct worker w[4];
+    for (int i = 0; i < 4; i++) {
+        w[i] = (struct worker){b, peer, lsrc, remote, (uint64_t)i * (CHUNK / 4), 0};
+        pthread_create(&t[i], NULL, work, &w[i]);
+    }
+    for (int i = 0; i < 4; i++) {
+        pthread_join(t[i], NULL);
+        if (w[i].failed) FAIL("thread %d failed (%d)", i, w[i].failed);
+    }
+    if (mismatch(dst, CHUNK, 4) != CHUNK) FAIL("threads: bytes differ");
+    te_peer_free(peer);
+    te_engine_free(b);
+    te_engine_free(a);
+    free(dst);
+    free(src);
+}
+
+/* An engine from a configuration file. */
+static void an_engine_comes_from_a_file(void) {
+    char path[] = "/tmp/te-capi-XXXXXX";
+    int fd = mkstemp(path);
+    if (fd < 0 || write(fd, TCP, strlen(TCP)) != (ssize_t)strlen(TCP)) FAIL("cannot write %s", path);
+    close(fd);
+    te_engine *e = NULL;
+    OK(te_engine_from_file(path, &e));
+    unlink(path);
+    char address[64];
+    address_of(e, address);
+    te_engine_free(e);
+}
+
 int main(int argc, char **argv) {
     if (argc > 1 && strcmp(argv[1], "target") == 0) return target();
     if (te_abi_version() != TE_ABI_VERSION) FAIL("library ABI %u, header %u", te_abi_version(), TE_ABI_VERSION);
@@ -460,6 +532,8 @@ int main(int argc, char **argv) {
     RUN(a_hung_peer_is_reported_within_the_deadline(argv[0]));
     RUN(a_silent_peer_times_out_at_the_deadline());
     RUN(one_process());
+    RUN(threads_share_an_engine());
+    RUN(an_engine_comes_from_a_file());
     printf("C tests: ok\n");
     return 0;
 }
