@@ -125,6 +125,215 @@ mod tests {
         );
     }
 
+    /// `text` from `start` up to the parenthesis that closes the one at `start`.
+    fn balanced(text: &str, start: usize) -> &str {
+        let mut depth = 0;
+        for (i, c) in text[start..].char_indices() {
+            match c {
+                '(' => depth += 1,
+                ')' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        return &text[start + 1..start + i];
+                    }
+                }
+                _ => {}
+            }
+        }
+        panic!("unbalanced parentheses at {}", &text[start..]);
+    }
+
+    /// Splits a parameter list at its top-level commas.
+    fn params(list: &str) -> Vec<String> {
+        let (mut out, mut depth, mut cur) = (Vec::new(), 0, String::new());
+        for c in list.chars() {
+            match c {
+                '(' | '<' => depth += 1,
+                ')' | '>' => depth -= 1,
+                ',' if depth == 0 => {
+                    out.push(std::mem::take(&mut cur));
+                    continue;
+                }
+                _ => {}
+            }
+            cur.push(c);
+        }
+        out.push(cur);
+        out.into_iter()
+            .map(|p| p.split_whitespace().collect::<Vec<_>>().join(" "))
+            .filter(|p| !p.is_empty() && p != "void")
+            .collect()
+    }
+
+    /// A Rust FFI type as te.h spells it: `*mut *const c_char` → `const char **`.
+    fn c_type(rust: &str) -> String {
+        let rust = rust.trim();
+        if let Some(f) = rust
+            .strip_prefix("Option<extern \"C\" fn")
+            .and_then(|r| r.strip_suffix('>'))
+        {
+            let args: Vec<String> = params(balanced(f, f.find('(').unwrap()))
+                .iter()
+                .map(|p| c_type(p.split_once(':').map_or(p.as_str(), |(_, t)| t)))
+                .collect();
+            let ret = f
+                .rsplit_once("->")
+                .map_or("void".into(), |(_, r)| c_type(r));
+            return format!("{ret} (*)({})", args.join(", "));
+        }
+        let (mut rest, mut stars, mut innermost_const) = (rust, 0, false);
+        loop {
+            if let Some(r) = rest.strip_prefix("*const ") {
+                (rest, innermost_const) = (r, true);
+            } else if let Some(r) = rest.strip_prefix("*mut ") {
+                (rest, innermost_const) = (r, false);
+            } else {
+                break;
+            }
+            stars += 1;
+        }
+        let base = match rest {
+            "c_char" => "char",
+            "c_int" => "int",
+            "c_void" => "void",
+            "u8" => "uint8_t",
+            "u32" => "uint32_t",
+            "u64" => "uint64_t",
+            "i64" => "int64_t",
+            "usize" => "size_t",
+            "TeEngine" => "te_engine",
+            "TePeer" => "te_peer",
+            "TeBatch" => "te_batch",
+            "TeNotification" => "te_notification",
+            "TeRequest" => "te_request",
+            "TePeerEvent" => "te_peer_event",
+            other => panic!("no C spelling for the Rust type `{other}`; add it here"),
+        };
+        let konst = if innermost_const { "const " } else { "" };
+        match stars {
+            0 => base.to_string(),
+            n => format!("{konst}{base} {}", "*".repeat(n)),
+        }
+    }
+
+    /// A te.h parameter without its name: `const char *name` → `const char *`,
+    /// `void (*callback)(void *user, int status)` → `void (*)(void *, int)`.
+    fn c_param(param: &str) -> String {
+        if let Some(open) = param.find("(*") {
+            let ret = param[..open].trim();
+            let args = param[open..]
+                .split_once(")(")
+                .expect("a function pointer")
+                .1;
+            let args: Vec<String> = params(args.trim_end_matches(')'))
+                .iter()
+                .map(|a| c_param(a))
+                .collect();
+            return format!("{ret} (*)({})", args.join(", "));
+        }
+        let stars = param.matches('*').count();
+        let words: Vec<&str> = param
+            .split(|c: char| c == '*' || c.is_whitespace())
+            .filter(|w| !w.is_empty())
+            .collect();
+        // The last word is the name, unless the parameter has none.
+        let kept = if words.len() > 1 && words.last() != Some(&"char") {
+            &words[..words.len() - 1]
+        } else {
+            &words[..]
+        };
+        match stars {
+            0 => kept.join(" "),
+            n => format!("{} {}", kept.join(" "), "*".repeat(n)),
+        }
+    }
+
+    type Signature = (String, Vec<String>);
+
+    /// Every exported C function of this crate: name → (return type, parameter types).
+    fn rust_signatures() -> std::collections::BTreeMap<String, Signature> {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut out = std::collections::BTreeMap::new();
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let source = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+            for (at, _) in source.match_indices("extern \"C\" fn te_") {
+                let decl = &source[at + "extern \"C\" fn ".len()..];
+                let open = decl.find('(').unwrap();
+                let name = decl[..open].to_string();
+                let list = balanced(decl, open);
+                let after = &decl[open + list.len() + 2..decl.find('{').unwrap()];
+                let ret = after
+                    .trim()
+                    .strip_prefix("->")
+                    .map_or("void".into(), c_type);
+                let types = params(list)
+                    .iter()
+                    .map(|p| {
+                        c_type(
+                            p.split_once(':')
+                                .unwrap_or_else(|| panic!("{name}: {p:?} has no name"))
+                                .1,
+                        )
+                    })
+                    .collect();
+                out.insert(name, (ret, types));
+            }
+        }
+        out
+    }
+
+    /// Every function te.h declares: name → (return type, parameter types).
+    fn header_signatures() -> std::collections::BTreeMap<String, Signature> {
+        let header = std::fs::read_to_string(root().join("include/te.h")).unwrap();
+        let mut out = std::collections::BTreeMap::new();
+        let mut decl = String::new();
+        for line in header.lines() {
+            // A declaration starts at column 0 with its return type (comments start with
+            // `/` or ` `, and no typedef names a function).
+            let starts = line.starts_with(|c: char| c.is_ascii_lowercase())
+                && !line.starts_with("typedef")
+                && line.contains("te_")
+                && line.contains('(');
+            if decl.is_empty() && !starts {
+                continue;
+            }
+            decl.push_str(line);
+            decl.push(' ');
+            if !line.trim_end().ends_with(");") {
+                continue;
+            }
+            let open = decl.find('(').unwrap();
+            let head = decl[..open].trim();
+            let split = head.rfind([' ', '*']).unwrap() + 1;
+            let ret = c_param(&format!("{} x", head[..split].trim()));
+            let types = params(balanced(&decl, open))
+                .iter()
+                .map(|p| c_param(p))
+                .collect();
+            out.insert(head[split..].to_string(), (ret, types));
+            decl.clear();
+        }
+        out
+    }
+
+    #[test]
+    fn the_header_declares_every_function_with_the_rust_signature() {
+        let rust = rust_signatures();
+        let header = header_signatures();
+        assert_eq!(rust.len(), 29, "{:?}", rust.keys());
+        for (name, signature) in &rust {
+            assert_eq!(
+                header.get(name),
+                Some(signature),
+                "te.h's declaration of {name}"
+            );
+        }
+        assert_eq!(
+            rust.keys().collect::<Vec<_>>(),
+            header.keys().collect::<Vec<_>>()
+        );
+    }
+
     #[test]
     fn c_structs_have_the_sizes_te_h_asserts() {
         // tests/capi/te_test.c asserts the same sizes from the C side.
