@@ -13,6 +13,8 @@ cd "$(dirname "$0")/.."
 # the network-namespace tests, and nftables drops packets for them where the kernel
 # has no netem. python3 and python3-venv build and test the Python package.
 packages=(qperf libibverbs-dev etcd-server iproute2 nftables python3 python3-venv)
+# g++ compiles the C++ test of the C ABI (tests/capi/run.sh).
+packages+=(g++)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -49,6 +51,14 @@ venv="$PWD/target/venv"
 "$venv/bin/pip" install -q pytest numpy "maturin>=1.5,<2"
 (cd crates/te-python && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop --locked)
 "$venv/bin/python" -m pytest -q -rs crates/te-python/tests
+
+# The C ABI: libte.so / libte.a from C and C++ (tests/capi/run.sh).
+echo "== tests/capi/run.sh"
+if command -v cc >/dev/null && command -v c++ >/dev/null; then
+  bash tests/capi/run.sh
+else
+  echo "skipped: tests/capi/run.sh needs cc and c++ (Debian: gcc, g++)"
+fi
 
 echo "== cargo test --workspace"
 log=$(mktemp)
