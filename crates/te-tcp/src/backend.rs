@@ -41,6 +41,9 @@ struct PeerConns {
     addr: SocketAddr,
     instance: u64,
     conns: RwLock<Vec<Arc<Conn>>>,
+    /// The slice size agreed with this peer: the smaller of our `slice_size` and the
+    /// frame limit its connections announced.
+    slice: AtomicU64,
 }
 
 /// The TCP backend.
@@ -268,6 +271,9 @@ impl TcpBackend {
                 }
             }
         }
+        for c in &fresh {
+            peer.slice.fetch_min(c.max_payload(), Ordering::AcqRel);
+        }
         let mut conns = peer.conns.write().unwrap_or_else(|p| p.into_inner());
         conns.retain(|c| !c.is_dead());
         for c in fresh {
@@ -288,8 +294,7 @@ impl TcpBackend {
         }
     }
 
-    fn pin_locals(&self, batch: &[TransferRequest]) -> Result<(Vec<Pin>, usize)> {
-        let slice = self.shared.config.slice_size;
+    fn pin_locals(&self, batch: &[TransferRequest], slice: u64) -> Result<(Vec<Pin>, usize)> {
         let mut pins: Vec<Pin> = Vec::new();
         let mut slices = 0usize;
         for r in batch {
@@ -412,6 +417,7 @@ impl TransferBackend for TcpBackend {
             addr,
             instance,
             conns: RwLock::new(Vec::new()),
+            slice: AtomicU64::new(self.shared.config.slice_size),
         });
         self.fill_pool(&pc, deadline)?;
         let mut by = self.by_endpoint.lock().unwrap_or_else(|p| p.into_inner());
@@ -485,7 +491,9 @@ impl TransferBackend for TcpBackend {
             done.complete(Ok(()));
             return Ok(());
         }
-        let (pins, total) = self.pin_locals(batch)?;
+        // Every slice fits the frame limit the peer announced and our own buffers.
+        let slice = pc.slice.load(Ordering::Acquire);
+        let (pins, total) = self.pin_locals(batch, slice)?;
         let bases: Vec<(usize, Option<Dev>)> = batch
             .iter()
             .map(|r| {
@@ -502,7 +510,6 @@ impl TransferBackend for TcpBackend {
         // then always finds the same warm connection and threads, while concurrent
         // batches and the slices of a large one still spread over the whole pool.
         let start = (0..n).min_by_key(|&k| conns[k].load()).unwrap_or(0);
-        let slice = self.shared.config.slice_size;
         let mut budget = self.shared.config.inline_send as usize;
         // Connection `k` carries the slices whose global number is `k` modulo `n`;
         // the first slice's connection goes first.

@@ -28,7 +28,7 @@ use crate::regions::Pin;
 use crate::sock::{self, Inbound};
 use crate::stage::{self, Dev, Pools, StageBuf};
 use crate::wire::{
-    self, Challenge, Header, Hello, Kind, Proof, Status, Welcome, HEADER_LEN, MAX_MESSAGE,
+    self, Challenge, Header, Hello, Kind, Proof, Status, Terms, Welcome, HEADER_LEN, MAX_MESSAGE,
 };
 
 /// Frames gathered into one `sendmsg`.
@@ -233,6 +233,8 @@ pub(crate) struct Conn {
     send_pools: Pools,
     /// Pinned buffers for device READs (socket → host → device).
     recv_pools: Pools,
+    /// The longest payload the target accepts in one frame (from its terms).
+    max_payload: u64,
 }
 
 impl std::fmt::Debug for Conn {
@@ -252,13 +254,14 @@ fn unreachable(label: &str, what: &str, e: std::io::Error) -> Error {
     .with_source(e)
 }
 
-/// Runs the initiator's side of the handshake on a fresh stream.
+/// Runs the initiator's side of the handshake on a fresh stream; returns the target's
+/// terms.
 pub(crate) fn handshake(
     s: &mut TcpStream,
     label: &str,
     instance: u64,
     token: Option<&[u8]>,
-) -> Result<()> {
+) -> Result<Terms> {
     let io = |what: &str| {
         let what = what.to_string();
         move |e: std::io::Error| unreachable(label, &what, e)
@@ -301,6 +304,9 @@ pub(crate) fn handshake(
         }
         Status::AuthFailed => return Err(proto(wire::WireError::Field("status"))),
     }
+    let mut b = [0u8; Terms::LEN];
+    s.read_exact(&mut b).map_err(io("reading the terms"))?;
+    let terms = Terms::decode(&b).map_err(proto)?;
     let mac = match (token, ch.auth) {
         (Some(t), true) => te_core::auth::prove(t, &wire::role("initiator", instance), &nonce, &ch.nonce),
         (None, false) => [0; te_core::auth::LEN],
@@ -348,7 +354,7 @@ pub(crate) fn handshake(
             ));
         }
     }
-    Ok(())
+    Ok(terms)
 }
 
 /// Spawns a named thread, recording its handle in `threads`.
@@ -392,7 +398,7 @@ impl Conn {
             .map_err(|e| unreachable(&label, "cannot connect", e))?;
         sock::tune(&s, config).map_err(|e| unreachable(&label, "cannot set options", e))?;
         sock::timeouts(&s, limit).map_err(|e| unreachable(&label, "cannot set timeouts", e))?;
-        handshake(
+        let terms = handshake(
             &mut s,
             &label,
             instance,
@@ -418,6 +424,7 @@ impl Conn {
             me: me.clone(),
             send_pools: Pools::new(config.slice_size),
             recv_pools: Pools::new(config.slice_size),
+            max_payload: terms.max_payload,
         });
         let (c1, c2) = (conn.clone(), conn.clone());
         spawn(threads, "te-tcp-recv", move || c1.receive())?;
@@ -426,6 +433,11 @@ impl Conn {
             return Err(e);
         }
         Ok(conn)
+    }
+
+    /// The longest payload the target accepts in one frame, as it announced.
+    pub(crate) fn max_payload(&self) -> u64 {
+        self.max_payload
     }
 
     pub(crate) fn is_dead(&self) -> bool {

@@ -21,7 +21,9 @@ use crate::backend::Shared;
 use crate::regions::Pin;
 use crate::sock::{self, Inbound};
 use crate::stage::{self, Pools, StageBuf};
-use crate::wire::{self, Challenge, Header, Hello, Kind, Proof, Status, Welcome, HEADER_LEN};
+use crate::wire::{
+    self, Challenge, Header, Hello, Kind, Proof, Status, Terms, Welcome, HEADER_LEN,
+};
 
 /// Accepts data connections until the backend closes the listener.
 pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
@@ -119,7 +121,15 @@ fn handshake(shared: &Shared, s: &mut TcpStream, peer: &str) -> Result<bool> {
         auth: token.is_some(),
         nonce,
     };
-    s.write_all(&ch.encode())
+    let mut answer = ch.encode().to_vec();
+    if status == Status::Ok {
+        // Our staging buffers hold `slice_size` bytes: no frame may carry more.
+        let terms = Terms {
+            max_payload: shared.config.slice_size,
+        };
+        answer.extend_from_slice(&terms.encode());
+    }
+    s.write_all(&answer)
         .map_err(|e| io_err(peer, "sending the challenge", e))?;
     if status != Status::Ok {
         tracing::warn!(peer = %peer, ?status, version = hello.version, "refused a data connection");
@@ -185,6 +195,16 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
             .map_err(|e| io_err(peer, "receive failed", e))?;
         let h = Header::decode(&inb.buffered()[..HEADER_LEN]).map_err(|e| protocol(peer, e))?;
         inb.consume(HEADER_LEN);
+        if h.len > c.slice_size && matches!(h.kind, Kind::Write | Kind::Read) {
+            return Err(refuse_oversize(
+                fd,
+                &mut responder,
+                &mut out,
+                &h,
+                c.slice_size,
+                peer,
+            ));
+        }
         if !c.debug_delay.is_zero() {
             std::thread::sleep(c.debug_delay);
         }
@@ -257,6 +277,39 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
     }
 }
 
+/// Answers a request longer than the frame limit this target announced with an
+/// `InvalidRequest`, after the responses owed before it, and returns the error that
+/// closes the connection: its payload cannot be placed, and a peer that ignores the
+/// agreed terms is not trusted with the rest of the stream.
+fn refuse_oversize(
+    fd: RawFd,
+    responder: &mut Option<ResponderGuard>,
+    out: &mut Vec<u8>,
+    h: &Header,
+    limit: u64,
+    peer: &str,
+) -> Error {
+    let e = Error::new(
+        ErrorKind::InvalidRequest,
+        format!(
+            "a {:?} of {} bytes is longer than this target's frame limit of {limit} bytes \
+             agreed in the handshake; slice requests to the announced limit",
+            h.kind, h.len
+        ),
+    );
+    tracing::warn!(peer = %peer, op = ?h.kind, len = h.len, limit, "refused an oversized frame; closing the connection");
+    let mut b = std::mem::take(out);
+    refuse(&mut b, h, &e);
+    match responder.take() {
+        Some(r) => r.finish(Item::Bytes(b)),
+        None => {
+            // Best effort: the connection closes whether or not the peer hears why.
+            let _ = sock::send_all(fd, &mut [sock::iov(b.as_ptr(), b.len())]);
+        }
+    }
+    protocol(peer, e.message())
+}
+
 /// Checks a request against the registrations and pins its region.
 fn admit(shared: &Shared, h: &Header, peer: &str) -> Result<Pin> {
     let result = shared
@@ -327,6 +380,8 @@ struct Responder {
 struct Queue {
     items: VecDeque<Item>,
     closed: bool,
+    /// Send what is queued, then stop.
+    draining: bool,
 }
 
 impl Responder {
@@ -361,6 +416,9 @@ impl Responder {
             };
             if ready {
                 return q.items.pop_front();
+            }
+            if q.draining && q.items.is_empty() {
+                return None;
             }
             q = self.ready.wait(q).unwrap_or_else(|p| p.into_inner());
         }
@@ -444,6 +502,24 @@ impl std::ops::Deref for ResponderGuard {
     }
 }
 
+impl ResponderGuard {
+    /// Queues `last`, lets the responder send everything queued, then stops it. Bounded:
+    /// each send gives up after `io_timeout`, and copies complete on their own.
+    fn finish(self, last: Item) {
+        self.responder.push(last);
+        self.responder
+            .queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .draining = true;
+        self.responder.ready.notify_all();
+        let mut this = self;
+        if let Some(t) = this.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 impl Drop for ResponderGuard {
     fn drop(&mut self) {
         self.responder
@@ -474,6 +550,7 @@ fn responder_for<'a>(
             queue: Mutex::new(Queue {
                 items: VecDeque::new(),
                 closed: false,
+                draining: false,
             }),
             ready: Condvar::new(),
         });

@@ -110,6 +110,8 @@ fn the_token_never_travels_in_clear() {
             nonce: [9; 32],
         };
         s.write_all(&ch.encode()).unwrap();
+        let terms = crate::wire::Terms { max_payload: 65536 };
+        s.write_all(&terms.encode()).unwrap();
         let mut all = hello.to_vec();
         let mut rest = Vec::new();
         let _ = s.read_to_end(&mut rest);
@@ -335,4 +337,171 @@ fn connect_refills_a_pool_with_broken_connections() {
     assert_eq!(mem, vec![3u8; 64]);
     target.deregister(RegionId(1), soon()).unwrap();
     init.deregister(RegionId(1), soon()).unwrap();
+}
+
+/// Device memory of `fakedev:0`, freed on drop.
+struct DevMem {
+    rt: std::sync::Arc<dyn te_core::device::DeviceRuntime>,
+    addr: u64,
+    len: usize,
+}
+
+impl DevMem {
+    fn new(len: usize) -> DevMem {
+        let rt = te_core::device::runtime(te_core::fakedev::NAME).expect("fakedev");
+        let addr = rt.alloc(0, len).expect("alloc");
+        DevMem { rt, addr, len }
+    }
+
+    fn register(&self, b: &TcpBackend, id: u64, access: Access) {
+        let mem = MemoryDesc {
+            name: "d".into(),
+            addr: self.addr,
+            len: self.len as u64,
+            kind: MemoryKind::Device {
+                runtime: te_core::fakedev::NAME.into(),
+                ordinal: 0,
+            },
+            access,
+        };
+        b.register(RegionId(id), &mem).expect("register");
+    }
+
+    fn fill(&self, v: &[u8]) {
+        let copy = te_core::device::DeviceCopy::ToDevice {
+            ordinal: 0,
+            device: self.addr,
+            host: v.as_ptr() as *mut u8,
+            len: v.len().min(self.len),
+        };
+        // SAFETY: `v` outlives the synchronous copy, which stays inside the allocation.
+        unsafe { self.rt.copy_sync(copy) }.expect("copy");
+    }
+
+    fn read(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len];
+        let copy = te_core::device::DeviceCopy::ToHost {
+            ordinal: 0,
+            device: self.addr,
+            host: v.as_mut_ptr(),
+            len: self.len,
+        };
+        // SAFETY: `v` outlives the synchronous copy and holds `len` bytes.
+        unsafe { self.rt.copy_sync(copy) }.expect("copy");
+        v
+    }
+}
+
+impl Drop for DevMem {
+    fn drop(&mut self) {
+        let _ = self.rt.free(0, self.addr);
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            (i as u8)
+                .wrapping_mul(31)
+                .wrapping_add(seed ^ (i >> 12) as u8)
+        })
+        .collect()
+}
+
+#[test]
+fn peers_with_different_slice_sizes_agree_and_device_blocks_move_intact() {
+    const BLOCK: u64 = 4 << 20;
+    // The target's staging buffers hold 64 KiB; the initiator would cut 8 MiB slices.
+    let target = backend(|c| c.slice_size = 64 << 10);
+    let init = backend(|c| c.slice_size = 8 << 20);
+    let (remote, src, back) = (
+        DevMem::new(4 * BLOCK as usize),
+        DevMem::new(4 * BLOCK as usize),
+        DevMem::new(4 * BLOCK as usize),
+    );
+    remote.register(&target, 1, Access::REMOTE_READ_WRITE);
+    src.register(&init, 1, Access::LOCAL);
+    back.register(&init, 2, Access::LOCAL);
+    let data = pattern(4 * BLOCK as usize, 7);
+    src.fill(&data);
+    let peer = init.connect(&segment(&target), soon()).unwrap();
+    let reqs = |op, local| -> Vec<TransferRequest> {
+        (0..4)
+            .map(|i| TransferRequest {
+                op,
+                local: RegionId(local),
+                local_offset: i * BLOCK,
+                remote: RegionId(1),
+                remote_offset: (3 - i) * BLOCK,
+                len: BLOCK,
+            })
+            .collect()
+    };
+    run(&init, peer, &reqs(te_core::Op::Write, 1)).expect("write 4 x 4 MiB");
+    let landed = remote.read();
+    for i in 0..4 {
+        let (at, from) = ((3 - i) * BLOCK as usize, i * BLOCK as usize);
+        assert!(
+            landed[at..at + BLOCK as usize] == data[from..from + BLOCK as usize],
+            "block {i} landed intact"
+        );
+    }
+    run(&init, peer, &reqs(te_core::Op::Read, 2)).expect("read 4 x 4 MiB");
+    assert!(back.read() == data, "the blocks read back intact");
+}
+
+/// Sends `h` on a fresh raw connection and returns the target's answer: the error
+/// frame's header and message, and whether the connection was closed after it.
+fn send_raw_request(target: &TcpBackend, h: Header) -> (Header, String, bool) {
+    let mut s = raw(target);
+    s.write_all(&h.encode()).unwrap();
+    let e = read_header(&mut s);
+    let mut msg = vec![0u8; e.len as usize];
+    s.read_exact(&mut msg).unwrap();
+    let mut rest = [0u8; 64];
+    let closed = matches!(s.read(&mut rest), Ok(0) | Err(_));
+    (e, String::from_utf8_lossy(&msg).into_owned(), closed)
+}
+
+#[test]
+fn a_frame_longer_than_the_agreed_limit_is_refused_and_the_target_keeps_serving() {
+    let target = backend(|c| c.slice_size = 64 << 10);
+    let dev = DevMem::new(1 << 20);
+    dev.register(&target, 1, Access::REMOTE_READ_WRITE);
+    let mut host = vec![0u8; 1 << 20];
+    register(&target, 2, &mut host, Access::REMOTE_READ_WRITE);
+    // The limit is announced in the handshake.
+    let (addr, instance) = decode_endpoint(&target.endpoint()).unwrap();
+    let mut s = TcpStream::connect(addr).unwrap();
+    let terms = crate::conn::handshake(&mut s, "raw", instance, None).unwrap();
+    assert_eq!(terms.max_payload, 64 << 10);
+    drop(s);
+    // A hostile peer ignores it: an oversized WRITE into device memory (whose staging
+    // buffer holds 64 KiB), a READ of it, and a WRITE to host memory.
+    for (kind, region) in [(Kind::Write, 1), (Kind::Read, 1), (Kind::Write, 2)] {
+        let h = Header::request(kind, 5, region, 0, 1 << 20);
+        let (e, msg, closed) = send_raw_request(&target, h);
+        assert_eq!(e.kind, Kind::Error, "{kind:?}");
+        assert_eq!(e.id, 5);
+        assert_eq!(e.code, ErrorKind::InvalidRequest.code(), "{msg}");
+        assert!(msg.contains("1048576") && msg.contains("65536"), "{msg}");
+        assert!(closed, "the connection is closed after the refusal");
+    }
+    // The target still serves an honest peer, which slices to its limit.
+    let init = backend(|c| c.slice_size = 8 << 20);
+    let src = DevMem::new(1 << 20);
+    src.register(&init, 1, Access::LOCAL);
+    let data = pattern(1 << 20, 3);
+    src.fill(&data);
+    let peer = init.connect(&segment(&target), soon()).unwrap();
+    let w = TransferRequest {
+        op: te_core::Op::Write,
+        local: RegionId(1),
+        local_offset: 0,
+        remote: RegionId(1),
+        remote_offset: 0,
+        len: 1 << 20,
+    };
+    run(&init, peer, &[w]).expect("an honest write");
+    assert!(dev.read() == data);
 }
