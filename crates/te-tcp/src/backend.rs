@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
@@ -32,6 +32,10 @@ pub(crate) struct Shared {
     pub(crate) closed: AtomicBool,
     pub(crate) serving: Mutex<HashMap<u64, std::net::TcpStream>>,
     pub(crate) next_serving: AtomicU64,
+    /// Accepted connections still in their handshake.
+    pub(crate) pending: AtomicUsize,
+    /// Times `accept` failed (out of descriptors, memory, …) and the listener backed off.
+    pub(crate) accept_errors: AtomicU64,
     pub(crate) threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -175,6 +179,8 @@ impl TcpBackend {
             closed: AtomicBool::new(false),
             serving: Mutex::new(HashMap::new()),
             next_serving: AtomicU64::new(0),
+            pending: AtomicUsize::new(0),
+            accept_errors: AtomicU64::new(0),
             threads: Mutex::new(Vec::new()),
         });
         let listener = Arc::new(listener);

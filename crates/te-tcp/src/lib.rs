@@ -55,11 +55,19 @@
 //! | `inline_send` | `"256KiB"` | bytes a submitting thread sends itself, without blocking, before handing the rest to the sender thread; 0 always hands over |
 //! | `connect_timeout` | `"5s"` | limit for opening one data connection (TCP connect and handshake) |
 //! | `io_timeout` | `"10s"` | a connection where requests wait and nothing moves for this long is declared dead; also the keepalive idle time |
+//! | `handshake_timeout` | `"5s"` | an accepted peer must finish the whole handshake within this long, however it paces its bytes |
+//! | `max_pending` | `64` | accepted connections still in their handshake, at most; more are closed at once |
+//! | `max_connections` | `4096` | data connections served at once, at most (pending ones included); more are closed at once |
+//! | `idle_timeout` | `"0s"` | a served connection on which no request arrives for this long is closed (the initiator reconnects on next use); when shorter than `io_timeout` it also bounds a request stalled halfway; 0 = never |
 //! | `debug_delay` | `"0s"` | for tests only: the target holds every request this long |
 //!
 //! Sizes are numbers of bytes or strings like `"64KiB"`; durations are strings like
 //! `"250ms"`. The reasons for the defaults, with measurements, are in
 //! `docs/decisions.md`.
+//!
+//! The data listener never stops on a failed `accept` (out of descriptors or memory):
+//! it backs off (5 ms doubling to 200 ms), logs once per burst, and accepts again when
+//! it can.
 //!
 //! # Limits
 //! A target that vanishes without a reset (a host that loses power)

@@ -7,12 +7,14 @@
 //! payload is received and dropped, so the connection stays usable; a READ streams
 //! straight from the registered region.
 
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use te_core::device::DeviceCopy;
 use te_core::{Error, ErrorKind, RegionId, Result};
@@ -25,8 +27,15 @@ use crate::wire::{
     self, Challenge, Header, Hello, Kind, Proof, Status, Terms, Welcome, HEADER_LEN,
 };
 
-/// Accepts data connections until the backend closes the listener.
+/// The longest pause after a failed `accept`; short, so closing the backend is quick.
+const MAX_BACKOFF: Duration = Duration::from_millis(200);
+
+/// Accepts data connections until the backend closes the listener. A failed `accept`
+/// (out of descriptors or memory) never ends it: it backs off and tries again, logging
+/// once per burst of failures.
 pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
+    let mut backoff = Duration::ZERO;
+    let mut full_logged = false;
     loop {
         let stream = match listener.accept() {
             Ok((s, _)) => s,
@@ -39,10 +48,14 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
                 {
                     continue;
                 }
-                tracing::error!(error = %e, "the tcp data listener failed; no more peers can connect");
-                return;
+                back_off(&shared, &mut backoff, &e);
+                continue;
             }
         };
+        if !backoff.is_zero() {
+            tracing::info!("the tcp data listener accepts again");
+            backoff = Duration::ZERO;
+        }
         if shared.closed.load(Ordering::Acquire) {
             return;
         }
@@ -50,8 +63,31 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
             .peer_addr()
             .map(|a| a.to_string())
             .unwrap_or_else(|_| "?".into());
-        let Ok(clone) = stream.try_clone() else {
+        let c = &shared.config;
+        let serving = shared
+            .serving
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len();
+        let pending = shared.pending.load(Ordering::Acquire);
+        if serving >= c.max_connections || pending >= c.max_pending {
+            // Closed at once: a flood of connections costs no thread and no buffer.
+            if !full_logged {
+                tracing::warn!(peer = %peer, serving, pending, max_connections = c.max_connections, max_pending = c.max_pending, "refusing data connections: too many open (more refusals are not logged until one is accepted)");
+                full_logged = true;
+            }
+            drop(stream);
             continue;
+        }
+        full_logged = false;
+        let clone = match stream.try_clone() {
+            Ok(c) => c,
+            Err(e) => {
+                // Out of descriptors too: the connection is closed, and so is the next
+                // `accept` until some are free again.
+                back_off(&shared, &mut backoff, &e);
+                continue;
+            }
         };
         let key = shared.next_serving.fetch_add(1, Ordering::Relaxed);
         shared
@@ -59,6 +95,7 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(key, clone);
+        shared.pending.fetch_add(1, Ordering::AcqRel);
         let s = shared.clone();
         let started = crate::conn::spawn(&shared.threads, "te-tcp-serve", move || {
             if let Err(e) = serve(&s, stream, &peer) {
@@ -76,6 +113,7 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
                 .remove(&key);
         });
         if started.is_err() {
+            shared.pending.fetch_sub(1, Ordering::AcqRel);
             shared
                 .serving
                 .lock()
@@ -83,6 +121,64 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
                 .remove(&key);
         }
     }
+}
+
+/// Waits a little longer after each resource error in a row (up to [`MAX_BACKOFF`]),
+/// logging only the first one of a burst.
+fn back_off(shared: &Shared, backoff: &mut Duration, e: &std::io::Error) {
+    shared.accept_errors.fetch_add(1, Ordering::Relaxed);
+    if backoff.is_zero() {
+        tracing::error!(error = %e, "the tcp data listener cannot accept; retrying with back-off until it can (raise the descriptor limit, `ulimit -n`, or lower [backends.tcp] max_connections)");
+    }
+    *backoff = (*backoff * 2).clamp(Duration::from_millis(5), MAX_BACKOFF);
+    std::thread::sleep(*backoff);
+}
+
+/// Counts a connection as pending until dropped.
+struct PendingGuard<'a>(&'a AtomicUsize);
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Reads exactly `b.len()` bytes before `until`, however the peer paces them.
+fn read_by(s: &mut TcpStream, b: &mut [u8], until: Instant) -> std::io::Result<()> {
+    let mut got = 0;
+    while got < b.len() {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the peer did not finish the handshake within handshake_timeout",
+            ));
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(&mut b[got..]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::Interrupted
+                        | std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Writes all of `b` before `until`.
+fn write_by(s: &mut TcpStream, b: &[u8], until: Instant) -> std::io::Result<()> {
+    let left = until.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(std::io::ErrorKind::TimedOut.into());
+    }
+    s.set_write_timeout(Some(left))?;
+    s.write_all(b)
 }
 
 fn io_err(peer: &str, what: &str, e: std::io::Error) -> Error {
@@ -102,9 +198,9 @@ fn protocol(peer: &str, e: impl std::fmt::Display) -> Error {
 
 /// The target's side of the handshake. `Ok(false)`: refused (already answered).
 fn handshake(shared: &Shared, s: &mut TcpStream, peer: &str) -> Result<bool> {
+    let until = Instant::now() + shared.config.handshake_timeout;
     let mut b = [0u8; Hello::LEN];
-    s.read_exact(&mut b)
-        .map_err(|e| io_err(peer, "reading the hello", e))?;
+    read_by(s, &mut b, until).map_err(|e| io_err(peer, "reading the hello", e))?;
     let hello = Hello::decode(&b).map_err(|e| protocol(peer, e))?;
     let nonce: [u8; wire::NONCE_LEN] = rand::random();
     let token = shared.config.auth_token.as_deref().map(str::as_bytes);
@@ -129,15 +225,13 @@ fn handshake(shared: &Shared, s: &mut TcpStream, peer: &str) -> Result<bool> {
         };
         answer.extend_from_slice(&terms.encode());
     }
-    s.write_all(&answer)
-        .map_err(|e| io_err(peer, "sending the challenge", e))?;
+    write_by(s, &answer, until).map_err(|e| io_err(peer, "sending the challenge", e))?;
     if status != Status::Ok {
         tracing::warn!(peer = %peer, ?status, version = hello.version, "refused a data connection");
         return Ok(false);
     }
     let mut b = [0u8; Proof::LEN];
-    s.read_exact(&mut b)
-        .map_err(|e| io_err(peer, "reading the proof", e))?;
+    read_by(s, &mut b, until).map_err(|e| io_err(peer, "reading the proof", e))?;
     let proof = Proof::decode(&b).map_err(|e| protocol(peer, e))?;
     let (status, mac) = match token {
         None => (Status::Ok, [0; te_core::auth::LEN]),
@@ -151,7 +245,7 @@ fn handshake(shared: &Shared, s: &mut TcpStream, peer: &str) -> Result<bool> {
             }
         }
     };
-    s.write_all(&Welcome { status, mac }.encode())
+    write_by(s, &Welcome { status, mac }.encode(), until)
         .map_err(|e| io_err(peer, "sending the welcome", e))?;
     if status != Status::Ok {
         tracing::warn!(peer = %peer, "refused a data connection: it did not prove the auth_token");
@@ -163,11 +257,18 @@ fn handshake(shared: &Shared, s: &mut TcpStream, peer: &str) -> Result<bool> {
 fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
     let c = &shared.config;
     sock::tune(&s, c).map_err(|e| io_err(peer, "cannot set options", e))?;
-    sock::timeouts(&s, c.connect_timeout).map_err(|e| io_err(peer, "cannot set timeouts", e))?;
-    if !handshake(shared, &mut s, peer)? {
-        return Ok(());
+    {
+        let _pending = PendingGuard(&shared.pending);
+        if !handshake(shared, &mut s, peer)? {
+            return Ok(());
+        }
     }
     sock::timeouts(&s, c.io_timeout).map_err(|e| io_err(peer, "cannot set timeouts", e))?;
+    // An idle limit shorter than `io_timeout` needs a receive timeout that short.
+    if !c.idle_timeout.is_zero() && c.idle_timeout < c.io_timeout {
+        s.set_read_timeout(Some(c.idle_timeout))
+            .map_err(|e| io_err(peer, "cannot set timeouts", e))?;
+    }
     let fd = s.as_raw_fd();
     let mut inb = Inbound::new(fd);
     // Device regions: staging buffers, and a responder thread that sends responses in
@@ -178,9 +279,14 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
     // Acknowledgements and refusals not yet sent: flushed before this thread would
     // block on a receive, and in front of the next READ's data.
     let mut out: Vec<u8> = Vec::with_capacity(64 * HEADER_LEN);
-    // Waiting for the next request may take forever; a request stalled halfway may not.
-    let mut on_timeout = |mid: bool| !mid;
+    // Waiting for the next request may take forever (or `idle_timeout`); a request
+    // stalled halfway may not.
+    let last_request = Cell::new(Instant::now());
+    let idle = c.idle_timeout;
+    let mut on_timeout =
+        |mid: bool| !mid && (idle.is_zero() || last_request.get().elapsed() < idle);
     loop {
+        last_request.set(Instant::now());
         if let Some(r) = &responder {
             if !out.is_empty() {
                 r.push(Item::Bytes(std::mem::take(&mut out)));
