@@ -65,6 +65,11 @@
 //! `"250ms"`. The reasons for the defaults, with measurements, are in
 //! `docs/decisions.md`.
 //!
+//! A served connection's responses wait in a queue of at most 256; while it is full the
+//! target reads no more requests from that peer (TCP throttles it), and a peer that
+//! reads none of its responses for `io_timeout` is cut off, releasing every pin its
+//! requests held. Refusals are buffered up to 64 KiB before they are sent.
+//!
 //! The data listener never stops on a failed `accept` (out of descriptors or memory):
 //! it backs off (5 ms doubling to 200 ms), logs once per burst, and accepts again when
 //! it can.

@@ -289,10 +289,12 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
         last_request.set(Instant::now());
         if let Some(r) = &responder {
             if !out.is_empty() {
-                r.push(Item::Bytes(std::mem::take(&mut out)));
+                r.push(Item::Bytes(std::mem::take(&mut out)))?;
             }
         }
-        if inb.buffered().len() < HEADER_LEN && !out.is_empty() {
+        // Refusals pile up only while requests arrive faster than this loop; a peer
+        // that sends many refused requests and reads nothing is bounded here.
+        if (inb.buffered().len() < HEADER_LEN || out.len() >= OUT_LIMIT) && !out.is_empty() {
             sock::send_all(fd, &mut [sock::iov(out.as_ptr(), out.len())])
                 .map_err(|e| io_err(peer, "send failed", e))?;
             out.clear();
@@ -318,7 +320,7 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
             Kind::Write => {
                 match admit(shared, &h, peer) {
                     Ok(pin) if pin.region().device.is_some() => {
-                        let r = responder_for(&mut responder, fd, peer, &mut out)?;
+                        let r = responder_for(&mut responder, fd, peer, c.io_timeout, &mut out)?;
                         write_staged(&recv_pools, r, &mut inb, &h, pin, peer)?;
                     }
                     Ok(pin) => {
@@ -336,7 +338,7 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
                         drop(pin);
                         let ack = Header::response(Kind::WriteAck, 0, h.id, 0).encode();
                         match &responder {
-                            Some(r) => r.push(Item::Bytes(ack.to_vec())),
+                            Some(r) => r.push(Item::Bytes(ack.to_vec()))?,
                             None => out.extend_from_slice(&ack),
                         }
                     }
@@ -349,7 +351,7 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
             }
             Kind::Read => match admit(shared, &h, peer) {
                 Ok(pin) if pin.region().device.is_some() => {
-                    let r = responder_for(&mut responder, fd, peer, &mut out)?;
+                    let r = responder_for(&mut responder, fd, peer, c.io_timeout, &mut out)?;
                     read_staged(&send_pools, r, &h, pin)?;
                 }
                 Ok(pin) if responder.is_some() => {
@@ -359,7 +361,7 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
                             src: (pin.region().addr + h.offset) as usize,
                             len: h.len as usize,
                             pin,
-                        });
+                        })?;
                     }
                 }
                 Ok(pin) => {
@@ -477,10 +479,27 @@ enum Item {
 /// A device copy's result and, for a READ, the staged bytes.
 type Slot = Mutex<Option<(Result<()>, Option<StageBuf>)>>;
 
+/// Responses one connection's responder holds at most; beyond them the serving thread
+/// stops reading requests (the peer is throttled by TCP) until the responder catches
+/// up, and a peer that reads nothing for `io_timeout` is cut off.
+pub(crate) const MAX_QUEUED: usize = 256;
+
+/// The most responses any responder of this process has held (for tests).
+#[cfg(test)]
+pub(crate) static HIGH_WATER: AtomicUsize = AtomicUsize::new(0);
+
+/// Refusals and acknowledgements buffered before they are sent, at most (bytes).
+const OUT_LIMIT: usize = 64 << 10;
+
 /// The responses of one served connection that has seen device memory.
 struct Responder {
     queue: Mutex<Queue>,
     ready: Condvar,
+    /// Signalled when the queue has room again or closes.
+    room: Condvar,
+    /// How long a full queue may stay full.
+    limit: Duration,
+    peer: String,
 }
 
 struct Queue {
@@ -491,13 +510,73 @@ struct Queue {
 }
 
 impl Responder {
-    fn push(&self, item: Item) {
-        self.queue
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .items
-            .push_back(item);
+    fn new(peer: &str, limit: Duration) -> Responder {
+        Responder {
+            queue: Mutex::new(Queue {
+                items: VecDeque::new(),
+                closed: false,
+                draining: false,
+            }),
+            ready: Condvar::new(),
+            room: Condvar::new(),
+            limit,
+            peer: peer.to_string(),
+        }
+    }
+
+    /// Queues a response, waiting while [`MAX_QUEUED`] are queued.
+    ///
+    /// # Errors
+    /// `PeerUnreachable` if the queue stays full for `limit` (the peer does not read
+    /// its responses) or the responder has stopped; the item is dropped (releasing its
+    /// pin or buffer).
+    fn push(&self, item: Item) -> Result<()> {
+        let end = Instant::now() + self.limit;
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        while q.items.len() >= MAX_QUEUED && !q.closed {
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::new(
+                    ErrorKind::PeerUnreachable,
+                    format!(
+                        "data connection from {}: the peer read no response for {:?} with {MAX_QUEUED} waiting; closed",
+                        self.peer, self.limit
+                    ),
+                ));
+            }
+            q = self
+                .room
+                .wait_timeout(q, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        if q.closed {
+            return Err(Error::new(
+                ErrorKind::PeerUnreachable,
+                format!(
+                    "data connection from {}: sending responses failed",
+                    self.peer
+                ),
+            ));
+        }
+        q.items.push_back(item);
+        #[cfg(test)]
+        HIGH_WATER.fetch_max(q.items.len(), Ordering::Relaxed);
+        drop(q);
         self.ready.notify_all();
+        Ok(())
+    }
+
+    /// Stops the responder and drops what it still holds, releasing pins and buffers.
+    fn close(&self) {
+        let left = {
+            let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+            q.closed = true;
+            std::mem::take(&mut q.items)
+        };
+        self.ready.notify_all();
+        self.room.notify_all();
+        drop(left);
     }
 
     /// A copy completed: wake the responder if it waits for that one.
@@ -521,7 +600,9 @@ impl Responder {
                 None => false,
             };
             if ready {
-                return q.items.pop_front();
+                let item = q.items.pop_front();
+                self.room.notify_one();
+                return item;
             }
             if q.draining && q.items.is_empty() {
                 return None;
@@ -584,6 +665,7 @@ impl Responder {
             };
             if let Err(e) = sent {
                 tracing::debug!(peer = %peer, error = %e, "sending a response failed");
+                self.close();
                 // Wake the receiving thread; it ends the connection.
                 // SAFETY: the serve thread keeps the socket open until this thread ends.
                 unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
@@ -612,7 +694,8 @@ impl ResponderGuard {
     /// Queues `last`, lets the responder send everything queued, then stops it. Bounded:
     /// each send gives up after `io_timeout`, and copies complete on their own.
     fn finish(self, last: Item) {
-        self.responder.push(last);
+        // A responder that cannot take it is already gone: the connection closes anyway.
+        let _ = self.responder.push(last);
         self.responder
             .queue
             .lock()
@@ -628,12 +711,7 @@ impl ResponderGuard {
 
 impl Drop for ResponderGuard {
     fn drop(&mut self) {
-        self.responder
-            .queue
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .closed = true;
-        self.responder.ready.notify_all();
+        self.responder.close();
         // SAFETY: the socket is still open (the serve thread owns it and is here); a
         // responder blocked in a send returns.
         unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
@@ -649,17 +727,11 @@ fn responder_for<'a>(
     responder: &'a mut Option<ResponderGuard>,
     fd: RawFd,
     peer: &str,
+    limit: Duration,
     out: &mut Vec<u8>,
 ) -> Result<&'a Arc<Responder>> {
     if responder.is_none() {
-        let r = Arc::new(Responder {
-            queue: Mutex::new(Queue {
-                items: VecDeque::new(),
-                closed: false,
-                draining: false,
-            }),
-            ready: Condvar::new(),
-        });
+        let r = Arc::new(Responder::new(peer, limit));
         let (theirs, label) = (r.clone(), peer.to_string());
         let thread = std::thread::Builder::new()
             .name("te-tcp-respond".into())
@@ -677,16 +749,16 @@ fn responder_for<'a>(
         return Err(Error::new(ErrorKind::Io, "no responder"));
     };
     if !out.is_empty() {
-        r.push(Item::Bytes(std::mem::take(out)));
+        r.push(Item::Bytes(std::mem::take(out)))?;
     }
     Ok(&r.responder)
 }
 
 /// Refuses `h` through the responder with `e`.
-fn refuse_later(r: &Responder, h: &Header, e: &Error) {
+fn refuse_later(r: &Responder, h: &Header, e: &Error) -> Result<()> {
     let mut b = Vec::new();
     refuse(&mut b, h, e);
-    r.push(Item::Bytes(b));
+    r.push(Item::Bytes(b))
 }
 
 /// A WRITE to device memory: its payload lands in a staging buffer, and a copy moves
@@ -709,8 +781,7 @@ fn write_staged(
         Err(e) => {
             inb.discard(h.len, &mut on_timeout)
                 .map_err(|e| io_err(peer, "receive failed", e))?;
-            refuse_later(r, h, &e);
-            return Ok(());
+            return refuse_later(r, h, &e);
         }
     };
     // Waits only for this direction's own copies to finish.
@@ -723,7 +794,7 @@ fn write_staged(
     r.push(Item::Staged {
         h: *h,
         slot: slot.clone(),
-    });
+    })?;
     let copy = DeviceCopy::ToDevice {
         ordinal,
         device: pin.region().addr + h.offset,
@@ -755,8 +826,7 @@ fn read_staged(pools: &Pools, r: &Arc<Responder>, h: &Header, pin: Pin) -> Resul
     let pool = match pools.get(&rt) {
         Ok(p) => p,
         Err(e) => {
-            refuse_later(r, h, &e);
-            return Ok(());
+            return refuse_later(r, h, &e);
         }
     };
     // Waits for the responder to send earlier staged reads.
@@ -765,7 +835,7 @@ fn read_staged(pools: &Pools, r: &Arc<Responder>, h: &Header, pin: Pin) -> Resul
     r.push(Item::Staged {
         h: *h,
         slot: slot.clone(),
-    });
+    })?;
     let copy = DeviceCopy::ToHost {
         ordinal,
         device: pin.region().addr + h.offset,
@@ -782,4 +852,28 @@ fn read_staged(pools: &Pools, r: &Arc<Responder>, h: &Header, pin: Pin) -> Resul
     // `done`) keeps registered until the copy ends; the buffer is owned by `done`.
     unsafe { stage::start(&rt, copy, done) };
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_responder_queue_refuses_more_after_its_limit_and_a_closed_one_at_once() {
+        let r = Responder::new("peer", Duration::from_millis(100));
+        for _ in 0..MAX_QUEUED {
+            r.push(Item::Bytes(vec![0; 8])).expect("room");
+        }
+        let start = Instant::now();
+        let e = r.push(Item::Bytes(vec![0; 8])).unwrap_err();
+        assert!(start.elapsed() >= Duration::from_millis(100));
+        assert_eq!(e.kind(), ErrorKind::PeerUnreachable);
+        assert!(e.to_string().contains("read no response"), "{e}");
+        r.close();
+        assert!(
+            r.queue.lock().unwrap().items.is_empty(),
+            "close drops what is held"
+        );
+        assert!(r.push(Item::Bytes(vec![0; 8])).is_err());
+    }
 }

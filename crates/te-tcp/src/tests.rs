@@ -717,3 +717,71 @@ fn the_listener_survives_running_out_of_file_descriptors() {
     assert!(mem.iter().all(|&b| b == 9));
     println!("fd child: served again");
 }
+
+#[test]
+fn a_peer_that_floods_requests_and_reads_nothing_is_bounded_and_cut_off() {
+    let target = backend(|c| c.io_timeout = Duration::from_millis(500));
+    let dev = DevMem::new(64 << 10);
+    dev.register(&target, 1, Access::REMOTE_READ_WRITE);
+    let mut host = vec![5u8; 64 << 10];
+    register(&target, 2, &mut host, Access::REMOTE_READ_WRITE);
+    let mut s = raw(&target);
+    s.set_write_timeout(Some(Duration::from_secs(3))).unwrap();
+    // One device READ starts the connection's responder; host READs (each holding a pin
+    // on region 2 until it is sent) follow, and nothing is ever read back.
+    let mut frames = Header::request(Kind::Read, 1, 1, 0, 4096).encode().to_vec();
+    // 64 KiB each: far more than the socket buffers hold.
+    for id in 2..3000u64 {
+        frames.extend_from_slice(&Header::request(Kind::Read, id, 2, 0, 64 << 10).encode());
+    }
+    let writer = std::thread::spawn(move || {
+        let _ = s.write_all(&frames);
+        s
+    });
+    // The target queues at most MAX_QUEUED responses, then stops reading; after
+    // io_timeout without the peer reading it closes the connection and releases the
+    // pins, so the region can be deregistered.
+    let pins = || target.shared().regions.users(RegionId(2));
+    eventually("the flood holding pins", Duration::from_secs(5), || {
+        pins() >= crate::serve::MAX_QUEUED - 1
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let held = pins();
+    assert!(
+        held <= crate::serve::MAX_QUEUED + 2,
+        "{held} pins: one per queued response, the one being sent, the one waiting for room"
+    );
+    let start = Instant::now();
+    target
+        .deregister(
+            RegionId(2),
+            te_core::Deadline::after(Duration::from_secs(5)),
+        )
+        .expect("the flood's pins are released");
+    assert!(
+        start.elapsed() < Duration::from_secs(4),
+        "released after {:?}",
+        start.elapsed()
+    );
+    let high = crate::serve::HIGH_WATER.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        high,
+        crate::serve::MAX_QUEUED,
+        "the queue filled to its bound"
+    );
+    let _s = writer.join().unwrap();
+    // The target still serves an honest peer.
+    let init = backend(|_| {});
+    let mut dst = vec![0u8; 4096];
+    register(&init, 1, &mut dst, Access::LOCAL);
+    let peer = init.connect(&segment(&target), soon()).unwrap();
+    let r = TransferRequest {
+        op: te_core::Op::Read,
+        local: RegionId(1),
+        local_offset: 0,
+        remote: RegionId(1),
+        remote_offset: 0,
+        len: 4096,
+    };
+    run(&init, peer, &[r]).expect("an honest read");
+}
