@@ -37,6 +37,8 @@ pub(crate) struct Shared {
     /// Times `accept` failed (out of descriptors, memory, …) and the listener backed off.
     pub(crate) accept_errors: AtomicU64,
     pub(crate) threads: Mutex<Vec<JoinHandle<()>>>,
+    /// The deadlines of batches in flight.
+    pub(crate) watch: Arc<crate::watch::Watch>,
 }
 
 /// One peer: where its data listener is, which instance it is, and the connections.
@@ -182,12 +184,18 @@ impl TcpBackend {
             pending: AtomicUsize::new(0),
             accept_errors: AtomicU64::new(0),
             threads: Mutex::new(Vec::new()),
+            watch: Arc::default(),
         });
+        let watch = shared.watch.clone();
+        crate::conn::spawn(&shared.threads, "te-tcp-deadline", move || watch.run())?;
         let listener = Arc::new(listener);
         let (s, l) = (shared.clone(), listener.clone());
-        crate::conn::spawn(&shared.threads, "te-tcp-accept", move || {
+        if let Err(e) = crate::conn::spawn(&shared.threads, "te-tcp-accept", move || {
             crate::serve::accept_loop(s, l)
-        })?;
+        }) {
+            shared.watch.close();
+            return Err(e);
+        }
         Ok(TcpBackend {
             info: BackendInfo {
                 name: crate::NAME.to_string(),
@@ -511,6 +519,7 @@ impl TransferBackend for TcpBackend {
             })
             .collect();
         let b = Arc::new(Batch::new(total, done, pins));
+        self.shared.watch.add(&b, &conns);
         let n = conns.len();
         // Start on the least loaded connection, the lowest on a tie: a lone small batch
         // then always finds the same warm connection and threads, while concurrent
@@ -532,6 +541,7 @@ impl TransferBackend for TcpBackend {
 impl Drop for TcpBackend {
     fn drop(&mut self) {
         self.shared.closed.store(true, Ordering::Release);
+        self.shared.watch.close();
         // SAFETY: the listener is alive (we hold an Arc); shutting a listening socket
         // down makes a blocked `accept` return on Linux.
         unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };

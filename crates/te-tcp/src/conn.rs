@@ -45,12 +45,26 @@ pub(crate) struct Batch {
 
 impl Batch {
     pub(crate) fn new(slices: usize, done: Completion, pins: Vec<Pin>) -> Batch {
+        let now = Instant::now();
         Batch {
             remaining: AtomicUsize::new(slices),
             error: OnceLock::new(),
-            deadline: Instant::now() + done.remaining(),
+            // A deadline too far to represent is as good as none.
+            deadline: now
+                .checked_add(done.remaining())
+                .unwrap_or_else(|| now + std::time::Duration::from_secs(1 << 30)),
             done: Mutex::new(Some((done, Arc::new(pins)))),
         }
+    }
+
+    /// When the batch's caller stops waiting.
+    pub(crate) fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// Whether every slice has ended (the batch is completed, or about to be).
+    pub(crate) fn is_finished(&self) -> bool {
+        self.remaining.load(Ordering::Acquire) == 0
     }
 
     /// The batch's pins, held by a device copy until it completes, so that the regions
@@ -67,6 +81,12 @@ impl Batch {
     /// Records one slice's end; the last one releases the pins, then completes.
     pub(crate) fn finish_slice(&self, result: Result<()>) {
         if let Err(e) = result {
+            // Past its deadline, whatever broke, the batch ended for lack of time.
+            let e = if Instant::now() >= self.deadline {
+                timeout_error()
+            } else {
+                e
+            };
             let _ = self.error.set(e);
         }
         if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
@@ -208,6 +228,9 @@ struct Tx {
     busy: bool,
     dead: Option<Error>,
     next_id: u64,
+    /// The batch of the response being received, whose memory the receiver may be
+    /// writing.
+    receiving: Option<Arc<Batch>>,
 }
 
 impl Tx {
@@ -417,6 +440,7 @@ impl Conn {
                 busy: false,
                 dead: None,
                 next_id: 1,
+                receiving: None,
             }),
             wake: Condvar::new(),
             dead: AtomicBool::new(false),
@@ -742,6 +766,47 @@ impl Conn {
         }
     }
 
+    /// Ends `batch`'s use of this connection at its deadline: its slices not yet written
+    /// are dropped from the queue; if one is written and unanswered, or its answer is
+    /// being received, the connection is closed, so that no late byte lands in the
+    /// caller's memory (every slice on it fails; the engine reconnects on next use).
+    pub(crate) fn cut(&self, batch: &Arc<Batch>) {
+        let mut tx = self.lock();
+        if tx.dead.is_some() {
+            return;
+        }
+        let mine = |s: &Slice| Arc::ptr_eq(&s.batch, batch);
+        let on_wire = tx.sent.iter().any(mine)
+            || tx.receiving.as_ref().is_some_and(|b| Arc::ptr_eq(b, batch));
+        if on_wire {
+            drop(tx);
+            tracing::warn!(peer = %self.label, "a batch's deadline passed with its requests unanswered; closing the data connection that carries them");
+            self.kill(Error::new(
+                ErrorKind::PeerUnreachable,
+                format!(
+                    "data connection to {} was closed: another batch's deadline passed while the peer had not answered it; connect again",
+                    self.label
+                ),
+            ));
+            return;
+        }
+        // A slice whose device copy runs stays: the writer drops it once the copy ends.
+        let copying = |s: &Slice| {
+            s.stage.as_ref().is_some_and(|st| {
+                matches!(
+                    *st.lock().unwrap_or_else(|p| p.into_inner()),
+                    Stage::Copying
+                )
+            })
+        };
+        let (gone, kept): (VecDeque<Slice>, VecDeque<Slice>) = std::mem::take(&mut tx.unsent)
+            .into_iter()
+            .partition(|s| mine(s) && !copying(s));
+        tx.unsent = kept;
+        drop(tx);
+        self.fail(gone.into_iter().collect(), timeout_error());
+    }
+
     /// Marks the connection dead and shuts the socket, waking both threads; the slices
     /// on it fail with `e` as soon as no writer holds them.
     pub(crate) fn kill(&self, e: Error) {
@@ -784,10 +849,16 @@ impl Conn {
             .map_err(|e| unreachable(&self.label, "receive failed", e))?;
         let h = Header::decode(&inb.buffered()[..HEADER_LEN]).map_err(|e| self.protocol(e))?;
         inb.consume(HEADER_LEN);
-        let Some(slice) = self.lock().sent.pop_front() else {
-            return Err(self.protocol(format!("a {:?} answering no request", h.kind)));
+        let slice = {
+            let mut tx = self.lock();
+            let Some(slice) = tx.sent.pop_front() else {
+                return Err(self.protocol(format!("a {:?} answering no request", h.kind)));
+            };
+            tx.receiving = Some(slice.batch.clone());
+            slice
         };
         let result = self.answer(inb, &h, &slice);
+        self.lock().receiving = None;
         let fatal = match &result {
             Err(e) if matches!(e.kind(), ErrorKind::PeerUnreachable | ErrorKind::Protocol) => {
                 Some(e.clone())

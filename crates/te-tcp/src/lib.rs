@@ -74,10 +74,18 @@
 //! it backs off (5 ms doubling to 200 ms), logs once per burst, and accepts again when
 //! it can.
 //!
+//! Deadlines: a thread per backend wakes at the earliest deadline of the batches in
+//! flight. A batch that is still unfinished then has its unwritten slices dropped, and
+//! every connection that carries one of its written slices (or is receiving its
+//! answer) is closed, so the batch completes with `Timeout` at its deadline, not after
+//! `io_timeout`, and no late byte lands in the caller's memory. Other batches on such a
+//! connection fail with `PeerUnreachable`; the engine reconnects on next use.
+//!
 //! # Limits
 //! A target that vanishes without a reset (a host that loses power)
 //! is found by the `io_timeout` or TCP keepalive, not at once; the batch's own deadline
-//! still ends the wait for its caller.
+//! still ends the wait for its caller. A cancel (rather than a deadline) still waits
+//! for the batch's written slices to be answered, at most `io_timeout`.
 
 #![warn(missing_debug_implementations, missing_docs, unreachable_pub)]
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
@@ -95,6 +103,7 @@ mod sock;
 mod stage;
 #[cfg(test)]
 mod tests;
+mod watch;
 mod wire;
 
 pub use backend::TcpBackend;

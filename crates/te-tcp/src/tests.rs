@@ -785,3 +785,49 @@ fn a_peer_that_floods_requests_and_reads_nothing_is_bounded_and_cut_off() {
     };
     run(&init, peer, &[r]).expect("an honest read");
 }
+
+#[test]
+fn a_stalled_target_fails_the_batch_at_its_deadline_and_never_writes_later() {
+    // The target holds every request 2 s; the batches' deadline is 300 ms.
+    let target = backend(|c| c.debug_delay = Duration::from_secs(2));
+    let mut remote = vec![0x11u8; 8192];
+    register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
+    let init = backend(|c| c.connections_per_peer = 2);
+    let mut local = vec![0xABu8; 8192];
+    register(&init, 1, &mut local, Access::LOCAL);
+    let peer = init.connect(&segment(&target), soon()).unwrap();
+    let (tx, rx) = mpsc::channel();
+    let start = Instant::now();
+    for (op, off) in [(te_core::Op::Read, 0), (te_core::Op::Write, 4096)] {
+        let tx = tx.clone();
+        let done = Completion::new(Duration::from_millis(300), move |r, _| {
+            let _ = tx.send((op, r, start.elapsed()));
+        });
+        let r = TransferRequest {
+            op,
+            local: RegionId(1),
+            local_offset: off,
+            remote: RegionId(1),
+            remote_offset: off,
+            len: 4096,
+        };
+        init.submit(peer, &[r], done).unwrap();
+    }
+    for _ in 0..2 {
+        let (op, r, at) = rx.recv_timeout(Duration::from_secs(5)).expect("completed");
+        let e = r.expect_err("the target never answered in time");
+        assert_eq!(e.kind(), ErrorKind::Timeout, "{op}: {e}");
+        assert!(
+            at < Duration::from_millis(1500),
+            "{op} completed after {at:?}"
+        );
+    }
+    assert_eq!(
+        init.live_connections(peer),
+        0,
+        "the connections carrying the batches were closed"
+    );
+    // The target answers after 2 s; nothing of it may land in the caller's memory.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert!(local.iter().all(|&b| b == 0xAB), "late bytes landed");
+}
