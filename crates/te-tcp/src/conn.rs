@@ -231,12 +231,25 @@ struct Tx {
     /// The batch of the response being received, whose memory the receiver may be
     /// writing.
     receiving: Option<Arc<Batch>>,
+    /// Device WRITE slices waiting for a staging buffer, in queue order; entries whose
+    /// slice has gone (failed, cut) are skipped when reached.
+    to_stage: VecDeque<ToStage>,
+}
+
+/// What starting a device WRITE slice's staging copy needs.
+struct ToStage {
+    slot: Arc<Mutex<Stage>>,
+    dev: Dev,
+    local: usize,
+    len: u64,
+    batch: Arc<Batch>,
 }
 
 impl Tx {
     /// Everything still on the connection, once it is dead and nobody writes.
     fn drain(&mut self) -> Vec<Slice> {
         self.carry = Carry::EMPTY;
+        self.to_stage.clear();
         self.sent.drain(..).chain(self.unsent.drain(..)).collect()
     }
 }
@@ -441,6 +454,7 @@ impl Conn {
                 dead: None,
                 next_id: 1,
                 receiving: None,
+                to_stage: VecDeque::new(),
             }),
             wake: Condvar::new(),
             dead: AtomicBool::new(false),
@@ -487,6 +501,16 @@ impl Conn {
         for mut s in slices {
             s.id = tx.next_id;
             tx.next_id += 1;
+            if let (Some(slot), Some(dev)) = (&s.stage, &s.device) {
+                let t = ToStage {
+                    slot: slot.clone(),
+                    dev: dev.clone(),
+                    local: s.local,
+                    len: s.len,
+                    batch: s.batch.clone(),
+                };
+                tx.to_stage.push_back(t);
+            }
             tx.unsent.push_back(s);
         }
         self.inflight
@@ -665,48 +689,59 @@ impl Conn {
     }
 
     /// Gives free staging buffers to the next device WRITE slices waiting for one, in
-    /// order, and returns the copies to start (outside the lock).
+    /// order, and returns the copies to start (outside the lock). Each waiting slice is
+    /// looked at once when its turn comes, not on every call.
     fn stage_next(&self) -> Vec<Staging> {
         let mut copies = Vec::new();
-        let tx = self.lock();
-        for s in tx.unsent.iter() {
-            let (Some(st), Some((rt, ordinal))) = (&s.stage, &s.device) else {
-                continue;
-            };
-            let mut st = st.lock().unwrap_or_else(|p| p.into_inner());
-            if !matches!(*st, Stage::Idle) {
+        let mut tx = self.lock();
+        while let Some(next) = tx.to_stage.front() {
+            // Only this queue holds the slot: the slice has ended without being sent.
+            let gone = Arc::strong_count(&next.slot) == 1;
+            let idle = matches!(
+                *next.slot.lock().unwrap_or_else(|p| p.into_inner()),
+                Stage::Idle
+            );
+            if gone || !idle {
+                tx.to_stage.pop_front();
                 continue;
             }
-            let buf = match self.send_pools.get(rt) {
-                Ok(pool) => match pool.try_take() {
-                    Some(b) => b,
-                    // The rest wait for buffers that responses return.
-                    None => break,
-                },
+            let taken = self.send_pools.get(&next.dev.0).map(|pool| pool.try_take());
+            // The rest wait for buffers that responses return.
+            if let Ok(None) = taken {
+                break;
+            }
+            let Some(t) = tx.to_stage.pop_front() else {
+                break;
+            };
+            let mut st = t.slot.lock().unwrap_or_else(|p| p.into_inner());
+            let buf = match taken {
+                Ok(Some(b)) => b,
+                Ok(None) => break,
                 Err(e) => {
                     *st = Stage::Failed(e);
                     continue;
                 }
             };
-            if s.batch.stopped() {
+            if t.batch.stopped() {
                 *st = Stage::Failed(timeout_error());
                 continue;
             }
-            let Some(pins) = s.batch.hold() else {
+            let Some(pins) = t.batch.hold() else {
                 *st = Stage::Failed(timeout_error());
                 continue;
             };
             *st = Stage::Copying;
+            drop(st);
             copies.push(Staging {
                 copy: DeviceCopy::ToHost {
-                    ordinal: *ordinal,
-                    device: s.local as u64,
+                    ordinal: t.dev.1,
+                    device: t.local as u64,
                     host: buf.ptr(),
-                    len: s.len as usize,
+                    len: t.len as usize,
                 },
-                rt: rt.clone(),
+                rt: t.dev.0.clone(),
                 buf,
-                slot: s.stage.clone(),
+                slot: Some(t.slot.clone()),
                 pins,
             });
         }
