@@ -36,6 +36,8 @@ pub(crate) struct Shared {
     pub(crate) pending: AtomicUsize,
     /// Times `accept` failed (out of descriptors, memory, …) and the listener backed off.
     pub(crate) accept_errors: AtomicU64,
+    /// WRITEs into host memory whose payload stopped part way (a torn range).
+    pub(crate) torn_writes: AtomicU64,
     pub(crate) threads: Mutex<Vec<JoinHandle<()>>>,
     /// The deadlines of batches in flight.
     pub(crate) watch: Arc<crate::watch::Watch>,
@@ -183,6 +185,7 @@ impl TcpBackend {
             next_serving: AtomicU64::new(0),
             pending: AtomicUsize::new(0),
             accept_errors: AtomicU64::new(0),
+            torn_writes: AtomicU64::new(0),
             threads: Mutex::new(Vec::new()),
             watch: Arc::default(),
         });

@@ -70,6 +70,11 @@
 //! reads none of its responses for `io_timeout` is cut off, releasing every pin its
 //! requests held. Refusals are buffered up to 64 KiB before they are sent.
 //!
+//! A WRITE into host memory whose payload stops arriving part way (the initiator died
+//! or the network broke) leaves a torn range; the target logs it as a warning naming
+//! the peer, region and range. Device-memory WRITEs are staged whole before their copy,
+//! so they are never torn.
+//!
 //! The data listener never stops on a failed `accept` (out of descriptors or memory):
 //! it backs off (5 ms doubling to 200 ms), logs once per burst, and accepts again when
 //! it can.

@@ -189,6 +189,31 @@ fn io_err(peer: &str, what: &str, e: std::io::Error) -> Error {
     .with_source(e)
 }
 
+/// A WRITE's payload stopped arriving part way: the range may hold old and new bytes.
+/// Said at the target (a warning naming region and range, and a counter) because the
+/// initiator, whose batch fails, may be the side that died.
+fn torn(shared: &Shared, h: &Header, peer: &str, e: std::io::Error) -> Error {
+    shared.torn_writes.fetch_add(1, Ordering::Relaxed);
+    tracing::warn!(
+        peer = %peer,
+        region = h.region,
+        offset = h.offset,
+        len = h.len,
+        error = %e,
+        "torn write: the connection broke in the middle of a WRITE; this range may hold part old, part new bytes"
+    );
+    io_err(
+        peer,
+        &format!(
+            "the connection broke in the middle of a WRITE to region {} bytes {}..{}",
+            h.region,
+            h.offset,
+            h.offset + h.len
+        ),
+        e,
+    )
+}
+
 fn protocol(peer: &str, e: impl std::fmt::Display) -> Error {
     Error::new(
         ErrorKind::Protocol,
@@ -334,7 +359,7 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
                         // `admit` checked `offset + len` inside the region, and the pin
                         // keeps it registered until the bytes are in place.
                         inb.read_into(dst as *mut u8, h.len as usize, &mut on_timeout)
-                            .map_err(|e| io_err(peer, "receive failed", e))?;
+                            .map_err(|e| torn(shared, &h, peer, e))?;
                         drop(pin);
                         let ack = Header::response(Kind::WriteAck, 0, h.id, 0).encode();
                         match &responder {

@@ -831,3 +831,34 @@ fn a_stalled_target_fails_the_batch_at_its_deadline_and_never_writes_later() {
     std::thread::sleep(Duration::from_millis(2500));
     assert!(local.iter().all(|&b| b == 0xAB), "late bytes landed");
 }
+
+#[test]
+fn a_write_cut_off_mid_payload_is_reported_at_the_target_as_torn() {
+    let target = backend(|c| c.slice_size = 1 << 20);
+    let mut mem = vec![0u8; 1 << 20];
+    register(&target, 1, &mut mem, Access::REMOTE_READ_WRITE);
+    let mut s = raw(&target);
+    // Announces 1 MiB, sends 100 bytes, and goes away.
+    s.write_all(&Header::request(Kind::Write, 1, 1, 0, 1 << 20).encode())
+        .unwrap();
+    s.write_all(&[7u8; 100]).unwrap();
+    drop(s);
+    let torn = || {
+        target
+            .shared()
+            .torn_writes
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    eventually("the torn write reported", Duration::from_secs(5), || {
+        torn() == 1
+    });
+    // A refused or complete request is not torn.
+    let mut s = raw(&target);
+    s.write_all(&Header::request(Kind::Write, 2, 1, 0, 8).encode())
+        .unwrap();
+    s.write_all(&[1u8; 8]).unwrap();
+    assert_eq!(read_header(&mut s).kind, Kind::WriteAck);
+    drop(s);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(torn(), 1);
+}
