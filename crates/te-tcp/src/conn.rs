@@ -16,7 +16,7 @@ use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::Instant;
 
@@ -263,6 +263,9 @@ pub(crate) struct Conn {
     wake: Condvar,
     dead: AtomicBool,
     inflight: AtomicUsize,
+    /// Counts answers received and sends that moved bytes: unchanged between two looks
+    /// means the connection stalled.
+    progress: AtomicU64,
     /// This connection, for device copies' completions.
     me: Weak<Conn>,
     /// Pinned buffers for device WRITEs (device → host → socket).
@@ -459,6 +462,7 @@ impl Conn {
             wake: Condvar::new(),
             dead: AtomicBool::new(false),
             inflight: AtomicUsize::new(0),
+            progress: AtomicU64::new(0),
             me: me.clone(),
             send_pools: Pools::new(config.slice_size),
             recv_pools: Pools::new(config.slice_size),
@@ -670,6 +674,7 @@ impl Conn {
             match sock::send(self.fd, &v[at..n], !blocking) {
                 Ok(k) => {
                     written += k;
+                    self.progress.fetch_add(1, Ordering::Release);
                     self.lock().carry.advance(k);
                 }
                 Err(e) if !blocking && e.kind() == std::io::ErrorKind::WouldBlock => {
@@ -801,30 +806,19 @@ impl Conn {
         }
     }
 
-    /// Ends `batch`'s use of this connection at its deadline: its slices not yet written
-    /// are dropped from the queue; if one is written and unanswered, or its answer is
-    /// being received, the connection is closed, so that no late byte lands in the
-    /// caller's memory (every slice on it fails; the engine reconnects on next use).
-    pub(crate) fn cut(&self, batch: &Arc<Batch>) {
+    /// Ends `batch`'s use of this connection after its deadline. Its slices not yet
+    /// written are dropped from the queue. If one is written and unanswered, or its
+    /// answer is being received, the connection is closed once it has stalled, so that
+    /// no late byte lands in the caller's memory (every slice on it fails; the engine
+    /// reconnects on next use): `seen` is the progress count at the previous look,
+    /// `None` at the first. Returns the count to look again with later, or `None` when
+    /// the connection no longer holds the batch.
+    pub(crate) fn cut(&self, batch: &Arc<Batch>, seen: Option<u64>) -> Option<u64> {
         let mut tx = self.lock();
         if tx.dead.is_some() {
-            return;
+            return None;
         }
         let mine = |s: &Slice| Arc::ptr_eq(&s.batch, batch);
-        let on_wire = tx.sent.iter().any(mine)
-            || tx.receiving.as_ref().is_some_and(|b| Arc::ptr_eq(b, batch));
-        if on_wire {
-            drop(tx);
-            tracing::warn!(peer = %self.label, "a batch's deadline passed with its requests unanswered; closing the data connection that carries them");
-            self.kill(Error::new(
-                ErrorKind::PeerUnreachable,
-                format!(
-                    "data connection to {} was closed: another batch's deadline passed while the peer had not answered it; connect again",
-                    self.label
-                ),
-            ));
-            return;
-        }
         // A slice whose device copy runs stays: the writer drops it once the copy ends.
         let copying = |s: &Slice| {
             s.stage.as_ref().is_some_and(|st| {
@@ -838,8 +832,27 @@ impl Conn {
             .into_iter()
             .partition(|s| mine(s) && !copying(s));
         tx.unsent = kept;
+        let on_wire = tx.sent.iter().any(mine)
+            || tx.receiving.as_ref().is_some_and(|b| Arc::ptr_eq(b, batch));
         drop(tx);
         self.fail(gone.into_iter().collect(), timeout_error());
+        if !on_wire {
+            return None;
+        }
+        let now = self.progress.load(Ordering::Acquire);
+        if seen != Some(now) {
+            // Answers are still moving: the batch's own arrive soon, and are dropped.
+            return Some(now);
+        }
+        tracing::warn!(peer = %self.label, "a batch's deadline passed and its connection stalled; closing the data connection that carries it");
+        self.kill(Error::new(
+            ErrorKind::PeerUnreachable,
+            format!(
+                "data connection to {} was closed: it stalled with a batch past its deadline on it; connect again",
+                self.label
+            ),
+        ));
+        None
     }
 
     /// Marks the connection dead and shuts the socket, waking both threads; the slices
@@ -884,6 +897,7 @@ impl Conn {
             .map_err(|e| unreachable(&self.label, "receive failed", e))?;
         let h = Header::decode(&inb.buffered()[..HEADER_LEN]).map_err(|e| self.protocol(e))?;
         inb.consume(HEADER_LEN);
+        self.progress.fetch_add(1, Ordering::Release);
         let slice = {
             let mut tx = self.lock();
             let Some(slice) = tx.sent.pop_front() else {
@@ -894,6 +908,7 @@ impl Conn {
         };
         let result = self.answer(inb, &h, &slice);
         self.lock().receiving = None;
+        self.progress.fetch_add(1, Ordering::Release);
         let fatal = match &result {
             Err(e) if matches!(e.kind(), ErrorKind::PeerUnreachable | ErrorKind::Protocol) => {
                 Some(e.clone())

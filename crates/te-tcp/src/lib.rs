@@ -80,11 +80,14 @@
 //! it can.
 //!
 //! Deadlines: a thread per backend wakes at the earliest deadline of the batches in
-//! flight. A batch that is still unfinished then has its unwritten slices dropped, and
-//! every connection that carries one of its written slices (or is receiving its
-//! answer) is closed, so the batch completes with `Timeout` at its deadline, not after
-//! `io_timeout`, and no late byte lands in the caller's memory. Other batches on such a
-//! connection fail with `PeerUnreachable`; the engine reconnects on next use.
+//! flight. A batch that is still unfinished then has its unwritten slices dropped; a
+//! connection that carries one of its written slices (or is receiving its answer) is
+//! left alone while answers or sends still move on it (the batch's late answers are
+//! dropped, never placed), and closed once nothing moved on it for 250 ms. So a batch
+//! on a stalled or partitioned peer completes with `Timeout` about 250 ms after its
+//! deadline, not after `io_timeout`, and no late byte lands in the caller's memory.
+//! Other batches on a closed connection fail with `PeerUnreachable`; the engine
+//! reconnects on next use.
 //!
 //! # Limits
 //! A target that vanishes without a reset (a host that loses power)

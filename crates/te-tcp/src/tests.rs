@@ -862,3 +862,49 @@ fn a_write_cut_off_mid_payload_is_reported_at_the_target_as_torn() {
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(torn(), 1);
 }
+
+#[test]
+fn a_busy_connection_is_not_closed_for_a_batch_past_its_deadline() {
+    // Answers keep coming every ~10 ms; one batch's deadline passes while it waits
+    // behind another. The busy connection stays, the late batch gets Timeout, and its
+    // data is dropped, not placed.
+    let target = backend(|c| c.debug_delay = Duration::from_millis(10));
+    let mut remote = vec![0x22u8; 4096];
+    register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
+    let init = backend(|c| c.connections_per_peer = 1);
+    let mut long = vec![0u8; 40 * 4096];
+    register(&init, 1, &mut long, Access::LOCAL);
+    let mut late = vec![0xABu8; 4096];
+    register(&init, 2, &mut late, Access::LOCAL);
+    let peer = init.connect(&segment(&target), soon()).unwrap();
+    let read = |local, local_offset| TransferRequest {
+        op: te_core::Op::Read,
+        local: RegionId(local),
+        local_offset,
+        remote: RegionId(1),
+        remote_offset: 0,
+        len: 4096,
+    };
+    let (tx, rx) = mpsc::channel();
+    let first: Vec<_> = (0..40).map(|i| read(1, i * 4096)).collect();
+    let t = tx.clone();
+    let done = Completion::new(Duration::from_secs(10), move |r, _| {
+        let _ = t.send(("first", r));
+    });
+    init.submit(peer, &first, done).unwrap();
+    let done = Completion::new(Duration::from_millis(100), move |r, _| {
+        let _ = tx.send(("late", r));
+    });
+    init.submit(peer, &[read(2, 0)], done).unwrap();
+    let mut results = std::collections::HashMap::new();
+    for _ in 0..2 {
+        let (name, r) = rx.recv_timeout(Duration::from_secs(10)).expect("completed");
+        results.insert(name, r);
+    }
+    results["first"].as_ref().expect("the long batch succeeds");
+    let e = results["late"].as_ref().expect_err("past its deadline");
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    assert_eq!(init.live_connections(peer), 1, "the busy connection stays");
+    assert!(long.iter().all(|&b| b == 0x22));
+    assert!(late.iter().all(|&b| b == 0xAB), "late data was not placed");
+}

@@ -1,19 +1,25 @@
 //! Batch deadlines: one thread per backend that wakes at the earliest deadline of the
 //! batches in flight and cuts what still holds an expired batch.
 //!
-//! A slice already written waits for its answer, and the receiving thread may be in the
-//! middle of placing a READ's payload; neither can be taken back while the connection
-//! lives. So at the deadline a connection that carries a written slice of the batch (or
-//! is receiving into it) is closed: its threads leave the caller's memory, every slice
-//! on it fails, and the expired batch completes with `Timeout` at its deadline rather
-//! than after `io_timeout`. Slices not yet written are simply dropped from their queue.
+//! At the deadline, slices not yet written are dropped from their queue. A slice already
+//! written waits for its answer, and the receiving thread may be in the middle of
+//! placing a READ's payload; neither can be taken back while the connection lives. If
+//! answers still move on that connection, the batch's own arrive soon and are dropped
+//! (a healthy, busy connection is not closed for one impatient batch); if nothing moved
+//! for [`STALL_GRACE`], the connection is closed: its threads leave the caller's
+//! memory, every slice on it fails, and the expired batch completes with `Timeout`
+//! within about `STALL_GRACE` of its deadline rather than after `io_timeout`.
 
 use std::cmp::{Ordering as CmpOrdering, Reverse};
 use std::collections::BinaryHeap;
 use std::sync::{Arc, Condvar, Mutex, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::conn::{Batch, Conn};
+
+/// How long a connection that carries an expired batch may go without any answer or
+/// send before it is closed.
+pub(crate) const STALL_GRACE: Duration = Duration::from_millis(250);
 
 /// One batch to watch.
 struct Timed {
@@ -21,6 +27,8 @@ struct Timed {
     seq: u64,
     batch: Weak<Batch>,
     conns: Vec<Weak<Conn>>,
+    /// Each connection's progress count at the last look after the deadline.
+    seen: Vec<Option<u64>>,
 }
 
 impl PartialEq for Timed {
@@ -77,15 +85,22 @@ impl Watch {
             s.heap.retain(|t| t.0.batch.strong_count() > 0);
             s.pruned = s.heap.len();
         }
-        s.seq += 1;
-        let seq = s.seq;
-        let earliest = s.heap.peek().is_none_or(|t| batch.deadline() < t.0.at);
-        s.heap.push(Reverse(Timed {
+        drop(s);
+        self.push(Timed {
             at: batch.deadline(),
-            seq,
+            seq: 0,
             batch: Arc::downgrade(batch),
             conns: conns.iter().map(Arc::downgrade).collect(),
-        }));
+            seen: vec![None; conns.len()],
+        });
+    }
+
+    fn push(&self, mut t: Timed) {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        s.seq += 1;
+        t.seq = s.seq;
+        let earliest = s.heap.peek().is_none_or(|e| t.at < e.0.at);
+        s.heap.push(Reverse(t));
         drop(s);
         if earliest {
             self.wake.notify_one();
@@ -129,15 +144,21 @@ impl Watch {
                     };
                 }
             }
-            for t in due {
+            for mut t in due {
                 let Some(batch) = t.batch.upgrade() else {
                     continue;
                 };
                 if batch.is_finished() {
                     continue;
                 }
-                for c in t.conns.iter().filter_map(Weak::upgrade) {
-                    c.cut(&batch);
+                let mut again = false;
+                for (c, seen) in t.conns.iter().zip(t.seen.iter_mut()) {
+                    *seen = c.upgrade().and_then(|c| c.cut(&batch, *seen));
+                    again |= seen.is_some();
+                }
+                if again {
+                    t.at = Instant::now() + STALL_GRACE;
+                    self.push(t);
                 }
             }
         }
