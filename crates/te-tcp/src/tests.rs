@@ -576,12 +576,8 @@ fn pending_handshakes_and_connections_are_capped_and_the_rest_closed_at_once() {
     // An authenticated one is not pending; it fits the connection cap (3), a fourth
     // connection does not.
     drop(idle);
-    eventually("no pending handshakes", Duration::from_secs(5), || {
-        target
-            .shared()
-            .pending
-            .load(std::sync::atomic::Ordering::Acquire)
-            == 0
+    eventually("no connection served", Duration::from_secs(5), || {
+        target.shared().serving.lock().map_or(1, |s| s.len()) == 0
     });
     let init = backend(|c| c.connections_per_peer = 3);
     let peer = init.connect(&segment(&target), soon()).expect("connect");
