@@ -9,8 +9,9 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
 use te_core::{
-    BackendContext, BackendInfo, Capabilities, Completion, Deadline, Error, ErrorKind, MemoryDesc,
-    MemoryKind, PeerId, RegionId, Result, SegmentDesc, TransferBackend, TransferRequest,
+    BackendContext, BackendInfo, BatchId, Capabilities, Completion, Deadline, Error, ErrorKind,
+    MemoryDesc, MemoryKind, PeerId, RegionId, Result, SegmentDesc, TransferBackend,
+    TransferRequest,
 };
 
 use crate::config::TcpConfig;
@@ -538,6 +539,12 @@ impl TransferBackend for TcpBackend {
             budget = budget.saturating_sub(sent);
         }
         Ok(())
+    }
+
+    fn abort(&self, _peer: PeerId, batch: BatchId) {
+        // Its slices see the abort flag on their own; the watcher also ends its use of
+        // connections that stalled, as at a deadline.
+        self.shared.watch.abort(batch);
     }
 }
 

@@ -41,12 +41,15 @@ pub(crate) struct Batch {
     error: OnceLock<Error>,
     done: Mutex<Option<(Completion, Arc<Vec<Pin>>)>>,
     deadline: Instant,
+    id: te_core::BatchId,
 }
 
 impl Batch {
     pub(crate) fn new(slices: usize, done: Completion, pins: Vec<Pin>) -> Batch {
         let now = Instant::now();
+        let id = done.batch();
         Batch {
+            id,
             remaining: AtomicUsize::new(slices),
             error: OnceLock::new(),
             // A deadline too far to represent is as good as none.
@@ -55,6 +58,11 @@ impl Batch {
                 .unwrap_or_else(|| now + std::time::Duration::from_secs(1 << 30)),
             done: Mutex::new(Some((done, Arc::new(pins)))),
         }
+    }
+
+    /// The engine's id of the batch.
+    pub(crate) fn id(&self) -> te_core::BatchId {
+        self.id
     }
 
     /// When the batch's caller stops waiting.

@@ -87,13 +87,13 @@
 //! on a stalled or partitioned peer completes with `Timeout` about 250 ms after its
 //! deadline, not after `io_timeout`, and no late byte lands in the caller's memory.
 //! Other batches on a closed connection fail with `PeerUnreachable`; the engine
-//! reconnects on next use.
+//! reconnects on next use. An abort (a cancel, or a deregistration of a region the
+//! batch uses) is handled the same way, at once.
 //!
 //! # Limits
 //! A target that vanishes without a reset (a host that loses power)
 //! is found by the `io_timeout` or TCP keepalive, not at once; the batch's own deadline
-//! still ends the wait for its caller. A cancel (rather than a deadline) still waits
-//! for the batch's written slices to be answered, at most `io_timeout`.
+//! still ends the wait for its caller.
 
 #![warn(missing_debug_implementations, missing_docs, unreachable_pub)]
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]

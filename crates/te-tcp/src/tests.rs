@@ -904,3 +904,43 @@ fn a_busy_connection_is_not_closed_for_a_batch_past_its_deadline() {
     assert!(long.iter().all(|&b| b == 0x22));
     assert!(late.iter().all(|&b| b == 0xAB), "late data was not placed");
 }
+
+#[test]
+fn an_aborted_batch_on_a_stalled_target_ends_without_waiting_for_io_timeout() {
+    let target = backend(|c| c.debug_delay = Duration::from_secs(2));
+    let mut remote = vec![0x33u8; 4096];
+    register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
+    let init = backend(|c| c.connections_per_peer = 1);
+    let mut local = vec![0xABu8; 4096];
+    register(&init, 1, &mut local, Access::LOCAL);
+    let peer = init.connect(&segment(&target), soon()).unwrap();
+    let (tx, rx) = mpsc::channel();
+    let (done, aborter) = Completion::abortable(
+        te_core::Deadline::after(Duration::from_secs(10)),
+        move |r, _| {
+            let _ = tx.send(r);
+        },
+    );
+    let r = TransferRequest {
+        op: te_core::Op::Read,
+        local: RegionId(1),
+        local_offset: 0,
+        remote: RegionId(1),
+        remote_offset: 0,
+        len: 4096,
+    };
+    init.submit(peer, &[r], done).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let start = Instant::now();
+    aborter.abort();
+    init.abort(peer, te_core::BatchId(0));
+    let r = rx.recv_timeout(Duration::from_secs(5)).expect("completed");
+    assert!(r.is_err(), "an aborted batch does not succeed");
+    assert!(
+        start.elapsed() < Duration::from_millis(1500),
+        "ended {:?} after the abort",
+        start.elapsed()
+    );
+    std::thread::sleep(Duration::from_millis(2500));
+    assert!(local.iter().all(|&b| b == 0xAB), "late bytes landed");
+}

@@ -107,6 +107,29 @@ impl Watch {
         }
     }
 
+    /// Treats the batches with engine id `id` as expired now (the engine aborted them:
+    /// a cancel or a deregistration), so a stalled connection does not hold them until
+    /// `io_timeout`. Linear in the batches watched; aborts are rare.
+    pub(crate) fn abort(&self, id: te_core::BatchId) {
+        let now = Instant::now();
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut all = std::mem::take(&mut s.heap).into_vec();
+        let mut found = false;
+        for t in &mut all {
+            if t.0.seen.iter().all(Option::is_none)
+                && t.0.batch.upgrade().is_some_and(|b| b.id() == id)
+            {
+                t.0.at = t.0.at.min(now);
+                found = true;
+            }
+        }
+        s.heap = BinaryHeap::from(all);
+        drop(s);
+        if found {
+            self.wake.notify_one();
+        }
+    }
+
     /// Ends [`Watch::run`].
     pub(crate) fn close(&self) {
         self.state.lock().unwrap_or_else(|p| p.into_inner()).closed = true;
