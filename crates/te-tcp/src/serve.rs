@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -95,10 +95,12 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(key, clone);
-        shared.pending.fetch_add(1, Ordering::AcqRel);
+        // Counted from here until its handshake ends, however the thread ends or if it
+        // never starts.
+        let pending = Pending::new(&shared);
         let s = shared.clone();
         let started = crate::conn::spawn(&shared.threads, "te-tcp-serve", move || {
-            if let Err(e) = serve(&s, stream, &peer) {
+            if let Err(e) = serve(&s, stream, &peer, pending) {
                 let quiet = matches!(e.kind(), ErrorKind::PeerUnreachable)
                     || s.closed.load(Ordering::Acquire);
                 if quiet {
@@ -113,7 +115,6 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
                 .remove(&key);
         });
         if started.is_err() {
-            shared.pending.fetch_sub(1, Ordering::AcqRel);
             shared
                 .serving
                 .lock()
@@ -134,12 +135,19 @@ fn back_off(shared: &Shared, backoff: &mut Duration, e: &std::io::Error) {
     std::thread::sleep(*backoff);
 }
 
-/// Counts a connection as pending until dropped.
-struct PendingGuard<'a>(&'a AtomicUsize);
+/// Counts an accepted connection in `Shared::pending` until dropped.
+struct Pending(Arc<Shared>);
 
-impl Drop for PendingGuard<'_> {
+impl Pending {
+    fn new(shared: &Arc<Shared>) -> Pending {
+        shared.pending.fetch_add(1, Ordering::AcqRel);
+        Pending(shared.clone())
+    }
+}
+
+impl Drop for Pending {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        self.0.pending.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -279,15 +287,13 @@ fn handshake(shared: &Shared, s: &mut TcpStream, peer: &str) -> Result<bool> {
     Ok(true)
 }
 
-fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
+fn serve(shared: &Shared, mut s: TcpStream, peer: &str, pending: Pending) -> Result<()> {
     let c = &shared.config;
     sock::tune(&s, c).map_err(|e| io_err(peer, "cannot set options", e))?;
-    {
-        let _pending = PendingGuard(&shared.pending);
-        if !handshake(shared, &mut s, peer)? {
-            return Ok(());
-        }
+    if !handshake(shared, &mut s, peer)? {
+        return Ok(());
     }
+    drop(pending);
     sock::timeouts(&s, c.io_timeout).map_err(|e| io_err(peer, "cannot set timeouts", e))?;
     // An idle limit shorter than `io_timeout` needs a receive timeout that short.
     if !c.idle_timeout.is_zero() && c.idle_timeout < c.io_timeout {
@@ -511,7 +517,8 @@ pub(crate) const MAX_QUEUED: usize = 256;
 
 /// The most responses any responder of this process has held (for tests).
 #[cfg(test)]
-pub(crate) static HIGH_WATER: AtomicUsize = AtomicUsize::new(0);
+pub(crate) static HIGH_WATER: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(0);
 
 /// Refusals and acknowledgements buffered before they are sent, at most (bytes).
 const OUT_LIMIT: usize = 64 << 10;
