@@ -55,20 +55,22 @@ fn tcp_table(token: Option<&str>) -> String {
 
 /// Starts `te serve` on the tcp backend with a `buffer_size`-byte buffer named `buffer`.
 fn serve(token: Option<&str>, listen: Option<&str>, buffer_size: &str) -> Server {
+    serve_with(&tcp_table(token), listen, buffer_size, "host")
+}
+
+/// As [`serve`], with `table` as the `[backends.tcp]` table and the buffer in `mem`.
+fn serve_with(table: &str, listen: Option<&str>, buffer_size: &str, mem: &str) -> Server {
     let dir = TempDir::new("serve");
     let path = dir.0.join("serve.toml");
     std::fs::write(
         &path,
-        format!(
-            "[engine]\nbackend = \"tcp\"\n[backends.tcp]\n{}",
-            tcp_table(token)
-        ),
+        format!("[engine]\nbackend = \"tcp\"\n[backends.tcp]\n{table}"),
     )
     .expect("write config");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_te"));
     cmd.args(["serve", "--config"])
         .arg(&path)
-        .args(["--buffer-size", buffer_size]);
+        .args(["--buffer-size", buffer_size, "--mem", mem]);
     if let Some(l) = listen {
         cmd.args(["--listen", l]);
     }
@@ -91,10 +93,13 @@ fn serve(token: Option<&str>, listen: Option<&str>, buffer_size: &str) -> Server
 }
 
 fn initiator(token: Option<&str>) -> Engine {
-    let text = format!(
-        "[engine]\nbackend = \"tcp\"\ndefault_timeout = \"30s\"\n[backends.tcp]\n{}",
-        tcp_table(token)
-    );
+    initiator_with(&tcp_table(token))
+}
+
+/// An initiator engine with `table` as its `[backends.tcp]` table.
+fn initiator_with(table: &str) -> Engine {
+    let text =
+        format!("[engine]\nbackend = \"tcp\"\ndefault_timeout = \"30s\"\n[backends.tcp]\n{table}");
     let c = Config::from_toml(&text, "tcp_two_process.toml", std::path::Path::new("."))
         .expect("valid config");
     Engine::from_config(&c).expect("initiator engine")
@@ -308,4 +313,35 @@ fn a_wrong_or_missing_auth_token_is_refused() {
     let src = e.alloc("src", 64 << 10, Access::LOCAL).unwrap();
     let peer = e.connect(&server.addr).unwrap();
     write_all(&e, &peer, &src, 64 << 10).unwrap();
+}
+
+#[test]
+fn device_blocks_move_intact_between_processes_with_different_slice_sizes() {
+    // The target stages through 64 KiB buffers; the initiator would cut 8 MiB slices.
+    // Before the handshake agreed a limit, this overran the target's heap.
+    const BLOCK: u64 = 4 << 20;
+    let server = serve_with("slice_size = \"64KiB\"\n", None, "16MiB", "fakedev:0");
+    let e = initiator_with("slice_size = \"8MiB\"\n");
+    let dev: te::MemoryKind = "fakedev:0".parse().unwrap();
+    let src = e
+        .alloc_on(&dev, "src", 4 * BLOCK as usize, Access::LOCAL)
+        .unwrap();
+    let dst = e
+        .alloc_on(&dev, "dst", 4 * BLOCK as usize, Access::LOCAL)
+        .unwrap();
+    let data = pattern(4 * BLOCK as usize, 9);
+    src.write(0, &data).unwrap();
+    let peer = e.connect(&server.addr).unwrap();
+    let remote = peer.region("buffer").unwrap().id;
+    let writes: Vec<_> = (0..4)
+        .map(|i| TransferRequest::write(src.id(), i * BLOCK, remote, (3 - i) * BLOCK, BLOCK))
+        .collect();
+    e.transfer(&peer, &writes).unwrap().wait().unwrap();
+    let reads: Vec<_> = (0..4)
+        .map(|i| TransferRequest::read(dst.id(), i * BLOCK, remote, (3 - i) * BLOCK, BLOCK))
+        .collect();
+    e.transfer(&peer, &reads).unwrap().wait().unwrap();
+    assert!(dst.to_vec().unwrap() == data, "blocks read back differ");
+    // The target is still alive and serving.
+    e.transfer(&peer, &writes[..1]).unwrap().wait().unwrap();
 }

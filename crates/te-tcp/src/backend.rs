@@ -4,13 +4,14 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
 use te_core::{
-    BackendContext, BackendInfo, Capabilities, Completion, Deadline, Error, ErrorKind, MemoryDesc,
-    MemoryKind, PeerId, RegionId, Result, SegmentDesc, TransferBackend, TransferRequest,
+    BackendContext, BackendInfo, BatchId, Capabilities, Completion, Deadline, Error, ErrorKind,
+    MemoryDesc, MemoryKind, PeerId, RegionId, Result, SegmentDesc, TransferBackend,
+    TransferRequest,
 };
 
 use crate::config::TcpConfig;
@@ -32,7 +33,15 @@ pub(crate) struct Shared {
     pub(crate) closed: AtomicBool,
     pub(crate) serving: Mutex<HashMap<u64, std::net::TcpStream>>,
     pub(crate) next_serving: AtomicU64,
+    /// Accepted connections still in their handshake.
+    pub(crate) pending: AtomicUsize,
+    /// Times `accept` failed (out of descriptors, memory, …) and the listener backed off.
+    pub(crate) accept_errors: AtomicU64,
+    /// WRITEs into host memory whose payload stopped part way (a torn range).
+    pub(crate) torn_writes: AtomicU64,
     pub(crate) threads: Mutex<Vec<JoinHandle<()>>>,
+    /// The deadlines of batches in flight.
+    pub(crate) watch: Arc<crate::watch::Watch>,
 }
 
 /// One peer: where its data listener is, which instance it is, and the connections.
@@ -41,6 +50,9 @@ struct PeerConns {
     addr: SocketAddr,
     instance: u64,
     conns: RwLock<Vec<Arc<Conn>>>,
+    /// The slice size agreed with this peer: the smaller of our `slice_size` and the
+    /// frame limit its connections announced.
+    slice: AtomicU64,
 }
 
 /// The TCP backend.
@@ -172,13 +184,22 @@ impl TcpBackend {
             closed: AtomicBool::new(false),
             serving: Mutex::new(HashMap::new()),
             next_serving: AtomicU64::new(0),
+            pending: AtomicUsize::new(0),
+            accept_errors: AtomicU64::new(0),
+            torn_writes: AtomicU64::new(0),
             threads: Mutex::new(Vec::new()),
+            watch: Arc::default(),
         });
+        let watch = shared.watch.clone();
+        crate::conn::spawn(&shared.threads, "te-tcp-deadline", move || watch.run())?;
         let listener = Arc::new(listener);
         let (s, l) = (shared.clone(), listener.clone());
-        crate::conn::spawn(&shared.threads, "te-tcp-accept", move || {
+        if let Err(e) = crate::conn::spawn(&shared.threads, "te-tcp-accept", move || {
             crate::serve::accept_loop(s, l)
-        })?;
+        }) {
+            shared.watch.close();
+            return Err(e);
+        }
         Ok(TcpBackend {
             info: BackendInfo {
                 name: crate::NAME.to_string(),
@@ -268,6 +289,9 @@ impl TcpBackend {
                 }
             }
         }
+        for c in &fresh {
+            peer.slice.fetch_min(c.max_payload(), Ordering::AcqRel);
+        }
         let mut conns = peer.conns.write().unwrap_or_else(|p| p.into_inner());
         conns.retain(|c| !c.is_dead());
         for c in fresh {
@@ -288,8 +312,7 @@ impl TcpBackend {
         }
     }
 
-    fn pin_locals(&self, batch: &[TransferRequest]) -> Result<(Vec<Pin>, usize)> {
-        let slice = self.shared.config.slice_size;
+    fn pin_locals(&self, batch: &[TransferRequest], slice: u64) -> Result<(Vec<Pin>, usize)> {
         let mut pins: Vec<Pin> = Vec::new();
         let mut slices = 0usize;
         for r in batch {
@@ -412,6 +435,7 @@ impl TransferBackend for TcpBackend {
             addr,
             instance,
             conns: RwLock::new(Vec::new()),
+            slice: AtomicU64::new(self.shared.config.slice_size),
         });
         self.fill_pool(&pc, deadline)?;
         let mut by = self.by_endpoint.lock().unwrap_or_else(|p| p.into_inner());
@@ -485,7 +509,9 @@ impl TransferBackend for TcpBackend {
             done.complete(Ok(()));
             return Ok(());
         }
-        let (pins, total) = self.pin_locals(batch)?;
+        // Every slice fits the frame limit the peer announced and our own buffers.
+        let slice = pc.slice.load(Ordering::Acquire);
+        let (pins, total) = self.pin_locals(batch, slice)?;
         let bases: Vec<(usize, Option<Dev>)> = batch
             .iter()
             .map(|r| {
@@ -497,12 +523,12 @@ impl TransferBackend for TcpBackend {
             })
             .collect();
         let b = Arc::new(Batch::new(total, done, pins));
+        self.shared.watch.add(&b, &conns);
         let n = conns.len();
         // Start on the least loaded connection, the lowest on a tie: a lone small batch
         // then always finds the same warm connection and threads, while concurrent
         // batches and the slices of a large one still spread over the whole pool.
         let start = (0..n).min_by_key(|&k| conns[k].load()).unwrap_or(0);
-        let slice = self.shared.config.slice_size;
         let mut budget = self.shared.config.inline_send as usize;
         // Connection `k` carries the slices whose global number is `k` modulo `n`;
         // the first slice's connection goes first.
@@ -514,11 +540,18 @@ impl TransferBackend for TcpBackend {
         }
         Ok(())
     }
+
+    fn abort(&self, _peer: PeerId, batch: BatchId) {
+        // Its slices see the abort flag on their own; the watcher also ends its use of
+        // connections that stalled, as at a deadline.
+        self.shared.watch.abort(batch);
+    }
 }
 
 impl Drop for TcpBackend {
     fn drop(&mut self) {
         self.shared.closed.store(true, Ordering::Release);
+        self.shared.watch.close();
         // SAFETY: the listener is alive (we hold an Arc); shutting a listening socket
         // down makes a blocked `accept` return on Linux.
         unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };

@@ -45,6 +45,19 @@ pub struct TcpConfig {
     /// declared dead, and its requests fail with `PeerUnreachable`.
     #[serde(deserialize_with = "te_core::config::de::duration")]
     pub io_timeout: Duration,
+    /// A peer must finish the whole handshake (hello, proof) within this long after its
+    /// connection is accepted, however it paces its bytes.
+    #[serde(deserialize_with = "te_core::config::de::duration")]
+    pub handshake_timeout: Duration,
+    /// Accepted connections still in their handshake, at most; more are closed at once.
+    pub max_pending: usize,
+    /// Data connections this target serves at once (in their handshake or not), at
+    /// most; more are closed at once.
+    pub max_connections: usize,
+    /// A served connection on which no request arrives for this long is closed (the
+    /// initiator reconnects on next use); 0 never closes an idle connection.
+    #[serde(deserialize_with = "te_core::config::de::duration")]
+    pub idle_timeout: Duration,
     /// For tests only: the target holds every request this long before serving it.
     #[serde(deserialize_with = "te_core::config::de::duration")]
     pub debug_delay: Duration,
@@ -64,6 +77,10 @@ impl Default for TcpConfig {
             inline_send: 256 << 10,
             connect_timeout: Duration::from_secs(5),
             io_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(5),
+            max_pending: 64,
+            max_connections: 4096,
+            idle_timeout: Duration::ZERO,
             debug_delay: Duration::ZERO,
         }
     }
@@ -86,6 +103,10 @@ impl fmt::Debug for TcpConfig {
             .field("inline_send", &self.inline_send)
             .field("connect_timeout", &self.connect_timeout)
             .field("io_timeout", &self.io_timeout)
+            .field("handshake_timeout", &self.handshake_timeout)
+            .field("max_pending", &self.max_pending)
+            .field("max_connections", &self.max_connections)
+            .field("idle_timeout", &self.idle_timeout)
             .field("debug_delay", &self.debug_delay)
             .finish()
     }
@@ -120,6 +141,15 @@ impl TcpConfig {
         }
         if self.connect_timeout.is_zero() || self.io_timeout.is_zero() {
             return bad("connect_timeout and io_timeout must be greater than zero".into());
+        }
+        if self.handshake_timeout.is_zero() {
+            return bad("handshake_timeout must be greater than zero".into());
+        }
+        if self.max_pending == 0 || self.max_connections == 0 {
+            return bad(format!(
+                "max_pending = {} and max_connections = {} must be at least 1",
+                self.max_pending, self.max_connections
+            ));
         }
         if self.send_buffer > i32::MAX as u64 || self.recv_buffer > i32::MAX as u64 {
             return bad("send_buffer and recv_buffer must be below 2GiB".into());
@@ -169,6 +199,10 @@ mod tests {
         assert!(e.to_string().contains("slice_size"), "{e}");
         let e = parse("slice_size = \"big\"").unwrap_err();
         assert_eq!(e.kind(), ErrorKind::ConfigInvalid);
+        let e = parse("max_pending = 0").unwrap_err();
+        assert!(e.to_string().contains("max_pending"), "{e}");
+        let e = parse("handshake_timeout = \"0s\"").unwrap_err();
+        assert!(e.to_string().contains("handshake_timeout"), "{e}");
         let e = parse("auth_token = \"\"").unwrap_err();
         assert!(e.to_string().contains("auth_token"), "{e}");
     }

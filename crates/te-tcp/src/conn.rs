@@ -16,7 +16,7 @@ use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::Instant;
 
@@ -28,7 +28,7 @@ use crate::regions::Pin;
 use crate::sock::{self, Inbound};
 use crate::stage::{self, Dev, Pools, StageBuf};
 use crate::wire::{
-    self, Challenge, Header, Hello, Kind, Proof, Status, Welcome, HEADER_LEN, MAX_MESSAGE,
+    self, Challenge, Header, Hello, Kind, Proof, Status, Terms, Welcome, HEADER_LEN, MAX_MESSAGE,
 };
 
 /// Frames gathered into one `sendmsg`.
@@ -41,16 +41,38 @@ pub(crate) struct Batch {
     error: OnceLock<Error>,
     done: Mutex<Option<(Completion, Arc<Vec<Pin>>)>>,
     deadline: Instant,
+    id: te_core::BatchId,
 }
 
 impl Batch {
     pub(crate) fn new(slices: usize, done: Completion, pins: Vec<Pin>) -> Batch {
+        let now = Instant::now();
+        let id = done.batch();
         Batch {
+            id,
             remaining: AtomicUsize::new(slices),
             error: OnceLock::new(),
-            deadline: Instant::now() + done.remaining(),
+            // A deadline too far to represent is as good as none.
+            deadline: now
+                .checked_add(done.remaining())
+                .unwrap_or_else(|| now + std::time::Duration::from_secs(1 << 30)),
             done: Mutex::new(Some((done, Arc::new(pins)))),
         }
+    }
+
+    /// The engine's id of the batch.
+    pub(crate) fn id(&self) -> te_core::BatchId {
+        self.id
+    }
+
+    /// When the batch's caller stops waiting.
+    pub(crate) fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// Whether every slice has ended (the batch is completed, or about to be).
+    pub(crate) fn is_finished(&self) -> bool {
+        self.remaining.load(Ordering::Acquire) == 0
     }
 
     /// The batch's pins, held by a device copy until it completes, so that the regions
@@ -67,6 +89,12 @@ impl Batch {
     /// Records one slice's end; the last one releases the pins, then completes.
     pub(crate) fn finish_slice(&self, result: Result<()>) {
         if let Err(e) = result {
+            // Past its deadline, whatever broke, the batch ended for lack of time.
+            let e = if Instant::now() >= self.deadline {
+                timeout_error()
+            } else {
+                e
+            };
             let _ = self.error.set(e);
         }
         if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
@@ -208,12 +236,28 @@ struct Tx {
     busy: bool,
     dead: Option<Error>,
     next_id: u64,
+    /// The batch of the response being received, whose memory the receiver may be
+    /// writing.
+    receiving: Option<Arc<Batch>>,
+    /// Device WRITE slices waiting for a staging buffer, in queue order; entries whose
+    /// slice has gone (failed, cut) are skipped when reached.
+    to_stage: VecDeque<ToStage>,
+}
+
+/// What starting a device WRITE slice's staging copy needs.
+struct ToStage {
+    slot: Arc<Mutex<Stage>>,
+    dev: Dev,
+    local: usize,
+    len: u64,
+    batch: Arc<Batch>,
 }
 
 impl Tx {
     /// Everything still on the connection, once it is dead and nobody writes.
     fn drain(&mut self) -> Vec<Slice> {
         self.carry = Carry::EMPTY;
+        self.to_stage.clear();
         self.sent.drain(..).chain(self.unsent.drain(..)).collect()
     }
 }
@@ -227,12 +271,17 @@ pub(crate) struct Conn {
     wake: Condvar,
     dead: AtomicBool,
     inflight: AtomicUsize,
+    /// Counts answers received and sends that moved bytes: unchanged between two looks
+    /// means the connection stalled.
+    progress: AtomicU64,
     /// This connection, for device copies' completions.
     me: Weak<Conn>,
     /// Pinned buffers for device WRITEs (device → host → socket).
     send_pools: Pools,
     /// Pinned buffers for device READs (socket → host → device).
     recv_pools: Pools,
+    /// The longest payload the target accepts in one frame (from its terms).
+    max_payload: u64,
 }
 
 impl std::fmt::Debug for Conn {
@@ -252,13 +301,14 @@ fn unreachable(label: &str, what: &str, e: std::io::Error) -> Error {
     .with_source(e)
 }
 
-/// Runs the initiator's side of the handshake on a fresh stream.
+/// Runs the initiator's side of the handshake on a fresh stream; returns the target's
+/// terms.
 pub(crate) fn handshake(
     s: &mut TcpStream,
     label: &str,
     instance: u64,
     token: Option<&[u8]>,
-) -> Result<()> {
+) -> Result<Terms> {
     let io = |what: &str| {
         let what = what.to_string();
         move |e: std::io::Error| unreachable(label, &what, e)
@@ -301,6 +351,9 @@ pub(crate) fn handshake(
         }
         Status::AuthFailed => return Err(proto(wire::WireError::Field("status"))),
     }
+    let mut b = [0u8; Terms::LEN];
+    s.read_exact(&mut b).map_err(io("reading the terms"))?;
+    let terms = Terms::decode(&b).map_err(proto)?;
     let mac = match (token, ch.auth) {
         (Some(t), true) => te_core::auth::prove(t, &wire::role("initiator", instance), &nonce, &ch.nonce),
         (None, false) => [0; te_core::auth::LEN],
@@ -348,7 +401,7 @@ pub(crate) fn handshake(
             ));
         }
     }
-    Ok(())
+    Ok(terms)
 }
 
 /// Spawns a named thread, recording its handle in `threads`.
@@ -392,7 +445,7 @@ impl Conn {
             .map_err(|e| unreachable(&label, "cannot connect", e))?;
         sock::tune(&s, config).map_err(|e| unreachable(&label, "cannot set options", e))?;
         sock::timeouts(&s, limit).map_err(|e| unreachable(&label, "cannot set timeouts", e))?;
-        handshake(
+        let terms = handshake(
             &mut s,
             &label,
             instance,
@@ -411,13 +464,17 @@ impl Conn {
                 busy: false,
                 dead: None,
                 next_id: 1,
+                receiving: None,
+                to_stage: VecDeque::new(),
             }),
             wake: Condvar::new(),
             dead: AtomicBool::new(false),
             inflight: AtomicUsize::new(0),
+            progress: AtomicU64::new(0),
             me: me.clone(),
             send_pools: Pools::new(config.slice_size),
             recv_pools: Pools::new(config.slice_size),
+            max_payload: terms.max_payload,
         });
         let (c1, c2) = (conn.clone(), conn.clone());
         spawn(threads, "te-tcp-recv", move || c1.receive())?;
@@ -426,6 +483,11 @@ impl Conn {
             return Err(e);
         }
         Ok(conn)
+    }
+
+    /// The longest payload the target accepts in one frame, as it announced.
+    pub(crate) fn max_payload(&self) -> u64 {
+        self.max_payload
     }
 
     pub(crate) fn is_dead(&self) -> bool {
@@ -451,6 +513,16 @@ impl Conn {
         for mut s in slices {
             s.id = tx.next_id;
             tx.next_id += 1;
+            if let (Some(slot), Some(dev)) = (&s.stage, &s.device) {
+                let t = ToStage {
+                    slot: slot.clone(),
+                    dev: dev.clone(),
+                    local: s.local,
+                    len: s.len,
+                    batch: s.batch.clone(),
+                };
+                tx.to_stage.push_back(t);
+            }
             tx.unsent.push_back(s);
         }
         self.inflight
@@ -610,6 +682,7 @@ impl Conn {
             match sock::send(self.fd, &v[at..n], !blocking) {
                 Ok(k) => {
                     written += k;
+                    self.progress.fetch_add(1, Ordering::Release);
                     self.lock().carry.advance(k);
                 }
                 Err(e) if !blocking && e.kind() == std::io::ErrorKind::WouldBlock => {
@@ -629,48 +702,59 @@ impl Conn {
     }
 
     /// Gives free staging buffers to the next device WRITE slices waiting for one, in
-    /// order, and returns the copies to start (outside the lock).
+    /// order, and returns the copies to start (outside the lock). Each waiting slice is
+    /// looked at once when its turn comes, not on every call.
     fn stage_next(&self) -> Vec<Staging> {
         let mut copies = Vec::new();
-        let tx = self.lock();
-        for s in tx.unsent.iter() {
-            let (Some(st), Some((rt, ordinal))) = (&s.stage, &s.device) else {
-                continue;
-            };
-            let mut st = st.lock().unwrap_or_else(|p| p.into_inner());
-            if !matches!(*st, Stage::Idle) {
+        let mut tx = self.lock();
+        while let Some(next) = tx.to_stage.front() {
+            // Only this queue holds the slot: the slice has ended without being sent.
+            let gone = Arc::strong_count(&next.slot) == 1;
+            let idle = matches!(
+                *next.slot.lock().unwrap_or_else(|p| p.into_inner()),
+                Stage::Idle
+            );
+            if gone || !idle {
+                tx.to_stage.pop_front();
                 continue;
             }
-            let buf = match self.send_pools.get(rt) {
-                Ok(pool) => match pool.try_take() {
-                    Some(b) => b,
-                    // The rest wait for buffers that responses return.
-                    None => break,
-                },
+            let taken = self.send_pools.get(&next.dev.0).map(|pool| pool.try_take());
+            // The rest wait for buffers that responses return.
+            if let Ok(None) = taken {
+                break;
+            }
+            let Some(t) = tx.to_stage.pop_front() else {
+                break;
+            };
+            let mut st = t.slot.lock().unwrap_or_else(|p| p.into_inner());
+            let buf = match taken {
+                Ok(Some(b)) => b,
+                Ok(None) => break,
                 Err(e) => {
                     *st = Stage::Failed(e);
                     continue;
                 }
             };
-            if s.batch.stopped() {
+            if t.batch.stopped() {
                 *st = Stage::Failed(timeout_error());
                 continue;
             }
-            let Some(pins) = s.batch.hold() else {
+            let Some(pins) = t.batch.hold() else {
                 *st = Stage::Failed(timeout_error());
                 continue;
             };
             *st = Stage::Copying;
+            drop(st);
             copies.push(Staging {
                 copy: DeviceCopy::ToHost {
-                    ordinal: *ordinal,
-                    device: s.local as u64,
+                    ordinal: t.dev.1,
+                    device: t.local as u64,
                     host: buf.ptr(),
-                    len: s.len as usize,
+                    len: t.len as usize,
                 },
-                rt: rt.clone(),
+                rt: t.dev.0.clone(),
                 buf,
-                slot: s.stage.clone(),
+                slot: Some(t.slot.clone()),
                 pins,
             });
         }
@@ -730,6 +814,55 @@ impl Conn {
         }
     }
 
+    /// Ends `batch`'s use of this connection after its deadline. Its slices not yet
+    /// written are dropped from the queue. If one is written and unanswered, or its
+    /// answer is being received, the connection is closed once it has stalled, so that
+    /// no late byte lands in the caller's memory (every slice on it fails; the engine
+    /// reconnects on next use): `seen` is the progress count at the previous look,
+    /// `None` at the first. Returns the count to look again with later, or `None` when
+    /// the connection no longer holds the batch.
+    pub(crate) fn cut(&self, batch: &Arc<Batch>, seen: Option<u64>) -> Option<u64> {
+        let mut tx = self.lock();
+        if tx.dead.is_some() {
+            return None;
+        }
+        let mine = |s: &Slice| Arc::ptr_eq(&s.batch, batch);
+        // A slice whose device copy runs stays: the writer drops it once the copy ends.
+        let copying = |s: &Slice| {
+            s.stage.as_ref().is_some_and(|st| {
+                matches!(
+                    *st.lock().unwrap_or_else(|p| p.into_inner()),
+                    Stage::Copying
+                )
+            })
+        };
+        let (gone, kept): (VecDeque<Slice>, VecDeque<Slice>) = std::mem::take(&mut tx.unsent)
+            .into_iter()
+            .partition(|s| mine(s) && !copying(s));
+        tx.unsent = kept;
+        let on_wire = tx.sent.iter().any(mine)
+            || tx.receiving.as_ref().is_some_and(|b| Arc::ptr_eq(b, batch));
+        drop(tx);
+        self.fail(gone.into_iter().collect(), timeout_error());
+        if !on_wire {
+            return None;
+        }
+        let now = self.progress.load(Ordering::Acquire);
+        if seen != Some(now) {
+            // Answers are still moving: the batch's own arrive soon, and are dropped.
+            return Some(now);
+        }
+        tracing::warn!(peer = %self.label, "a batch's deadline passed and its connection stalled; closing the data connection that carries it");
+        self.kill(Error::new(
+            ErrorKind::PeerUnreachable,
+            format!(
+                "data connection to {} was closed: it stalled with a batch past its deadline on it; connect again",
+                self.label
+            ),
+        ));
+        None
+    }
+
     /// Marks the connection dead and shuts the socket, waking both threads; the slices
     /// on it fail with `e` as soon as no writer holds them.
     pub(crate) fn kill(&self, e: Error) {
@@ -772,10 +905,18 @@ impl Conn {
             .map_err(|e| unreachable(&self.label, "receive failed", e))?;
         let h = Header::decode(&inb.buffered()[..HEADER_LEN]).map_err(|e| self.protocol(e))?;
         inb.consume(HEADER_LEN);
-        let Some(slice) = self.lock().sent.pop_front() else {
-            return Err(self.protocol(format!("a {:?} answering no request", h.kind)));
+        self.progress.fetch_add(1, Ordering::Release);
+        let slice = {
+            let mut tx = self.lock();
+            let Some(slice) = tx.sent.pop_front() else {
+                return Err(self.protocol(format!("a {:?} answering no request", h.kind)));
+            };
+            tx.receiving = Some(slice.batch.clone());
+            slice
         };
         let result = self.answer(inb, &h, &slice);
+        self.lock().receiving = None;
+        self.progress.fetch_add(1, Ordering::Release);
         let fatal = match &result {
             Err(e) if matches!(e.kind(), ErrorKind::PeerUnreachable | ErrorKind::Protocol) => {
                 Some(e.clone())

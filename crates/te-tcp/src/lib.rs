@@ -47,7 +47,7 @@
 //! | `listen` | `"127.0.0.1:0"` | where the data listener binds; port 0 picks a free port |
 //! | `advertise` | the `listen` host | the host or IP peers connect to; required when `listen` binds every interface (`0.0.0.0`) |
 //! | `connections_per_peer` | `4` | data connections per peer (1–64) |
-//! | `slice_size` | `"512KiB"` | requests longer than this are cut into slices spread over the connections (4KiB–64MiB) |
+//! | `slice_size` | `"512KiB"` | requests longer than this are cut into slices spread over the connections (4KiB–64MiB); it is also the largest frame this side accepts as a target, announced in the handshake, and a peer's slices are the smaller of both sides' |
 //! | `auth_token` | none | deprecated: set `[engine] auth_token`, which protects the control plane and these data connections alike; a value here must equal it |
 //! | `nodelay` | `true` | `TCP_NODELAY`: small frames go out at once instead of waiting for Nagle |
 //! | `send_buffer` | `0` | `SO_SNDBUF` in bytes; 0 keeps the kernel's auto-tuning |
@@ -55,11 +55,40 @@
 //! | `inline_send` | `"256KiB"` | bytes a submitting thread sends itself, without blocking, before handing the rest to the sender thread; 0 always hands over |
 //! | `connect_timeout` | `"5s"` | limit for opening one data connection (TCP connect and handshake) |
 //! | `io_timeout` | `"10s"` | a connection where requests wait and nothing moves for this long is declared dead; also the keepalive idle time |
+//! | `handshake_timeout` | `"5s"` | an accepted peer must finish the whole handshake within this long, however it paces its bytes |
+//! | `max_pending` | `64` | accepted connections still in their handshake, at most; more are closed at once |
+//! | `max_connections` | `4096` | data connections served at once, at most (pending ones included); more are closed at once |
+//! | `idle_timeout` | `"0s"` | a served connection on which no request arrives for this long is closed (the initiator reconnects on next use); when shorter than `io_timeout` it also bounds a request stalled halfway; 0 = never |
 //! | `debug_delay` | `"0s"` | for tests only: the target holds every request this long |
 //!
 //! Sizes are numbers of bytes or strings like `"64KiB"`; durations are strings like
 //! `"250ms"`. The reasons for the defaults, with measurements, are in
 //! `docs/decisions.md`.
+//!
+//! A served connection's responses wait in a queue of at most 256; while it is full the
+//! target reads no more requests from that peer (TCP throttles it), and a peer that
+//! reads none of its responses for `io_timeout` is cut off, releasing every pin its
+//! requests held. Refusals are buffered up to 64 KiB before they are sent.
+//!
+//! A WRITE into host memory whose payload stops arriving part way (the initiator died
+//! or the network broke) leaves a torn range; the target logs it as a warning naming
+//! the peer, region and range. Device-memory WRITEs are staged whole before their copy,
+//! so they are never torn.
+//!
+//! The data listener never stops on a failed `accept` (out of descriptors or memory):
+//! it backs off (5 ms doubling to 200 ms), logs once per burst, and accepts again when
+//! it can.
+//!
+//! Deadlines: a thread per backend wakes at the earliest deadline of the batches in
+//! flight. A batch that is still unfinished then has its unwritten slices dropped; a
+//! connection that carries one of its written slices (or is receiving its answer) is
+//! left alone while answers or sends still move on it (the batch's late answers are
+//! dropped, never placed), and closed once nothing moved on it for 250 ms. So a batch
+//! on a stalled or partitioned peer completes with `Timeout` about 250 ms after its
+//! deadline, not after `io_timeout`, and no late byte lands in the caller's memory.
+//! Other batches on a closed connection fail with `PeerUnreachable`; the engine
+//! reconnects on next use. An abort (a cancel, or a deregistration of a region the
+//! batch uses) is handled the same way, at once.
 //!
 //! # Limits
 //! A target that vanishes without a reset (a host that loses power)
@@ -80,6 +109,7 @@ mod sock;
 mod stage;
 #[cfg(test)]
 mod tests;
+mod watch;
 mod wire;
 
 pub use backend::TcpBackend;

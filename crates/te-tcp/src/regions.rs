@@ -77,6 +77,18 @@ impl Regions {
             .insert(id, region);
     }
 
+    /// How many pins hold region `id` (0 if it is not registered).
+    #[cfg(test)]
+    pub(crate) fn users(&self, id: RegionId) -> usize {
+        self.map
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&id)
+            .map_or(0, |r| {
+                r.gate.lock().unwrap_or_else(|p| p.into_inner()).users
+            })
+    }
+
     /// Forgets `id` and waits until no transfer holds it, at most until `deadline`.
     ///
     /// # Errors

@@ -7,12 +7,14 @@
 //! payload is received and dropped, so the connection stays usable; a READ streams
 //! straight from the registered region.
 
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use te_core::device::DeviceCopy;
 use te_core::{Error, ErrorKind, RegionId, Result};
@@ -21,10 +23,19 @@ use crate::backend::Shared;
 use crate::regions::Pin;
 use crate::sock::{self, Inbound};
 use crate::stage::{self, Pools, StageBuf};
-use crate::wire::{self, Challenge, Header, Hello, Kind, Proof, Status, Welcome, HEADER_LEN};
+use crate::wire::{
+    self, Challenge, Header, Hello, Kind, Proof, Status, Terms, Welcome, HEADER_LEN,
+};
 
-/// Accepts data connections until the backend closes the listener.
+/// The longest pause after a failed `accept`; short, so closing the backend is quick.
+const MAX_BACKOFF: Duration = Duration::from_millis(200);
+
+/// Accepts data connections until the backend closes the listener. A failed `accept`
+/// (out of descriptors or memory) never ends it: it backs off and tries again, logging
+/// once per burst of failures.
 pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
+    let mut backoff = Duration::ZERO;
+    let mut full_logged = false;
     loop {
         let stream = match listener.accept() {
             Ok((s, _)) => s,
@@ -37,10 +48,14 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
                 {
                     continue;
                 }
-                tracing::error!(error = %e, "the tcp data listener failed; no more peers can connect");
-                return;
+                back_off(&shared, &mut backoff, &e);
+                continue;
             }
         };
+        if !backoff.is_zero() {
+            tracing::info!("the tcp data listener accepts again");
+            backoff = Duration::ZERO;
+        }
         if shared.closed.load(Ordering::Acquire) {
             return;
         }
@@ -48,8 +63,31 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
             .peer_addr()
             .map(|a| a.to_string())
             .unwrap_or_else(|_| "?".into());
-        let Ok(clone) = stream.try_clone() else {
+        let c = &shared.config;
+        let serving = shared
+            .serving
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len();
+        let pending = shared.pending.load(Ordering::Acquire);
+        if serving >= c.max_connections || pending >= c.max_pending {
+            // Closed at once: a flood of connections costs no thread and no buffer.
+            if !full_logged {
+                tracing::warn!(peer = %peer, serving, pending, max_connections = c.max_connections, max_pending = c.max_pending, "refusing data connections: too many open (more refusals are not logged until one is accepted)");
+                full_logged = true;
+            }
+            drop(stream);
             continue;
+        }
+        full_logged = false;
+        let clone = match stream.try_clone() {
+            Ok(c) => c,
+            Err(e) => {
+                // Out of descriptors too: the connection is closed, and so is the next
+                // `accept` until some are free again.
+                back_off(&shared, &mut backoff, &e);
+                continue;
+            }
         };
         let key = shared.next_serving.fetch_add(1, Ordering::Relaxed);
         shared
@@ -57,9 +95,12 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(key, clone);
+        // Counted from here until its handshake ends, however the thread ends or if it
+        // never starts.
+        let pending = Pending::new(&shared);
         let s = shared.clone();
         let started = crate::conn::spawn(&shared.threads, "te-tcp-serve", move || {
-            if let Err(e) = serve(&s, stream, &peer) {
+            if let Err(e) = serve(&s, stream, &peer, pending) {
                 let quiet = matches!(e.kind(), ErrorKind::PeerUnreachable)
                     || s.closed.load(Ordering::Acquire);
                 if quiet {
@@ -83,12 +124,102 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
     }
 }
 
+/// Waits a little longer after each resource error in a row (up to [`MAX_BACKOFF`]),
+/// logging only the first one of a burst.
+fn back_off(shared: &Shared, backoff: &mut Duration, e: &std::io::Error) {
+    shared.accept_errors.fetch_add(1, Ordering::Relaxed);
+    if backoff.is_zero() {
+        tracing::error!(error = %e, "the tcp data listener cannot accept; retrying with back-off until it can (raise the descriptor limit, `ulimit -n`, or lower [backends.tcp] max_connections)");
+    }
+    *backoff = (*backoff * 2).clamp(Duration::from_millis(5), MAX_BACKOFF);
+    std::thread::sleep(*backoff);
+}
+
+/// Counts an accepted connection in `Shared::pending` until dropped.
+struct Pending(Arc<Shared>);
+
+impl Pending {
+    fn new(shared: &Arc<Shared>) -> Pending {
+        shared.pending.fetch_add(1, Ordering::AcqRel);
+        Pending(shared.clone())
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.0.pending.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Reads exactly `b.len()` bytes before `until`, however the peer paces them.
+fn read_by(s: &mut TcpStream, b: &mut [u8], until: Instant) -> std::io::Result<()> {
+    let mut got = 0;
+    while got < b.len() {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the peer did not finish the handshake within handshake_timeout",
+            ));
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(&mut b[got..]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::Interrupted
+                        | std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Writes all of `b` before `until`.
+fn write_by(s: &mut TcpStream, b: &[u8], until: Instant) -> std::io::Result<()> {
+    let left = until.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(std::io::ErrorKind::TimedOut.into());
+    }
+    s.set_write_timeout(Some(left))?;
+    s.write_all(b)
+}
+
 fn io_err(peer: &str, what: &str, e: std::io::Error) -> Error {
     Error::new(
         ErrorKind::PeerUnreachable,
         format!("data connection from {peer}: {what}"),
     )
     .with_source(e)
+}
+
+/// A WRITE's payload stopped arriving part way: the range may hold old and new bytes.
+/// Said at the target (a warning naming region and range, and a counter) because the
+/// initiator, whose batch fails, may be the side that died.
+fn torn(shared: &Shared, h: &Header, peer: &str, e: std::io::Error) -> Error {
+    shared.torn_writes.fetch_add(1, Ordering::Relaxed);
+    tracing::warn!(
+        peer = %peer,
+        region = h.region,
+        offset = h.offset,
+        len = h.len,
+        error = %e,
+        "torn write: the connection broke in the middle of a WRITE; this range may hold part old, part new bytes"
+    );
+    io_err(
+        peer,
+        &format!(
+            "the connection broke in the middle of a WRITE to region {} bytes {}..{}",
+            h.region,
+            h.offset,
+            h.offset + h.len
+        ),
+        e,
+    )
 }
 
 fn protocol(peer: &str, e: impl std::fmt::Display) -> Error {
@@ -100,9 +231,9 @@ fn protocol(peer: &str, e: impl std::fmt::Display) -> Error {
 
 /// The target's side of the handshake. `Ok(false)`: refused (already answered).
 fn handshake(shared: &Shared, s: &mut TcpStream, peer: &str) -> Result<bool> {
+    let until = Instant::now() + shared.config.handshake_timeout;
     let mut b = [0u8; Hello::LEN];
-    s.read_exact(&mut b)
-        .map_err(|e| io_err(peer, "reading the hello", e))?;
+    read_by(s, &mut b, until).map_err(|e| io_err(peer, "reading the hello", e))?;
     let hello = Hello::decode(&b).map_err(|e| protocol(peer, e))?;
     let nonce: [u8; wire::NONCE_LEN] = rand::random();
     let token = shared.config.auth_token.as_deref().map(str::as_bytes);
@@ -119,15 +250,21 @@ fn handshake(shared: &Shared, s: &mut TcpStream, peer: &str) -> Result<bool> {
         auth: token.is_some(),
         nonce,
     };
-    s.write_all(&ch.encode())
-        .map_err(|e| io_err(peer, "sending the challenge", e))?;
+    let mut answer = ch.encode().to_vec();
+    if status == Status::Ok {
+        // Our staging buffers hold `slice_size` bytes: no frame may carry more.
+        let terms = Terms {
+            max_payload: shared.config.slice_size,
+        };
+        answer.extend_from_slice(&terms.encode());
+    }
+    write_by(s, &answer, until).map_err(|e| io_err(peer, "sending the challenge", e))?;
     if status != Status::Ok {
         tracing::warn!(peer = %peer, ?status, version = hello.version, "refused a data connection");
         return Ok(false);
     }
     let mut b = [0u8; Proof::LEN];
-    s.read_exact(&mut b)
-        .map_err(|e| io_err(peer, "reading the proof", e))?;
+    read_by(s, &mut b, until).map_err(|e| io_err(peer, "reading the proof", e))?;
     let proof = Proof::decode(&b).map_err(|e| protocol(peer, e))?;
     let (status, mac) = match token {
         None => (Status::Ok, [0; te_core::auth::LEN]),
@@ -141,7 +278,7 @@ fn handshake(shared: &Shared, s: &mut TcpStream, peer: &str) -> Result<bool> {
             }
         }
     };
-    s.write_all(&Welcome { status, mac }.encode())
+    write_by(s, &Welcome { status, mac }.encode(), until)
         .map_err(|e| io_err(peer, "sending the welcome", e))?;
     if status != Status::Ok {
         tracing::warn!(peer = %peer, "refused a data connection: it did not prove the auth_token");
@@ -150,14 +287,19 @@ fn handshake(shared: &Shared, s: &mut TcpStream, peer: &str) -> Result<bool> {
     Ok(true)
 }
 
-fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
+fn serve(shared: &Shared, mut s: TcpStream, peer: &str, pending: Pending) -> Result<()> {
     let c = &shared.config;
     sock::tune(&s, c).map_err(|e| io_err(peer, "cannot set options", e))?;
-    sock::timeouts(&s, c.connect_timeout).map_err(|e| io_err(peer, "cannot set timeouts", e))?;
     if !handshake(shared, &mut s, peer)? {
         return Ok(());
     }
+    drop(pending);
     sock::timeouts(&s, c.io_timeout).map_err(|e| io_err(peer, "cannot set timeouts", e))?;
+    // An idle limit shorter than `io_timeout` needs a receive timeout that short.
+    if !c.idle_timeout.is_zero() && c.idle_timeout < c.io_timeout {
+        s.set_read_timeout(Some(c.idle_timeout))
+            .map_err(|e| io_err(peer, "cannot set timeouts", e))?;
+    }
     let fd = s.as_raw_fd();
     let mut inb = Inbound::new(fd);
     // Device regions: staging buffers, and a responder thread that sends responses in
@@ -168,15 +310,22 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
     // Acknowledgements and refusals not yet sent: flushed before this thread would
     // block on a receive, and in front of the next READ's data.
     let mut out: Vec<u8> = Vec::with_capacity(64 * HEADER_LEN);
-    // Waiting for the next request may take forever; a request stalled halfway may not.
-    let mut on_timeout = |mid: bool| !mid;
+    // Waiting for the next request may take forever (or `idle_timeout`); a request
+    // stalled halfway may not.
+    let last_request = Cell::new(Instant::now());
+    let idle = c.idle_timeout;
+    let mut on_timeout =
+        |mid: bool| !mid && (idle.is_zero() || last_request.get().elapsed() < idle);
     loop {
+        last_request.set(Instant::now());
         if let Some(r) = &responder {
             if !out.is_empty() {
-                r.push(Item::Bytes(std::mem::take(&mut out)));
+                r.push(Item::Bytes(std::mem::take(&mut out)))?;
             }
         }
-        if inb.buffered().len() < HEADER_LEN && !out.is_empty() {
+        // Refusals pile up only while requests arrive faster than this loop; a peer
+        // that sends many refused requests and reads nothing is bounded here.
+        if (inb.buffered().len() < HEADER_LEN || out.len() >= OUT_LIMIT) && !out.is_empty() {
             sock::send_all(fd, &mut [sock::iov(out.as_ptr(), out.len())])
                 .map_err(|e| io_err(peer, "send failed", e))?;
             out.clear();
@@ -185,6 +334,16 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
             .map_err(|e| io_err(peer, "receive failed", e))?;
         let h = Header::decode(&inb.buffered()[..HEADER_LEN]).map_err(|e| protocol(peer, e))?;
         inb.consume(HEADER_LEN);
+        if h.len > c.slice_size && matches!(h.kind, Kind::Write | Kind::Read) {
+            return Err(refuse_oversize(
+                fd,
+                &mut responder,
+                &mut out,
+                &h,
+                c.slice_size,
+                peer,
+            ));
+        }
         if !c.debug_delay.is_zero() {
             std::thread::sleep(c.debug_delay);
         }
@@ -192,7 +351,7 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
             Kind::Write => {
                 match admit(shared, &h, peer) {
                     Ok(pin) if pin.region().device.is_some() => {
-                        let r = responder_for(&mut responder, fd, peer, &mut out)?;
+                        let r = responder_for(&mut responder, fd, peer, c.io_timeout, &mut out)?;
                         write_staged(&recv_pools, r, &mut inb, &h, pin, peer)?;
                     }
                     Ok(pin) => {
@@ -206,11 +365,11 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
                         // `admit` checked `offset + len` inside the region, and the pin
                         // keeps it registered until the bytes are in place.
                         inb.read_into(dst as *mut u8, h.len as usize, &mut on_timeout)
-                            .map_err(|e| io_err(peer, "receive failed", e))?;
+                            .map_err(|e| torn(shared, &h, peer, e))?;
                         drop(pin);
                         let ack = Header::response(Kind::WriteAck, 0, h.id, 0).encode();
                         match &responder {
-                            Some(r) => r.push(Item::Bytes(ack.to_vec())),
+                            Some(r) => r.push(Item::Bytes(ack.to_vec()))?,
                             None => out.extend_from_slice(&ack),
                         }
                     }
@@ -223,7 +382,7 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
             }
             Kind::Read => match admit(shared, &h, peer) {
                 Ok(pin) if pin.region().device.is_some() => {
-                    let r = responder_for(&mut responder, fd, peer, &mut out)?;
+                    let r = responder_for(&mut responder, fd, peer, c.io_timeout, &mut out)?;
                     read_staged(&send_pools, r, &h, pin)?;
                 }
                 Ok(pin) if responder.is_some() => {
@@ -233,7 +392,7 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
                             src: (pin.region().addr + h.offset) as usize,
                             len: h.len as usize,
                             pin,
-                        });
+                        })?;
                     }
                 }
                 Ok(pin) => {
@@ -255,6 +414,39 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str) -> Result<()> {
             kind => return Err(protocol(peer, format!("a {kind:?} sent to the target"))),
         }
     }
+}
+
+/// Answers a request longer than the frame limit this target announced with an
+/// `InvalidRequest`, after the responses owed before it, and returns the error that
+/// closes the connection: its payload cannot be placed, and a peer that ignores the
+/// agreed terms is not trusted with the rest of the stream.
+fn refuse_oversize(
+    fd: RawFd,
+    responder: &mut Option<ResponderGuard>,
+    out: &mut Vec<u8>,
+    h: &Header,
+    limit: u64,
+    peer: &str,
+) -> Error {
+    let e = Error::new(
+        ErrorKind::InvalidRequest,
+        format!(
+            "a {:?} of {} bytes is longer than this target's frame limit of {limit} bytes \
+             agreed in the handshake; slice requests to the announced limit",
+            h.kind, h.len
+        ),
+    );
+    tracing::warn!(peer = %peer, op = ?h.kind, len = h.len, limit, "refused an oversized frame; closing the connection");
+    let mut b = std::mem::take(out);
+    refuse(&mut b, h, &e);
+    match responder.take() {
+        Some(r) => r.finish(Item::Bytes(b)),
+        None => {
+            // Best effort: the connection closes whether or not the peer hears why.
+            let _ = sock::send_all(fd, &mut [sock::iov(b.as_ptr(), b.len())]);
+        }
+    }
+    protocol(peer, e.message())
 }
 
 /// Checks a request against the registrations and pins its region.
@@ -318,25 +510,105 @@ enum Item {
 /// A device copy's result and, for a READ, the staged bytes.
 type Slot = Mutex<Option<(Result<()>, Option<StageBuf>)>>;
 
+/// Responses one connection's responder holds at most; beyond them the serving thread
+/// stops reading requests (the peer is throttled by TCP) until the responder catches
+/// up, and a peer that reads nothing for `io_timeout` is cut off.
+pub(crate) const MAX_QUEUED: usize = 256;
+
+/// The most responses any responder of this process has held (for tests).
+#[cfg(test)]
+pub(crate) static HIGH_WATER: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(0);
+
+/// Refusals and acknowledgements buffered before they are sent, at most (bytes).
+const OUT_LIMIT: usize = 64 << 10;
+
 /// The responses of one served connection that has seen device memory.
 struct Responder {
     queue: Mutex<Queue>,
     ready: Condvar,
+    /// Signalled when the queue has room again or closes.
+    room: Condvar,
+    /// How long a full queue may stay full.
+    limit: Duration,
+    peer: String,
 }
 
 struct Queue {
     items: VecDeque<Item>,
     closed: bool,
+    /// Send what is queued, then stop.
+    draining: bool,
 }
 
 impl Responder {
-    fn push(&self, item: Item) {
-        self.queue
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .items
-            .push_back(item);
+    fn new(peer: &str, limit: Duration) -> Responder {
+        Responder {
+            queue: Mutex::new(Queue {
+                items: VecDeque::new(),
+                closed: false,
+                draining: false,
+            }),
+            ready: Condvar::new(),
+            room: Condvar::new(),
+            limit,
+            peer: peer.to_string(),
+        }
+    }
+
+    /// Queues a response, waiting while [`MAX_QUEUED`] are queued.
+    ///
+    /// # Errors
+    /// `PeerUnreachable` if the queue stays full for `limit` (the peer does not read
+    /// its responses) or the responder has stopped; the item is dropped (releasing its
+    /// pin or buffer).
+    fn push(&self, item: Item) -> Result<()> {
+        let end = Instant::now() + self.limit;
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        while q.items.len() >= MAX_QUEUED && !q.closed {
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::new(
+                    ErrorKind::PeerUnreachable,
+                    format!(
+                        "data connection from {}: the peer read no response for {:?} with {MAX_QUEUED} waiting; closed",
+                        self.peer, self.limit
+                    ),
+                ));
+            }
+            q = self
+                .room
+                .wait_timeout(q, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        if q.closed {
+            return Err(Error::new(
+                ErrorKind::PeerUnreachable,
+                format!(
+                    "data connection from {}: sending responses failed",
+                    self.peer
+                ),
+            ));
+        }
+        q.items.push_back(item);
+        #[cfg(test)]
+        HIGH_WATER.fetch_max(q.items.len(), Ordering::Relaxed);
+        drop(q);
         self.ready.notify_all();
+        Ok(())
+    }
+
+    /// Stops the responder and drops what it still holds, releasing pins and buffers.
+    fn close(&self) {
+        let left = {
+            let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+            q.closed = true;
+            std::mem::take(&mut q.items)
+        };
+        self.ready.notify_all();
+        self.room.notify_all();
+        drop(left);
     }
 
     /// A copy completed: wake the responder if it waits for that one.
@@ -360,7 +632,12 @@ impl Responder {
                 None => false,
             };
             if ready {
-                return q.items.pop_front();
+                let item = q.items.pop_front();
+                self.room.notify_one();
+                return item;
+            }
+            if q.draining && q.items.is_empty() {
+                return None;
             }
             q = self.ready.wait(q).unwrap_or_else(|p| p.into_inner());
         }
@@ -420,6 +697,7 @@ impl Responder {
             };
             if let Err(e) = sent {
                 tracing::debug!(peer = %peer, error = %e, "sending a response failed");
+                self.close();
                 // Wake the receiving thread; it ends the connection.
                 // SAFETY: the serve thread keeps the socket open until this thread ends.
                 unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
@@ -444,14 +722,28 @@ impl std::ops::Deref for ResponderGuard {
     }
 }
 
-impl Drop for ResponderGuard {
-    fn drop(&mut self) {
+impl ResponderGuard {
+    /// Queues `last`, lets the responder send everything queued, then stops it. Bounded:
+    /// each send gives up after `io_timeout`, and copies complete on their own.
+    fn finish(self, last: Item) {
+        // A responder that cannot take it is already gone: the connection closes anyway.
+        let _ = self.responder.push(last);
         self.responder
             .queue
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .closed = true;
+            .draining = true;
         self.responder.ready.notify_all();
+        let mut this = self;
+        if let Some(t) = this.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for ResponderGuard {
+    fn drop(&mut self) {
+        self.responder.close();
         // SAFETY: the socket is still open (the serve thread owns it and is here); a
         // responder blocked in a send returns.
         unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
@@ -467,16 +759,11 @@ fn responder_for<'a>(
     responder: &'a mut Option<ResponderGuard>,
     fd: RawFd,
     peer: &str,
+    limit: Duration,
     out: &mut Vec<u8>,
 ) -> Result<&'a Arc<Responder>> {
     if responder.is_none() {
-        let r = Arc::new(Responder {
-            queue: Mutex::new(Queue {
-                items: VecDeque::new(),
-                closed: false,
-            }),
-            ready: Condvar::new(),
-        });
+        let r = Arc::new(Responder::new(peer, limit));
         let (theirs, label) = (r.clone(), peer.to_string());
         let thread = std::thread::Builder::new()
             .name("te-tcp-respond".into())
@@ -494,16 +781,16 @@ fn responder_for<'a>(
         return Err(Error::new(ErrorKind::Io, "no responder"));
     };
     if !out.is_empty() {
-        r.push(Item::Bytes(std::mem::take(out)));
+        r.push(Item::Bytes(std::mem::take(out)))?;
     }
     Ok(&r.responder)
 }
 
 /// Refuses `h` through the responder with `e`.
-fn refuse_later(r: &Responder, h: &Header, e: &Error) {
+fn refuse_later(r: &Responder, h: &Header, e: &Error) -> Result<()> {
     let mut b = Vec::new();
     refuse(&mut b, h, e);
-    r.push(Item::Bytes(b));
+    r.push(Item::Bytes(b))
 }
 
 /// A WRITE to device memory: its payload lands in a staging buffer, and a copy moves
@@ -526,8 +813,7 @@ fn write_staged(
         Err(e) => {
             inb.discard(h.len, &mut on_timeout)
                 .map_err(|e| io_err(peer, "receive failed", e))?;
-            refuse_later(r, h, &e);
-            return Ok(());
+            return refuse_later(r, h, &e);
         }
     };
     // Waits only for this direction's own copies to finish.
@@ -540,7 +826,7 @@ fn write_staged(
     r.push(Item::Staged {
         h: *h,
         slot: slot.clone(),
-    });
+    })?;
     let copy = DeviceCopy::ToDevice {
         ordinal,
         device: pin.region().addr + h.offset,
@@ -572,8 +858,7 @@ fn read_staged(pools: &Pools, r: &Arc<Responder>, h: &Header, pin: Pin) -> Resul
     let pool = match pools.get(&rt) {
         Ok(p) => p,
         Err(e) => {
-            refuse_later(r, h, &e);
-            return Ok(());
+            return refuse_later(r, h, &e);
         }
     };
     // Waits for the responder to send earlier staged reads.
@@ -582,7 +867,7 @@ fn read_staged(pools: &Pools, r: &Arc<Responder>, h: &Header, pin: Pin) -> Resul
     r.push(Item::Staged {
         h: *h,
         slot: slot.clone(),
-    });
+    })?;
     let copy = DeviceCopy::ToHost {
         ordinal,
         device: pin.region().addr + h.offset,
@@ -599,4 +884,28 @@ fn read_staged(pools: &Pools, r: &Arc<Responder>, h: &Header, pin: Pin) -> Resul
     // `done`) keeps registered until the copy ends; the buffer is owned by `done`.
     unsafe { stage::start(&rt, copy, done) };
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_responder_queue_refuses_more_after_its_limit_and_a_closed_one_at_once() {
+        let r = Responder::new("peer", Duration::from_millis(100));
+        for _ in 0..MAX_QUEUED {
+            r.push(Item::Bytes(vec![0; 8])).expect("room");
+        }
+        let start = Instant::now();
+        let e = r.push(Item::Bytes(vec![0; 8])).unwrap_err();
+        assert!(start.elapsed() >= Duration::from_millis(100));
+        assert_eq!(e.kind(), ErrorKind::PeerUnreachable);
+        assert!(e.to_string().contains("read no response"), "{e}");
+        r.close();
+        assert!(
+            r.queue.lock().unwrap().items.is_empty(),
+            "close drops what is held"
+        );
+        assert!(r.push(Item::Bytes(vec![0; 8])).is_err());
+    }
 }

@@ -110,6 +110,8 @@ fn the_token_never_travels_in_clear() {
             nonce: [9; 32],
         };
         s.write_all(&ch.encode()).unwrap();
+        let terms = crate::wire::Terms { max_payload: 65536 };
+        s.write_all(&terms.encode()).unwrap();
         let mut all = hello.to_vec();
         let mut rest = Vec::new();
         let _ = s.read_to_end(&mut rest);
@@ -335,4 +337,610 @@ fn connect_refills_a_pool_with_broken_connections() {
     assert_eq!(mem, vec![3u8; 64]);
     target.deregister(RegionId(1), soon()).unwrap();
     init.deregister(RegionId(1), soon()).unwrap();
+}
+
+/// Device memory of `fakedev:0`, freed on drop.
+struct DevMem {
+    rt: std::sync::Arc<dyn te_core::device::DeviceRuntime>,
+    addr: u64,
+    len: usize,
+}
+
+impl DevMem {
+    fn new(len: usize) -> DevMem {
+        let rt = te_core::device::runtime(te_core::fakedev::NAME).expect("fakedev");
+        let addr = rt.alloc(0, len).expect("alloc");
+        DevMem { rt, addr, len }
+    }
+
+    fn register(&self, b: &TcpBackend, id: u64, access: Access) {
+        let mem = MemoryDesc {
+            name: "d".into(),
+            addr: self.addr,
+            len: self.len as u64,
+            kind: MemoryKind::Device {
+                runtime: te_core::fakedev::NAME.into(),
+                ordinal: 0,
+            },
+            access,
+        };
+        b.register(RegionId(id), &mem).expect("register");
+    }
+
+    fn fill(&self, v: &[u8]) {
+        let copy = te_core::device::DeviceCopy::ToDevice {
+            ordinal: 0,
+            device: self.addr,
+            host: v.as_ptr() as *mut u8,
+            len: v.len().min(self.len),
+        };
+        // SAFETY: `v` outlives the synchronous copy, which stays inside the allocation.
+        unsafe { self.rt.copy_sync(copy) }.expect("copy");
+    }
+
+    fn read(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len];
+        let copy = te_core::device::DeviceCopy::ToHost {
+            ordinal: 0,
+            device: self.addr,
+            host: v.as_mut_ptr(),
+            len: self.len,
+        };
+        // SAFETY: `v` outlives the synchronous copy and holds `len` bytes.
+        unsafe { self.rt.copy_sync(copy) }.expect("copy");
+        v
+    }
+}
+
+impl Drop for DevMem {
+    fn drop(&mut self) {
+        let _ = self.rt.free(0, self.addr);
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            (i as u8)
+                .wrapping_mul(31)
+                .wrapping_add(seed ^ (i >> 12) as u8)
+        })
+        .collect()
+}
+
+#[test]
+fn peers_with_different_slice_sizes_agree_and_device_blocks_move_intact() {
+    const BLOCK: u64 = 4 << 20;
+    // The target's staging buffers hold 64 KiB; the initiator would cut 8 MiB slices.
+    let target = backend(|c| c.slice_size = 64 << 10);
+    let init = backend(|c| c.slice_size = 8 << 20);
+    let (remote, src, back) = (
+        DevMem::new(4 * BLOCK as usize),
+        DevMem::new(4 * BLOCK as usize),
+        DevMem::new(4 * BLOCK as usize),
+    );
+    remote.register(&target, 1, Access::REMOTE_READ_WRITE);
+    src.register(&init, 1, Access::LOCAL);
+    back.register(&init, 2, Access::LOCAL);
+    let data = pattern(4 * BLOCK as usize, 7);
+    src.fill(&data);
+    let peer = init.connect(&segment(&target), soon()).unwrap();
+    let reqs = |op, local| -> Vec<TransferRequest> {
+        (0..4)
+            .map(|i| TransferRequest {
+                op,
+                local: RegionId(local),
+                local_offset: i * BLOCK,
+                remote: RegionId(1),
+                remote_offset: (3 - i) * BLOCK,
+                len: BLOCK,
+            })
+            .collect()
+    };
+    run(&init, peer, &reqs(te_core::Op::Write, 1)).expect("write 4 x 4 MiB");
+    let landed = remote.read();
+    for i in 0..4 {
+        let (at, from) = ((3 - i) * BLOCK as usize, i * BLOCK as usize);
+        assert!(
+            landed[at..at + BLOCK as usize] == data[from..from + BLOCK as usize],
+            "block {i} landed intact"
+        );
+    }
+    run(&init, peer, &reqs(te_core::Op::Read, 2)).expect("read 4 x 4 MiB");
+    assert!(back.read() == data, "the blocks read back intact");
+}
+
+/// Sends `h` on a fresh raw connection and returns the target's answer: the error
+/// frame's header and message, and whether the connection was closed after it.
+fn send_raw_request(target: &TcpBackend, h: Header) -> (Header, String, bool) {
+    let mut s = raw(target);
+    s.write_all(&h.encode()).unwrap();
+    let e = read_header(&mut s);
+    let mut msg = vec![0u8; e.len as usize];
+    s.read_exact(&mut msg).unwrap();
+    let mut rest = [0u8; 64];
+    let closed = matches!(s.read(&mut rest), Ok(0) | Err(_));
+    (e, String::from_utf8_lossy(&msg).into_owned(), closed)
+}
+
+#[test]
+fn a_frame_longer_than_the_agreed_limit_is_refused_and_the_target_keeps_serving() {
+    let target = backend(|c| c.slice_size = 64 << 10);
+    let dev = DevMem::new(1 << 20);
+    dev.register(&target, 1, Access::REMOTE_READ_WRITE);
+    let mut host = vec![0u8; 1 << 20];
+    register(&target, 2, &mut host, Access::REMOTE_READ_WRITE);
+    // The limit is announced in the handshake.
+    let (addr, instance) = decode_endpoint(&target.endpoint()).unwrap();
+    let mut s = TcpStream::connect(addr).unwrap();
+    let terms = crate::conn::handshake(&mut s, "raw", instance, None).unwrap();
+    assert_eq!(terms.max_payload, 64 << 10);
+    drop(s);
+    // A hostile peer ignores it: an oversized WRITE into device memory (whose staging
+    // buffer holds 64 KiB), a READ of it, and a WRITE to host memory.
+    for (kind, region) in [(Kind::Write, 1), (Kind::Read, 1), (Kind::Write, 2)] {
+        let h = Header::request(kind, 5, region, 0, 1 << 20);
+        let (e, msg, closed) = send_raw_request(&target, h);
+        assert_eq!(e.kind, Kind::Error, "{kind:?}");
+        assert_eq!(e.id, 5);
+        assert_eq!(e.code, ErrorKind::InvalidRequest.code(), "{msg}");
+        assert!(msg.contains("1048576") && msg.contains("65536"), "{msg}");
+        assert!(closed, "the connection is closed after the refusal");
+    }
+    // The target still serves an honest peer, which slices to its limit.
+    let init = backend(|c| c.slice_size = 8 << 20);
+    let src = DevMem::new(1 << 20);
+    src.register(&init, 1, Access::LOCAL);
+    let data = pattern(1 << 20, 3);
+    src.fill(&data);
+    let peer = init.connect(&segment(&target), soon()).unwrap();
+    let w = TransferRequest {
+        op: te_core::Op::Write,
+        local: RegionId(1),
+        local_offset: 0,
+        remote: RegionId(1),
+        remote_offset: 0,
+        len: 1 << 20,
+    };
+    run(&init, peer, &[w]).expect("an honest write");
+    assert!(dev.read() == data);
+}
+
+/// Waits, bounded, until `f` holds.
+fn eventually(what: &str, limit: Duration, f: impl Fn() -> bool) {
+    let end = Instant::now() + limit;
+    while !f() {
+        assert!(
+            Instant::now() < end,
+            "{what} did not happen within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// How long until the target closes `s`, which sends one byte every 100 ms; `None` if
+/// it is still open after `limit`.
+fn closed_after(s: &mut TcpStream, limit: Duration) -> Option<Duration> {
+    let start = Instant::now();
+    s.set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    while start.elapsed() < limit {
+        let _ = s.write(b"T");
+        let mut b = [0u8; 64];
+        match s.read(&mut b) {
+            Ok(0) => return Some(start.elapsed()),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                return Some(start.elapsed())
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+#[test]
+fn a_peer_that_trickles_its_handshake_is_cut_at_the_handshake_timeout() {
+    let target = backend(|c| c.handshake_timeout = Duration::from_millis(300));
+    let (addr, _) = decode_endpoint(&target.endpoint()).unwrap();
+    let mut s = TcpStream::connect(addr).unwrap();
+    let t = closed_after(&mut s, Duration::from_secs(3)).expect("closed");
+    assert!(
+        t >= Duration::from_millis(250) && t < Duration::from_millis(1500),
+        "closed after {t:?}"
+    );
+    // The target still serves honest peers.
+    let init = backend(|_| {});
+    init.connect(&segment(&target), soon()).expect("connect");
+}
+
+#[test]
+fn pending_handshakes_and_connections_are_capped_and_the_rest_closed_at_once() {
+    let target = backend(|c| {
+        c.max_pending = 2;
+        c.max_connections = 3;
+        c.handshake_timeout = Duration::from_secs(2);
+    });
+    let (addr, _) = decode_endpoint(&target.endpoint()).unwrap();
+    let idle: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    eventually("two pending handshakes", Duration::from_secs(5), || {
+        target
+            .shared()
+            .pending
+            .load(std::sync::atomic::Ordering::Acquire)
+            == 2
+    });
+    // A third unauthenticated connection is closed at once.
+    let mut third = TcpStream::connect(addr).unwrap();
+    let t = closed_after(&mut third, Duration::from_secs(1)).expect("refused");
+    assert!(t < Duration::from_millis(1000), "closed after {t:?}");
+    // An authenticated one is not pending; it fits the connection cap (3), a fourth
+    // connection does not.
+    drop(idle);
+    eventually("no connection served", Duration::from_secs(5), || {
+        target.shared().serving.lock().map_or(1, |s| s.len()) == 0
+    });
+    let init = backend(|c| c.connections_per_peer = 3);
+    let peer = init.connect(&segment(&target), soon()).expect("connect");
+    assert_eq!(init.live_connections(peer), 3);
+    let mut fourth = TcpStream::connect(addr).unwrap();
+    let t = closed_after(&mut fourth, Duration::from_secs(1)).expect("refused");
+    assert!(t < Duration::from_millis(1000), "closed after {t:?}");
+}
+
+#[test]
+fn an_idle_data_connection_is_closed_after_idle_timeout() {
+    let target = backend(|c| c.idle_timeout = Duration::from_millis(300));
+    let mut mem = vec![0u8; 4096];
+    register(&target, 1, &mut mem, Access::REMOTE_READ_WRITE);
+    let init = backend(|c| c.connections_per_peer = 1);
+    let mut src = vec![1u8; 4096];
+    register(&init, 1, &mut src, Access::LOCAL);
+    let peer = init.connect(&segment(&target), soon()).unwrap();
+    let w = TransferRequest {
+        op: te_core::Op::Write,
+        local: RegionId(1),
+        local_offset: 0,
+        remote: RegionId(1),
+        remote_offset: 0,
+        len: 4096,
+    };
+    run(&init, peer, &[w]).expect("write");
+    eventually("the idle connection closed", Duration::from_secs(3), || {
+        init.live_connections(peer) == 0
+    });
+    // Connecting again refills the pool.
+    init.connect(&segment(&target), soon()).unwrap();
+    run(&init, peer, &[w]).expect("write after reconnecting");
+}
+
+const FD_CHILD: &str = "TE_TCP_TEST_FD_CHILD";
+
+#[test]
+fn the_listener_survives_running_out_of_file_descriptors() {
+    let name = "tests::the_listener_survives_running_out_of_file_descriptors";
+    if std::env::var_os(FD_CHILD).is_none() {
+        // The descriptor limit is the process's: lower it in a child of our own.
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--nocapture", "--test-threads=1"])
+            .env(FD_CHILD, "1")
+            .output()
+            .expect("run the child");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "{text}");
+        assert!(text.contains("fd child: served again"), "{text}");
+        return;
+    }
+    let target = backend(|c| c.handshake_timeout = Duration::from_millis(500));
+    let mut mem = vec![0u8; 4096];
+    register(&target, 1, &mut mem, Access::REMOTE_READ_WRITE);
+    let init = backend(|c| c.connections_per_peer = 1);
+    let mut src = vec![9u8; 4096];
+    register(&init, 1, &mut src, Access::LOCAL);
+    let (addr, _) = decode_endpoint(&target.endpoint()).unwrap();
+    let open = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64;
+    let mut old = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `old` is a valid rlimit for the kernel to fill.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut old) }, 0);
+    let low = libc::rlimit {
+        rlim_cur: open + 16,
+        rlim_max: old.rlim_max,
+    };
+    // SAFETY: a valid rlimit, read by the kernel.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &low) }, 0);
+    // Use every descriptor, then free one for a client: the listener has a connection
+    // to accept and no descriptor to accept it with. Other threads may hold descriptors
+    // for a moment (and free them later), so squeeze again until accept fails.
+    let errors = || {
+        target
+            .shared()
+            .accept_errors
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let mut files = Vec::new();
+    let mut clients = Vec::new();
+    for _ in 0..20 {
+        while files.len() < 128 {
+            match std::fs::File::open("/dev/null") {
+                Ok(f) => files.push(f),
+                Err(_) => break,
+            }
+        }
+        assert!(files.len() < 128, "the descriptor limit was not reached");
+        files.pop();
+        if let Ok(c) = TcpStream::connect(addr) {
+            clients.push(c);
+        }
+        let end = Instant::now() + Duration::from_millis(300);
+        while errors() == 0 && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if errors() > 0 {
+            break;
+        }
+    }
+    assert!(
+        errors() > 0,
+        "accept never failed: {} clients, {} files, {} served",
+        clients.len(),
+        files.len(),
+        target.shared().serving.lock().map_or(0, |s| s.len())
+    );
+    drop(files);
+    drop(clients);
+    // SAFETY: a valid rlimit, read by the kernel.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &old) }, 0);
+    let peer = init
+        .connect(&segment(&target), soon())
+        .expect("connect after");
+    let w = TransferRequest {
+        op: te_core::Op::Write,
+        local: RegionId(1),
+        local_offset: 0,
+        remote: RegionId(1),
+        remote_offset: 0,
+        len: 4096,
+    };
+    run(&init, peer, &[w]).expect("write after");
+    drop(init);
+    drop(target);
+    assert!(mem.iter().all(|&b| b == 9));
+    println!("fd child: served again");
+}
+
+#[test]
+fn a_peer_that_floods_requests_and_reads_nothing_is_bounded_and_cut_off() {
+    let target = backend(|c| c.io_timeout = Duration::from_millis(500));
+    let dev = DevMem::new(64 << 10);
+    dev.register(&target, 1, Access::REMOTE_READ_WRITE);
+    let mut host = vec![5u8; 64 << 10];
+    register(&target, 2, &mut host, Access::REMOTE_READ_WRITE);
+    let mut s = raw(&target);
+    s.set_write_timeout(Some(Duration::from_secs(3))).unwrap();
+    // One device READ starts the connection's responder; host READs (each holding a pin
+    // on region 2 until it is sent) follow, and nothing is ever read back.
+    let mut frames = Header::request(Kind::Read, 1, 1, 0, 4096).encode().to_vec();
+    // 64 KiB each: far more than the socket buffers hold.
+    for id in 2..3000u64 {
+        frames.extend_from_slice(&Header::request(Kind::Read, id, 2, 0, 64 << 10).encode());
+    }
+    let writer = std::thread::spawn(move || {
+        let _ = s.write_all(&frames);
+        s
+    });
+    // The target queues at most MAX_QUEUED responses, then stops reading; after
+    // io_timeout without the peer reading it closes the connection and releases the
+    // pins, so the region can be deregistered.
+    let pins = || target.shared().regions.users(RegionId(2));
+    eventually("the flood holding pins", Duration::from_secs(5), || {
+        pins() >= crate::serve::MAX_QUEUED - 1
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let held = pins();
+    assert!(
+        held <= crate::serve::MAX_QUEUED + 2,
+        "{held} pins: one per queued response, the one being sent, the one waiting for room"
+    );
+    let start = Instant::now();
+    target
+        .deregister(
+            RegionId(2),
+            te_core::Deadline::after(Duration::from_secs(5)),
+        )
+        .expect("the flood's pins are released");
+    assert!(
+        start.elapsed() < Duration::from_secs(4),
+        "released after {:?}",
+        start.elapsed()
+    );
+    let high = crate::serve::HIGH_WATER.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        high,
+        crate::serve::MAX_QUEUED,
+        "the queue filled to its bound"
+    );
+    let _s = writer.join().unwrap();
+    // The target still serves an honest peer.
+    let init = backend(|_| {});
+    let mut dst = vec![0u8; 4096];
+    register(&init, 1, &mut dst, Access::LOCAL);
+    let peer = init.connect(&segment(&target), soon()).unwrap();
+    let r = TransferRequest {
+        op: te_core::Op::Read,
+        local: RegionId(1),
+        local_offset: 0,
+        remote: RegionId(1),
+        remote_offset: 0,
+        len: 4096,
+    };
+    run(&init, peer, &[r]).expect("an honest read");
+}
+
+#[test]
+fn a_stalled_target_fails_the_batch_at_its_deadline_and_never_writes_later() {
+    // The target holds every request 2 s; the batches' deadline is 300 ms.
+    let target = backend(|c| c.debug_delay = Duration::from_secs(2));
+    let mut remote = vec![0x11u8; 8192];
+    register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
+    let init = backend(|c| c.connections_per_peer = 2);
+    let mut local = vec![0xABu8; 8192];
+    register(&init, 1, &mut local, Access::LOCAL);
+    let peer = init.connect(&segment(&target), soon()).unwrap();
+    let (tx, rx) = mpsc::channel();
+    let start = Instant::now();
+    for (op, off) in [(te_core::Op::Read, 0), (te_core::Op::Write, 4096)] {
+        let tx = tx.clone();
+        let done = Completion::new(Duration::from_millis(300), move |r, _| {
+            let _ = tx.send((op, r, start.elapsed()));
+        });
+        let r = TransferRequest {
+            op,
+            local: RegionId(1),
+            local_offset: off,
+            remote: RegionId(1),
+            remote_offset: off,
+            len: 4096,
+        };
+        init.submit(peer, &[r], done).unwrap();
+    }
+    for _ in 0..2 {
+        let (op, r, at) = rx.recv_timeout(Duration::from_secs(5)).expect("completed");
+        let e = r.expect_err("the target never answered in time");
+        assert_eq!(e.kind(), ErrorKind::Timeout, "{op}: {e}");
+        assert!(
+            at < Duration::from_millis(1500),
+            "{op} completed after {at:?}"
+        );
+    }
+    assert_eq!(
+        init.live_connections(peer),
+        0,
+        "the connections carrying the batches were closed"
+    );
+    // The target answers after 2 s; nothing of it may land in the caller's memory.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert!(local.iter().all(|&b| b == 0xAB), "late bytes landed");
+}
+
+#[test]
+fn a_write_cut_off_mid_payload_is_reported_at_the_target_as_torn() {
+    let target = backend(|c| c.slice_size = 1 << 20);
+    let mut mem = vec![0u8; 1 << 20];
+    register(&target, 1, &mut mem, Access::REMOTE_READ_WRITE);
+    let mut s = raw(&target);
+    // Announces 1 MiB, sends 100 bytes, and goes away.
+    s.write_all(&Header::request(Kind::Write, 1, 1, 0, 1 << 20).encode())
+        .unwrap();
+    s.write_all(&[7u8; 100]).unwrap();
+    drop(s);
+    let torn = || {
+        target
+            .shared()
+            .torn_writes
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    eventually("the torn write reported", Duration::from_secs(5), || {
+        torn() == 1
+    });
+    // A refused or complete request is not torn.
+    let mut s = raw(&target);
+    s.write_all(&Header::request(Kind::Write, 2, 1, 0, 8).encode())
+        .unwrap();
+    s.write_all(&[1u8; 8]).unwrap();
+    assert_eq!(read_header(&mut s).kind, Kind::WriteAck);
+    drop(s);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(torn(), 1);
+}
+
+#[test]
+fn a_busy_connection_is_not_closed_for_a_batch_past_its_deadline() {
+    // Answers keep coming every ~10 ms; one batch's deadline passes while it waits
+    // behind another. The busy connection stays, the late batch gets Timeout, and its
+    // data is dropped, not placed.
+    let target = backend(|c| c.debug_delay = Duration::from_millis(10));
+    let mut remote = vec![0x22u8; 4096];
+    register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
+    let init = backend(|c| c.connections_per_peer = 1);
+    let mut long = vec![0u8; 40 * 4096];
+    register(&init, 1, &mut long, Access::LOCAL);
+    let mut late = vec![0xABu8; 4096];
+    register(&init, 2, &mut late, Access::LOCAL);
+    let peer = init.connect(&segment(&target), soon()).unwrap();
+    let read = |local, local_offset| TransferRequest {
+        op: te_core::Op::Read,
+        local: RegionId(local),
+        local_offset,
+        remote: RegionId(1),
+        remote_offset: 0,
+        len: 4096,
+    };
+    let (tx, rx) = mpsc::channel();
+    let first: Vec<_> = (0..40).map(|i| read(1, i * 4096)).collect();
+    let t = tx.clone();
+    let done = Completion::new(Duration::from_secs(10), move |r, _| {
+        let _ = t.send(("first", r));
+    });
+    init.submit(peer, &first, done).unwrap();
+    let done = Completion::new(Duration::from_millis(100), move |r, _| {
+        let _ = tx.send(("late", r));
+    });
+    init.submit(peer, &[read(2, 0)], done).unwrap();
+    let mut results = std::collections::HashMap::new();
+    for _ in 0..2 {
+        let (name, r) = rx.recv_timeout(Duration::from_secs(10)).expect("completed");
+        results.insert(name, r);
+    }
+    results["first"].as_ref().expect("the long batch succeeds");
+    let e = results["late"].as_ref().expect_err("past its deadline");
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    assert_eq!(init.live_connections(peer), 1, "the busy connection stays");
+    assert!(long.iter().all(|&b| b == 0x22));
+    assert!(late.iter().all(|&b| b == 0xAB), "late data was not placed");
+}
+
+#[test]
+fn an_aborted_batch_on_a_stalled_target_ends_without_waiting_for_io_timeout() {
+    let target = backend(|c| c.debug_delay = Duration::from_secs(2));
+    let mut remote = vec![0x33u8; 4096];
+    register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
+    let init = backend(|c| c.connections_per_peer = 1);
+    let mut local = vec![0xABu8; 4096];
+    register(&init, 1, &mut local, Access::LOCAL);
+    let peer = init.connect(&segment(&target), soon()).unwrap();
+    let (tx, rx) = mpsc::channel();
+    let (done, aborter) = Completion::abortable(
+        te_core::Deadline::after(Duration::from_secs(10)),
+        move |r, _| {
+            let _ = tx.send(r);
+        },
+    );
+    let r = TransferRequest {
+        op: te_core::Op::Read,
+        local: RegionId(1),
+        local_offset: 0,
+        remote: RegionId(1),
+        remote_offset: 0,
+        len: 4096,
+    };
+    init.submit(peer, &[r], done).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let start = Instant::now();
+    aborter.abort();
+    init.abort(peer, te_core::BatchId(0));
+    let r = rx.recv_timeout(Duration::from_secs(5)).expect("completed");
+    assert!(r.is_err(), "an aborted batch does not succeed");
+    assert!(
+        start.elapsed() < Duration::from_millis(1500),
+        "ended {:?} after the abort",
+        start.elapsed()
+    );
+    std::thread::sleep(Duration::from_millis(2500));
+    assert!(local.iter().all(|&b| b == 0xAB), "late bytes landed");
 }

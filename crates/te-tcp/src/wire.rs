@@ -8,6 +8,7 @@
 //! |------------|-----------|-------|--------|
 //! | `Hello`    | initiator → target | 48 | magic `TETC`, version u16, flags u16 (0), the target instance the initiator expects u64, initiator nonce \[32\] |
 //! | `Challenge`| target → initiator | 44 | magic, version u16, status u16, auth u8 (1 = a token is required), 3 zero bytes, target nonce \[32\] |
+//! | `Terms`    | target → initiator | 12 | magic, the largest payload u64 the target accepts in one frame (its `slice_size`); sent right after a `Challenge` with status `Ok` (since version 2) |
 //! | `Proof`    | initiator → target | 36 | magic, HMAC \[32\] (zeros without a token) |
 //! | `Welcome`  | target → initiator | 40 | magic, status u16, 2 zero bytes, HMAC \[32\] (the target's own proof) |
 //!
@@ -26,11 +27,22 @@
 //!
 //! A target answers the requests of one connection in order, each with exactly one
 //! `WriteAck`, `ReadData` or `Error` carrying the request's id.
+//!
+//! **Frame limits.** The initiator cuts requests into slices no longer than the
+//! target's `Terms` (and its own `slice_size`). A request longer than the target
+//! announced is answered with an `Error` (`InvalidRequest`) naming both lengths, and
+//! the target closes the connection: the payload that follows cannot be placed, and a
+//! peer that ignores the agreed terms is not trusted with the rest of the stream.
+//!
+//! Version 1 had no `Terms`: a version-2 side refuses a version-1 peer with status
+//! `Version`, which both versions understand.
 
 use thiserror::Error;
 
-/// The protocol version both sides must speak.
-pub(crate) const VERSION: u16 = 1;
+/// The protocol version both sides must speak (2: the target announces its frame limit).
+pub(crate) const VERSION: u16 = 2;
+/// The smallest frame limit a target may announce (the smallest `slice_size`).
+pub(crate) const MIN_PAYLOAD: u64 = 4096;
 /// The first bytes of every handshake message.
 pub(crate) const MAGIC: [u8; 4] = *b"TETC";
 /// Bytes of a frame header.
@@ -360,6 +372,36 @@ impl Challenge {
     }
 }
 
+/// Target → initiator, after an accepting [`Challenge`]: the target's limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Terms {
+    /// The longest payload the target accepts in one frame.
+    pub(crate) max_payload: u64,
+}
+
+impl Terms {
+    pub(crate) const LEN: usize = 12;
+
+    pub(crate) fn encode(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        b[..4].copy_from_slice(&MAGIC);
+        b[4..12].copy_from_slice(&self.max_payload.to_le_bytes());
+        b
+    }
+
+    /// # Errors
+    /// Truncated input, bad magic, a limit outside `MIN_PAYLOAD..=MAX_PAYLOAD`.
+    pub(crate) fn decode(b: &[u8]) -> Result<Terms, WireError> {
+        need(b, Self::LEN)?;
+        magic(b)?;
+        let max_payload = u64_at(b, 4);
+        if !(MIN_PAYLOAD..=MAX_PAYLOAD).contains(&max_payload) {
+            return Err(WireError::Field("max_payload"));
+        }
+        Ok(Terms { max_payload })
+    }
+}
+
 /// Initiator → target: the initiator's MAC.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Proof {
@@ -541,6 +583,12 @@ mod tests {
         assert_eq!(Challenge::decode(&ch.encode()), Ok(ch));
         let p = Proof { mac: [3; 32] };
         assert_eq!(Proof::decode(&p.encode()), Ok(p));
+        let t = Terms { max_payload: 65536 };
+        assert_eq!(Terms::decode(&t.encode()), Ok(t));
+        for bad in [0, MIN_PAYLOAD - 1, MAX_PAYLOAD + 1] {
+            let b = Terms { max_payload: bad }.encode();
+            assert_eq!(Terms::decode(&b), Err(WireError::Field("max_payload")));
+        }
         let w = Welcome {
             status: Status::AuthFailed,
             mac: [4; 32],
@@ -580,6 +628,9 @@ mod tests {
         }
         if let Ok(m) = Proof::decode(b) {
             assert_eq!(&m.encode()[..], &b[..Proof::LEN]);
+        }
+        if let Ok(m) = Terms::decode(b) {
+            assert_eq!(&m.encode()[..], &b[..Terms::LEN]);
         }
         if let Ok(m) = Welcome::decode(b) {
             assert_eq!(&m.encode()[..], &b[..Welcome::LEN]);
