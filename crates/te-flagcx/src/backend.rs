@@ -15,10 +15,10 @@ use te_core::{
 };
 
 use crate::batch::Poster;
+use crate::completion::{Parked, Progress};
 use crate::config::FlagcxConfig;
 use crate::ffi::{self, E_INVALID};
 use crate::peer::{PeerState, Table};
-use crate::progress::{Parked, Progress};
 use crate::regions::Regions;
 
 /// How long `connect` and `deregister` wait when called through [`TransferBackend`],

@@ -4,7 +4,7 @@
 //! in `connect`.
 //!
 //! **Batches.** `submit` turns a batch into slices ([`Job`]s) sharing one
-//! [`BatchState`](crate::track::BatchState) (module `track`), which completes the
+//! [`BatchState`](crate::completion::BatchState) (module `completion`), which completes the
 //! batch's `Completion` once every slice is accounted for. The slices hold the batch;
 //! the table of batches in flight ([`InFlight`]) holds it weakly, by the engine's id,
 //! so that the engine's `abort` reaches it: its waiting slices are dropped unposted and
@@ -29,6 +29,7 @@ use te_core::{
     TransferRequest,
 };
 
+use crate::completion::InFlight;
 use crate::config::{RdmaConfig, MAX_SLICE};
 use crate::connect::{self, Served};
 use crate::device::{self, Device};
@@ -37,7 +38,6 @@ use crate::ffi::{self, Mr};
 use crate::path::{self, Job, LocalRegion, Peer, Pin, RemoteRegion};
 use crate::plan;
 use crate::topology::{self, Place};
-use crate::track::InFlight;
 
 /// What the backend's threads share.
 pub(crate) struct Shared {

@@ -23,7 +23,7 @@
 //! slice is one RDMA WRITE or READ work request with one scatter-gather entry (module
 //! `wr`); a QP has at most `max_outstanding` work requests posted, the rest wait in its
 //! queue and are posted as completions free room; one in `signal_every` work requests
-//! is signalled, and always the last of a post (module `track`).
+//! is signalled, and always the last of a post (module `completion`).
 //!
 //! Completion: one thread per device waits in poll(2) on the device's completion
 //! channel, takes the event (`ibv_get_cq_event`), acknowledges it, re-arms the CQ and
@@ -94,6 +94,7 @@
 use te_core::{BackendContext, BackendType, Result};
 
 mod backend;
+mod completion;
 mod config;
 mod connect;
 #[cfg(feature = "cuda")]
@@ -105,7 +106,6 @@ mod path;
 mod plan;
 mod qp;
 mod topology;
-mod track;
 mod verbs;
 mod wr;
 

@@ -2,7 +2,7 @@
 //! posting, settling completions, retrying on another path, and retiring a peer's QPs.
 //!
 //! Every slice is accounted for exactly once, and its batch completes only when all of
-//! its slices are (module `track`). A slice that failed with a transport or flush error
+//! its slices are (module `completion`). A slice that failed with a transport or flush error
 //! is posted again on another healthy path of the peer; any other error (remote access,
 //! local protection, invalid request) fails its batch and touches no other path.
 //!
@@ -22,11 +22,11 @@ use te_core::sync::{Condvar, Mutex, RwLock};
 use te_core::{Error, ErrorKind, Op, PeerId, RegionId};
 
 use crate::backend::Shared;
+use crate::completion::{self, BatchState, Outcome, SendQueue};
 use crate::device::Device;
 use crate::exchange::{Endpoint, GidType};
 use crate::ffi::{self, Cq, Mr, Qp};
 use crate::qp;
-use crate::track::{self, BatchState, Outcome, SendQueue};
 use crate::verbs;
 use crate::wr::{WorkItem, WrChain};
 
@@ -403,7 +403,7 @@ pub(crate) fn drain(path: &Arc<Path>, wc: &mut [verbs::ibv_wc]) {
                 st.sq.complete(c.wr_id, ok, |job, outcome| match outcome {
                     Outcome::Done => done.push(job),
                     Outcome::Failed => {
-                        let f = if track::retryable(c.status) {
+                        let f = if completion::retryable(c.status) {
                             Failure::Retry(text())
                         } else if c.status == verbs::IBV_WC_REM_ACCESS_ERR {
                             Failure::Fatal(
