@@ -1,5 +1,5 @@
-//! The stub's `TransferBackend`: a process-wide endpoint table and one worker thread
-//! per backend instance that performs the copies.
+//! The stub's `TransferBackend`: a process-wide endpoint table, and one worker thread
+//! per backend instance (see `completion`) that performs the copies.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -8,70 +8,72 @@ use std::thread::{JoinHandle, ThreadId};
 use std::time::Instant;
 use te_core::sync::{Condvar, Mutex, RwLock, RwLockReadGuard};
 
-use te_core::device::{DeviceCopy, DeviceRuntime};
+use te_core::device::DeviceRuntime;
 use te_core::{
     Access, BackendContext, BackendInfo, BatchId, Capabilities, Completion, Deadline, Error,
-    ErrorKind, MemoryDesc, MemoryKind, Op, PeerId, RegionId, Result, SegmentDesc, TransferBackend,
+    ErrorKind, MemoryDesc, MemoryKind, PeerId, RegionId, Result, SegmentDesc, TransferBackend,
     TransferRequest,
 };
 
-use crate::config::{Mode, StubConfig};
+use crate::completion::run;
+use crate::config::StubConfig;
 
 #[derive(Debug, Clone)]
-struct Region {
-    addr: u64,
-    len: u64,
-    access: Access,
+pub(crate) struct Region {
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) access: Access,
     /// The device runtime and ordinal of device memory; `None` for host memory.
-    device: Option<(Arc<dyn DeviceRuntime>, u32)>,
+    pub(crate) device: Option<(Arc<dyn DeviceRuntime>, u32)>,
 }
 
 /// One backend instance's memory, as other instances in the process reach it.
 #[derive(Debug)]
-struct Endpoint {
+pub(crate) struct Endpoint {
     /// The engine's epoch.
-    id: u64,
-    regions: RwLock<HashMap<RegionId, Region>>,
+    pub(crate) id: u64,
+    pub(crate) regions: RwLock<HashMap<RegionId, Region>>,
 }
 
 /// Every live stub endpoint of this copy of the stub, by id.
-static ENDPOINTS: Mutex<Option<HashMap<u64, Weak<Endpoint>>>> = Mutex::new(None);
+pub(crate) static ENDPOINTS: Mutex<Option<HashMap<u64, Weak<Endpoint>>>> = Mutex::new(None);
 
-fn endpoints() -> te_core::sync::MutexGuard<'static, Option<HashMap<u64, Weak<Endpoint>>>> {
+pub(crate) fn endpoints() -> te_core::sync::MutexGuard<'static, Option<HashMap<u64, Weak<Endpoint>>>>
+{
     ENDPOINTS.lock()
 }
 
 /// What the Nth batch is made to suffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Fault {
+pub(crate) enum Fault {
     None,
     Fail,
     FailPartway,
     Restart,
 }
 
-struct Job {
-    peer: Weak<Endpoint>,
-    requests: Vec<TransferRequest>,
-    due: Instant,
-    fault: Fault,
-    done: Completion,
+pub(crate) struct Job {
+    pub(crate) peer: Weak<Endpoint>,
+    pub(crate) requests: Vec<TransferRequest>,
+    pub(crate) due: Instant,
+    pub(crate) fault: Fault,
+    pub(crate) done: Completion,
 }
 
 #[derive(Default)]
-struct Queue {
-    jobs: VecDeque<Job>,
-    stop: bool,
+pub(crate) struct Queue {
+    pub(crate) jobs: VecDeque<Job>,
+    pub(crate) stop: bool,
 }
 
 #[derive(Default)]
-struct WorkerShared {
-    queue: Mutex<Queue>,
-    cond: Condvar,
+pub(crate) struct WorkerShared {
+    pub(crate) queue: Mutex<Queue>,
+    pub(crate) cond: Condvar,
 }
 
 impl WorkerShared {
-    fn lock(&self) -> te_core::sync::MutexGuard<'_, Queue> {
+    pub(crate) fn lock(&self) -> te_core::sync::MutexGuard<'_, Queue> {
         self.queue.lock()
     }
 }
@@ -79,14 +81,14 @@ impl WorkerShared {
 /// The in-process backend.
 #[derive(Debug)]
 pub struct StubBackend {
-    info: BackendInfo,
-    config: StubConfig,
-    local: Arc<Endpoint>,
-    peers: Arc<RwLock<HashMap<PeerId, Weak<Endpoint>>>>,
-    batches: AtomicU64,
-    shared: Arc<WorkerShared>,
-    thread: Option<JoinHandle<()>>,
-    thread_id: ThreadId,
+    pub(crate) info: BackendInfo,
+    pub(crate) config: StubConfig,
+    pub(crate) local: Arc<Endpoint>,
+    pub(crate) peers: Arc<RwLock<HashMap<PeerId, Weak<Endpoint>>>>,
+    pub(crate) batches: AtomicU64,
+    pub(crate) shared: Arc<WorkerShared>,
+    pub(crate) thread: Option<JoinHandle<()>>,
+    pub(crate) thread_id: ThreadId,
 }
 
 impl std::fmt::Debug for WorkerShared {
@@ -161,7 +163,7 @@ impl StubBackend {
     }
 }
 
-fn endpoint_bytes(id: u64) -> Vec<u8> {
+pub(crate) fn endpoint_bytes(id: u64) -> Vec<u8> {
     let mut v = id.to_le_bytes().to_vec();
     v.extend_from_slice(&std::process::id().to_le_bytes());
     v
@@ -295,7 +297,7 @@ impl TransferBackend for StubBackend {
     }
 }
 
-fn aborted() -> Error {
+pub(crate) fn aborted() -> Error {
     Error::new(ErrorKind::Cancelled, "aborted before the stub ran it")
 }
 
@@ -320,257 +322,11 @@ impl Drop for StubBackend {
     }
 }
 
-fn run(
-    shared: &WorkerShared,
-    local: &Endpoint,
-    config: &StubConfig,
-    peers: &RwLock<HashMap<PeerId, Weak<Endpoint>>>,
-) {
-    let mut scratch = Vec::new();
-    loop {
-        let job = {
-            let mut q = shared.lock();
-            loop {
-                if q.stop {
-                    return;
-                }
-                let now = Instant::now();
-                let pick = if config.reorder {
-                    q.jobs.iter().rposition(|j| j.due <= now)
-                } else {
-                    q.jobs.front().filter(|j| j.due <= now).map(|_| 0)
-                };
-                if let Some(i) = pick {
-                    break q.jobs.remove(i);
-                }
-                q = match q.jobs.iter().map(|j| j.due).min() {
-                    Some(due) => {
-                        shared
-                            .cond
-                            .wait_timeout(q, due.saturating_duration_since(now))
-                            .0
-                    }
-                    None => shared.cond.wait(q),
-                };
-            }
-        };
-        let Some(job) = job else { continue };
-        let result = execute(&job, local, config, &mut scratch);
-        if job.fault == Fault::Restart {
-            let id = job.peer.upgrade().map(|p| PeerId(p.id));
-            if let Some(id) = id {
-                peers.write().remove(&id);
-            }
-        }
-        job.done.complete(result);
-    }
-}
-
-fn execute(job: &Job, local: &Endpoint, config: &StubConfig, scratch: &mut Vec<u8>) -> Result<()> {
-    let stops = |done: &Completion| done.is_aborted() && !config.ignore_abort;
-    if stops(&job.done) {
-        return Err(aborted());
-    }
-    match job.fault {
-        Fault::Fail => {
-            return Err(Error::new(
-                ErrorKind::Backend,
-                "injected failure (stub fail_every)",
-            ))
-        }
-        Fault::Restart => {
-            return Err(Error::new(
-                ErrorKind::PeerRestarted,
-                "injected restart (stub restart_every): the peer's stub endpoint restarted",
-            ))
-        }
-        Fault::None | Fault::FailPartway => {}
-    }
-    let Some(remote) = job.peer.upgrade() else {
-        return Err(Error::new(
-            ErrorKind::PeerUnreachable,
-            "the peer's stub endpoint is gone (its engine was dropped)",
-        ));
-    };
-    // One engine connected to itself: one read lock serves both sides.
-    let local_regions = read(local);
-    let remote_guard;
-    let remote_regions = if remote.id == local.id {
-        &local_regions
-    } else {
-        remote_guard = read(&remote);
-        &remote_guard
-    };
-    let total: u64 = job.requests.iter().map(|r| r.len).sum();
-    let mut groups = Groups::default();
-    let mut budget = match job.fault {
-        Fault::FailPartway => total / 2,
-        _ => u64::MAX,
-    };
-    for r in &job.requests {
-        // The target's own check, against its own registrations.
-        let l = region(&local_regions, r.local, r.local_offset, r.len, "local")?;
-        let p = region(remote_regions, r.remote, r.remote_offset, r.len, "remote")?;
-        let allowed = match r.op {
-            Op::Read => p.access.remote_read,
-            Op::Write => p.access.remote_write,
-        };
-        if !allowed {
-            return Err(Error::new(
-                ErrorKind::InvalidRequest,
-                format!(
-                    "the target refused a {} of region {}: no right",
-                    r.op, r.remote
-                ),
-            ));
-        }
-        if stops(&job.done) {
-            return Err(aborted());
-        }
-        if config.mode == Mode::Noop {
-            continue;
-        }
-        let len = r.len.min(budget);
-        let (src, dst) = match r.op {
-            Op::Write => ((&l, r.local_offset), (&p, r.remote_offset)),
-            Op::Read => ((&p, r.remote_offset), (&l, r.local_offset)),
-        };
-        copy(src, dst, len as usize, scratch, &mut groups)?;
-        budget -= len;
-        if budget == 0 {
-            groups.run()?;
-            return Err(Error::new(
-                ErrorKind::Backend,
-                "injected failure after part of the data moved (stub fail_partway_every)",
-            ));
-        }
-    }
-    groups.run()
-}
-
-/// The batch's device copies, one group per runtime: each group is enqueued at once
-/// and synchronised once, as a fabric's copy engine would.
-#[derive(Default)]
-struct Groups(Vec<(Arc<dyn DeviceRuntime>, Vec<DeviceCopy>)>);
-
-impl Groups {
-    fn add(&mut self, rt: &Arc<dyn DeviceRuntime>, c: DeviceCopy) {
-        match self.0.iter_mut().find(|(r, _)| Arc::ptr_eq(r, rt)) {
-            Some((_, v)) => v.push(c),
-            None => self.0.push((rt.clone(), vec![c])),
-        }
-    }
-
-    /// Runs every group and waits until all have completed.
-    fn run(&mut self) -> Result<()> {
-        let groups = std::mem::take(&mut self.0);
-        let (tx, rx) = std::sync::mpsc::channel();
-        let mut started = 0;
-        let mut first = Ok(());
-        for (rt, copies) in &groups {
-            let tx = tx.clone();
-            // SAFETY: every range was checked against a live registration whose read
-            // lock the caller holds until this returns, which is after every started
-            // group has completed.
-            match unsafe { rt.copy_group(copies, Box::new(move |r| drop(tx.send(r)))) } {
-                Ok(()) => started += 1,
-                Err(e) => first = first.and(Err(e)),
-            }
-        }
-        for _ in 0..started {
-            let r = rx.recv().unwrap_or_else(|_| {
-                Err(Error::new(
-                    ErrorKind::Backend,
-                    "a device runtime dropped a copy group",
-                ))
-            });
-            first = first.and(r);
-        }
-        first
-    }
-}
-
-/// Largest piece of a copy between devices staged through the scratch buffer.
-const STAGE: usize = 4 << 20;
-
-/// Copies `len` bytes between two checked regions: host to host at once; through their
-/// runtimes where they are device memory, into `groups` (device to device, not
-/// through the host, on one device of one runtime).
-fn copy(
-    src: (&Region, u64),
-    dst: (&Region, u64),
-    len: usize,
-    scratch: &mut Vec<u8>,
-    groups: &mut Groups,
-) -> Result<()> {
-    let (s, d) = (src.0.addr + src.1, dst.0.addr + dst.1);
-    match (&src.0.device, &dst.0.device) {
-        // SAFETY: both ranges were checked against live registrations whose read locks
-        // the caller holds; host ranges are only reached through raw pointers; `copy`
-        // allows overlap (one engine writing into itself).
-        (None, None) => unsafe { std::ptr::copy(s as *const u8, d as *mut u8, len) },
-        (None, Some((rt, ordinal))) => groups.add(
-            rt,
-            DeviceCopy::ToDevice {
-                ordinal: *ordinal,
-                device: d,
-                host: s as *const u8,
-                len,
-            },
-        ),
-        (Some((rt, ordinal)), None) => groups.add(
-            rt,
-            DeviceCopy::ToHost {
-                ordinal: *ordinal,
-                device: s,
-                host: d as *mut u8,
-                len,
-            },
-        ),
-        (Some((srt, so)), Some((drt, dord))) if Arc::ptr_eq(srt, drt) && so == dord => groups.add(
-            srt,
-            DeviceCopy::DeviceToDevice {
-                src_ordinal: *so,
-                src: s,
-                dst_ordinal: *dord,
-                dst: d,
-                len,
-            },
-        ),
-        (Some((srt, so)), Some((drt, dord))) => {
-            scratch.resize(len.min(STAGE), 0);
-            let mut done = 0;
-            while done < len {
-                let n = (len - done).min(STAGE);
-                let (from, to, host) = (s + done as u64, d + done as u64, scratch.as_mut_ptr());
-                // SAFETY: as above; `scratch` is ours, at least `n` bytes long, and
-                // each copy has completed (`copy_sync`) before the next reuses it.
-                unsafe {
-                    srt.copy_sync(DeviceCopy::ToHost {
-                        ordinal: *so,
-                        device: from,
-                        host,
-                        len: n,
-                    })?;
-                    drt.copy_sync(DeviceCopy::ToDevice {
-                        ordinal: *dord,
-                        device: to,
-                        host,
-                        len: n,
-                    })?;
-                }
-                done += n;
-            }
-        }
-    }
-    Ok(())
-}
-
-fn read(e: &Endpoint) -> RwLockReadGuard<'_, HashMap<RegionId, Region>> {
+pub(crate) fn read(e: &Endpoint) -> RwLockReadGuard<'_, HashMap<RegionId, Region>> {
     e.regions.read()
 }
 
-fn region(
+pub(crate) fn region(
     table: &HashMap<RegionId, Region>,
     id: RegionId,
     offset: u64,

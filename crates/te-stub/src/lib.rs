@@ -32,6 +32,7 @@
 use te_core::{BackendContext, BackendType, Result};
 
 mod backend;
+mod completion;
 mod config;
 
 pub use backend::StubBackend;

@@ -1,0 +1,265 @@
+//! The stub's completion machinery: the worker thread that runs due batches, copies
+//! their bytes (through device runtimes where a side is device memory) and completes
+//! each exactly once.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+use std::time::Instant;
+
+use te_core::device::{DeviceCopy, DeviceRuntime};
+use te_core::sync::RwLock;
+use te_core::{Completion, Error, ErrorKind, Op, PeerId, Result};
+
+use crate::backend::*;
+use crate::config::{Mode, StubConfig};
+
+pub(crate) fn run(
+    shared: &WorkerShared,
+    local: &Endpoint,
+    config: &StubConfig,
+    peers: &RwLock<HashMap<PeerId, Weak<Endpoint>>>,
+) {
+    let mut scratch = Vec::new();
+    loop {
+        let job = {
+            let mut q = shared.lock();
+            loop {
+                if q.stop {
+                    return;
+                }
+                let now = Instant::now();
+                let pick = if config.reorder {
+                    q.jobs.iter().rposition(|j| j.due <= now)
+                } else {
+                    q.jobs.front().filter(|j| j.due <= now).map(|_| 0)
+                };
+                if let Some(i) = pick {
+                    break q.jobs.remove(i);
+                }
+                q = match q.jobs.iter().map(|j| j.due).min() {
+                    Some(due) => {
+                        shared
+                            .cond
+                            .wait_timeout(q, due.saturating_duration_since(now))
+                            .0
+                    }
+                    None => shared.cond.wait(q),
+                };
+            }
+        };
+        let Some(job) = job else { continue };
+        let result = execute(&job, local, config, &mut scratch);
+        if job.fault == Fault::Restart {
+            let id = job.peer.upgrade().map(|p| PeerId(p.id));
+            if let Some(id) = id {
+                peers.write().remove(&id);
+            }
+        }
+        job.done.complete(result);
+    }
+}
+
+pub(crate) fn execute(
+    job: &Job,
+    local: &Endpoint,
+    config: &StubConfig,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let stops = |done: &Completion| done.is_aborted() && !config.ignore_abort;
+    if stops(&job.done) {
+        return Err(aborted());
+    }
+    match job.fault {
+        Fault::Fail => {
+            return Err(Error::new(
+                ErrorKind::Backend,
+                "injected failure (stub fail_every)",
+            ))
+        }
+        Fault::Restart => {
+            return Err(Error::new(
+                ErrorKind::PeerRestarted,
+                "injected restart (stub restart_every): the peer's stub endpoint restarted",
+            ))
+        }
+        Fault::None | Fault::FailPartway => {}
+    }
+    let Some(remote) = job.peer.upgrade() else {
+        return Err(Error::new(
+            ErrorKind::PeerUnreachable,
+            "the peer's stub endpoint is gone (its engine was dropped)",
+        ));
+    };
+    // One engine connected to itself: one read lock serves both sides.
+    let local_regions = read(local);
+    let remote_guard;
+    let remote_regions = if remote.id == local.id {
+        &local_regions
+    } else {
+        remote_guard = read(&remote);
+        &remote_guard
+    };
+    let total: u64 = job.requests.iter().map(|r| r.len).sum();
+    let mut groups = Groups::default();
+    let mut budget = match job.fault {
+        Fault::FailPartway => total / 2,
+        _ => u64::MAX,
+    };
+    for r in &job.requests {
+        // The target's own check, against its own registrations.
+        let l = region(&local_regions, r.local, r.local_offset, r.len, "local")?;
+        let p = region(remote_regions, r.remote, r.remote_offset, r.len, "remote")?;
+        let allowed = match r.op {
+            Op::Read => p.access.remote_read,
+            Op::Write => p.access.remote_write,
+        };
+        if !allowed {
+            return Err(Error::new(
+                ErrorKind::InvalidRequest,
+                format!(
+                    "the target refused a {} of region {}: no right",
+                    r.op, r.remote
+                ),
+            ));
+        }
+        if stops(&job.done) {
+            return Err(aborted());
+        }
+        if config.mode == Mode::Noop {
+            continue;
+        }
+        let len = r.len.min(budget);
+        let (src, dst) = match r.op {
+            Op::Write => ((&l, r.local_offset), (&p, r.remote_offset)),
+            Op::Read => ((&p, r.remote_offset), (&l, r.local_offset)),
+        };
+        copy(src, dst, len as usize, scratch, &mut groups)?;
+        budget -= len;
+        if budget == 0 {
+            groups.run()?;
+            return Err(Error::new(
+                ErrorKind::Backend,
+                "injected failure after part of the data moved (stub fail_partway_every)",
+            ));
+        }
+    }
+    groups.run()
+}
+
+/// The batch's device copies, one group per runtime: each group is enqueued at once
+/// and synchronised once, as a fabric's copy engine would.
+#[derive(Default)]
+pub(crate) struct Groups(Vec<(Arc<dyn DeviceRuntime>, Vec<DeviceCopy>)>);
+
+impl Groups {
+    fn add(&mut self, rt: &Arc<dyn DeviceRuntime>, c: DeviceCopy) {
+        match self.0.iter_mut().find(|(r, _)| Arc::ptr_eq(r, rt)) {
+            Some((_, v)) => v.push(c),
+            None => self.0.push((rt.clone(), vec![c])),
+        }
+    }
+
+    /// Runs every group and waits until all have completed.
+    fn run(&mut self) -> Result<()> {
+        let groups = std::mem::take(&mut self.0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut started = 0;
+        let mut first = Ok(());
+        for (rt, copies) in &groups {
+            let tx = tx.clone();
+            // SAFETY: every range was checked against a live registration whose read
+            // lock the caller holds until this returns, which is after every started
+            // group has completed.
+            match unsafe { rt.copy_group(copies, Box::new(move |r| drop(tx.send(r)))) } {
+                Ok(()) => started += 1,
+                Err(e) => first = first.and(Err(e)),
+            }
+        }
+        for _ in 0..started {
+            let r = rx.recv().unwrap_or_else(|_| {
+                Err(Error::new(
+                    ErrorKind::Backend,
+                    "a device runtime dropped a copy group",
+                ))
+            });
+            first = first.and(r);
+        }
+        first
+    }
+}
+
+/// Largest piece of a copy between devices staged through the scratch buffer.
+pub(crate) const STAGE: usize = 4 << 20;
+
+/// Copies `len` bytes between two checked regions: host to host at once; through their
+/// runtimes where they are device memory, into `groups` (device to device, not
+/// through the host, on one device of one runtime).
+pub(crate) fn copy(
+    src: (&Region, u64),
+    dst: (&Region, u64),
+    len: usize,
+    scratch: &mut Vec<u8>,
+    groups: &mut Groups,
+) -> Result<()> {
+    let (s, d) = (src.0.addr + src.1, dst.0.addr + dst.1);
+    match (&src.0.device, &dst.0.device) {
+        // SAFETY: both ranges were checked against live registrations whose read locks
+        // the caller holds; host ranges are only reached through raw pointers; `copy`
+        // allows overlap (one engine writing into itself).
+        (None, None) => unsafe { std::ptr::copy(s as *const u8, d as *mut u8, len) },
+        (None, Some((rt, ordinal))) => groups.add(
+            rt,
+            DeviceCopy::ToDevice {
+                ordinal: *ordinal,
+                device: d,
+                host: s as *const u8,
+                len,
+            },
+        ),
+        (Some((rt, ordinal)), None) => groups.add(
+            rt,
+            DeviceCopy::ToHost {
+                ordinal: *ordinal,
+                device: s,
+                host: d as *mut u8,
+                len,
+            },
+        ),
+        (Some((srt, so)), Some((drt, dord))) if Arc::ptr_eq(srt, drt) && so == dord => groups.add(
+            srt,
+            DeviceCopy::DeviceToDevice {
+                src_ordinal: *so,
+                src: s,
+                dst_ordinal: *dord,
+                dst: d,
+                len,
+            },
+        ),
+        (Some((srt, so)), Some((drt, dord))) => {
+            scratch.resize(len.min(STAGE), 0);
+            let mut done = 0;
+            while done < len {
+                let n = (len - done).min(STAGE);
+                let (from, to, host) = (s + done as u64, d + done as u64, scratch.as_mut_ptr());
+                // SAFETY: as above; `scratch` is ours, at least `n` bytes long, and
+                // each copy has completed (`copy_sync`) before the next reuses it.
+                unsafe {
+                    srt.copy_sync(DeviceCopy::ToHost {
+                        ordinal: *so,
+                        device: from,
+                        host,
+                        len: n,
+                    })?;
+                    drt.copy_sync(DeviceCopy::ToDevice {
+                        ordinal: *dord,
+                        device: to,
+                        host,
+                        len: n,
+                    })?;
+                }
+                done += n;
+            }
+        }
+    }
+    Ok(())
+}
