@@ -36,6 +36,7 @@
 use te_core::{BackendContext, BackendType, Result};
 
 mod backend;
+mod completion;
 mod config;
 mod endpoint;
 mod ffi;

@@ -1,0 +1,190 @@
+//! The mlu backend's completion machinery: batches handed to worker threads, each
+//! with its own CNRT queue per MLU; a worker enqueues all of a batch's copies, waits
+//! once per queue (a blocking sync, never a poll loop) and completes the batch.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
+
+use te_core::sync::{Condvar, Mutex};
+use te_core::{Completion, Error, ErrorKind, Result};
+
+use crate::backend::Mapping;
+use crate::ffi::{Cnrt, Queue};
+use crate::shm::Table;
+
+/// A batch's claim on one region: counted out again when dropped.
+pub(crate) struct Guard {
+    pub(crate) table: Arc<Table>,
+    pub(crate) slot: u32,
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        self.table.leave(self.slot);
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Kind {
+    HostToHost,
+    /// One queue on `dev`, direction `dir`.
+    Queue {
+        dev: u32,
+        dir: i32,
+    },
+    /// Between two MLUs, on a queue of `dev`.
+    Peer {
+        dev: u32,
+        dst: u32,
+        src: u32,
+    },
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Copy {
+    pub(crate) dst: u64,
+    pub(crate) src: u64,
+    pub(crate) len: usize,
+    pub(crate) kind: Kind,
+}
+
+pub(crate) struct Job {
+    pub(crate) copies: Vec<Copy>,
+    pub(crate) guards: Vec<Guard>,
+    pub(crate) _maps: Vec<Arc<Mapping>>,
+    pub(crate) due: Instant,
+    pub(crate) done: Completion,
+}
+
+#[derive(Default)]
+pub(crate) struct Work {
+    pub(crate) jobs: VecDeque<Job>,
+    pub(crate) stop: bool,
+}
+
+#[derive(Default)]
+pub(crate) struct Shared {
+    pub(crate) work: Mutex<Work>,
+    pub(crate) cond: Condvar,
+}
+
+impl Shared {
+    pub(crate) fn lock(&self) -> te_core::sync::MutexGuard<'_, Work> {
+        self.work.lock()
+    }
+}
+
+pub(crate) fn worker(shared: &Shared, cnrt: &Cnrt) {
+    let mut queues: HashMap<u32, Queue> = HashMap::new();
+    loop {
+        let job = {
+            let mut w = shared.lock();
+            loop {
+                if w.stop {
+                    drop(w);
+                    for (_, q) in queues.drain() {
+                        let _ = cnrt.queue_destroy(q);
+                    }
+                    return;
+                }
+                let now = Instant::now();
+                match w.jobs.iter().position(|j| j.due <= now) {
+                    Some(i) => break w.jobs.remove(i),
+                    None => {
+                        let wait = w
+                            .jobs
+                            .iter()
+                            .map(|j| j.due.saturating_duration_since(now))
+                            .min();
+                        w = match wait {
+                            Some(d) => shared.cond.wait_timeout(w, d).0,
+                            None => shared.cond.wait(w),
+                        };
+                    }
+                }
+            }
+        };
+        let Some(job) = job else { continue };
+        let result = if job.done.remaining().is_zero() || job.done.is_aborted() {
+            Err(Error::new(
+                ErrorKind::Cancelled,
+                "the batch was aborted (its deadline, a cancel or a deregistration) before its copies started",
+            ))
+        } else {
+            run(&job.copies, cnrt, &mut queues)
+        };
+        let Job { guards, done, .. } = job;
+        drop(guards);
+        done.complete(result);
+    }
+}
+
+/// `dev`'s queue of this worker, with `dev` made current: a queue belongs to the MLU
+/// current when it was created, and CNRT refuses a copy on it while another is.
+pub(crate) fn queue(cnrt: &Cnrt, queues: &mut HashMap<u32, Queue>, dev: u32) -> Result<Queue> {
+    cnrt.set_device(dev)?;
+    if let Some(q) = queues.get(&dev) {
+        return Ok(*q);
+    }
+    let q = cnrt.queue_create()?;
+    queues.insert(dev, q);
+    Ok(q)
+}
+
+/// Enqueues every copy, then waits for the queues used; the first error wins, and a
+/// queue that failed is destroyed so the next batch starts on a fresh one.
+pub(crate) fn run(copies: &[Copy], cnrt: &Cnrt, queues: &mut HashMap<u32, Queue>) -> Result<()> {
+    let mut used: Vec<u32> = Vec::new();
+    let mut first: Option<Error> = None;
+    for (i, c) in copies.iter().enumerate() {
+        let r = match c.kind {
+            Kind::HostToHost => {
+                // SAFETY: both ranges were checked against live registrations, which
+                // the batch's guards keep registered until it completes; `copy`
+                // allows overlap (an engine writing into itself).
+                unsafe { std::ptr::copy(c.src as *const u8, c.dst as *mut u8, c.len) };
+                Ok(())
+            }
+            Kind::Queue { dev, dir } => queue(cnrt, queues, dev).and_then(|q| {
+                if !used.contains(&dev) {
+                    used.push(dev);
+                }
+                // SAFETY: as above; the queue is synchronized below before the guards
+                // are released.
+                unsafe { cnrt.memcpy_async(c.dst, c.src, c.len, q, dir) }
+            }),
+            Kind::Peer { dev, dst, src } => queue(cnrt, queues, dev).and_then(|q| {
+                if !used.contains(&dev) {
+                    used.push(dev);
+                }
+                // SAFETY: as above.
+                unsafe { cnrt.memcpy_peer_async(c.dst, dst, c.src, src, c.len, q) }
+            }),
+        };
+        if let Err(e) = r {
+            first = Some(e.with_context("request", i));
+            break;
+        }
+    }
+    for dev in used {
+        let Some(&q) = queues.get(&dev) else { continue };
+        let r = cnrt
+            .set_device(dev)
+            .and_then(|()| match cnrt.queue_query(q) {
+                Ok(true) => Ok(()),
+                Ok(false) => cnrt.queue_sync(q),
+                Err(e) => Err(e),
+            });
+        if let Err(e) = r {
+            queues.remove(&dev);
+            let _ = cnrt.queue_sync(q);
+            let _ = cnrt.queue_destroy(q);
+            first.get_or_insert(e.with_context("mlu", dev));
+        }
+    }
+    match first {
+        Some(e) => Err(e.with_operation("transfer")),
+        None => Ok(()),
+    }
+}
