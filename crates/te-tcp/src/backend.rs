@@ -15,9 +15,10 @@ use te_core::{
 };
 
 use crate::config::TcpConfig;
-use crate::conn::{Batch, Conn, Slice};
+use crate::conn::{Batch, Conn, Part, Slice};
 use crate::regions::{Pin, Regions};
 use crate::stage::Dev;
+use crate::wire;
 
 /// The endpoint format's version (its first byte).
 const ENDPOINT_VERSION: u8 = 1;
@@ -312,9 +313,8 @@ impl TcpBackend {
         }
     }
 
-    fn pin_locals(&self, batch: &[TransferRequest], slice: u64) -> Result<(Vec<Pin>, usize)> {
+    fn pin_locals(&self, batch: &[TransferRequest]) -> Result<Vec<Pin>> {
         let mut pins: Vec<Pin> = Vec::new();
-        let mut slices = 0usize;
         for r in batch {
             if r.len == 0 {
                 return Err(Error::new(ErrorKind::InvalidRequest, "zero-length request"));
@@ -339,45 +339,100 @@ impl TcpBackend {
                 }
                 None => pins.push(self.shared.regions.pin(r.local, r.local_offset, r.len)?),
             }
-            slices += usize::try_from(r.len.div_ceil(slice)).unwrap_or(usize::MAX);
         }
-        Ok((pins, slices))
+        Ok(pins)
     }
 }
 
-/// The slices of `batch` that go to connection `k` of `n`, counting from `start`.
-fn slices_for<'a>(
-    batch: &'a [TransferRequest],
-    pins: &'a [(usize, Option<Dev>)],
+/// The smallest payload a batch's scatter-gather frames are cut to when the batch is
+/// spread over its connections (see [`plan`]).
+const MIN_GATHER: u64 = 64 << 10;
+
+/// One frame a batch is cut into, before it becomes a [`Slice`]: one piece of one
+/// request, or pieces of several requests to one remote region gathered together.
+struct Frame {
+    op: te_core::Op,
+    remote: RegionId,
+    /// The local region's device: device memory travels one piece per frame, staged.
+    device: Option<Dev>,
+    parts: Vec<Part>,
+    bytes: u64,
+}
+
+/// Cuts `batch` into frames: every request into pieces of at most `slice` bytes, and
+/// the pieces of host memory going to the same remote region with the same op gathered
+/// into frames of at most `gather` bytes and [`wire::MAX_ENTRIES`] entries (a piece
+/// longer than `gather` travels alone). Frames come out in the order they are opened.
+/// `bases` holds each request's local region address and device.
+fn plan(
+    batch: &[TransferRequest],
+    bases: &[(usize, Option<Dev>)],
     slice: u64,
-    start: usize,
-    n: usize,
-    k: usize,
-    b: &'a Arc<Batch>,
-) -> impl Iterator<Item = Slice> + 'a {
-    let mut g = start;
-    batch.iter().zip(pins).flat_map(move |(r, (base, dev))| {
-        let base = *base;
-        let pieces = r.len.div_ceil(slice);
-        let first = g;
-        g = g.wrapping_add(pieces as usize);
-        (0..pieces).filter_map(move |i| {
-            if first.wrapping_add(i as usize) % n != k {
-                return None;
-            }
-            let off = i * slice;
+    gather: u64,
+) -> Vec<Frame> {
+    let mut frames: Vec<Frame> = Vec::new();
+    // The open frame of each (op, remote region): few per batch, so a list.
+    let mut open: Vec<(te_core::Op, RegionId, usize)> = Vec::new();
+    for (r, (base, dev)) in batch.iter().zip(bases) {
+        let mut off = 0;
+        while off < r.len {
             let len = slice.min(r.len - off);
-            Some(Slice::new(
-                b.clone(),
-                r.op,
-                base + (r.local_offset + off) as usize,
-                r.remote,
-                r.remote_offset + off,
+            let part = Part {
+                local: base + (r.local_offset + off) as usize,
+                remote_offset: r.remote_offset + off,
                 len,
-                dev.clone(),
-            ))
-        })
-    })
+            };
+            off += len;
+            if dev.is_some() {
+                frames.push(Frame {
+                    op: r.op,
+                    remote: r.remote,
+                    device: dev.clone(),
+                    parts: vec![part],
+                    bytes: len,
+                });
+                continue;
+            }
+            let slot = open.iter().position(|o| o.0 == r.op && o.1 == r.remote);
+            if let Some(f) = slot.map(|i| &mut frames[open[i].2]) {
+                if f.bytes + len <= gather && f.parts.len() < wire::MAX_ENTRIES {
+                    f.bytes += len;
+                    f.parts.push(part);
+                    continue;
+                }
+            }
+            let at = frames.len();
+            frames.push(Frame {
+                op: r.op,
+                remote: r.remote,
+                device: None,
+                parts: vec![part],
+                bytes: len,
+            });
+            match slot {
+                Some(i) => open[i].2 = at,
+                None => open.push((r.op, r.remote, at)),
+            }
+        }
+    }
+    frames
+}
+
+impl Frame {
+    fn into_slice(self, b: &Arc<Batch>) -> Slice {
+        match (&self.device, self.parts.as_slice()) {
+            (Some(_), [p]) => Slice::new(
+                b.clone(),
+                self.op,
+                p.local,
+                self.remote,
+                p.remote_offset,
+                p.len,
+                self.device.clone(),
+            ),
+            _ => Slice::gathered(b.clone(), self.op, self.remote, self.parts),
+        }
+    }
 }
 
 impl TransferBackend for TcpBackend {
@@ -511,7 +566,7 @@ impl TransferBackend for TcpBackend {
         }
         // Every slice fits the frame limit the peer announced and our own buffers.
         let slice = pc.slice.load(Ordering::Acquire);
-        let (pins, total) = self.pin_locals(batch, slice)?;
+        let pins = self.pin_locals(batch)?;
         let bases: Vec<(usize, Option<Dev>)> = batch
             .iter()
             .map(|r| {
@@ -522,20 +577,29 @@ impl TransferBackend for TcpBackend {
                     })
             })
             .collect();
-        let b = Arc::new(Batch::new(total, done, pins));
-        self.shared.watch.add(&b, &conns);
         let n = conns.len();
+        // Gathered frames are cut so that a batch still spreads over every connection,
+        // but not below `MIN_GATHER`, where per-frame costs would return.
+        let total: u64 = batch.iter().map(|r| r.len).fold(0, u64::saturating_add);
+        let gather = total.div_ceil(n as u64).clamp(MIN_GATHER.min(slice), slice);
+        let frames = plan(batch, &bases, slice, gather);
+        let b = Arc::new(Batch::new(frames.len(), done, pins));
+        self.shared.watch.add(&b, &conns);
         // Start on the least loaded connection, the lowest on a tie: a lone small batch
         // then always finds the same warm connection and threads, while concurrent
-        // batches and the slices of a large one still spread over the whole pool.
+        // batches and the frames of a large one still spread over the whole pool.
         let start = (0..n).min_by_key(|&k| conns[k].load()).unwrap_or(0);
+        let mut per_conn: Vec<Vec<Slice>> = (0..n).map(|_| Vec::new()).collect();
+        for (i, f) in frames.into_iter().enumerate() {
+            per_conn[start.wrapping_add(i) % n].push(f.into_slice(&b));
+        }
         let mut budget = self.shared.config.inline_send as usize;
-        // Connection `k` carries the slices whose global number is `k` modulo `n`;
-        // the first slice's connection goes first.
+        // Frame `i` goes to connection `start + i` modulo `n`; the first frame's
+        // connection goes first.
         for j in 0..n {
             let k = start.wrapping_add(j) % n;
-            let conn = &conns[k];
-            let sent = conn.submit(slices_for(batch, &bases, slice, start, n, k, &b), budget);
+            let slices = std::mem::take(&mut per_conn[k]);
+            let sent = conns[k].submit(slices.into_iter(), budget);
             budget = budget.saturating_sub(sent);
         }
         Ok(())
