@@ -344,10 +344,6 @@ impl TcpBackend {
     }
 }
 
-/// The smallest payload a batch's scatter-gather frames are cut to when the batch is
-/// spread over its connections (see [`plan`]).
-const MIN_GATHER: u64 = 64 << 10;
-
 /// One frame a batch is cut into, before it becomes a [`Slice`]: one piece of one
 /// request, or pieces of several requests to one remote region gathered together.
 struct Frame {
@@ -361,15 +357,14 @@ struct Frame {
 
 /// Cuts `batch` into frames: every request into pieces of at most `slice` bytes, and
 /// the pieces of host memory going to the same remote region with the same op gathered
-/// into frames of at most `gather` bytes and [`wire::MAX_ENTRIES`] entries (a piece
-/// longer than `gather` travels alone). Frames come out in the order they are opened.
-/// `bases` holds each request's local region address and device.
-fn plan(
-    batch: &[TransferRequest],
-    bases: &[(usize, Option<Dev>)],
-    slice: u64,
-    gather: u64,
-) -> Vec<Frame> {
+/// into frames of at most `slice` bytes and [`wire::MAX_ENTRIES`] entries. Frames come
+/// out in the order they are opened. `bases` holds each request's local region address
+/// and device.
+///
+/// A batch smaller than the frame limit becomes one frame on one connection rather than
+/// one per connection: fewer, fuller frames measured faster (see docs/decisions.md),
+/// and batches larger than that still spread over the pool.
+fn plan(batch: &[TransferRequest], bases: &[(usize, Option<Dev>)], slice: u64) -> Vec<Frame> {
     let mut frames: Vec<Frame> = Vec::new();
     // The open frame of each (op, remote region): few per batch, so a list.
     let mut open: Vec<(te_core::Op, RegionId, usize)> = Vec::new();
@@ -395,7 +390,7 @@ fn plan(
             }
             let slot = open.iter().position(|o| o.0 == r.op && o.1 == r.remote);
             if let Some(f) = slot.map(|i| &mut frames[open[i].2]) {
-                if f.bytes + len <= gather && f.parts.len() < wire::MAX_ENTRIES {
+                if f.bytes + len <= slice && f.parts.len() < wire::MAX_ENTRIES {
                     f.bytes += len;
                     f.parts.push(part);
                     continue;
@@ -578,11 +573,7 @@ impl TransferBackend for TcpBackend {
             })
             .collect();
         let n = conns.len();
-        // Gathered frames are cut so that a batch still spreads over every connection,
-        // but not below `MIN_GATHER`, where per-frame costs would return.
-        let total: u64 = batch.iter().map(|r| r.len).fold(0, u64::saturating_add);
-        let gather = total.div_ceil(n as u64).clamp(MIN_GATHER.min(slice), slice);
-        let frames = plan(batch, &bases, slice, gather);
+        let frames = plan(batch, &bases, slice);
         let b = Arc::new(Batch::new(frames.len(), done, pins));
         self.shared.watch.add(&b, &conns);
         // Start on the least loaded connection, the lowest on a tie: a lone small batch
@@ -656,5 +647,63 @@ impl Drop for TcpBackend {
                 let _ = t.join();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use te_core::Op;
+
+    fn req(op: Op, remote: u64, remote_offset: u64, len: u64) -> TransferRequest {
+        TransferRequest {
+            op,
+            local: RegionId(1),
+            local_offset: remote_offset,
+            remote: RegionId(remote),
+            remote_offset,
+            len,
+        }
+    }
+
+    #[test]
+    fn a_batch_is_gathered_per_region_and_op_within_the_frame_and_entry_limits() {
+        let mut batch = Vec::new();
+        // 1500 blocks of 4 KiB to region 1: the entry limit cuts them at 1024.
+        batch.extend((0..1500).map(|i| req(Op::Write, 1, i * 4096, 4096)));
+        // Interleaved reads of region 1 and writes to region 2 gather apart.
+        batch.extend((0..10).map(|i| req(Op::Read, 1, i * 4096, 4096)));
+        batch.extend((0..10).map(|i| req(Op::Write, 2, i * 4096, 4096)));
+        // A request longer than the frame limit is sliced; its last piece may be
+        // gathered with what follows.
+        batch.push(req(Op::Write, 3, 0, (8 << 20) + 100));
+        batch.push(req(Op::Write, 3, 9 << 20, 100));
+        let bases = vec![(0x10000usize, None); batch.len()];
+        let slice = 8 << 20;
+        let frames = plan(&batch, &bases, slice);
+        let shape: Vec<(Op, u64, usize, u64)> = frames
+            .iter()
+            .map(|f| (f.op, f.remote.0, f.parts.len(), f.bytes))
+            .collect();
+        assert_eq!(
+            shape,
+            [
+                (Op::Write, 1, 1024, 1024 * 4096),
+                (Op::Write, 1, 476, 476 * 4096),
+                (Op::Read, 1, 10, 10 * 4096),
+                (Op::Write, 2, 10, 10 * 4096),
+                (Op::Write, 3, 1, 8 << 20),
+                (Op::Write, 3, 2, 200),
+            ]
+        );
+        for f in &frames {
+            assert!(f.bytes <= slice && f.parts.len() <= wire::MAX_ENTRIES);
+            assert_eq!(f.parts.iter().map(|p| p.len).sum::<u64>(), f.bytes);
+        }
+        // Every byte of every request is in exactly one part, at the same offsets.
+        let total: u64 = frames.iter().map(|f| f.bytes).sum();
+        assert_eq!(total, batch.iter().map(|r| r.len).sum::<u64>());
+        let p = frames[4].parts[0];
+        assert_eq!((p.local, p.remote_offset), (0x10000, 0));
     }
 }

@@ -1208,10 +1208,13 @@ fn blocks(
 fn blocks_by_random_id_are_gathered_into_frames_and_land_intact_both_ways() {
     const BLOCK: u64 = 4096;
     const N: u64 = 2048;
-    // 8 MiB in 2048 blocks: gathered frames, some cut at the entry limit or the frame
-    // limit, over two connections.
-    let target = backend(|c| c.slice_size = 1 << 20);
-    let init = backend(|c| c.connections_per_peer = 2);
+    // 8 MiB in 2048 blocks with an 8 MiB frame limit: two frames of 1024 entries (cut
+    // at the entry limit), one per connection.
+    let target = backend(|c| c.slice_size = 8 << 20);
+    let init = backend(|c| {
+        c.connections_per_peer = 2;
+        c.slice_size = 8 << 20;
+    });
     let mut remote = Guarded::new((N * BLOCK) as usize, 0);
     remote.register(&target, 1, Access::REMOTE_READ_WRITE);
     let mut src = pattern((N * BLOCK) as usize, 3);
