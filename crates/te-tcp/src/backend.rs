@@ -40,6 +40,8 @@ pub(crate) struct Shared {
     pub(crate) accept_errors: AtomicU64,
     /// WRITEs into host memory whose payload stopped part way (a torn range).
     pub(crate) torn_writes: AtomicU64,
+    /// The engine's control plane, where torn writes are posted as peer events.
+    pub(crate) hook: te_core::ControlHook,
     pub(crate) threads: Mutex<Vec<JoinHandle<()>>>,
     /// The deadlines of batches in flight.
     pub(crate) watch: Arc<crate::watch::Watch>,
@@ -188,6 +190,7 @@ impl TcpBackend {
             pending: AtomicUsize::new(0),
             accept_errors: AtomicU64::new(0),
             torn_writes: AtomicU64::new(0),
+            hook: ctx.hook.clone(),
             threads: Mutex::new(Vec::new()),
             watch: Arc::default(),
         });

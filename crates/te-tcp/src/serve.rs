@@ -213,6 +213,24 @@ fn torn(shared: &Shared, h: &Header, entries: &[Entry], peer: &str, e: std::io::
         error = %e,
         "torn write: the connection broke in the middle of a WRITE; this range may hold part old, part new bytes"
     );
+    let event = te_core::PeerEvent {
+        kind: te_core::PeerEventKind::TornWrite,
+        // The data connection names no engine; its address is what is known.
+        name: String::new(),
+        epoch: 0,
+        previous_epoch: None,
+        address: peer.to_string(),
+        at: std::time::SystemTime::now(),
+        torn: Some(te_core::TornRange {
+            region: RegionId(h.region),
+            start,
+            end,
+        }),
+    };
+    if let Err(e) = shared.hook.post_event(event) {
+        // Outside an engine (a backend driven directly) the log line above is all.
+        tracing::debug!(error = %e, "the torn write was not posted as a peer event");
+    }
     io_err(
         peer,
         &format!(

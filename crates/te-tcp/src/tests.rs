@@ -507,7 +507,7 @@ fn a_frame_longer_than_the_agreed_limit_is_refused_and_the_target_keeps_serving(
 }
 
 /// Waits, bounded, until `f` holds.
-fn eventually(what: &str, limit: Duration, f: impl Fn() -> bool) {
+fn eventually(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
     let end = Instant::now() + limit;
     while !f() {
         assert!(
@@ -1316,4 +1316,64 @@ fn a_version_2_peer_is_refused_with_a_version_mismatch_on_both_sides() {
     t.join().unwrap();
     assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
     assert!(e.to_string().contains("protocol 2 and this side 3"), "{e}");
+}
+
+#[test]
+fn a_write_torn_mid_payload_is_posted_as_a_peer_event_naming_region_and_range() {
+    let control =
+        te_core::hook::StandaloneControl::start(&te_core::EngineConfig::default(), 7).unwrap();
+    let ctx = te_core::BackendContext {
+        hook: control.hook(),
+        ..te_core::BackendContext::default()
+    };
+    let c = TcpConfig {
+        slice_size: 1 << 20,
+        ..TcpConfig::default()
+    };
+    let target = TcpBackend::new(c, &ctx).expect("backend");
+    let mut mem = vec![0u8; 1 << 20];
+    register(&target, 3, &mut mem, Access::REMOTE_READ_WRITE);
+    // A plain WRITE of 1 MiB at 4096 that stops after 100 bytes, then a gathered one
+    // whose entries span 100..9000 and that stops inside its second entry.
+    let mut s = raw(&target);
+    s.write_all(&Header::request(Kind::Write, 1, 3, 4096, (1 << 20) - 4096).encode())
+        .unwrap();
+    s.write_all(&[7u8; 100]).unwrap();
+    drop(s);
+    let mut s = raw(&target);
+    s.write_all(&sg_frame(
+        Kind::WriteV,
+        1,
+        3,
+        &[(8000, 1000), (100, 50)],
+        1050,
+    ))
+    .unwrap();
+    s.write_all(&[8u8; 1010]).unwrap();
+    let local = s.local_addr().unwrap().to_string();
+    drop(s);
+    let mut events = Vec::new();
+    eventually("both torn writes posted", Duration::from_secs(5), || {
+        events.extend(control.try_recv_events());
+        events.len() >= 2
+    });
+    drop(target);
+    let mut torn: Vec<_> = events
+        .iter()
+        .map(|e| {
+            assert_eq!(e.kind, te_core::PeerEventKind::TornWrite, "{e:?}");
+            e.torn.expect("a torn range")
+        })
+        .collect();
+    torn.sort_by_key(|t| t.start);
+    let range = |start, end| te_core::TornRange {
+        region: RegionId(3),
+        start,
+        end,
+    };
+    assert_eq!(torn, [range(100, 9000), range(4096, 1 << 20)]);
+    assert!(
+        events.iter().any(|e| e.address == local),
+        "the event names the connection's peer address: {events:?}"
+    );
 }
