@@ -72,6 +72,17 @@ impl HookSlot {
         })
     }
 
+    fn post_event(&self, event: crate::PeerEvent) -> Result<()> {
+        let control = self.control.get().and_then(Weak::upgrade).ok_or_else(|| {
+            Error::new(
+                ErrorKind::Cancelled,
+                "the engine's control plane is not running",
+            )
+        })?;
+        control.post_event(event);
+        Ok(())
+    }
+
     fn call(&self, peer: &str, request: &[u8], deadline: Deadline) -> Result<Vec<u8>> {
         let control = self.control.get().and_then(Weak::upgrade).ok_or_else(|| {
             Error::new(
@@ -142,6 +153,20 @@ impl ControlHook {
             None => Err(no_engine()),
             Some(HookTarget::Engine(slot)) => slot.serve(handler),
             Some(HookTarget::Plugin(ffi)) => crate::plugin::serve_through(ffi, handler),
+        }
+    }
+
+    /// Posts a peer event the backend noticed on its own traffic (a write torn by a
+    /// connection that broke mid-payload) to the engine's peer events, where the
+    /// engine's user reads it with the others.
+    ///
+    /// # Errors
+    /// `Unsupported` outside an engine; `Cancelled` once its control plane has stopped.
+    pub fn post_event(&self, event: crate::PeerEvent) -> Result<()> {
+        match &self.0 {
+            None => Err(no_engine()),
+            Some(HookTarget::Engine(slot)) => slot.post_event(event),
+            Some(HookTarget::Plugin(ffi)) => crate::plugin::post_through(ffi, &event),
         }
     }
 
@@ -229,5 +254,11 @@ impl StandaloneControl {
     /// The address peers reach this control plane at (a descriptor's `address`).
     pub fn address(&self) -> std::net::SocketAddr {
         self.plane.shared().address()
+    }
+
+    /// Every peer event not yet read (those the backend posted, and its peers'),
+    /// without waiting.
+    pub fn try_recv_events(&self) -> Vec<crate::PeerEvent> {
+        self.plane.shared().events.drain()
     }
 }

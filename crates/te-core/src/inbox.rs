@@ -27,7 +27,7 @@ pub struct Notification {
 }
 
 /// What happened to a peer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum PeerEventKind {
     /// Its session broke without a goodbye: it died, or the network between us did.
     /// Whatever it was pushing will not complete.
@@ -37,23 +37,44 @@ pub enum PeerEventKind {
     Restarted,
     /// It closed its session on purpose (its engine shut down).
     Left,
+    /// Its data connection broke in the middle of a WRITE into this engine's memory
+    /// (posted by the backend, which received it): [`PeerEvent::torn`] names the bytes
+    /// that may now hold part old, part new data.
+    TornWrite,
 }
 
-/// A peer that had a session with this engine disappeared, restarted or left.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// The bytes of a registered region a [`PeerEventKind::TornWrite`] may have left part
+/// old, part new.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TornRange {
+    /// The region.
+    pub region: crate::RegionId,
+    /// The first byte that may be torn, from the region's start.
+    pub start: u64,
+    /// One past the last.
+    pub end: u64,
+}
+
+/// A peer that had a session with this engine disappeared, restarted or left, or a
+/// peer's write into this engine's memory was torn.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PeerEvent {
     /// What happened.
     pub kind: PeerEventKind,
-    /// The peer's engine name.
+    /// The peer's engine name; empty when the backend that posted the event does not
+    /// know it (a data connection that names no engine).
     pub name: String,
     /// Its epoch (the new one, for `Restarted`).
     pub epoch: u64,
     /// Its epoch before, for `Restarted`.
     pub previous_epoch: Option<u64>,
-    /// Its control-plane address.
+    /// Its control-plane address; for an event a backend posted, the address of the
+    /// backend's connection from the peer.
     pub address: String,
     /// When this engine noticed.
     pub at: SystemTime,
+    /// For [`PeerEventKind::TornWrite`], the region and bytes; `None` otherwise.
+    pub torn: Option<TornRange>,
 }
 
 struct State<T> {

@@ -71,7 +71,7 @@ pub use engine::{BlockOptions, Engine, Peer, Registration, TransferOptions};
 pub use error::{Error, ErrorKind, Result};
 pub use hook::{ControlHook, MessageHandler, PeerInfo};
 pub use inbox::Notification;
-pub use inbox::{Next, PeerEvent, PeerEventKind};
+pub use inbox::{Next, PeerEvent, PeerEventKind, TornRange};
 pub use kv::{KvGroup, KvLayout, KvSelection, KvSlot};
 pub use registry::{BackendType, Origin, Registry};
 

@@ -91,6 +91,8 @@ pub trait FfiHook: Send + Sync {
         request: RSlice<'_, u8>,
         deadline: Deadline,
     ) -> RResult<RVec<u8>, FfiError>;
+    /// Posts an encoded [`PeerEvent`](crate::PeerEvent) to the engine's peer events.
+    fn post_event(&self, event: RSlice<'_, u8>) -> RResult<(), FfiError>;
 }
 
 /// A boxed control hook.
@@ -132,6 +134,16 @@ impl FfiHook for HostHook {
                 .call(peer.as_str(), request.as_slice(), deadline)
                 .map(RVec::from)
         }))
+    }
+    fn post_event(&self, event: RSlice<'_, u8>) -> RResult<(), FfiError> {
+        to_ffi(caught("post_event", || self.post(event.as_slice())))
+    }
+}
+
+impl HostHook {
+    fn post(&self, event: &[u8]) -> Result<()> {
+        let event: crate::PeerEvent = codec::decode(event, "peer event")?;
+        self.0.post_event(event)
     }
 }
 
@@ -182,6 +194,11 @@ pub(crate) fn call_through(
     deadline: Deadline,
 ) -> Result<Vec<u8>> {
     from_ffi(hook.call(peer.into(), request.into(), deadline)).map(RVec::into_vec)
+}
+
+/// [`ControlHook::post_event`] for a plugin's backend.
+pub(crate) fn post_through(hook: &FfiHookBox, event: &crate::PeerEvent) -> Result<()> {
+    from_ffi(hook.post_event(codec::encode(event).as_slice().into()))
 }
 
 /// The root module every backend plugin exports.

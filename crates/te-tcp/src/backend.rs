@@ -15,9 +15,10 @@ use te_core::{
 };
 
 use crate::config::TcpConfig;
-use crate::conn::{Batch, Conn, Slice};
+use crate::conn::{Batch, Conn, Part, Slice};
 use crate::regions::{Pin, Regions};
 use crate::stage::Dev;
+use crate::wire;
 
 /// The endpoint format's version (its first byte).
 const ENDPOINT_VERSION: u8 = 1;
@@ -39,6 +40,8 @@ pub(crate) struct Shared {
     pub(crate) accept_errors: AtomicU64,
     /// WRITEs into host memory whose payload stopped part way (a torn range).
     pub(crate) torn_writes: AtomicU64,
+    /// The engine's control plane, where torn writes are posted as peer events.
+    pub(crate) hook: te_core::ControlHook,
     pub(crate) threads: Mutex<Vec<JoinHandle<()>>>,
     /// The deadlines of batches in flight.
     pub(crate) watch: Arc<crate::watch::Watch>,
@@ -187,6 +190,7 @@ impl TcpBackend {
             pending: AtomicUsize::new(0),
             accept_errors: AtomicU64::new(0),
             torn_writes: AtomicU64::new(0),
+            hook: ctx.hook.clone(),
             threads: Mutex::new(Vec::new()),
             watch: Arc::default(),
         });
@@ -312,9 +316,8 @@ impl TcpBackend {
         }
     }
 
-    fn pin_locals(&self, batch: &[TransferRequest], slice: u64) -> Result<(Vec<Pin>, usize)> {
+    fn pin_locals(&self, batch: &[TransferRequest]) -> Result<Vec<Pin>> {
         let mut pins: Vec<Pin> = Vec::new();
-        let mut slices = 0usize;
         for r in batch {
             if r.len == 0 {
                 return Err(Error::new(ErrorKind::InvalidRequest, "zero-length request"));
@@ -339,45 +342,95 @@ impl TcpBackend {
                 }
                 None => pins.push(self.shared.regions.pin(r.local, r.local_offset, r.len)?),
             }
-            slices += usize::try_from(r.len.div_ceil(slice)).unwrap_or(usize::MAX);
         }
-        Ok((pins, slices))
+        Ok(pins)
     }
 }
 
-/// The slices of `batch` that go to connection `k` of `n`, counting from `start`.
-fn slices_for<'a>(
-    batch: &'a [TransferRequest],
-    pins: &'a [(usize, Option<Dev>)],
-    slice: u64,
-    start: usize,
-    n: usize,
-    k: usize,
-    b: &'a Arc<Batch>,
-) -> impl Iterator<Item = Slice> + 'a {
-    let mut g = start;
-    batch.iter().zip(pins).flat_map(move |(r, (base, dev))| {
-        let base = *base;
-        let pieces = r.len.div_ceil(slice);
-        let first = g;
-        g = g.wrapping_add(pieces as usize);
-        (0..pieces).filter_map(move |i| {
-            if first.wrapping_add(i as usize) % n != k {
-                return None;
-            }
-            let off = i * slice;
+/// One frame a batch is cut into, before it becomes a [`Slice`]: one piece of one
+/// request, or pieces of several requests to one remote region gathered together.
+struct Frame {
+    op: te_core::Op,
+    remote: RegionId,
+    /// The local region's device: device memory travels one piece per frame, staged.
+    device: Option<Dev>,
+    parts: Vec<Part>,
+    bytes: u64,
+}
+
+/// Cuts `batch` into frames: every request into pieces of at most `slice` bytes, and
+/// the pieces of host memory going to the same remote region with the same op gathered
+/// into frames of at most `slice` bytes and [`wire::MAX_ENTRIES`] entries. Frames come
+/// out in the order they are opened. `bases` holds each request's local region address
+/// and device.
+///
+/// A batch smaller than the frame limit becomes one frame on one connection rather than
+/// one per connection: fewer, fuller frames measured faster (see docs/decisions.md),
+/// and batches larger than that still spread over the pool.
+fn plan(batch: &[TransferRequest], bases: &[(usize, Option<Dev>)], slice: u64) -> Vec<Frame> {
+    let mut frames: Vec<Frame> = Vec::new();
+    // The open frame of each (op, remote region): few per batch, so a list.
+    let mut open: Vec<(te_core::Op, RegionId, usize)> = Vec::new();
+    for (r, (base, dev)) in batch.iter().zip(bases) {
+        let mut off = 0;
+        while off < r.len {
             let len = slice.min(r.len - off);
-            Some(Slice::new(
-                b.clone(),
-                r.op,
-                base + (r.local_offset + off) as usize,
-                r.remote,
-                r.remote_offset + off,
+            let part = Part {
+                local: base + (r.local_offset + off) as usize,
+                remote_offset: r.remote_offset + off,
                 len,
-                dev.clone(),
-            ))
-        })
-    })
+            };
+            off += len;
+            if dev.is_some() {
+                frames.push(Frame {
+                    op: r.op,
+                    remote: r.remote,
+                    device: dev.clone(),
+                    parts: vec![part],
+                    bytes: len,
+                });
+                continue;
+            }
+            let slot = open.iter().position(|o| o.0 == r.op && o.1 == r.remote);
+            if let Some(f) = slot.map(|i| &mut frames[open[i].2]) {
+                if f.bytes + len <= slice && f.parts.len() < wire::MAX_ENTRIES {
+                    f.bytes += len;
+                    f.parts.push(part);
+                    continue;
+                }
+            }
+            let at = frames.len();
+            frames.push(Frame {
+                op: r.op,
+                remote: r.remote,
+                device: None,
+                parts: vec![part],
+                bytes: len,
+            });
+            match slot {
+                Some(i) => open[i].2 = at,
+                None => open.push((r.op, r.remote, at)),
+            }
+        }
+    }
+    frames
+}
+
+impl Frame {
+    fn into_slice(self, b: &Arc<Batch>) -> Slice {
+        match (&self.device, self.parts.as_slice()) {
+            (Some(_), [p]) => Slice::new(
+                b.clone(),
+                self.op,
+                p.local,
+                self.remote,
+                p.remote_offset,
+                p.len,
+                self.device.clone(),
+            ),
+            _ => Slice::gathered(b.clone(), self.op, self.remote, self.parts),
+        }
+    }
 }
 
 impl TransferBackend for TcpBackend {
@@ -511,7 +564,7 @@ impl TransferBackend for TcpBackend {
         }
         // Every slice fits the frame limit the peer announced and our own buffers.
         let slice = pc.slice.load(Ordering::Acquire);
-        let (pins, total) = self.pin_locals(batch, slice)?;
+        let pins = self.pin_locals(batch)?;
         let bases: Vec<(usize, Option<Dev>)> = batch
             .iter()
             .map(|r| {
@@ -522,20 +575,25 @@ impl TransferBackend for TcpBackend {
                     })
             })
             .collect();
-        let b = Arc::new(Batch::new(total, done, pins));
-        self.shared.watch.add(&b, &conns);
         let n = conns.len();
+        let frames = plan(batch, &bases, slice);
+        let b = Arc::new(Batch::new(frames.len(), done, pins));
+        self.shared.watch.add(&b, &conns);
         // Start on the least loaded connection, the lowest on a tie: a lone small batch
         // then always finds the same warm connection and threads, while concurrent
-        // batches and the slices of a large one still spread over the whole pool.
+        // batches and the frames of a large one still spread over the whole pool.
         let start = (0..n).min_by_key(|&k| conns[k].load()).unwrap_or(0);
+        let mut per_conn: Vec<Vec<Slice>> = (0..n).map(|_| Vec::new()).collect();
+        for (i, f) in frames.into_iter().enumerate() {
+            per_conn[start.wrapping_add(i) % n].push(f.into_slice(&b));
+        }
         let mut budget = self.shared.config.inline_send as usize;
-        // Connection `k` carries the slices whose global number is `k` modulo `n`;
-        // the first slice's connection goes first.
+        // Frame `i` goes to connection `start + i` modulo `n`; the first frame's
+        // connection goes first.
         for j in 0..n {
             let k = start.wrapping_add(j) % n;
-            let conn = &conns[k];
-            let sent = conn.submit(slices_for(batch, &bases, slice, start, n, k, &b), budget);
+            let slices = std::mem::take(&mut per_conn[k]);
+            let sent = conns[k].submit(slices.into_iter(), budget);
             budget = budget.saturating_sub(sent);
         }
         Ok(())
@@ -592,5 +650,63 @@ impl Drop for TcpBackend {
                 let _ = t.join();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use te_core::Op;
+
+    fn req(op: Op, remote: u64, remote_offset: u64, len: u64) -> TransferRequest {
+        TransferRequest {
+            op,
+            local: RegionId(1),
+            local_offset: remote_offset,
+            remote: RegionId(remote),
+            remote_offset,
+            len,
+        }
+    }
+
+    #[test]
+    fn a_batch_is_gathered_per_region_and_op_within_the_frame_and_entry_limits() {
+        let mut batch = Vec::new();
+        // 1500 blocks of 4 KiB to region 1: the entry limit cuts them at 1024.
+        batch.extend((0..1500).map(|i| req(Op::Write, 1, i * 4096, 4096)));
+        // Interleaved reads of region 1 and writes to region 2 gather apart.
+        batch.extend((0..10).map(|i| req(Op::Read, 1, i * 4096, 4096)));
+        batch.extend((0..10).map(|i| req(Op::Write, 2, i * 4096, 4096)));
+        // A request longer than the frame limit is sliced; its last piece may be
+        // gathered with what follows.
+        batch.push(req(Op::Write, 3, 0, (8 << 20) + 100));
+        batch.push(req(Op::Write, 3, 9 << 20, 100));
+        let bases = vec![(0x10000usize, None); batch.len()];
+        let slice = 8 << 20;
+        let frames = plan(&batch, &bases, slice);
+        let shape: Vec<(Op, u64, usize, u64)> = frames
+            .iter()
+            .map(|f| (f.op, f.remote.0, f.parts.len(), f.bytes))
+            .collect();
+        assert_eq!(
+            shape,
+            [
+                (Op::Write, 1, 1024, 1024 * 4096),
+                (Op::Write, 1, 476, 476 * 4096),
+                (Op::Read, 1, 10, 10 * 4096),
+                (Op::Write, 2, 10, 10 * 4096),
+                (Op::Write, 3, 1, 8 << 20),
+                (Op::Write, 3, 2, 200),
+            ]
+        );
+        for f in &frames {
+            assert!(f.bytes <= slice && f.parts.len() <= wire::MAX_ENTRIES);
+            assert_eq!(f.parts.iter().map(|p| p.len).sum::<u64>(), f.bytes);
+        }
+        // Every byte of every request is in exactly one part, at the same offsets.
+        let total: u64 = frames.iter().map(|f| f.bytes).sum();
+        assert_eq!(total, batch.iter().map(|r| r.len).sum::<u64>());
+        let p = frames[4].parts[0];
+        assert_eq!((p.local, p.remote_offset), (0x10000, 0));
     }
 }

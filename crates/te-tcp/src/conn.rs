@@ -123,7 +123,8 @@ impl Batch {
     }
 }
 
-/// A piece of one request, at most `slice_size` bytes, travelling as one frame.
+/// A piece of one request, at most `slice_size` bytes, travelling as one frame; or
+/// pieces of several requests to one remote region, gathered into one frame.
 pub(crate) struct Slice {
     pub(crate) batch: Arc<Batch>,
     pub(crate) op: Op,
@@ -137,7 +138,20 @@ pub(crate) struct Slice {
     device: Option<Dev>,
     /// A device WRITE's staging: its copy into a pinned buffer.
     stage: Option<Arc<Mutex<Stage>>>,
+    /// A scatter-gather slice's parts (host memory only; empty for a plain slice, whose
+    /// one range is `local`, `remote_offset`, `len`).
+    parts: Vec<Part>,
     id: u64,
+}
+
+/// One part of a scatter-gather slice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Part {
+    /// Address of the local bytes.
+    pub(crate) local: usize,
+    /// Where they go (or come from) in the remote region.
+    pub(crate) remote_offset: u64,
+    pub(crate) len: u64,
 }
 
 /// Where a device WRITE slice's bytes are on their way to the socket.
@@ -175,55 +189,177 @@ impl Slice {
             len,
             device,
             stage,
+            parts: Vec::new(),
             id: 0,
         }
     }
 
+    /// A slice of host memory that travels as one scatter-gather frame: `parts` (at
+    /// most [`wire::MAX_ENTRIES`], adding up to at most the frame limit) of one remote
+    /// region. One part makes a plain slice.
+    pub(crate) fn gathered(batch: Arc<Batch>, op: Op, remote: RegionId, parts: Vec<Part>) -> Slice {
+        let first = parts.first().copied().unwrap_or(Part {
+            local: 0,
+            remote_offset: 0,
+            len: 0,
+        });
+        let mut s = Slice::new(
+            batch,
+            op,
+            first.local,
+            remote,
+            first.remote_offset,
+            parts.iter().map(|p| p.len).sum(),
+            None,
+        );
+        if parts.len() > 1 {
+            s.parts = parts;
+        }
+        s
+    }
+
     fn header(&self) -> Header {
-        let kind = match self.op {
-            Op::Write => Kind::Write,
-            Op::Read => Kind::Read,
+        let kind = match (self.op, self.parts.is_empty()) {
+            (Op::Write, true) => Kind::Write,
+            (Op::Read, true) => Kind::Read,
+            (Op::Write, false) => Kind::WriteV,
+            (Op::Read, false) => Kind::ReadV,
         };
-        Header::request(kind, self.id, self.remote.0, self.remote_offset, self.len)
+        if self.parts.is_empty() {
+            return Header::request(kind, self.id, self.remote.0, self.remote_offset, self.len);
+        }
+        Header {
+            kind,
+            code: self.parts.len() as u32,
+            id: self.id,
+            region: self.remote.0,
+            offset: 0,
+            len: self.len,
+        }
+    }
+
+    /// Adds this slice's frame to `c`: its header (and entry list), then for a WRITE
+    /// its payload, from `payload` (a plain slice's source, or its staging buffer) or
+    /// from each part.
+    fn push_frame(&self, c: &mut Carry, payload: usize) {
+        let h = self.header().encode();
+        if self.parts.is_empty() {
+            let body = match self.op {
+                Op::Write => (payload, self.len as usize),
+                Op::Read => (0, 0),
+            };
+            c.push(&h, std::iter::once(body));
+            return;
+        }
+        let mut head = Vec::with_capacity(HEADER_LEN + self.parts.len() * wire::ENTRY_LEN);
+        head.extend_from_slice(&h);
+        for p in &self.parts {
+            wire::Entry {
+                offset: p.remote_offset,
+                len: p.len,
+            }
+            .encode_into(&mut head);
+        }
+        let write = self.op == Op::Write;
+        c.push(
+            &head,
+            self.parts
+                .iter()
+                .filter(|_| write)
+                .map(|p| (p.local, p.len as usize)),
+        );
     }
 }
 
-/// Frames being written: their header bytes and payload spans, and how many bytes of
-/// the first are already out.
-#[derive(Clone, Copy)]
+/// Frames being written: their header bytes (with a scatter-gather frame's entry list)
+/// and payload spans, in wire order, and how much of them is already out.
+#[derive(Default)]
 struct Carry {
-    headers: [[u8; HEADER_LEN]; MAX_FRAMES],
-    payloads: [(usize, usize); MAX_FRAMES],
-    first: usize,
-    count: usize,
+    /// The frames' header bytes, one after another.
+    head: Vec<u8>,
+    /// What goes on the wire, in order.
+    segs: Vec<Seg>,
+    /// The first span not wholly written, and the bytes of it that are.
+    at: usize,
     skip: usize,
 }
 
-impl Carry {
-    const EMPTY: Carry = Carry {
-        headers: [[0; HEADER_LEN]; MAX_FRAMES],
-        payloads: [(0, 0); MAX_FRAMES],
-        first: 0,
-        count: 0,
-        skip: 0,
-    };
+/// One span of [`Carry`]: a range of its header bytes, or a payload in memory.
+#[derive(Clone, Copy)]
+enum Seg {
+    Head { start: usize, len: usize },
+    Payload { addr: usize, len: usize },
+}
 
+impl Seg {
+    fn len(&self) -> usize {
+        match *self {
+            Seg::Head { len, .. } | Seg::Payload { len, .. } => len,
+        }
+    }
+}
+
+impl Carry {
     fn is_empty(&self) -> bool {
-        self.first == self.count
+        self.at == self.segs.len()
+    }
+
+    /// Forgets everything, keeping the buffers.
+    fn clear(&mut self) {
+        self.head.clear();
+        self.segs.clear();
+        self.at = 0;
+        self.skip = 0;
+    }
+
+    /// Adds a frame: its header bytes, then its payload spans.
+    fn push(&mut self, head: &[u8], payloads: impl Iterator<Item = (usize, usize)>) {
+        let start = self.head.len();
+        self.head.extend_from_slice(head);
+        self.segs.push(Seg::Head {
+            start,
+            len: head.len(),
+        });
+        self.segs.extend(
+            payloads
+                .filter(|p| p.1 > 0)
+                .map(|(addr, len)| Seg::Payload { addr, len }),
+        );
     }
 
     /// Marks `n` more bytes written.
     fn advance(&mut self, n: usize) {
         let mut left = self.skip + n;
-        while self.first < self.count {
-            let len = HEADER_LEN + self.payloads[self.first].1;
+        while self.at < self.segs.len() {
+            let len = self.segs[self.at].len();
             if left < len {
                 break;
             }
             left -= len;
-            self.first += 1;
+            self.at += 1;
         }
         self.skip = left;
+    }
+
+    /// Fills `v` with the spans still to write (as many as fit); returns how many.
+    fn iovecs(&self, v: &mut [libc::iovec]) -> usize {
+        let mut n = 0;
+        for (i, seg) in self.segs[self.at..].iter().take(v.len()).enumerate() {
+            let (ptr, len) = match *seg {
+                // `start + len` lies inside `head`, built by `push`.
+                Seg::Head { start, len } => (self.head[start..start + len].as_ptr(), len),
+                Seg::Payload { addr, len } => (addr as *const u8, len),
+            };
+            v[i] = if i == 0 {
+                // Skip what an earlier call already sent of the first span; `skip < len`
+                // (a wholly sent span is passed by `advance`).
+                sock::iov(ptr.wrapping_add(self.skip), len - self.skip)
+            } else {
+                sock::iov(ptr, len)
+            };
+            n += 1;
+        }
+        n
     }
 }
 
@@ -256,7 +392,7 @@ struct ToStage {
 impl Tx {
     /// Everything still on the connection, once it is dead and nobody writes.
     fn drain(&mut self) -> Vec<Slice> {
-        self.carry = Carry::EMPTY;
+        self.carry.clear();
         self.to_stage.clear();
         self.sent.drain(..).chain(self.unsent.drain(..)).collect()
     }
@@ -460,7 +596,7 @@ impl Conn {
             tx: Mutex::new(Tx {
                 unsent: VecDeque::new(),
                 sent: VecDeque::new(),
-                carry: Carry::EMPTY,
+                carry: Carry::default(),
                 busy: false,
                 dead: None,
                 next_id: 1,
@@ -583,8 +719,10 @@ impl Conn {
                 }
                 let mut waiting = false;
                 if tx.carry.is_empty() {
-                    let mut c = Carry::EMPTY;
-                    while c.count < MAX_FRAMES {
+                    let mut c = std::mem::take(&mut tx.carry);
+                    c.clear();
+                    let mut frames = 0;
+                    while frames < MAX_FRAMES && c.segs.len() < sock::IOV_MAX {
                         let Some(front) = tx.unsent.front() else {
                             break;
                         };
@@ -607,7 +745,7 @@ impl Conn {
                             }
                         };
                         let Some(payload) = staged else {
-                            waiting = c.count == 0;
+                            waiting = frames == 0;
                             break;
                         };
                         let Some(s) = tx.unsent.pop_front() else {
@@ -617,12 +755,8 @@ impl Conn {
                             expired.push(s);
                             continue;
                         }
-                        c.headers[c.count] = s.header().encode();
-                        c.payloads[c.count] = match s.op {
-                            Op::Write => (payload, s.len as usize),
-                            Op::Read => (0, 0),
-                        };
-                        c.count += 1;
+                        s.push_frame(&mut c, payload);
+                        frames += 1;
                         tx.sent.push_back(s);
                     }
                     tx.carry = c;
@@ -646,44 +780,26 @@ impl Conn {
                     self.fail_each(failed);
                     return written;
                 }
-                tx.carry
+                std::mem::take(&mut tx.carry)
             };
             self.fail(std::mem::take(&mut expired), timeout_error());
             self.fail_each(std::mem::take(&mut failed));
-            let mut v = [sock::iov(std::ptr::null(), 0); 2 * MAX_FRAMES];
-            let mut n = 0;
-            for i in carry.first..carry.count {
-                v[n] = sock::iov(carry.headers[i].as_ptr(), HEADER_LEN);
-                n += 1;
-                let (ptr, len) = carry.payloads[i];
-                if len > 0 {
-                    v[n] = sock::iov(ptr as *const u8, len);
-                    n += 1;
-                }
-            }
-            // Skip what an earlier writer already sent of the first frame.
-            let mut skip = carry.skip;
-            let mut at = 0;
-            while skip > 0 {
-                if skip >= v[at].iov_len {
-                    skip -= v[at].iov_len;
-                    at += 1;
-                } else {
-                    v[at] = sock::iov(
-                        // SAFETY: `skip < iov_len`: the pointer stays inside the span.
-                        unsafe { (v[at].iov_base as *const u8).add(skip) },
-                        v[at].iov_len - skip,
-                    );
-                    skip = 0;
-                }
-            }
+            let mut v = [sock::iov(std::ptr::null(), 0); sock::IOV_MAX];
+            let n = carry.iovecs(&mut v);
             // The payload spans are registered memory pinned by the slices' batches;
             // those slices sit in `sent` and cannot fail while this thread is `busy`.
-            match sock::send(self.fd, &v[at..n], !blocking) {
+            // The header spans point into `carry`, alive until after the call.
+            let sent = sock::send(self.fd, &v[..n], !blocking);
+            let mut carry = carry;
+            if let Ok(k) = sent {
+                carry.advance(k);
+            }
+            // Back where the next writer finds it (only a `busy` writer touches it).
+            self.lock().carry = carry;
+            match sent {
                 Ok(k) => {
                     written += k;
                     self.progress.fetch_add(1, Ordering::Release);
-                    self.lock().carry.advance(k);
                 }
                 Err(e) if !blocking && e.kind() == std::io::ErrorKind::WouldBlock => {
                     self.hand_off();
@@ -958,6 +1074,15 @@ impl Conn {
                 inb.discard(slice.len, &mut on_timeout)
                     .map_err(|e| unreachable(&self.label, "receive failed", e))?;
                 Err(timeout_error())
+            }
+            (Kind::ReadData, Op::Read) if h.len == slice.len && !slice.parts.is_empty() => {
+                // Each part's destination is registered host memory pinned by the
+                // slice's batch; the slice is out of `sent`, so only this thread
+                // touches it.
+                let dst = slice.parts.iter().map(|p| (p.local, p.len as usize));
+                inb.read_scattered(dst, &mut on_timeout)
+                    .map_err(|e| unreachable(&self.label, "receive failed", e))?;
+                Ok(Answer::Done)
             }
             (Kind::ReadData, Op::Read) if h.len == slice.len && slice.device.is_some() => {
                 self.receive_staged(inb, slice)

@@ -9,13 +9,16 @@
 //! challenge–response, so the token never travels and an unproven peer is refused
 //! before any data moves.
 //!
-//! A batch is cut into slices of at most `slice_size` bytes, spread round-robin over
-//! the pool; each connection carries many slices in flight (pipelined). A WRITE slice
-//! is a 40-byte header followed by its payload, sent from the registered source memory
-//! with `sendmsg` (header and payload gathered, many frames per call). The target checks
-//! region, rights and bounds against its own registrations **before** placing a byte,
-//! receives the payload straight into the registered destination, and acknowledges only
-//! once the bytes are there. A READ is the mirror image. A refused request fails its
+//! A batch is cut into slices of at most `slice_size` bytes, and the slices of host
+//! memory going to one remote region are gathered into **scatter-gather frames** (up to
+//! `slice_size` bytes and 1,024 entries each), spread round-robin over the pool; each
+//! connection carries many frames in flight (pipelined). A WRITE frame is a 40-byte
+//! header (and, gathered, its list of (offset, len) entries) followed by its payload,
+//! sent from the registered source memory with `sendmsg` (header and payload spans
+//! gathered, many frames per call). The target checks region, rights and bounds of
+//! every entry against its own registrations **before** placing a byte, receives the
+//! payload with `recvmsg` straight into the registered destinations, and acknowledges
+//! only once the bytes are there. A READ is the mirror image. A refused request fails its
 //! batch with the target's reason (`OutOfBounds`, `NotRegistered`, `InvalidRequest`)
 //! and is logged at the target; a malformed frame closes that one connection with a
 //! `Protocol` error. The wire format is in the `wire` module's docs.

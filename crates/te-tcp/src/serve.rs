@@ -24,7 +24,7 @@ use crate::regions::Pin;
 use crate::sock::{self, Inbound};
 use crate::stage::{self, Pools, StageBuf};
 use crate::wire::{
-    self, Challenge, Header, Hello, Kind, Proof, Status, Terms, Welcome, HEADER_LEN,
+    self, Challenge, Entry, Header, Hello, Kind, Proof, Status, Terms, Welcome, HEADER_LEN,
 };
 
 /// The longest pause after a failed `accept`; short, so closing the backend is quick.
@@ -199,27 +199,58 @@ fn io_err(peer: &str, what: &str, e: std::io::Error) -> Error {
 
 /// A WRITE's payload stopped arriving part way: the range may hold old and new bytes.
 /// Said at the target (a warning naming region and range, and a counter) because the
-/// initiator, whose batch fails, may be the side that died.
-fn torn(shared: &Shared, h: &Header, peer: &str, e: std::io::Error) -> Error {
+/// initiator, whose batch fails, may be the side that died. For a scatter-gather frame
+/// the range is the one its entries span.
+fn torn(shared: &Shared, h: &Header, entries: &[Entry], peer: &str, e: std::io::Error) -> Error {
     shared.torn_writes.fetch_add(1, Ordering::Relaxed);
+    let (start, end) = span(entries);
     tracing::warn!(
         peer = %peer,
         region = h.region,
-        offset = h.offset,
-        len = h.len,
+        offset = start,
+        len = end - start,
+        entries = entries.len(),
         error = %e,
         "torn write: the connection broke in the middle of a WRITE; this range may hold part old, part new bytes"
     );
+    let event = te_core::PeerEvent {
+        kind: te_core::PeerEventKind::TornWrite,
+        // The data connection names no engine; its address is what is known.
+        name: String::new(),
+        epoch: 0,
+        previous_epoch: None,
+        address: peer.to_string(),
+        at: std::time::SystemTime::now(),
+        torn: Some(te_core::TornRange {
+            region: RegionId(h.region),
+            start,
+            end,
+        }),
+    };
+    if let Err(e) = shared.hook.post_event(event) {
+        // Outside an engine (a backend driven directly) the log line above is all.
+        tracing::debug!(error = %e, "the torn write was not posted as a peer event");
+    }
     io_err(
         peer,
         &format!(
-            "the connection broke in the middle of a WRITE to region {} bytes {}..{}",
-            h.region,
-            h.offset,
-            h.offset + h.len
+            "the connection broke in the middle of a WRITE to region {} bytes {start}..{end}",
+            h.region
         ),
         e,
     )
+}
+
+/// The range from the lowest entry's start to the highest entry's end (entries are
+/// checked not to overflow).
+fn span(entries: &[Entry]) -> (u64, u64) {
+    let start = entries.iter().map(|e| e.offset).min().unwrap_or(0);
+    let end = entries
+        .iter()
+        .map(|e| e.offset.saturating_add(e.len))
+        .max()
+        .unwrap_or(0);
+    (start, end)
 }
 
 fn protocol(peer: &str, e: impl std::fmt::Display) -> Error {
@@ -316,6 +347,8 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str, pending: Pending) -> Res
     let idle = c.idle_timeout;
     let mut on_timeout =
         |mid: bool| !mid && (idle.is_zero() || last_request.get().elapsed() < idle);
+    // The current request's entries: its one range, or a scatter-gather frame's list.
+    let mut entries: Vec<Entry> = Vec::new();
     loop {
         last_request.set(Instant::now());
         if let Some(r) = &responder {
@@ -334,7 +367,11 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str, pending: Pending) -> Res
             .map_err(|e| io_err(peer, "receive failed", e))?;
         let h = Header::decode(&inb.buffered()[..HEADER_LEN]).map_err(|e| protocol(peer, e))?;
         inb.consume(HEADER_LEN);
-        if h.len > c.slice_size && matches!(h.kind, Kind::Write | Kind::Read) {
+        let request = matches!(
+            h.kind,
+            Kind::Write | Kind::Read | Kind::WriteV | Kind::ReadV
+        );
+        if h.len > c.slice_size && request {
             return Err(refuse_oversize(
                 fd,
                 &mut responder,
@@ -344,28 +381,49 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str, pending: Pending) -> Res
                 peer,
             ));
         }
+        // The entry list is read and checked whole before any payload byte.
+        match h.kind {
+            Kind::WriteV | Kind::ReadV => {
+                let n = h.entries_len();
+                inb.fill(n, &mut on_timeout)
+                    .map_err(|e| io_err(peer, "receive failed", e))?;
+                wire::decode_entries(&h, &inb.buffered()[..n], &mut entries)
+                    .map_err(|e| protocol(peer, e))?;
+                inb.consume(n);
+            }
+            _ => {
+                entries.clear();
+                entries.push(Entry {
+                    offset: h.offset,
+                    len: h.len,
+                });
+            }
+        }
         if !c.debug_delay.is_zero() {
             std::thread::sleep(c.debug_delay);
         }
         match h.kind {
-            Kind::Write => {
-                match admit(shared, &h, peer) {
+            Kind::Write | Kind::WriteV => {
+                match admit(shared, &h, &entries, peer) {
                     Ok(pin) if pin.region().device.is_some() => {
                         let r = responder_for(&mut responder, fd, peer, c.io_timeout, &mut out)?;
-                        write_staged(&recv_pools, r, &mut inb, &h, pin, peer)?;
+                        write_staged(&recv_pools, r, &mut inb, &h, &entries, pin, peer)?;
                     }
                     Ok(pin) => {
-                        let dst = pin.region().addr + h.offset;
+                        let base = pin.region().addr;
                         if !out.is_empty() && inb.buffered().len() < h.len as usize {
                             // This receive may block: acknowledge what is done first.
                             sock::send_all(fd, &mut [sock::iov(out.as_ptr(), out.len())])
                                 .map_err(|e| io_err(peer, "send failed", e))?;
                             out.clear();
                         }
-                        // `admit` checked `offset + len` inside the region, and the pin
+                        // `admit` checked every entry inside the region, and the pin
                         // keeps it registered until the bytes are in place.
-                        inb.read_into(dst as *mut u8, h.len as usize, &mut on_timeout)
-                            .map_err(|e| torn(shared, &h, peer, e))?;
+                        let dst = entries
+                            .iter()
+                            .map(|e| ((base + e.offset) as usize, e.len as usize));
+                        inb.read_scattered(dst, &mut on_timeout)
+                            .map_err(|e| torn(shared, &h, &entries, peer, e))?;
                         drop(pin);
                         let ack = Header::response(Kind::WriteAck, 0, h.id, 0).encode();
                         match &responder {
@@ -380,30 +438,36 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str, pending: Pending) -> Res
                     }
                 }
             }
-            Kind::Read => match admit(shared, &h, peer) {
+            Kind::Read | Kind::ReadV => match admit(shared, &h, &entries, peer) {
                 Ok(pin) if pin.region().device.is_some() => {
                     let r = responder_for(&mut responder, fd, peer, c.io_timeout, &mut out)?;
-                    read_staged(&send_pools, r, &h, pin)?;
+                    read_staged(&send_pools, r, &h, &entries, pin)?;
                 }
                 Ok(pin) if responder.is_some() => {
                     if let Some(r) = &responder {
+                        let base = pin.region().addr;
                         r.push(Item::HostRead {
                             header: Header::response(Kind::ReadData, 0, h.id, h.len).encode(),
-                            src: (pin.region().addr + h.offset) as usize,
-                            len: h.len as usize,
+                            spans: entries
+                                .iter()
+                                .map(|e| ((base + e.offset) as usize, e.len as usize))
+                                .collect(),
                             pin,
                         })?;
                     }
                 }
                 Ok(pin) => {
                     let header = Header::response(Kind::ReadData, 0, h.id, h.len).encode();
-                    let src = (pin.region().addr + h.offset) as *const u8;
-                    let mut v = [
-                        sock::iov(out.as_ptr(), out.len()),
-                        sock::iov(header.as_ptr(), HEADER_LEN),
-                        sock::iov(src, h.len as usize),
-                    ];
-                    // The source range was checked by `admit` and stays registered
+                    let base = pin.region().addr;
+                    let mut v = Vec::with_capacity(entries.len() + 2);
+                    v.push(sock::iov(out.as_ptr(), out.len()));
+                    v.push(sock::iov(header.as_ptr(), HEADER_LEN));
+                    v.extend(
+                        entries
+                            .iter()
+                            .map(|e| sock::iov((base + e.offset) as *const u8, e.len as usize)),
+                    );
+                    // Every source range was checked by `admit` and stays registered
                     // while the pin lives.
                     sock::send_all(fd, &mut v).map_err(|e| io_err(peer, "send failed", e))?;
                     drop(pin);
@@ -449,32 +513,56 @@ fn refuse_oversize(
     protocol(peer, e.message())
 }
 
-/// Checks a request against the registrations and pins its region.
-fn admit(shared: &Shared, h: &Header, peer: &str) -> Result<Pin> {
+/// Checks every entry of a request against the registrations (region, right, bounds)
+/// and pins its region.
+fn admit(shared: &Shared, h: &Header, entries: &[Entry], peer: &str) -> Result<Pin> {
+    let first = entries.first().copied().unwrap_or(Entry {
+        offset: h.offset,
+        len: h.len,
+    });
     let result = shared
         .regions
-        .pin(RegionId(h.region), h.offset, h.len)
+        .pin(RegionId(h.region), first.offset, first.len)
         .and_then(|pin| {
             let (ok, right) = match h.kind {
-                Kind::Write => (pin.region().access.remote_write, "remotely writable"),
+                Kind::Write | Kind::WriteV => {
+                    (pin.region().access.remote_write, "remotely writable")
+                }
                 _ => (pin.region().access.remote_read, "remotely readable"),
             };
-            if ok {
-                Ok(pin)
-            } else {
-                Err(Error::new(
+            if !ok {
+                return Err(Error::new(
                     ErrorKind::InvalidRequest,
                     format!("region {} is not {right}", h.region),
-                ))
+                ));
             }
+            let size = pin.region().len;
+            let outside = entries
+                .iter()
+                .enumerate()
+                .find(|(_, e)| e.offset.checked_add(e.len).is_none_or(|end| end > size));
+            if let Some((i, e)) = outside {
+                return Err(Error::new(
+                    ErrorKind::OutOfBounds,
+                    format!(
+                        "entry {i} of {} ({}+{}) is outside region {} of {size} bytes; nothing of the frame was placed",
+                        entries.len(),
+                        e.offset,
+                        e.len,
+                        h.region
+                    ),
+                ));
+            }
+            Ok(pin)
         });
     if let Err(e) = &result {
         tracing::warn!(
             peer = %peer,
             op = ?h.kind,
             region = h.region,
-            offset = h.offset,
+            offset = first.offset,
             len = h.len,
+            entries = entries.len(),
             error = %e,
             "refused a request"
         );
@@ -496,12 +584,12 @@ fn refuse(out: &mut Vec<u8>, h: &Header, e: &Error) {
 enum Item {
     /// Ready frames (acknowledgements, refusals).
     Bytes(Vec<u8>),
-    /// A READ of host memory, sent straight from the region the pin holds.
+    /// A READ of host memory, sent straight from the ranges (address, length) of the
+    /// region the pin holds.
     HostRead {
         header: [u8; HEADER_LEN],
         pin: Pin,
-        src: usize,
-        len: usize,
+        spans: Vec<(usize, usize)>,
     },
     /// A request on device memory, answered once its copy completes.
     Staged { h: Header, slot: Arc<Slot> },
@@ -648,21 +736,13 @@ impl Responder {
         while let Some(item) = self.next() {
             let sent = match item {
                 Item::Bytes(b) => sock::send_all(fd, &mut [sock::iov(b.as_ptr(), b.len())]),
-                Item::HostRead {
-                    header,
-                    pin,
-                    src,
-                    len,
-                } => {
-                    // The source range was checked by `admit` and stays registered
+                Item::HostRead { header, pin, spans } => {
+                    // The source ranges were checked by `admit` and stay registered
                     // while the pin lives.
-                    let r = sock::send_all(
-                        fd,
-                        &mut [
-                            sock::iov(header.as_ptr(), HEADER_LEN),
-                            sock::iov(src as *const u8, len),
-                        ],
-                    );
+                    let mut v = Vec::with_capacity(spans.len() + 1);
+                    v.push(sock::iov(header.as_ptr(), HEADER_LEN));
+                    v.extend(spans.iter().map(|&(p, len)| sock::iov(p as *const u8, len)));
+                    let r = sock::send_all(fd, &mut v);
                     drop(pin);
                     r
                 }
@@ -793,14 +873,15 @@ fn refuse_later(r: &Responder, h: &Header, e: &Error) -> Result<()> {
     r.push(Item::Bytes(b))
 }
 
-/// A WRITE to device memory: its payload lands in a staging buffer, and a copy moves
-/// it to the device while the next request is received; the acknowledgement follows
-/// the copy.
+/// A WRITE to device memory: its payload lands in a staging buffer, and copies (one per
+/// entry, from successive parts of the buffer) move it to the device while the next
+/// request is received; the acknowledgement follows the last copy.
 fn write_staged(
     pools: &Pools,
     r: &Arc<Responder>,
     inb: &mut Inbound,
     h: &Header,
+    entries: &[Entry],
     pin: Pin,
     peer: &str,
 ) -> Result<()> {
@@ -827,12 +908,14 @@ fn write_staged(
         h: *h,
         slot: slot.clone(),
     })?;
-    let copy = DeviceCopy::ToDevice {
-        ordinal,
-        device: pin.region().addr + h.offset,
-        host: buf.ptr(),
-        len,
-    };
+    let copies = packed(entries, buf.ptr(), pin.region().addr)
+        .map(|(device, host, len)| DeviceCopy::ToDevice {
+            ordinal,
+            device,
+            host,
+            len,
+        })
+        .collect();
     let r = r.clone();
     let done = move |res: Result<()>| {
         drop(pin);
@@ -840,15 +923,38 @@ fn write_staged(
         *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some((res, None));
         r.copied();
     };
-    // SAFETY: `admit` checked the range inside the region, which the pin (owned by
-    // `done`) keeps registered until the copy ends; the buffer is owned by `done`.
-    unsafe { stage::start(&rt, copy, done) };
+    // SAFETY: `admit` checked every entry inside the region, which the pin (owned by
+    // `done`) keeps registered until the copies end; the buffer is owned by `done`, and
+    // the entries' parts of it add up to `h.len`, which it holds.
+    unsafe { stage::start_all(&rt, copies, done) };
     Ok(())
 }
 
-/// A READ of device memory: a copy stages it while other requests are served; the
-/// responder sends it once the copy completes.
-fn read_staged(pools: &Pools, r: &Arc<Responder>, h: &Header, pin: Pin) -> Result<()> {
+/// Each entry's device address, its part of the staging buffer (packed one after
+/// another) and its length.
+fn packed(
+    entries: &[Entry],
+    buf: *mut u8,
+    base: u64,
+) -> impl Iterator<Item = (u64, *mut u8, usize)> + '_ {
+    let mut at = 0usize;
+    entries.iter().map(move |e| {
+        // The entries add up to the frame's length, which the buffer holds.
+        let host = buf.wrapping_add(at);
+        at += e.len as usize;
+        (base + e.offset, host, e.len as usize)
+    })
+}
+
+/// A READ of device memory: copies stage its entries, packed, while other requests are
+/// served; the responder sends them once the last copy completes.
+fn read_staged(
+    pools: &Pools,
+    r: &Arc<Responder>,
+    h: &Header,
+    entries: &[Entry],
+    pin: Pin,
+) -> Result<()> {
     let Some((rt, ordinal)) = pin.region().device.clone() else {
         return Err(Error::new(
             ErrorKind::Protocol,
@@ -868,21 +974,24 @@ fn read_staged(pools: &Pools, r: &Arc<Responder>, h: &Header, pin: Pin) -> Resul
         h: *h,
         slot: slot.clone(),
     })?;
-    let copy = DeviceCopy::ToHost {
-        ordinal,
-        device: pin.region().addr + h.offset,
-        host: buf.ptr(),
-        len: h.len as usize,
-    };
+    let copies = packed(entries, buf.ptr(), pin.region().addr)
+        .map(|(device, host, len)| DeviceCopy::ToHost {
+            ordinal,
+            device,
+            host,
+            len,
+        })
+        .collect();
     let r = r.clone();
     let done = move |res: Result<()>| {
         drop(pin);
         *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some((res, Some(buf)));
         r.copied();
     };
-    // SAFETY: `admit` checked the range inside the region, which the pin (owned by
-    // `done`) keeps registered until the copy ends; the buffer is owned by `done`.
-    unsafe { stage::start(&rt, copy, done) };
+    // SAFETY: `admit` checked every entry inside the region, which the pin (owned by
+    // `done`) keeps registered until the copies end; the buffer is owned by `done` and
+    // holds `h.len`, the entries' total.
+    unsafe { stage::start_all(&rt, copies, done) };
     Ok(())
 }
 

@@ -13,6 +13,10 @@ use crate::config::TcpConfig;
 /// payload is received straight into its destination.
 pub(crate) const INBOUND_BUF: usize = 16 << 10;
 
+/// The most iovecs one `sendmsg`/`recvmsg` takes (Linux's `UIO_MAXIOV`); longer lists
+/// go out in several calls.
+pub(crate) const IOV_MAX: usize = 1024;
+
 fn setsockopt(fd: RawFd, level: i32, name: i32, value: i32) -> io::Result<()> {
     // SAFETY: `value` is a live i32 and its exact size is passed; the kernel only reads it.
     let rc = unsafe {
@@ -64,15 +68,15 @@ pub(crate) fn iov(ptr: *const u8, len: usize) -> libc::iovec {
     }
 }
 
-/// One `sendmsg` of `iov`; never raises SIGPIPE; `nonblocking` returns `WouldBlock`
-/// instead of waiting for room.
+/// One `sendmsg` of (at most the first [`IOV_MAX`] of) `iov`; never raises SIGPIPE;
+/// `nonblocking` returns `WouldBlock` instead of waiting for room.
 ///
 /// Every iovec must point at memory that stays readable for the duration of the call.
 pub(crate) fn send(fd: RawFd, iov: &[libc::iovec], nonblocking: bool) -> io::Result<usize> {
     // SAFETY: an all-zero msghdr is valid (no name, no control data).
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
-    msg.msg_iovlen = iov.len() as _;
+    msg.msg_iovlen = iov.len().min(IOV_MAX) as _;
     let flags = libc::MSG_NOSIGNAL | if nonblocking { libc::MSG_DONTWAIT } else { 0 };
     loop {
         // SAFETY: `msg` points at `iov`, whose entries the caller guarantees readable;
@@ -122,7 +126,7 @@ fn recv(fd: RawFd, iov: &mut [libc::iovec]) -> io::Result<usize> {
     // SAFETY: an all-zero msghdr is valid (no name, no control data).
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_mut_ptr();
-    msg.msg_iovlen = iov.len() as _;
+    msg.msg_iovlen = iov.len().min(IOV_MAX) as _;
     loop {
         // SAFETY: the caller's iovecs point at writable memory of their lengths.
         let n = unsafe { libc::recvmsg(fd, &mut msg, 0) };
@@ -160,6 +164,8 @@ pub(crate) struct Inbound {
     buf: Box<[u8]>,
     start: usize,
     end: usize,
+    /// Reused by [`Inbound::read_scattered`].
+    iov: Vec<libc::iovec>,
 }
 
 impl Inbound {
@@ -169,6 +175,7 @@ impl Inbound {
             buf: vec![0; INBOUND_BUF].into_boxed_slice(),
             start: 0,
             end: 0,
+            iov: Vec::new(),
         }
     }
 
@@ -242,6 +249,79 @@ impl Inbound {
                     self.start = 0;
                     self.end = got - (len - done);
                     done = len;
+                }
+                Err(e) if is_timeout(&e) => {
+                    if !on_timeout(true) {
+                        return Err(io::Error::new(io::ErrorKind::TimedOut, "receive timed out"));
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Receives bytes into each `(address, len)` of `dst` in turn, scattered by
+    /// `recvmsg` straight into them (what is already buffered is copied first); the
+    /// bytes that follow are buffered in the same calls once the last destination is
+    /// in reach.
+    ///
+    /// Every destination must be writable and touched by nobody else during the call.
+    pub(crate) fn read_scattered(
+        &mut self,
+        dst: impl Iterator<Item = (usize, usize)>,
+        on_timeout: OnTimeout<'_>,
+    ) -> io::Result<()> {
+        let mut v = std::mem::take(&mut self.iov);
+        v.clear();
+        v.extend(
+            dst.filter(|d| d.1 > 0)
+                .map(|(p, len)| iov(p as *const u8, len)),
+        );
+        let r = self.scatter(&mut v, on_timeout);
+        v.clear();
+        self.iov = v;
+        r
+    }
+
+    fn scatter(&mut self, v: &mut Vec<libc::iovec>, on_timeout: OnTimeout<'_>) -> io::Result<()> {
+        let n = v.len();
+        let mut at = 0;
+        // What is buffered goes first, copied.
+        while at < n && self.end > self.start {
+            let take = (self.end - self.start).min(v[at].iov_len);
+            // SAFETY: the caller guarantees each destination writable for its length and
+            // `take` is within it; the source is our own buffer, which cannot overlap
+            // registered memory.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.buf.as_ptr().add(self.start),
+                    v[at].iov_base.cast::<u8>(),
+                    take,
+                )
+            };
+            self.consume(take);
+            at = advance(v, at, take);
+        }
+        while at < n {
+            // The buffer is empty here. It joins the call only when every destination
+            // left is in it, so the bytes that follow never overtake a destination.
+            let end = n.min(at + IOV_MAX - 1);
+            let left: usize = v[at..end].iter().map(|x| x.iov_len).sum();
+            let tail = end == n;
+            if tail {
+                v.push(iov(self.buf.as_mut_ptr(), self.buf.len()));
+            }
+            let got = recv(self.fd, &mut v[at..end + usize::from(tail)]);
+            if tail {
+                v.pop();
+            }
+            match got {
+                Ok(got) if got <= left => at = advance(v, at, got),
+                Ok(got) => {
+                    self.start = 0;
+                    self.end = got - left;
+                    at = n;
                 }
                 Err(e) if is_timeout(&e) => {
                     if !on_timeout(true) {

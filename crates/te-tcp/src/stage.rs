@@ -184,3 +184,43 @@ pub(crate) unsafe fn start(
         }
     }
 }
+
+/// Starts every copy of `copies` on `rt`; `done` runs exactly once, after the last one
+/// has ended, with the first error if any failed.
+///
+/// # Safety
+/// As [`start`], for every copy: whatever `done` owns must keep all their ranges valid
+/// until it runs.
+pub(crate) unsafe fn start_all(
+    rt: &Arc<dyn DeviceRuntime>,
+    copies: Vec<DeviceCopy>,
+    done: impl FnOnce(Result<()>) + Send + 'static,
+) {
+    type Shared<F> = Mutex<(usize, Option<te_core::Error>, Option<F>)>;
+    if copies.is_empty() {
+        done(Ok(()));
+        return;
+    }
+    let state: Arc<Shared<_>> = Arc::new(Mutex::new((copies.len(), None, Some(done))));
+    for copy in copies {
+        let state = state.clone();
+        let one = move |r: Result<()>| {
+            let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(e) = r {
+                s.1.get_or_insert(e);
+            }
+            s.0 -= 1;
+            if s.0 == 0 {
+                let f = s.2.take();
+                let result = s.1.take().map_or(Ok(()), Err);
+                drop(s);
+                if let Some(f) = f {
+                    f(result);
+                }
+            }
+        };
+        // SAFETY: forwarded from the caller; `done`, which keeps the ranges valid,
+        // runs only after this copy's completion.
+        unsafe { start(rt, copy, one) };
+    }
+}

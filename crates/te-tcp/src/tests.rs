@@ -507,7 +507,7 @@ fn a_frame_longer_than_the_agreed_limit_is_refused_and_the_target_keeps_serving(
 }
 
 /// Waits, bounded, until `f` holds.
-fn eventually(what: &str, limit: Duration, f: impl Fn() -> bool) {
+fn eventually(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
     let end = Instant::now() + limit;
     while !f() {
         assert!(
@@ -863,8 +863,11 @@ fn a_write_cut_off_mid_payload_is_reported_at_the_target_as_torn() {
 fn a_busy_connection_is_not_closed_for_a_batch_past_its_deadline() {
     // Answers keep coming every ~10 ms; one batch's deadline passes while it waits
     // behind another. The busy connection stays, the late batch gets Timeout, and its
-    // data is dropped, not placed.
-    let target = backend(|c| c.debug_delay = Duration::from_millis(10));
+    // data is dropped, not placed. A 4 KiB frame limit keeps each read its own frame.
+    let target = backend(|c| {
+        c.debug_delay = Duration::from_millis(10);
+        c.slice_size = 4096;
+    });
     let mut remote = vec![0x22u8; 4096];
     register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
     let init = backend(|c| c.connections_per_peer = 1);
@@ -943,4 +946,434 @@ fn an_aborted_batch_on_a_stalled_target_ends_without_waiting_for_io_timeout() {
     );
     std::thread::sleep(Duration::from_millis(2500));
     assert!(local.iter().all(|&b| b == 0xAB), "late bytes landed");
+}
+
+/// A scatter-gather request's header and entry list, as a raw peer may send it: `len`
+/// and the entry count are taken as given, whatever the entries add up to.
+fn sg_frame(kind: Kind, id: u64, region: u64, entries: &[(u64, u64)], len: u64) -> Vec<u8> {
+    sg_frame_counted(kind, id, region, entries, entries.len() as u32, len)
+}
+
+fn sg_frame_counted(
+    kind: Kind,
+    id: u64,
+    region: u64,
+    entries: &[(u64, u64)],
+    count: u32,
+    len: u64,
+) -> Vec<u8> {
+    let h = Header {
+        kind,
+        code: count,
+        id,
+        region,
+        offset: 0,
+        len,
+    };
+    let mut b = h.encode().to_vec();
+    for &(offset, len) in entries {
+        crate::wire::Entry { offset, len }.encode_into(&mut b);
+    }
+    b
+}
+
+/// Reads what the target sends until it closes `s` (true) or 5 s pass (false).
+fn read_until_closed(s: &mut TcpStream) -> (Vec<u8>, bool) {
+    let end = Instant::now() + Duration::from_secs(5);
+    s.set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    let mut got = Vec::new();
+    while Instant::now() < end {
+        let mut b = [0u8; 4096];
+        match s.read(&mut b) {
+            Ok(0) => return (got, true),
+            Ok(n) => got.extend_from_slice(&b[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return (got, true),
+            Err(_) => {}
+        }
+    }
+    (got, false)
+}
+
+/// A host buffer whose first `len` bytes are registered and whose last 4 KiB are a
+/// canary that nothing may touch.
+struct Guarded {
+    v: Vec<u8>,
+    len: usize,
+}
+
+impl Guarded {
+    const CANARY: u8 = 0xC5;
+
+    fn new(len: usize, fill: u8) -> Guarded {
+        let mut v = vec![fill; len + 4096];
+        v[len..].fill(Self::CANARY);
+        Guarded { v, len }
+    }
+
+    fn register(&mut self, b: &TcpBackend, id: u64, access: Access) {
+        let len = self.len;
+        register(b, id, &mut self.v[..len], access);
+    }
+
+    fn assert_untouched(&self, fill: u8, what: &str) {
+        assert!(
+            self.v[..self.len].iter().all(|&b| b == fill),
+            "{what}: a byte landed in the region"
+        );
+        assert!(
+            self.v[self.len..].iter().all(|&b| b == Self::CANARY),
+            "{what}: a byte landed past the region's end"
+        );
+    }
+}
+
+#[test]
+fn a_scatter_gather_frame_with_an_entry_outside_the_region_is_refused_whole_before_any_byte_lands()
+{
+    let target = backend(|_| {});
+    let mut mem = Guarded::new(4096, 0);
+    mem.register(&target, 1, Access::REMOTE_READ_WRITE);
+    let mut ro = Guarded::new(64, 0);
+    ro.register(&target, 2, Access::REMOTE_READ);
+    let mut s = raw(&target);
+    // Each case's first entry is good: it must not land either.
+    // (region, entries, the refusal)
+    type Case = (u64, &'static [(u64, u64)], ErrorKind);
+    let cases: [Case; 4] = [
+        (1, &[(0, 16), (4090, 16)], ErrorKind::OutOfBounds),
+        (1, &[(0, 16), (4096, 1)], ErrorKind::OutOfBounds),
+        (
+            1,
+            &[(0, 16), (8, 8), (u64::MAX - 8, 8)],
+            ErrorKind::OutOfBounds,
+        ),
+        (2, &[(0, 16), (16, 16)], ErrorKind::InvalidRequest),
+    ];
+    for (i, (region, entries, kind)) in cases.into_iter().enumerate() {
+        let id = i as u64 + 1;
+        let len: u64 = entries.iter().map(|e| e.1).sum();
+        s.write_all(&sg_frame(Kind::WriteV, id, region, entries, len))
+            .unwrap();
+        s.write_all(&vec![0xee; len as usize]).unwrap();
+        let r = read_header(&mut s);
+        assert_eq!((r.kind, r.id), (Kind::Error, id), "case {i}");
+        assert_eq!(ErrorKind::from_code(r.code), kind, "case {i}");
+        let mut msg = vec![0u8; r.len as usize];
+        s.read_exact(&mut msg).unwrap();
+        mem.assert_untouched(0, &format!("case {i}"));
+        ro.assert_untouched(0, &format!("case {i}"));
+    }
+    // A READ with one entry outside is refused whole too: no data, one error.
+    s.write_all(&sg_frame(Kind::ReadV, 7, 1, &[(0, 8), (4095, 2)], 10))
+        .unwrap();
+    let r = read_header(&mut s);
+    assert_eq!((r.kind, r.id), (Kind::Error, 7));
+    assert_eq!(ErrorKind::from_code(r.code), ErrorKind::OutOfBounds);
+    let mut msg = vec![0u8; r.len as usize];
+    s.read_exact(&mut msg).unwrap();
+    // The connection is still in sync: a good gathered write lands, entry by entry in
+    // order, and a gathered read returns the entries' bytes in order.
+    s.write_all(&sg_frame(Kind::WriteV, 8, 1, &[(4088, 8), (0, 4)], 12))
+        .unwrap();
+    s.write_all(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+        .unwrap();
+    let r = read_header(&mut s);
+    assert_eq!((r.kind, r.id), (Kind::WriteAck, 8));
+    assert_eq!(&mem.v[4088..4096], &[1, 2, 3, 4, 5, 6, 7, 8]);
+    assert_eq!(&mem.v[..4], &[9, 10, 11, 12]);
+    assert!(mem.v[4..4088].iter().all(|&b| b == 0));
+    assert!(mem.v[4096..].iter().all(|&b| b == Guarded::CANARY));
+    s.write_all(&sg_frame(Kind::ReadV, 9, 1, &[(0, 2), (4094, 2)], 4))
+        .unwrap();
+    let r = read_header(&mut s);
+    assert_eq!((r.kind, r.id, r.len), (Kind::ReadData, 9, 4));
+    let mut data = [0u8; 4];
+    s.read_exact(&mut data).unwrap();
+    assert_eq!(data, [9, 10, 7, 8]);
+    target.deregister(RegionId(1), soon()).unwrap();
+    target.deregister(RegionId(2), soon()).unwrap();
+}
+
+#[test]
+fn a_scatter_gather_frame_that_breaks_the_rules_closes_its_connection_before_any_byte_lands() {
+    // The frame limit is 4 KiB: a frame whose entries are all inside the region may
+    // still be too long.
+    let target = backend(|c| c.slice_size = 4096);
+    let mut mem = Guarded::new(16384, 0);
+    mem.register(&target, 1, Access::REMOTE_READ_WRITE);
+    let too_many: Vec<(u64, u64)> = (0..1025).map(|i| (i, 1)).collect();
+    let cases: Vec<(&str, Vec<u8>, u64)> = vec![
+        (
+            "more entries than the limit",
+            sg_frame(Kind::WriteV, 1, 1, &too_many, 1025),
+            1025,
+        ),
+        (
+            "no entries",
+            sg_frame_counted(Kind::WriteV, 1, 1, &[], 0, 16),
+            16,
+        ),
+        (
+            "a header that claims more payload than its entries",
+            sg_frame(Kind::WriteV, 1, 1, &[(0, 16), (32, 16)], 48),
+            48,
+        ),
+        (
+            "a header that claims less payload than its entries",
+            sg_frame(Kind::WriteV, 1, 1, &[(0, 16), (32, 16)], 16),
+            32,
+        ),
+        (
+            "an entry count larger than the list sent",
+            sg_frame_counted(Kind::WriteV, 1, 1, &[(0, 16), (32, 16)], 3, 32),
+            32,
+        ),
+        (
+            "an empty entry",
+            sg_frame(Kind::WriteV, 1, 1, &[(0, 16), (32, 0)], 16),
+            16,
+        ),
+        (
+            "an entry that overflows",
+            sg_frame(Kind::WriteV, 1, 1, &[(u64::MAX - 4, 8)], 8),
+            8,
+        ),
+        (
+            "a frame longer than the agreed limit",
+            sg_frame(Kind::WriteV, 1, 1, &[(0, 4096), (8192, 4096)], 8192),
+            8192,
+        ),
+    ];
+    for (what, frame, payload) in cases {
+        let mut s = raw(&target);
+        // The target may close before it has read everything: writes may fail.
+        let _ = s.write_all(&frame);
+        let _ = s.write_all(&vec![0xee; payload as usize]);
+        let (got, closed) = read_until_closed(&mut s);
+        assert!(closed, "{what}: the connection stays open");
+        if what.contains("longer than the agreed limit") {
+            let r = Header::decode(&got).expect("an error frame first");
+            assert_eq!((r.kind, r.id), (Kind::Error, 1), "{what}");
+            assert_eq!(ErrorKind::from_code(r.code), ErrorKind::InvalidRequest);
+        }
+        mem.assert_untouched(0, what);
+        // The target keeps serving others.
+        let mut good = raw(&target);
+        good.write_all(&Header::request(Kind::Read, 5, 1, 0, 16).encode())
+            .unwrap();
+        let r = read_header(&mut good);
+        assert_eq!((r.kind, r.id, r.len), (Kind::ReadData, 5, 16), "{what}");
+    }
+    target.deregister(RegionId(1), soon()).unwrap();
+}
+
+/// A small deterministic generator (xorshift), so the test needs no seed handling.
+fn shuffled(n: u64, seed: u64) -> Vec<u64> {
+    let mut x = seed | 1;
+    let mut v: Vec<u64> = (0..n).collect();
+    for i in (1..v.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    v
+}
+
+/// Requests moving block `local_ids[i]` of the local region to block `remote_ids[i]`
+/// of remote region 1.
+fn blocks(
+    op: te_core::Op,
+    local: u64,
+    local_ids: &[u64],
+    remote_ids: &[u64],
+    block: u64,
+) -> Vec<TransferRequest> {
+    local_ids
+        .iter()
+        .zip(remote_ids)
+        .map(|(&l, &r)| TransferRequest {
+            op,
+            local: RegionId(local),
+            local_offset: l * block,
+            remote: RegionId(1),
+            remote_offset: r * block,
+            len: block,
+        })
+        .collect()
+}
+
+#[test]
+fn blocks_by_random_id_are_gathered_into_frames_and_land_intact_both_ways() {
+    const BLOCK: u64 = 4096;
+    const N: u64 = 2048;
+    // 8 MiB in 2048 blocks with an 8 MiB frame limit: two frames of 1024 entries (cut
+    // at the entry limit), one per connection.
+    let target = backend(|c| c.slice_size = 8 << 20);
+    let init = backend(|c| {
+        c.connections_per_peer = 2;
+        c.slice_size = 8 << 20;
+    });
+    let mut remote = Guarded::new((N * BLOCK) as usize, 0);
+    remote.register(&target, 1, Access::REMOTE_READ_WRITE);
+    let mut src = pattern((N * BLOCK) as usize, 3);
+    register(&init, 1, &mut src, Access::LOCAL);
+    let mut back = vec![0u8; (N * BLOCK) as usize];
+    register(&init, 2, &mut back, Access::LOCAL);
+    let peer = init.connect(&segment(&target), soon()).unwrap();
+    let (local_ids, remote_ids) = (shuffled(N, 11), shuffled(N, 29));
+    let w = blocks(te_core::Op::Write, 1, &local_ids, &remote_ids, BLOCK);
+    run(&init, peer, &w).expect("write 2048 random blocks");
+    let b = BLOCK as usize;
+    for (&l, &r) in local_ids.iter().zip(&remote_ids) {
+        let (l, r) = (l as usize * b, r as usize * b);
+        assert!(
+            remote.v[r..r + b] == src[l..l + b],
+            "block {l} landed at {r}"
+        );
+    }
+    assert!(remote.v[(N * BLOCK) as usize..]
+        .iter()
+        .all(|&x| x == Guarded::CANARY));
+    // Read them back into other random places.
+    let back_ids = shuffled(N, 47);
+    let r = blocks(te_core::Op::Read, 2, &back_ids, &remote_ids, BLOCK);
+    run(&init, peer, &r).expect("read 2048 random blocks");
+    for ((&l, &dst), &_r) in local_ids.iter().zip(&back_ids).zip(&remote_ids) {
+        let (l, dst) = (l as usize * b, dst as usize * b);
+        assert!(
+            back[dst..dst + b] == src[l..l + b],
+            "block {l} read back at {dst}"
+        );
+    }
+}
+
+#[test]
+fn gathered_blocks_to_and_from_device_memory_at_the_target_land_intact() {
+    const BLOCK: u64 = 4096;
+    const N: u64 = 256;
+    let target = backend(|c| c.slice_size = 64 << 10);
+    let init = backend(|_| {});
+    let remote = DevMem::new((N * BLOCK) as usize);
+    remote.register(&target, 1, Access::REMOTE_READ_WRITE);
+    let mut src = pattern((N * BLOCK) as usize, 5);
+    register(&init, 1, &mut src, Access::LOCAL);
+    let mut back = vec![0u8; (N * BLOCK) as usize];
+    register(&init, 2, &mut back, Access::LOCAL);
+    let peer = init.connect(&segment(&target), soon()).unwrap();
+    let (local_ids, remote_ids) = (shuffled(N, 5), shuffled(N, 9));
+    let w = blocks(te_core::Op::Write, 1, &local_ids, &remote_ids, BLOCK);
+    run(&init, peer, &w).expect("write random blocks to device memory");
+    let landed = remote.read();
+    let b = BLOCK as usize;
+    for (&l, &r) in local_ids.iter().zip(&remote_ids) {
+        let (l, r) = (l as usize * b, r as usize * b);
+        assert!(landed[r..r + b] == src[l..l + b], "block {l} landed at {r}");
+    }
+    let r = blocks(te_core::Op::Read, 2, &local_ids, &remote_ids, BLOCK);
+    run(&init, peer, &r).expect("read random blocks from device memory");
+    assert!(back == src, "the blocks read back intact");
+}
+
+#[test]
+fn a_version_2_peer_is_refused_with_a_version_mismatch_on_both_sides() {
+    use crate::wire::{Challenge, Hello, Status};
+    // A version-2 initiator at a version-3 target: the challenge says `Version`, and
+    // nothing else follows (no terms), so the old peer reports the mismatch.
+    let target = backend(|_| {});
+    let (addr, instance) = decode_endpoint(&target.endpoint()).unwrap();
+    let mut s = TcpStream::connect(addr).unwrap();
+    let hello = Hello {
+        version: 2,
+        instance,
+        nonce: [1; 32],
+    };
+    s.write_all(&hello.encode()).unwrap();
+    let mut b = [0u8; Challenge::LEN];
+    s.read_exact(&mut b).unwrap();
+    let ch = Challenge::decode(&b).unwrap();
+    assert_eq!((ch.status, ch.version), (Status::Version, 3));
+    let (rest, closed) = read_until_closed(&mut s);
+    assert!(rest.is_empty() && closed, "the refusal is the last message");
+    // A version-3 initiator at a version-2 target (a raw one) gets a clear error.
+    let old = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = old.local_addr().unwrap();
+    let t = std::thread::spawn(move || {
+        let (mut c, _) = old.accept().unwrap();
+        let mut b = [0u8; Hello::LEN];
+        c.read_exact(&mut b).unwrap();
+        let ch = Challenge {
+            version: 2,
+            status: Status::Version,
+            auth: false,
+            nonce: [2; 32],
+        };
+        c.write_all(&ch.encode()).unwrap();
+    });
+    let mut s = TcpStream::connect(at).unwrap();
+    let e = crate::conn::handshake(&mut s, "old", 7, None).unwrap_err();
+    t.join().unwrap();
+    assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
+    assert!(e.to_string().contains("protocol 2 and this side 3"), "{e}");
+}
+
+#[test]
+fn a_write_torn_mid_payload_is_posted_as_a_peer_event_naming_region_and_range() {
+    let control =
+        te_core::hook::StandaloneControl::start(&te_core::EngineConfig::default(), 7).unwrap();
+    let ctx = te_core::BackendContext {
+        hook: control.hook(),
+        ..te_core::BackendContext::default()
+    };
+    let c = TcpConfig {
+        slice_size: 1 << 20,
+        ..TcpConfig::default()
+    };
+    let target = TcpBackend::new(c, &ctx).expect("backend");
+    let mut mem = vec![0u8; 1 << 20];
+    register(&target, 3, &mut mem, Access::REMOTE_READ_WRITE);
+    // A plain WRITE of 1 MiB at 4096 that stops after 100 bytes, then a gathered one
+    // whose entries span 100..9000 and that stops inside its second entry.
+    let mut s = raw(&target);
+    s.write_all(&Header::request(Kind::Write, 1, 3, 4096, (1 << 20) - 4096).encode())
+        .unwrap();
+    s.write_all(&[7u8; 100]).unwrap();
+    drop(s);
+    let mut s = raw(&target);
+    s.write_all(&sg_frame(
+        Kind::WriteV,
+        1,
+        3,
+        &[(8000, 1000), (100, 50)],
+        1050,
+    ))
+    .unwrap();
+    s.write_all(&[8u8; 1010]).unwrap();
+    let local = s.local_addr().unwrap().to_string();
+    drop(s);
+    let mut events = Vec::new();
+    eventually("both torn writes posted", Duration::from_secs(5), || {
+        events.extend(control.try_recv_events());
+        events.len() >= 2
+    });
+    drop(target);
+    let mut torn: Vec<_> = events
+        .iter()
+        .map(|e| {
+            assert_eq!(e.kind, te_core::PeerEventKind::TornWrite, "{e:?}");
+            e.torn.expect("a torn range")
+        })
+        .collect();
+    torn.sort_by_key(|t| t.start);
+    let range = |start, end| te_core::TornRange {
+        region: RegionId(3),
+        start,
+        end,
+    };
+    assert_eq!(torn, [range(100, 9000), range(4096, 1 << 20)]);
+    assert!(
+        events.iter().any(|e| e.address == local),
+        "the event names the connection's peer address: {events:?}"
+    );
 }

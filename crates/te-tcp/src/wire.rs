@@ -13,7 +13,13 @@
 //! | `Welcome`  | target → initiator | 40 | magic, status u16, 2 zero bytes, HMAC \[32\] (the target's own proof) |
 //!
 //! **Frames** (after the handshake): a fixed 40-byte [`Header`], then for `Write` and
-//! `ReadData` `len` payload bytes, for `Error` a `len`-byte UTF-8 message.
+//! `ReadData` `len` payload bytes, for `Error` a `len`-byte UTF-8 message. The
+//! scatter-gather requests `WriteV` and `ReadV` (since version 3) name one region and
+//! carry their entry count `n` in `code`, `offset` 0 and the total `len`; `n` [`Entry`]s
+//! of 16 bytes (offset u64, len u64) follow the header, then for `WriteV` the `len`
+//! payload bytes, the entries' bytes one after another. Each is answered like one
+//! request: one `WriteAck`, one `ReadData` of `len` bytes (the entries' bytes in order),
+//! or one `Error` refusing the whole frame.
 //!
 //! | offset | field |
 //! |--------|-------|
@@ -34,13 +40,21 @@
 //! the target closes the connection: the payload that follows cannot be placed, and a
 //! peer that ignores the agreed terms is not trusted with the rest of the stream.
 //!
-//! Version 1 had no `Terms`: a version-2 side refuses a version-1 peer with status
-//! `Version`, which both versions understand.
+//! **Scatter-gather limits.** A frame lists 1..=[`MAX_ENTRIES`] entries (so its entry
+//! list is at most 16 KiB), none empty or overflowing, whose lengths add up to exactly
+//! `len`, itself within the frame limit. A frame that breaks these rules is a protocol
+//! error and closes the connection before any payload byte is read. A well-formed frame
+//! with an entry outside the region (or a region without the right) is refused whole
+//! with one `Error`, its payload received and dropped, as for `Write`.
+//!
+//! Version 1 had no `Terms`, version 2 no scatter-gather frames: a version-3 side
+//! refuses an older peer with status `Version`, which every version understands.
 
 use thiserror::Error;
 
-/// The protocol version both sides must speak (2: the target announces its frame limit).
-pub(crate) const VERSION: u16 = 2;
+/// The protocol version both sides must speak (2: the target announces its frame limit;
+/// 3: scatter-gather frames).
+pub(crate) const VERSION: u16 = 3;
 /// The smallest frame limit a target may announce (the smallest `slice_size`).
 pub(crate) const MIN_PAYLOAD: u64 = 4096;
 /// The first bytes of every handshake message.
@@ -49,6 +63,10 @@ pub(crate) const MAGIC: [u8; 4] = *b"TETC";
 pub(crate) const HEADER_LEN: usize = 40;
 /// The largest payload one frame may carry (a slice); larger requests are sliced.
 pub(crate) const MAX_PAYLOAD: u64 = 64 << 20;
+/// The most entries one scatter-gather frame may list.
+pub(crate) const MAX_ENTRIES: usize = 1024;
+/// Bytes of one scatter-gather entry.
+pub(crate) const ENTRY_LEN: usize = 16;
 /// The longest error message a frame may carry.
 pub(crate) const MAX_MESSAGE: u64 = 4096;
 /// Bytes of a nonce.
@@ -68,6 +86,10 @@ pub(crate) enum Kind {
     ReadData = 4,
     /// Target → initiator: the request with this id was refused; a message follows.
     Error = 5,
+    /// Initiator → target: `code` entries, then `len` payload bytes for them.
+    WriteV = 6,
+    /// Initiator → target: `code` entries; send their bytes, `len` in all.
+    ReadV = 7,
 }
 
 impl Kind {
@@ -78,6 +100,8 @@ impl Kind {
             3 => Kind::WriteAck,
             4 => Kind::ReadData,
             5 => Kind::Error,
+            6 => Kind::WriteV,
+            7 => Kind::ReadV,
             _ => return None,
         })
     }
@@ -113,6 +137,12 @@ pub(crate) enum WireError {
     Magic([u8; 4]),
     #[error("handshake field `{0}` has an invalid value")]
     Field(&'static str),
+    #[error("a scatter-gather frame lists {0} entries, outside 1..={MAX_ENTRIES}")]
+    Entries(u32),
+    #[error("scatter-gather entry {index} ({offset}+{len}) is empty or overflows")]
+    BadEntry { index: usize, offset: u64, len: u64 },
+    #[error("the entries of a scatter-gather frame add up to {sum} bytes, its header says {len}")]
+    EntrySum { sum: u64, len: u64 },
     #[error("truncated: {got} of {need} bytes")]
     Truncated { got: usize, need: usize },
 }
@@ -210,6 +240,17 @@ impl Header {
             })
         };
         match kind {
+            Kind::WriteV | Kind::ReadV => {
+                if h.code == 0 || h.code as usize > MAX_ENTRIES {
+                    return Err(WireError::Entries(h.code));
+                }
+                if h.offset != 0 {
+                    return unexpected("offset");
+                }
+                if h.len == 0 || h.len > MAX_PAYLOAD {
+                    return bad_len(MAX_PAYLOAD);
+                }
+            }
             Kind::Write | Kind::Read => {
                 if h.code != 0 {
                     return unexpected("code");
@@ -248,6 +289,69 @@ impl Header {
         }
         Ok(h)
     }
+}
+
+/// One entry of a scatter-gather frame: `len` bytes at `offset` in the frame's region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Entry {
+    pub(crate) offset: u64,
+    pub(crate) len: u64,
+}
+
+impl Entry {
+    /// Appends the entry's bytes to `out`.
+    pub(crate) fn encode_into(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.offset.to_le_bytes());
+        out.extend_from_slice(&self.len.to_le_bytes());
+    }
+}
+
+impl Header {
+    /// The number of entries a scatter-gather header announces (0 for other kinds).
+    pub(crate) fn entries(&self) -> usize {
+        match self.kind {
+            Kind::WriteV | Kind::ReadV => self.code as usize,
+            _ => 0,
+        }
+    }
+
+    /// Bytes of the entry list that follows this header.
+    pub(crate) fn entries_len(&self) -> usize {
+        self.entries() * ENTRY_LEN
+    }
+}
+
+/// Decodes the entry list of the scatter-gather header `h` from `b` into `out`
+/// (cleared first).
+///
+/// # Errors
+/// Truncated input, an empty or overflowing entry, or entries that do not add up to the
+/// header's `len`.
+pub(crate) fn decode_entries(h: &Header, b: &[u8], out: &mut Vec<Entry>) -> Result<(), WireError> {
+    out.clear();
+    let n = h.entries();
+    need(b, n * ENTRY_LEN)?;
+    let mut sum = 0u64;
+    for index in 0..n {
+        let at = index * ENTRY_LEN;
+        let e = Entry {
+            offset: u64_at(b, at),
+            len: u64_at(b, at + 8),
+        };
+        if e.len == 0 || e.offset.checked_add(e.len).is_none() {
+            return Err(WireError::BadEntry {
+                index,
+                offset: e.offset,
+                len: e.len,
+            });
+        }
+        sum = sum.saturating_add(e.len);
+        out.push(e);
+    }
+    if sum != h.len {
+        return Err(WireError::EntrySum { sum, len: h.len });
+    }
+    Ok(())
 }
 
 /// Handshake statuses.
@@ -480,6 +584,8 @@ mod tests {
             Just(Kind::WriteAck),
             Just(Kind::ReadData),
             Just(Kind::Error),
+            Just(Kind::WriteV),
+            Just(Kind::ReadV),
         ]
     }
 
@@ -499,6 +605,14 @@ mod tests {
                 Kind::WriteAck => Header::response(kind, 0, id, 0),
                 Kind::ReadData => Header::response(kind, 0, id, len),
                 Kind::Error => Header::response(kind, 5, id, len.min(MAX_MESSAGE)),
+                Kind::WriteV | Kind::ReadV => Header {
+                    kind,
+                    code: (id % MAX_ENTRIES as u64) as u32 + 1,
+                    id,
+                    region,
+                    offset: 0,
+                    len,
+                },
             })
     }
 
@@ -566,6 +680,72 @@ mod tests {
         ));
     }
 
+    fn sg(kind: Kind, entries: &[(u64, u64)], len: u64) -> (Header, Vec<u8>) {
+        let h = Header {
+            kind,
+            code: entries.len() as u32,
+            id: 1,
+            region: 2,
+            offset: 0,
+            len,
+        };
+        let mut b = h.encode().to_vec();
+        for &(offset, len) in entries {
+            Entry { offset, len }.encode_into(&mut b);
+        }
+        (h, b)
+    }
+
+    #[test]
+    fn scatter_gather_frames_round_trip_and_their_entries_are_checked() {
+        let (h, b) = sg(Kind::WriteV, &[(0, 10), (100, 6)], 16);
+        assert_eq!(Header::decode(&b), Ok(h));
+        let mut v = Vec::new();
+        decode_entries(&h, &b[HEADER_LEN..], &mut v).unwrap();
+        assert_eq!(
+            v,
+            [
+                Entry { offset: 0, len: 10 },
+                Entry {
+                    offset: 100,
+                    len: 6
+                }
+            ]
+        );
+        // The header lies about the payload: the entries add up to another length.
+        let (h, b) = sg(Kind::ReadV, &[(0, 10), (100, 6)], 17);
+        let e = decode_entries(&h, &b[HEADER_LEN..], &mut v).unwrap_err();
+        assert_eq!(e, WireError::EntrySum { sum: 16, len: 17 });
+        let (h, b) = sg(Kind::WriteV, &[(0, 10), (5, 0)], 10);
+        assert!(matches!(
+            decode_entries(&h, &b[HEADER_LEN..], &mut v),
+            Err(WireError::BadEntry { index: 1, .. })
+        ));
+        let (h, b) = sg(Kind::WriteV, &[(u64::MAX, 2)], 2);
+        assert!(matches!(
+            decode_entries(&h, &b[HEADER_LEN..], &mut v),
+            Err(WireError::BadEntry { index: 0, .. })
+        ));
+        assert!(matches!(
+            decode_entries(&h, &b[HEADER_LEN..HEADER_LEN + 8], &mut v),
+            Err(WireError::Truncated { .. })
+        ));
+        // Too many entries, none, or a non-zero offset are refused by the header alone.
+        let mut big = h;
+        big.code = MAX_ENTRIES as u32 + 1;
+        let e = Header::decode(&big.encode()).unwrap_err();
+        assert_eq!(e, WireError::Entries(MAX_ENTRIES as u32 + 1));
+        assert!(e.to_string().contains("outside 1..=1024"), "{e}");
+        big.code = 0;
+        assert_eq!(Header::decode(&big.encode()), Err(WireError::Entries(0)));
+        let mut off = h;
+        off.offset = 1;
+        assert!(Header::decode(&off.encode()).is_err());
+        let mut long = h;
+        long.len = MAX_PAYLOAD + 1;
+        assert!(Header::decode(&long.encode()).is_err());
+    }
+
     #[test]
     fn handshake_messages_round_trip_and_refuse_garbage() {
         let hello = Hello {
@@ -617,6 +797,17 @@ mod tests {
                     assert!(h.offset.checked_add(h.len).is_some());
                 }
                 Kind::Error => assert!(h.code != 0 && h.len <= MAX_MESSAGE),
+                Kind::WriteV | Kind::ReadV => {
+                    assert!(h.entries() >= 1 && h.entries() <= MAX_ENTRIES);
+                    assert!(h.len >= 1 && h.len <= MAX_PAYLOAD && h.offset == 0);
+                    let mut v = Vec::new();
+                    if decode_entries(&h, &b[HEADER_LEN..], &mut v).is_ok() {
+                        assert_eq!(v.iter().map(|e| e.len).sum::<u64>(), h.len);
+                        assert!(v
+                            .iter()
+                            .all(|e| e.len > 0 && e.offset.checked_add(e.len).is_some()));
+                    }
+                }
                 _ => assert!(h.region == 0 && h.offset == 0),
             }
         }

@@ -144,9 +144,16 @@ impl Shared {
                 previous_epoch,
                 address: peer.address.clone(),
                 at: SystemTime::now(),
+                torn: None,
             },
             EVENTS,
         );
+    }
+
+    /// Queues an event a backend posted through its hook.
+    pub(crate) fn post_event(&self, event: PeerEvent) {
+        tracing::info!(kind = ?event.kind, peer = %event.address, torn = ?event.torn, "peer event from the backend");
+        self.events.push_dropping(event, EVENTS);
     }
 
     /// Counts a task in for the orderly shutdown; the guard counts it out.
