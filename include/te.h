@@ -124,10 +124,14 @@ typedef struct te_request {
 #define TE_PEER_RESTARTED 2
 /** te_peer_event.kind: the peer closed its session on purpose. */
 #define TE_PEER_LEFT 3
+/** te_peer_event.kind: the peer's data connection broke in the middle of a WRITE into
+ *  this engine's memory; torn_region, torn_start and torn_end name the bytes that may
+ *  now hold part old, part new data. */
+#define TE_PEER_TORN_WRITE 4
 
 /** What happened to a peer that had a session with this engine. */
 typedef struct te_peer_event {
-    /** TE_PEER_LOST, TE_PEER_RESTARTED or TE_PEER_LEFT. */
+    /** TE_PEER_LOST, TE_PEER_RESTARTED, TE_PEER_LEFT or TE_PEER_TORN_WRITE. */
     int32_t kind;
     /** Always 0. */
     uint32_t reserved;
@@ -139,6 +143,11 @@ typedef struct te_peer_event {
     char name[256];
     /** The peer's control-plane address, NUL-terminated (cut at 255 bytes). */
     char address[256];
+    /** For TE_PEER_TORN_WRITE: the region, and the first and one-past-the-last byte
+     *  (from the region's start) that may be torn; 0 otherwise. */
+    uint64_t torn_region;
+    uint64_t torn_start;
+    uint64_t torn_end;
 } te_peer_event;
 
 /* ---- version and errors ---------------------------------------------------------- */

@@ -22,7 +22,7 @@
 #include "te.h"
 
 _Static_assert(sizeof(te_request) == 48, "te_request layout (checked from Rust too)");
-_Static_assert(sizeof(te_peer_event) == 536, "te_peer_event layout (checked from Rust too)");
+_Static_assert(sizeof(te_peer_event) == 560, "te_peer_event layout (checked from Rust too)");
 
 static const char *TCP = "[engine]\nbackend = \"tcp\"\ndefault_timeout = \"10s\"\n";
 enum { LEN = 4 << 20, CHUNK = 1 << 20 };

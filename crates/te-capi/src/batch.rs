@@ -5,8 +5,9 @@ use std::ffi::{c_int, c_void};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
+use te_facade::sync::Mutex;
 
 use te_facade::{Error, ErrorKind, Result, TransferHandle, TransferStatus};
 
@@ -122,16 +123,12 @@ impl Watch {
         let waker = Waker::from(self.clone());
         let mut cx = Context::from_waker(&waker);
         let ready = {
-            let mut handle = self.handle.lock().unwrap_or_else(|p| p.into_inner());
+            let mut handle = self.handle.lock();
             Pin::new(&mut *handle).poll(&mut cx)
         };
         if let Poll::Ready(result) = ready {
             if !self.fired.swap(true, Ordering::AcqRel) {
-                let on_done = self
-                    .on_done
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .take();
+                let on_done = self.on_done.lock().take();
                 if let Some(on_done) = on_done {
                     on_done(status_of(&result));
                 }

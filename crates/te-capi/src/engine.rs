@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void};
 use std::path::Path;
-use std::sync::Mutex;
+use te_facade::sync::Mutex;
 
 use te_facade::{
     Access, BlockOptions, Config, Engine, Error, ErrorKind, KvLayout, MemoryDesc, MemoryKind, Op,
@@ -62,10 +62,6 @@ pub struct TeRequest {
     pub remote_offset: u64,
     /// Bytes to copy.
     pub len: u64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn finish_new(config: &Config, out: Out<*mut TeEngine>) -> Result<c_int> {
@@ -237,7 +233,7 @@ pub unsafe extern "C" fn te_engine_register(
         // registration is deregistered (te.h states it, as Engine::register asks).
         let registration = unsafe { engine.engine.register(desc) }?;
         let id = registration.id().0;
-        lock(&engine.regions).insert(id, registration);
+        engine.regions.lock().insert(id, registration);
         region.set(id);
         Ok(TE_OK)
     })
@@ -253,7 +249,7 @@ pub unsafe extern "C" fn te_engine_deregister(engine: *mut TeEngine, region: u64
     guard(OP, || {
         // SAFETY: te.h asks for a live engine.
         let engine = unsafe { obj(engine, OP, "engine") }?;
-        let registration = lock(&engine.regions).remove(&region).ok_or_else(|| {
+        let registration = engine.regions.lock().remove(&region).ok_or_else(|| {
             Error::new(
                 ErrorKind::NotRegistered,
                 format!(

@@ -338,7 +338,7 @@ mod tests {
     fn c_structs_have_the_sizes_te_h_asserts() {
         // tests/capi/te_test.c asserts the same sizes from the C side.
         assert_eq!(std::mem::size_of::<crate::TeRequest>(), 48);
-        assert_eq!(std::mem::size_of::<crate::TePeerEvent>(), 536);
+        assert_eq!(std::mem::size_of::<crate::TePeerEvent>(), 560);
     }
 
     #[test]

@@ -21,7 +21,7 @@ pub struct TeNotification {
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct TePeerEvent {
-    /// `TE_PEER_LOST`, `TE_PEER_RESTARTED` or `TE_PEER_LEFT`.
+    /// `TE_PEER_LOST`, `TE_PEER_RESTARTED`, `TE_PEER_LEFT` or `TE_PEER_TORN_WRITE`.
     pub kind: i32,
     /// Always 0.
     pub reserved: u32,
@@ -33,6 +33,12 @@ pub struct TePeerEvent {
     pub name: [c_char; 256],
     /// The peer's control-plane address, NUL-terminated (cut at 255 bytes).
     pub address: [c_char; 256],
+    /// For `TE_PEER_TORN_WRITE`: the region whose bytes may be torn; 0 otherwise.
+    pub torn_region: u64,
+    /// For `TE_PEER_TORN_WRITE`: the first byte that may be torn; 0 otherwise.
+    pub torn_start: u64,
+    /// For `TE_PEER_TORN_WRITE`: one past the last; 0 otherwise.
+    pub torn_end: u64,
 }
 
 fn c_string(s: &str) -> CString {
@@ -160,6 +166,7 @@ fn event_kind(kind: PeerEventKind) -> i32 {
         PeerEventKind::Lost => 1,
         PeerEventKind::Restarted => 2,
         PeerEventKind::Left => 3,
+        PeerEventKind::TornWrite => 4,
     }
 }
 
@@ -188,6 +195,9 @@ pub unsafe extern "C" fn te_engine_recv_event(
             previous_epoch: event.previous_epoch.unwrap_or(0),
             name: [0; 256],
             address: [0; 256],
+            torn_region: event.torn.map_or(0, |t| t.region.0),
+            torn_start: event.torn.map_or(0, |t| t.start),
+            torn_end: event.torn.map_or(0, |t| t.end),
         };
         copy_into(&mut c.name, &event.name);
         copy_into(&mut c.address, &event.address);

@@ -1,8 +1,9 @@
 //! `te._te.Engine`, `Peer` and `Registration`.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
+use te::sync::{Mutex, RwLock};
 
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -16,10 +17,6 @@ use te::{
 use crate::args;
 use crate::errors::{te_err, IntoPy};
 use crate::handle::PyHandle;
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// A layout slot from Python: `(name, region id, offset, bytes per block, blocks)`.
 type SlotSpec = (String, u64, u64, u64, u64);
@@ -36,7 +33,7 @@ pub(crate) struct PyEngine {
 
 impl PyEngine {
     fn get(&self) -> PyResult<Arc<Engine>> {
-        lock(&self.engine).clone().ok_or_else(|| {
+        self.engine.lock().clone().ok_or_else(|| {
             te_err(
                 ErrorKind::Cancelled,
                 "engine",
@@ -53,7 +50,7 @@ impl PyEngine {
     }
 
     fn local_region(&self, addr: u64, len: u64) -> Option<(RegionId, u64)> {
-        let map = self.addrs.read().unwrap_or_else(|p| p.into_inner());
+        let map = self.addrs.read();
         map.range(..=addr).rev().find_map(|(start, regions)| {
             regions
                 .iter()
@@ -142,7 +139,7 @@ impl PyEngine {
     /// Stops the engine (control plane, peers); its batches fail or complete first.
     /// Further calls raise `te.CancelledError`. Called by `with te.Engine() as e:`.
     fn close(&self, py: Python<'_>) {
-        let engine = lock(&self.engine).take();
+        let engine = self.engine.lock().take();
         // Dropping the last reference stops threads and joins them: not under the GIL.
         py.allow_threads(move || drop(engine));
     }
@@ -494,7 +491,8 @@ impl PyEngine {
     }
 
     /// Drains peer events without waiting: dicts with `kind` (`"lost"`, `"restarted"`,
-    /// `"left"`), `name`, `address`, `epoch`, `previous_epoch`.
+    /// `"left"`, `"torn_write"`), `name`, `address`, `epoch`, `previous_epoch`, and for
+    /// a torn write `torn` = (region id, start, end).
     fn get_peer_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let engine = self.get()?;
         engine
@@ -506,8 +504,12 @@ impl PyEngine {
                     te::PeerEventKind::Lost => "lost",
                     te::PeerEventKind::Restarted => "restarted",
                     te::PeerEventKind::Left => "left",
+                    te::PeerEventKind::TornWrite => "torn_write",
                 };
                 d.set_item("kind", kind)?;
+                if let Some(t) = e.torn {
+                    d.set_item("torn", (t.region.0, t.start, t.end))?;
+                }
                 d.set_item("name", e.name)?;
                 d.set_item("address", e.address)?;
                 d.set_item("epoch", e.epoch)?;
@@ -518,7 +520,7 @@ impl PyEngine {
     }
 
     fn __repr__(&self) -> String {
-        match lock(&self.engine).as_ref() {
+        match self.engine.lock().as_ref() {
             Some(e) => format!(
                 "<te.Engine {} backend={} address={}>",
                 e.name(),
@@ -533,7 +535,7 @@ impl PyEngine {
 impl PyEngine {
     fn track(&self, reg: Registration, keep: Option<PyObject>) -> PyRegistration {
         let region = reg.region().clone();
-        let mut map = self.addrs.write().unwrap_or_else(|p| p.into_inner());
+        let mut map = self.addrs.write();
         map.entry(region.addr)
             .or_default()
             .push((region.len, region.id));
@@ -691,18 +693,18 @@ impl PyRegistration {
     /// it. Afterwards te touches the memory no more. A second call does nothing. If it
     /// raises, te may still touch the memory, so the object it belongs to is never freed.
     fn deregister(&self, py: Python<'_>) -> PyResult<()> {
-        let Some(reg) = lock(&self.reg).take() else {
+        let Some(reg) = self.reg.lock().take() else {
             return Ok(());
         };
         self.forget();
         if let Err(e) = py.allow_threads(|| reg.deregister()) {
             // te may still touch the memory: never free what it belongs to.
-            if let Some(keep) = lock(&self.keep).take() {
+            if let Some(keep) = self.keep.lock().take() {
                 std::mem::forget(keep);
             }
             return Err(crate::errors::to_py(e));
         }
-        lock(&self.keep).take();
+        self.keep.lock().take();
         Ok(())
     }
 
@@ -731,7 +733,7 @@ impl PyRegistration {
 
 impl PyRegistration {
     fn forget(&self) {
-        let mut map = self.addrs.write().unwrap_or_else(|p| p.into_inner());
+        let mut map = self.addrs.write();
         if let Some(v) = map.get_mut(&self.region.addr) {
             v.retain(|(_, id)| *id != self.region.id);
             if v.is_empty() {
@@ -743,7 +745,7 @@ impl PyRegistration {
 
 impl Drop for PyRegistration {
     fn drop(&mut self) {
-        let Some(reg) = lock(&self.reg).take() else {
+        let Some(reg) = self.reg.lock().take() else {
             return;
         };
         self.forget();
@@ -751,7 +753,7 @@ impl Drop for PyRegistration {
         let result = Python::with_gil(|py| py.allow_threads(|| reg.deregister()));
         if result.is_err() {
             // te may still touch the memory: never free what it belongs to.
-            if let Some(keep) = lock(&self.keep).take() {
+            if let Some(keep) = self.keep.lock().take() {
                 std::mem::forget(keep);
             }
         }

@@ -10,8 +10,9 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::mpsc::{channel, Sender};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Wake, Waker};
+use te::sync::Mutex;
 
 use pyo3::prelude::*;
 use te::TransferHandle;
@@ -31,7 +32,7 @@ impl Wake for Wakeup {
         self.wake_by_ref();
     }
     fn wake_by_ref(self: &Arc<Self>) {
-        let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+        let tx = self.tx.lock();
         // The thread lives as long as the process; a send cannot fail before exit.
         let _ = tx.send(Msg::Wake(self.id));
     }
@@ -44,10 +45,7 @@ struct Notifier {
 
 fn notifier() -> PyResult<&'static Notifier> {
     static N: OnceLock<Mutex<Option<&'static Notifier>>> = OnceLock::new();
-    let mut slot = N
-        .get_or_init(|| Mutex::new(None))
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
+    let mut slot = N.get_or_init(|| Mutex::new(None)).lock();
     if let Some(n) = *slot {
         return Ok(n);
     }
@@ -108,11 +106,11 @@ fn notifier() -> PyResult<&'static Notifier> {
 pub(crate) fn on_done(handle: TransferHandle, callback: PyObject) -> PyResult<()> {
     let n = notifier()?;
     let id = {
-        let mut next = n.next.lock().unwrap_or_else(|p| p.into_inner());
+        let mut next = n.next.lock();
         *next += 1;
         *next
     };
-    let tx = n.tx.lock().unwrap_or_else(|p| p.into_inner());
+    let tx = n.tx.lock();
     let _ = tx.send(Msg::Watch(id, handle, callback));
     Ok(())
 }

@@ -5,8 +5,9 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
 use std::thread::JoinHandle;
+use te_core::sync::{Mutex, RwLock};
 
 use te_core::{
     BackendContext, BackendInfo, BatchId, Capabilities, Completion, Deadline, Error, ErrorKind,
@@ -247,18 +248,9 @@ impl TcpBackend {
     /// The connections to `peer` not known to be broken.
     #[cfg(test)]
     pub(crate) fn live_connections(&self, peer: PeerId) -> usize {
-        self.peers
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&peer)
-            .map_or(0, |pc| {
-                pc.conns
-                    .read()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .iter()
-                    .filter(|c| !c.is_dead())
-                    .count()
-            })
+        self.peers.read().get(&peer).map_or(0, |pc| {
+            pc.conns.read().iter().filter(|c| !c.is_dead()).count()
+        })
     }
 
     /// The options in force.
@@ -269,13 +261,7 @@ impl TcpBackend {
     /// Opens connections to `peer` until it has `connections_per_peer` live ones.
     fn fill_pool(&self, peer: &PeerConns, deadline: Deadline) -> Result<()> {
         let want = self.shared.config.connections_per_peer;
-        let live = peer
-            .conns
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .filter(|c| !c.is_dead())
-            .count();
+        let live = peer.conns.read().iter().filter(|c| !c.is_dead()).count();
         let mut fresh = Vec::new();
         let mut first_error = None;
         for _ in live..want {
@@ -296,7 +282,7 @@ impl TcpBackend {
         for c in &fresh {
             peer.slice.fetch_min(c.max_payload(), Ordering::AcqRel);
         }
-        let mut conns = peer.conns.write().unwrap_or_else(|p| p.into_inner());
+        let mut conns = peer.conns.write();
         conns.retain(|c| !c.is_dead());
         for c in fresh {
             if conns.len() < want {
@@ -466,19 +452,9 @@ impl TransferBackend for TcpBackend {
 
     fn connect(&self, peer: &SegmentDesc, deadline: Deadline) -> Result<PeerId> {
         let (addr, instance) = decode_endpoint(&peer.endpoint)?;
-        let existing = self
-            .by_endpoint
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&peer.endpoint)
-            .copied();
+        let existing = self.by_endpoint.lock().get(&peer.endpoint).copied();
         if let Some(id) = existing {
-            let pc = self
-                .peers
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(&id)
-                .cloned();
+            let pc = self.peers.read().get(&id).cloned();
             if let Some(pc) = pc {
                 self.fill_pool(&pc, deadline)?;
                 return Ok(id);
@@ -491,12 +467,12 @@ impl TransferBackend for TcpBackend {
             slice: AtomicU64::new(self.shared.config.slice_size),
         });
         self.fill_pool(&pc, deadline)?;
-        let mut by = self.by_endpoint.lock().unwrap_or_else(|p| p.into_inner());
-        let mut peers = self.peers.write().unwrap_or_else(|p| p.into_inner());
+        let mut by = self.by_endpoint.lock();
+        let mut peers = self.peers.write();
         if let Some(&id) = by.get(&peer.endpoint) {
             if peers.contains_key(&id) {
                 // A concurrent connect won: keep its pool, close this one.
-                for c in pc.conns.read().unwrap_or_else(|p| p.into_inner()).iter() {
+                for c in pc.conns.read().iter() {
                     c.kill(Error::new(ErrorKind::Cancelled, "a spare data connection"));
                 }
                 return Ok(id);
@@ -512,14 +488,10 @@ impl TransferBackend for TcpBackend {
         let pc = self
             .peers
             .write()
-            .unwrap_or_else(|p| p.into_inner())
             .remove(&peer)
             .ok_or_else(|| Error::new(ErrorKind::PeerUnreachable, "unknown peer"))?;
-        self.by_endpoint
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .retain(|_, id| *id != peer);
-        for c in pc.conns.read().unwrap_or_else(|p| p.into_inner()).iter() {
+        self.by_endpoint.lock().retain(|_, id| *id != peer);
+        for c in pc.conns.read().iter() {
             c.kill(Error::new(
                 ErrorKind::Cancelled,
                 format!("the peer at {} was disconnected", pc.addr),
@@ -529,22 +501,15 @@ impl TransferBackend for TcpBackend {
     }
 
     fn submit(&self, peer: PeerId, batch: &[TransferRequest], done: Completion) -> Result<()> {
-        let pc = self
-            .peers
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&peer)
-            .cloned()
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::PeerUnreachable,
-                    "the tcp backend is not connected to that peer",
-                )
-            })?;
+        let pc = self.peers.read().get(&peer).cloned().ok_or_else(|| {
+            Error::new(
+                ErrorKind::PeerUnreachable,
+                "the tcp backend is not connected to that peer",
+            )
+        })?;
         let conns: Vec<Arc<Conn>> = pc
             .conns
             .read()
-            .unwrap_or_else(|p| p.into_inner())
             .iter()
             .filter(|c| !c.is_dead())
             .cloned()
@@ -613,38 +578,21 @@ impl Drop for TcpBackend {
         // SAFETY: the listener is alive (we hold an Arc); shutting a listening socket
         // down makes a blocked `accept` return on Linux.
         unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
-        let peers: Vec<_> = self
-            .peers
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain()
-            .collect();
+        let peers: Vec<_> = self.peers.write().drain().collect();
         for (_, pc) in peers {
-            for c in pc.conns.read().unwrap_or_else(|p| p.into_inner()).iter() {
+            for c in pc.conns.read().iter() {
                 c.kill(Error::new(
                     ErrorKind::Cancelled,
                     "the tcp backend is shutting down",
                 ));
             }
         }
-        let serving: Vec<_> = self
-            .shared
-            .serving
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain()
-            .collect();
+        let serving: Vec<_> = self.shared.serving.lock().drain().collect();
         for (_, s) in serving {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
         let me = std::thread::current().id();
-        let threads: Vec<_> = self
-            .shared
-            .threads
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-            .collect();
+        let threads: Vec<_> = self.shared.threads.lock().drain(..).collect();
         for t in threads {
             if t.thread().id() != me {
                 let _ = t.join();

@@ -17,8 +17,9 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Instant;
+use te_core::sync::{Condvar, Mutex};
 
 use te_core::device::DeviceCopy;
 use te_core::{Completion, Deadline, Error, ErrorKind, Op, RegionId, Result};
@@ -79,11 +80,7 @@ impl Batch {
     /// stay registered while a copy runs even if the batch has ended; `None` once the
     /// batch has ended.
     fn hold(&self) -> Option<Arc<Vec<Pin>>> {
-        self.done
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .map(|d| d.1.clone())
+        self.done.lock().as_ref().map(|d| d.1.clone())
     }
 
     /// Records one slice's end; the last one releases the pins, then completes.
@@ -98,7 +95,7 @@ impl Batch {
             let _ = self.error.set(e);
         }
         if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let taken = self.done.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let taken = self.done.lock().take();
             if let Some((done, pins)) = taken {
                 drop(pins);
                 done.complete(match self.error.get() {
@@ -114,12 +111,7 @@ impl Batch {
     /// the data that arrives for it is discarded, never placed.
     fn stopped(&self) -> bool {
         Instant::now() >= self.deadline
-            || self
-                .done
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .as_ref()
-                .is_none_or(|d| d.0.is_aborted())
+            || self.done.lock().as_ref().is_none_or(|d| d.0.is_aborted())
     }
 }
 
@@ -552,7 +544,7 @@ pub(crate) fn spawn(
         .map_err(|e| {
             Error::new(ErrorKind::Io, format!("cannot start thread {name}")).with_source(e)
         })?;
-    let mut ts = threads.lock().unwrap_or_else(|p| p.into_inner());
+    let mut ts = threads.lock();
     ts.retain(|t| !t.is_finished());
     ts.push(t);
     Ok(())
@@ -630,8 +622,8 @@ impl Conn {
         self.dead.load(Ordering::Acquire)
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Tx> {
-        self.tx.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> te_core::sync::MutexGuard<'_, Tx> {
+        self.tx.lock()
     }
 
     /// Queues slices and, if the connection is idle and `budget` allows, starts writing
@@ -729,7 +721,7 @@ impl Conn {
                         // A device WRITE goes out once its bytes are staged, in order.
                         let staged = match &front.stage {
                             None => Ok(Some(front.local)),
-                            Some(st) => match &*st.lock().unwrap_or_else(|p| p.into_inner()) {
+                            Some(st) => match &*st.lock() {
                                 Stage::Ready(buf) => Ok(Some(buf.ptr() as usize)),
                                 Stage::Failed(e) => Err(e.clone()),
                                 Stage::Idle | Stage::Copying => Ok(None),
@@ -764,7 +756,7 @@ impl Conn {
                 if waiting && blocking {
                     // The next slice's copy (or a buffer for it) is not done; its
                     // completion wakes this thread.
-                    drop(self.wake.wait(tx).unwrap_or_else(|p| p.into_inner()));
+                    drop(self.wake.wait(tx));
                     self.fail(std::mem::take(&mut expired), timeout_error());
                     self.fail_each(std::mem::take(&mut failed));
                     continue;
@@ -826,10 +818,7 @@ impl Conn {
         while let Some(next) = tx.to_stage.front() {
             // Only this queue holds the slot: the slice has ended without being sent.
             let gone = Arc::strong_count(&next.slot) == 1;
-            let idle = matches!(
-                *next.slot.lock().unwrap_or_else(|p| p.into_inner()),
-                Stage::Idle
-            );
+            let idle = matches!(*next.slot.lock(), Stage::Idle);
             if gone || !idle {
                 tx.to_stage.pop_front();
                 continue;
@@ -842,7 +831,7 @@ impl Conn {
             let Some(t) = tx.to_stage.pop_front() else {
                 break;
             };
-            let mut st = t.slot.lock().unwrap_or_else(|p| p.into_inner());
+            let mut st = t.slot.lock();
             let buf = match taken {
                 Ok(Some(b)) => b,
                 Ok(None) => break,
@@ -892,7 +881,7 @@ impl Conn {
             let done = move |r: Result<()>| {
                 drop(pins);
                 if let Some(slot) = slot {
-                    *slot.lock().unwrap_or_else(|p| p.into_inner()) = match r {
+                    *slot.lock() = match r {
                         Ok(()) => Stage::Ready(buf),
                         Err(e) => Stage::Failed(e),
                     };
@@ -922,7 +911,7 @@ impl Conn {
                     if !tx.busy && (!tx.unsent.is_empty() || !tx.carry.is_empty()) {
                         break;
                     }
-                    tx = self.wake.wait(tx).unwrap_or_else(|p| p.into_inner());
+                    tx = self.wake.wait(tx);
                 }
                 tx.busy = true;
             }
@@ -945,12 +934,9 @@ impl Conn {
         let mine = |s: &Slice| Arc::ptr_eq(&s.batch, batch);
         // A slice whose device copy runs stays: the writer drops it once the copy ends.
         let copying = |s: &Slice| {
-            s.stage.as_ref().is_some_and(|st| {
-                matches!(
-                    *st.lock().unwrap_or_else(|p| p.into_inner()),
-                    Stage::Copying
-                )
-            })
+            s.stage
+                .as_ref()
+                .is_some_and(|st| matches!(*st.lock(), Stage::Copying))
         };
         let (gone, kept): (VecDeque<Slice>, VecDeque<Slice>) = std::mem::take(&mut tx.unsent)
             .into_iter()

@@ -6,7 +6,8 @@
 //! per region, so deregistering one region never waits for transfers of another.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::sync::Arc;
+use te_core::sync::{Condvar, Mutex, RwLock};
 
 use te_core::{Access, Deadline, Error, ErrorKind, MemoryDesc, RegionId, Result};
 
@@ -43,7 +44,7 @@ impl Pin {
 
 impl Drop for Pin {
     fn drop(&mut self) {
-        let mut g = self.0.gate.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = self.0.gate.lock();
         g.users -= 1;
         if g.users == 0 && !g.open {
             self.0.closed.notify_all();
@@ -71,22 +72,13 @@ impl Regions {
             }),
             closed: Condvar::new(),
         });
-        self.map
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, region);
+        self.map.write().insert(id, region);
     }
 
     /// How many pins hold region `id` (0 if it is not registered).
     #[cfg(test)]
     pub(crate) fn users(&self, id: RegionId) -> usize {
-        self.map
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&id)
-            .map_or(0, |r| {
-                r.gate.lock().unwrap_or_else(|p| p.into_inner()).users
-            })
+        self.map.read().get(&id).map_or(0, |r| r.gate.lock().users)
     }
 
     /// Forgets `id` and waits until no transfer holds it, at most until `deadline`.
@@ -95,18 +87,13 @@ impl Regions {
     /// `NotRegistered` if `id` is unknown; `Timeout` if transfers (a peer's, served
     /// here) still hold it at the deadline.
     pub(crate) fn remove(&self, id: RegionId, deadline: Deadline) -> Result<()> {
-        let region = self
-            .map
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&id)
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::NotRegistered,
-                    format!("region {id} is not registered with the tcp backend"),
-                )
-            })?;
-        let mut g = region.gate.lock().unwrap_or_else(|p| p.into_inner());
+        let region = self.map.write().remove(&id).ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotRegistered,
+                format!("region {id} is not registered with the tcp backend"),
+            )
+        })?;
+        let mut g = region.gate.lock();
         g.open = false;
         while g.users > 0 {
             let left = deadline.remaining();
@@ -119,11 +106,7 @@ impl Regions {
                     ),
                 ));
             }
-            g = region
-                .closed
-                .wait_timeout(g, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            g = region.closed.wait_timeout(g, left).0;
         }
         Ok(())
     }
@@ -137,7 +120,6 @@ impl Regions {
         let region = self
             .map
             .read()
-            .unwrap_or_else(|p| p.into_inner())
             .get(&id)
             .cloned()
             .ok_or_else(|| not_registered(id))?;
@@ -150,7 +132,7 @@ impl Regions {
                 ),
             ));
         }
-        let mut g = region.gate.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = region.gate.lock();
         if !g.open {
             return Err(not_registered(id));
         }

@@ -13,8 +13,9 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+use te_core::sync::{Condvar, Mutex};
 
 use te_core::device::DeviceCopy;
 use te_core::{Error, ErrorKind, RegionId, Result};
@@ -64,11 +65,7 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
             .map(|a| a.to_string())
             .unwrap_or_else(|_| "?".into());
         let c = &shared.config;
-        let serving = shared
-            .serving
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .len();
+        let serving = shared.serving.lock().len();
         let pending = shared.pending.load(Ordering::Acquire);
         if serving >= c.max_connections || pending >= c.max_pending {
             // Closed at once: a flood of connections costs no thread and no buffer.
@@ -90,11 +87,7 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
             }
         };
         let key = shared.next_serving.fetch_add(1, Ordering::Relaxed);
-        shared
-            .serving
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key, clone);
+        shared.serving.lock().insert(key, clone);
         // Counted from here until its handshake ends, however the thread ends or if it
         // never starts.
         let pending = Pending::new(&shared);
@@ -109,17 +102,10 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
                     tracing::warn!(peer = %peer, error = %e, "data connection closed");
                 }
             }
-            s.serving
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&key);
+            s.serving.lock().remove(&key);
         });
         if started.is_err() {
-            shared
-                .serving
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&key);
+            shared.serving.lock().remove(&key);
         }
     }
 }
@@ -652,7 +638,7 @@ impl Responder {
     /// pin or buffer).
     fn push(&self, item: Item) -> Result<()> {
         let end = Instant::now() + self.limit;
-        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let mut q = self.queue.lock();
         while q.items.len() >= MAX_QUEUED && !q.closed {
             let left = end.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -664,11 +650,7 @@ impl Responder {
                     ),
                 ));
             }
-            q = self
-                .room
-                .wait_timeout(q, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            q = self.room.wait_timeout(q, left).0;
         }
         if q.closed {
             return Err(Error::new(
@@ -690,7 +672,7 @@ impl Responder {
     /// Stops the responder and drops what it still holds, releasing pins and buffers.
     fn close(&self) {
         let left = {
-            let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+            let mut q = self.queue.lock();
             q.closed = true;
             std::mem::take(&mut q.items)
         };
@@ -701,21 +683,19 @@ impl Responder {
 
     /// A copy completed: wake the responder if it waits for that one.
     fn copied(&self) {
-        drop(self.queue.lock().unwrap_or_else(|p| p.into_inner()));
+        drop(self.queue.lock());
         self.ready.notify_all();
     }
 
     /// The next response once it is ready; `None` once closed.
     fn next(&self) -> Option<Item> {
-        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let mut q = self.queue.lock();
         loop {
             if q.closed {
                 return None;
             }
             let ready = match q.items.front() {
-                Some(Item::Staged { slot, .. }) => {
-                    slot.lock().unwrap_or_else(|p| p.into_inner()).is_some()
-                }
+                Some(Item::Staged { slot, .. }) => slot.lock().is_some(),
                 Some(_) => true,
                 None => false,
             };
@@ -727,7 +707,7 @@ impl Responder {
             if q.draining && q.items.is_empty() {
                 return None;
             }
-            q = self.ready.wait(q).unwrap_or_else(|p| p.into_inner());
+            q = self.ready.wait(q);
         }
     }
 
@@ -747,7 +727,7 @@ impl Responder {
                     r
                 }
                 Item::Staged { h, slot } => {
-                    let taken = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+                    let taken = slot.lock().take();
                     match taken {
                         Some((Ok(()), Some(buf))) => {
                             let header = Header::response(Kind::ReadData, 0, h.id, h.len).encode();
@@ -808,11 +788,7 @@ impl ResponderGuard {
     fn finish(self, last: Item) {
         // A responder that cannot take it is already gone: the connection closes anyway.
         let _ = self.responder.push(last);
-        self.responder
-            .queue
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .draining = true;
+        self.responder.queue.lock().draining = true;
         self.responder.ready.notify_all();
         let mut this = self;
         if let Some(t) = this.thread.take() {
@@ -920,7 +896,7 @@ fn write_staged(
     let done = move |res: Result<()>| {
         drop(pin);
         drop(buf);
-        *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some((res, None));
+        *slot.lock() = Some((res, None));
         r.copied();
     };
     // SAFETY: `admit` checked every entry inside the region, which the pin (owned by
@@ -985,7 +961,7 @@ fn read_staged(
     let r = r.clone();
     let done = move |res: Result<()>| {
         drop(pin);
-        *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some((res, Some(buf)));
+        *slot.lock() = Some((res, Some(buf)));
         r.copied();
     };
     // SAFETY: `admit` checked every entry inside the region, which the pin (owned by
@@ -1011,10 +987,7 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::PeerUnreachable);
         assert!(e.to_string().contains("read no response"), "{e}");
         r.close();
-        assert!(
-            r.queue.lock().unwrap().items.is_empty(),
-            "close drops what is held"
-        );
+        assert!(r.queue.lock().items.is_empty(), "close drops what is held");
         assert!(r.push(Item::Bytes(vec![0; 8])).is_err());
     }
 }

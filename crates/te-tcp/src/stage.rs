@@ -10,7 +10,9 @@
 //! ever waited for by that direction, and are freed by copies or by the socket alone,
 //! so the two directions cannot wait on each other.
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
+
+use te_core::sync::{Condvar, Mutex};
 
 use te_core::device::{DeviceCopy, DeviceRuntime};
 use te_core::Result;
@@ -54,13 +56,13 @@ impl Pool {
             let p = pool.rt.alloc_pinned(size)? as usize;
             pool.all.push(p);
         }
-        *pool.free.get_mut().unwrap_or_else(|p| p.into_inner()) = pool.all.clone();
+        *pool.free.get_mut() = pool.all.clone();
         Ok(pool)
     }
 
     /// A free buffer, if there is one.
     pub(crate) fn try_take(self: &Arc<Self>) -> Option<StageBuf> {
-        let p = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
+        let p = self.free.lock().pop()?;
         Some(StageBuf {
             pool: self.clone(),
             ptr: p,
@@ -69,7 +71,7 @@ impl Pool {
 
     /// A free buffer, waiting until a copy or a send returns one.
     pub(crate) fn take(self: &Arc<Self>) -> StageBuf {
-        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let mut free = self.free.lock();
         loop {
             if let Some(p) = free.pop() {
                 return StageBuf {
@@ -77,7 +79,7 @@ impl Pool {
                     ptr: p,
                 };
             }
-            free = self.returned.wait(free).unwrap_or_else(|p| p.into_inner());
+            free = self.returned.wait(free);
         }
     }
 }
@@ -108,11 +110,7 @@ impl StageBuf {
 
 impl Drop for StageBuf {
     fn drop(&mut self) {
-        self.pool
-            .free
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(self.ptr);
+        self.pool.free.lock().push(self.ptr);
         self.pool.returned.notify_one();
     }
 }
@@ -141,7 +139,7 @@ impl Pools {
     /// # Errors
     /// The runtime's error if pinned memory cannot be allocated.
     pub(crate) fn get(&self, rt: &Arc<dyn DeviceRuntime>) -> Result<Arc<Pool>> {
-        let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        let mut pools = self.pools.lock();
         if let Some(p) = pools.iter().find(|p| p.rt.name() == rt.name()) {
             return Ok(p.clone());
         }
@@ -169,7 +167,7 @@ pub(crate) unsafe fn start(
         rt.copy(
             copy,
             Box::new(move |r| {
-                let f = theirs.lock().unwrap_or_else(|p| p.into_inner()).take();
+                let f = theirs.lock().take();
                 if let Some(f) = f {
                     f(r);
                 }
@@ -178,7 +176,7 @@ pub(crate) unsafe fn start(
     };
     if let Err(e) = started {
         // The runtime will not run its callback: report the error ourselves.
-        let f = once.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let f = once.lock().take();
         if let Some(f) = f {
             f(Err(e));
         }
@@ -205,7 +203,7 @@ pub(crate) unsafe fn start_all(
     for copy in copies {
         let state = state.clone();
         let one = move |r: Result<()>| {
-            let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
+            let mut s = state.lock();
             if let Err(e) = r {
                 s.1.get_or_insert(e);
             }

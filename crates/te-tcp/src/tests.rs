@@ -307,7 +307,7 @@ fn connect_refills_a_pool_with_broken_connections() {
     let seg = segment(&target);
     let peer = init.connect(&seg, soon()).unwrap();
     // Break every connection the target serves.
-    for (_, s) in target.shared().serving.lock().unwrap().iter() {
+    for (_, s) in target.shared().serving.lock().iter() {
         let _ = s.shutdown(std::net::Shutdown::Both);
     }
     let req = TransferRequest::write(RegionId(1), 0, RegionId(1), 0, 64);
@@ -577,7 +577,7 @@ fn pending_handshakes_and_connections_are_capped_and_the_rest_closed_at_once() {
     // connection does not.
     drop(idle);
     eventually("no connection served", Duration::from_secs(5), || {
-        target.shared().serving.lock().map_or(1, |s| s.len()) == 0
+        target.shared().serving.lock().is_empty()
     });
     let init = backend(|c| c.connections_per_peer = 3);
     let peer = init.connect(&segment(&target), soon()).expect("connect");
@@ -690,7 +690,7 @@ fn the_listener_survives_running_out_of_file_descriptors() {
         "accept never failed: {} clients, {} files, {} served",
         clients.len(),
         files.len(),
-        target.shared().serving.lock().map_or(0, |s| s.len())
+        target.shared().serving.lock().len()
     );
     drop(files);
     drop(clients);

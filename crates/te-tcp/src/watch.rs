@@ -12,8 +12,9 @@
 
 use std::cmp::{Ordering as CmpOrdering, Reverse};
 use std::collections::BinaryHeap;
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
+use te_core::sync::{Condvar, Mutex};
 
 use crate::conn::{Batch, Conn};
 
@@ -66,12 +67,7 @@ pub(crate) struct Watch {
 
 impl std::fmt::Debug for Watch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let n = self
-            .state
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .heap
-            .len();
+        let n = self.state.lock().heap.len();
         f.debug_struct("Watch").field("batches", &n).finish()
     }
 }
@@ -79,7 +75,7 @@ impl std::fmt::Debug for Watch {
 impl Watch {
     /// Watches `batch`, whose slices travel on `conns`.
     pub(crate) fn add(&self, batch: &Arc<Batch>, conns: &[Arc<Conn>]) {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut s = self.state.lock();
         // Finished batches are dropped lazily: at most about twice the live ones stay.
         if s.heap.len() > 2 * s.pruned + 1024 {
             s.heap.retain(|t| t.0.batch.strong_count() > 0);
@@ -96,7 +92,7 @@ impl Watch {
     }
 
     fn push(&self, mut t: Timed) {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut s = self.state.lock();
         s.seq += 1;
         t.seq = s.seq;
         let earliest = s.heap.peek().is_none_or(|e| t.at < e.0.at);
@@ -112,7 +108,7 @@ impl Watch {
     /// `io_timeout`. Linear in the batches watched; aborts are rare.
     pub(crate) fn abort(&self, id: te_core::BatchId) {
         let now = Instant::now();
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut s = self.state.lock();
         let mut all = std::mem::take(&mut s.heap).into_vec();
         let mut found = false;
         for t in &mut all {
@@ -132,7 +128,7 @@ impl Watch {
 
     /// Ends [`Watch::run`].
     pub(crate) fn close(&self) {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).closed = true;
+        self.state.lock().closed = true;
         self.wake.notify_all();
     }
 
@@ -142,7 +138,7 @@ impl Watch {
         loop {
             let mut due = Vec::new();
             {
-                let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                let mut s = self.state.lock();
                 loop {
                     if s.closed {
                         return;
@@ -160,10 +156,9 @@ impl Watch {
                         Some(at) => {
                             self.wake
                                 .wait_timeout(s, at.saturating_duration_since(now))
-                                .unwrap_or_else(|p| p.into_inner())
                                 .0
                         }
-                        None => self.wake.wait(s).unwrap_or_else(|p| p.into_inner()),
+                        None => self.wake.wait(s),
                     };
                 }
             }
