@@ -107,7 +107,7 @@ impl Hosts {
         let path = self.dir.join(format!("{ip}.toml"));
         std::fs::write(
             &path,
-            format!("[engine]\nbackend = \"tcp\"\nlisten = \"{ip}:0\"\ndefault_timeout = \"3s\"\nheartbeat = \"1s\"\n[backends.tcp]\nlisten = \"{ip}:0\"\n"),
+            format!("[engine]\nbackend = \"tcp\"\nlisten = \"{ip}:0\"\ndefault_timeout = \"3s\"\nheartbeat = \"1s\"\n"),
         )
         .unwrap();
         path

@@ -139,6 +139,13 @@ pub struct BackendContext {
     pub table: toml::Table,
     /// Where the table came from (a file path, or `defaults`), for messages.
     pub source: String,
+    /// The host of `[engine] listen` (without its port): a backend that opens a
+    /// listener of its own binds that host too unless its table says otherwise.
+    /// `None` outside an engine's configuration.
+    pub listen_host: Option<String>,
+    /// `[engine] advertise`: the host peers reach this engine at, where `listen` binds
+    /// every interface.
+    pub advertise: Option<String>,
 }
 
 impl BackendContext {

@@ -359,6 +359,12 @@ impl Config {
             hook: Default::default(),
             table: self.backends.get(name).cloned().unwrap_or_default(),
             source: self.source.clone(),
+            listen_host: self
+                .engine
+                .listen
+                .rsplit_once(':')
+                .map(|(host, _)| host.to_string()),
+            advertise: self.engine.advertise.clone(),
         }
     }
 }

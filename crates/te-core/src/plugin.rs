@@ -42,7 +42,7 @@ pub use abi_stable::prefix_type::PrefixTypeTrait as __PrefixTypeTrait;
 
 /// te's own plugin protocol version, checked in addition to `abi_stable`'s layout
 /// check; raised whenever the meaning (not only the layout) of the boundary changes.
-pub const PLUGIN_ABI: u32 = 2;
+pub const PLUGIN_ABI: u32 = 3;
 
 /// A fingerprint of the sources of the types that cross the boundary encoded; a plugin
 /// built from other sources is refused even when its te-core version matches.
@@ -247,6 +247,8 @@ struct FfiContext {
     auth_token: Option<String>,
     table: String,
     source: String,
+    listen_host: Option<String>,
+    advertise: Option<String>,
 }
 
 fn caught<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
@@ -304,6 +306,8 @@ pub fn __create(
             hook: ControlHook::new(HookTarget::Plugin(Arc::new(hook))),
             table,
             source: c.source,
+            listen_host: c.listen_host,
+            advertise: c.advertise,
         })?;
         Ok(FfiBackend_TO::from_value(
             Exported(backend),
@@ -437,6 +441,8 @@ pub(crate) fn create(
         auth_token: ctx.auth_token.clone(),
         table,
         source: ctx.source.clone(),
+        listen_host: ctx.listen_host.clone(),
+        advertise: ctx.advertise.clone(),
     });
     let hook = FfiHook_TO::from_value(HostHook(ctx.hook.clone()), sabi_trait::TD_Opaque);
     let inner = from_ffi((module.create())(encoded.as_slice().into(), hook))?;

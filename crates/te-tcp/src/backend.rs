@@ -153,10 +153,22 @@ impl TcpBackend {
             _ => {}
         }
         config.auth_token = config.auth_token.take().or_else(|| ctx.auth_token.clone());
-        let listener = TcpListener::bind(&config.listen).map_err(|e| {
+        // Unset, the data listener follows the engine's control plane: the same host
+        // (port 0) and the same advertised host, so an engine that listens on its NIC
+        // is reachable for data too without a second setting.
+        let listen = match &config.listen {
+            Some(listen) => listen.clone(),
+            None => {
+                if config.advertise.is_none() {
+                    config.advertise = ctx.advertise.clone();
+                }
+                format!("{}:0", ctx.listen_host.as_deref().unwrap_or("127.0.0.1"))
+            }
+        };
+        let listener = TcpListener::bind(&listen).map_err(|e| {
             Error::new(
                 ErrorKind::Io,
-                format!("cannot listen on {} for tcp data", config.listen),
+                format!("cannot listen on {listen} for tcp data"),
             )
             .with_operation("create backend")
             .with_source(e)
@@ -172,8 +184,7 @@ impl TcpBackend {
                 .ok_or_else(|| config_error(format!("advertise = {host:?} does not resolve")))?,
             None if bound.ip().is_unspecified() => {
                 return Err(config_error(format!(
-                    "listen = {:?} binds every interface; set `advertise` to the address peers should use",
-                    config.listen
+                    "the data listener on {listen:?} binds every interface; set `advertise` ([engine] or [backends.tcp]) to the address peers should use"
                 )))
             }
             None => bound,

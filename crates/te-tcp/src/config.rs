@@ -13,10 +13,12 @@ use crate::wire::MAX_PAYLOAD;
 #[serde(deny_unknown_fields, default)]
 #[non_exhaustive]
 pub struct TcpConfig {
-    /// Where the data listener binds (`HOST:PORT`; port 0 picks a free port).
-    pub listen: String,
-    /// The host or IP peers use to reach the data listener; default: the `listen` host.
-    /// Required when `listen` binds every interface (`0.0.0.0`, `[::]`).
+    /// Where the data listener binds (`HOST:PORT`; port 0 picks a free port). Unset:
+    /// the host of `[engine] listen`, port 0 (outside an engine, `127.0.0.1:0`).
+    pub listen: Option<String>,
+    /// The host or IP peers use to reach the data listener; default: the `listen` host,
+    /// or `[engine] advertise` when `listen` is unset. Required when the listener binds
+    /// every interface (`0.0.0.0`, `[::]`).
     pub advertise: Option<String>,
     /// Persistent data connections opened to each peer.
     pub connections_per_peer: usize,
@@ -66,7 +68,7 @@ pub struct TcpConfig {
 impl Default for TcpConfig {
     fn default() -> Self {
         TcpConfig {
-            listen: "127.0.0.1:0".to_string(),
+            listen: None,
             advertise: None,
             connections_per_peer: 4,
             slice_size: 512 << 10,

@@ -47,8 +47,8 @@
 //!
 //! | key | default | meaning |
 //! |-----|---------|---------|
-//! | `listen` | `"127.0.0.1:0"` | where the data listener binds; port 0 picks a free port |
-//! | `advertise` | the `listen` host | the host or IP peers connect to; required when `listen` binds every interface (`0.0.0.0`) |
+//! | `listen` | the host of `[engine] listen`, port 0 | where the data listener binds; port 0 picks a free port |
+//! | `advertise` | the `listen` host, or `[engine] advertise` when `listen` is unset | the host or IP peers connect to; required when the listener binds every interface (`0.0.0.0`) |
 //! | `connections_per_peer` | `4` | data connections per peer (1–64) |
 //! | `slice_size` | `"512KiB"` | requests longer than this are cut into slices spread over the connections (4KiB–64MiB); it is also the largest frame this side accepts as a target, announced in the handshake, and a peer's slices are the smaller of both sides' |
 //! | `auth_token` | none | deprecated: set `[engine] auth_token`, which protects the control plane and these data connections alike; a value here must equal it |

@@ -138,7 +138,7 @@ fn a_restarted_target_refuses_connections_meant_for_its_previous_life() {
     let old = segment(&first);
     let port = first.data_addr().port();
     drop(first);
-    let second = backend(|c| c.listen = format!("127.0.0.1:{port}"));
+    let second = backend(|c| c.listen = Some(format!("127.0.0.1:{port}")));
     assert_eq!(second.data_addr().port(), port, "rebound the same port");
     let init = backend(|_| {});
     let e = init.connect(&old, soon()).unwrap_err();
@@ -1376,4 +1376,26 @@ fn a_write_torn_mid_payload_is_posted_as_a_peer_event_naming_region_and_range() 
         events.iter().any(|e| e.address == local),
         "the event names the connection's peer address: {events:?}"
     );
+}
+
+#[test]
+fn without_a_listen_key_the_data_listener_follows_the_engines_listen_and_advertise() {
+    let ctx = |host: &str, advertise: Option<&str>| te_core::BackendContext {
+        listen_host: Some(host.into()),
+        advertise: advertise.map(str::to_string),
+        ..Default::default()
+    };
+    // Every interface, advertised as loopback: the endpoint names the advertised host.
+    let b = TcpBackend::new(TcpConfig::default(), &ctx("0.0.0.0", Some("127.0.0.1"))).unwrap();
+    let (addr, _) = decode_endpoint(&b.endpoint()).unwrap();
+    assert_eq!(addr.ip().to_string(), "127.0.0.1");
+    assert_ne!(addr.port(), 0);
+    TcpStream::connect(addr).expect("the data listener is reachable where advertised");
+    // Every interface and nothing advertised: refused, saying where to set it.
+    let e = TcpBackend::new(TcpConfig::default(), &ctx("0.0.0.0", None)).unwrap_err();
+    assert!(e.to_string().contains("advertise"), "{e}");
+    // An explicit listen wins over the engine's host.
+    let b = backend(|c| c.listen = Some("127.0.0.1:0".into()));
+    let (addr, _) = decode_endpoint(&b.endpoint()).unwrap();
+    assert!(addr.ip().is_loopback());
 }
