@@ -850,8 +850,9 @@ fn refuse_later(r: &Responder, h: &Header, e: &Error) -> Result<()> {
 }
 
 /// A WRITE to device memory: its payload lands in a staging buffer, and copies (one per
-/// entry, from successive parts of the buffer) move it to the device while the next
-/// request is received; the acknowledgement follows the last copy.
+/// entry, from successive parts of the buffer, started as one group with one
+/// synchronisation) move it to the device while the next request is received; the
+/// acknowledgement follows the group.
 fn write_staged(
     pools: &Pools,
     r: &Arc<Responder>,
@@ -922,8 +923,9 @@ fn packed(
     })
 }
 
-/// A READ of device memory: copies stage its entries, packed, while other requests are
-/// served; the responder sends them once the last copy completes.
+/// A READ of device memory: copies stage its entries, packed, as one group (one
+/// synchronisation) while other requests are served; the responder sends them once the
+/// group completes.
 fn read_staged(
     pools: &Pools,
     r: &Arc<Responder>,

@@ -183,8 +183,10 @@ pub(crate) unsafe fn start(
     }
 }
 
-/// Starts every copy of `copies` on `rt`; `done` runs exactly once, after the last one
-/// has ended, with the first error if any failed.
+/// Starts `copies` on `rt` as one group ([`DeviceRuntime::copy_group`]): one
+/// synchronisation per queue for all of them rather than one per copy. `done` runs
+/// exactly once, after the last one has ended, with the first error if any failed —
+/// from the runtime's thread, or here if the group cannot start.
 ///
 /// # Safety
 /// As [`start`], for every copy: whatever `done` owns must keep all their ranges valid
@@ -194,31 +196,25 @@ pub(crate) unsafe fn start_all(
     copies: Vec<DeviceCopy>,
     done: impl FnOnce(Result<()>) + Send + 'static,
 ) {
-    type Shared<F> = Mutex<(usize, Option<te_core::Error>, Option<F>)>;
-    if copies.is_empty() {
-        done(Ok(()));
-        return;
-    }
-    let state: Arc<Shared<_>> = Arc::new(Mutex::new((copies.len(), None, Some(done))));
-    for copy in copies {
-        let state = state.clone();
-        let one = move |r: Result<()>| {
-            let mut s = state.lock();
-            if let Err(e) = r {
-                s.1.get_or_insert(e);
-            }
-            s.0 -= 1;
-            if s.0 == 0 {
-                let f = s.2.take();
-                let result = s.1.take().map_or(Ok(()), Err);
-                drop(s);
+    let once = Arc::new(Mutex::new(Some(done)));
+    let theirs = once.clone();
+    // SAFETY: forwarded from the caller.
+    let started = unsafe {
+        rt.copy_group(
+            &copies,
+            Box::new(move |r| {
+                let f = theirs.lock().take();
                 if let Some(f) = f {
-                    f(result);
+                    f(r);
                 }
-            }
-        };
-        // SAFETY: forwarded from the caller; `done`, which keeps the ranges valid,
-        // runs only after this copy's completion.
-        unsafe { start(rt, copy, one) };
+            }),
+        )
+    };
+    if let Err(e) = started {
+        // The runtime will not run its callback: report the error ourselves.
+        let f = once.lock().take();
+        if let Some(f) = f {
+            f(Err(e));
+        }
     }
 }
