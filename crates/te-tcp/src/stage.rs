@@ -1,9 +1,11 @@
 //! Staging device memory through pinned host buffers.
 //!
 //! Sockets cannot read or write device memory, so a slice of a device region travels
-//! through a pinned host buffer: on the sending side the device→host copy of a slice
-//! fills a buffer the socket then sends from, on the receiving side the socket fills a
-//! buffer a host→device copy then empties. Each direction of each connection has its
+//! through a pinned host buffer: on the sending side the device→host copies of a slice
+//! fill a buffer the socket then sends from, on the receiving side the socket fills a
+//! buffer host→device copies then empty. A slice may gather many small blocks (a
+//! scatter-gather frame): they are packed one after another in its buffer and copied as
+//! one group, which synchronises once rather than once per block. Each direction of each connection has its
 //! own small [`Pool`] of buffers per runtime, allocated once with the runtime's
 //! `alloc_pinned` and reused, so no slice allocates; while copies of some buffers run,
 //! the socket works on others, which is the pipeline. A direction's buffers are only
@@ -149,48 +151,14 @@ impl Pools {
     }
 }
 
-/// Starts `copy` on `rt`; `done` runs exactly once with the result, from the runtime's
-/// thread when the copy completes, or here if it cannot start.
-///
-/// # Safety
-/// As [`DeviceRuntime::copy`]: whatever `done` owns (buffers, pins) must keep both
-/// ranges valid until it runs.
-pub(crate) unsafe fn start(
-    rt: &Arc<dyn DeviceRuntime>,
-    copy: DeviceCopy,
-    done: impl FnOnce(Result<()>) + Send + 'static,
-) {
-    let once = Arc::new(Mutex::new(Some(done)));
-    let theirs = once.clone();
-    // SAFETY: forwarded from the caller.
-    let started = unsafe {
-        rt.copy(
-            copy,
-            Box::new(move |r| {
-                let f = theirs.lock().take();
-                if let Some(f) = f {
-                    f(r);
-                }
-            }),
-        )
-    };
-    if let Err(e) = started {
-        // The runtime will not run its callback: report the error ourselves.
-        let f = once.lock().take();
-        if let Some(f) = f {
-            f(Err(e));
-        }
-    }
-}
-
 /// Starts `copies` on `rt` as one group ([`DeviceRuntime::copy_group`]): one
 /// synchronisation per queue for all of them rather than one per copy. `done` runs
 /// exactly once, after the last one has ended, with the first error if any failed —
 /// from the runtime's thread, or here if the group cannot start.
 ///
 /// # Safety
-/// As [`start`], for every copy: whatever `done` owns must keep all their ranges valid
-/// until it runs.
+/// As [`DeviceRuntime::copy`], for every copy: whatever `done` owns (buffers, pins)
+/// must keep all their ranges valid until it runs.
 pub(crate) unsafe fn start_all(
     rt: &Arc<dyn DeviceRuntime>,
     copies: Vec<DeviceCopy>,
