@@ -868,7 +868,8 @@ impl Conn {
             drop(st);
             let ordinal = t.dev.1;
             copies.push(Staging {
-                copies: packed(&t.pieces, buf.ptr())
+                copies: stage::packed(t.pieces.iter().map(|&(d, l)| (d as u64, l)), buf.ptr())
+                    .into_iter()
                     .map(|(device, host, len)| DeviceCopy::ToHost {
                         ordinal,
                         device,
@@ -1119,9 +1120,9 @@ impl Conn {
     }
 
     /// Receives a device READ's data into a staging buffer and starts its copies to the
-    /// device (one per part, from successive parts of the buffer) as one group; the
-    /// group's completion finishes the slice. The next response is received while the
-    /// copies run.
+    /// device (one per run of adjacent parts, from successive parts of the buffer) as
+    /// one group; the group's completion finishes the slice. The next response is
+    /// received while the copies run.
     fn receive_staged(&self, inb: &mut Inbound, slice: &Slice) -> Result<Answer> {
         let Some((rt, ordinal)) = &slice.device else {
             return Err(self.protocol("a staged read without a device"));
@@ -1134,7 +1135,9 @@ impl Conn {
         // The buffer is ours and holds `slice_size >= len` bytes.
         inb.read_into(buf.ptr(), len, &mut on_timeout)
             .map_err(|e| unreachable(&self.label, "receive failed", e))?;
-        let copies = packed(&slice.pieces(), buf.ptr())
+        let pieces = slice.pieces().into_iter().map(|(d, l)| (d as u64, l));
+        let copies = stage::packed(pieces, buf.ptr())
+            .into_iter()
             .map(|(device, host, len)| DeviceCopy::ToDevice {
                 ordinal: *ordinal,
                 device,
@@ -1208,19 +1211,4 @@ fn timeout_error() -> Error {
         ErrorKind::Timeout,
         "the batch was aborted (its deadline, a cancel or a deregistration) before this slice was done",
     )
-}
-
-/// Each local range's device address, its part of the staging buffer `buf` (packed one
-/// after another) and its length.
-fn packed(
-    pieces: &[(usize, usize)],
-    buf: *mut u8,
-) -> impl Iterator<Item = (u64, *mut u8, usize)> + '_ {
-    let mut at = 0usize;
-    pieces.iter().map(move |&(local, len)| {
-        // The pieces add up to the slice's length, which the buffer holds.
-        let host = buf.wrapping_add(at);
-        at += len;
-        (local as u64, host, len)
-    })
 }

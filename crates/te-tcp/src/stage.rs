@@ -186,3 +186,40 @@ pub(crate) unsafe fn start_all(
         }
     }
 }
+
+/// The copies that stage `pieces` (device address, bytes), packed one after another
+/// from `buf`: each run of pieces that also follow one another on the device becomes
+/// one copy (device address, its part of the buffer, bytes), so a frame of adjacent
+/// blocks launches one copy rather than one per block.
+pub(crate) fn packed(
+    pieces: impl IntoIterator<Item = (u64, usize)>,
+    buf: *mut u8,
+) -> Vec<(u64, *mut u8, usize)> {
+    let mut runs: Vec<(u64, *mut u8, usize)> = Vec::new();
+    let mut at = 0usize;
+    for (device, len) in pieces {
+        match runs.last_mut() {
+            Some(run) if run.0.checked_add(run.2 as u64) == Some(device) => run.2 += len,
+            // The pieces add up to at most the buffer's length.
+            _ => runs.push((device, buf.wrapping_add(at), len)),
+        }
+        at += len;
+    }
+    runs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::packed;
+
+    #[test]
+    fn adjacent_pieces_stage_as_one_copy_and_the_rest_keep_their_place_in_the_buffer() {
+        let buf = 0x1000 as *mut u8;
+        let runs = packed([(100, 10), (110, 5), (200, 10), (50, 10), (60, 1)], buf);
+        let runs: Vec<(u64, usize, usize)> = runs
+            .into_iter()
+            .map(|(d, h, l)| (d, h as usize - 0x1000, l))
+            .collect();
+        assert_eq!(runs, [(100, 0, 15), (200, 15, 10), (50, 25, 11)]);
+    }
+}
