@@ -25,7 +25,7 @@ use crate::sync::Mutex;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
@@ -152,7 +152,19 @@ fn create(table: &toml::Table) -> Result<Arc<dyn DeviceRuntime>> {
             format!("[runtimes.fakedev]: {}", e.message()),
         )
     })?;
-    Ok(FakeDev::start(config)? as Arc<dyn DeviceRuntime>)
+    let rt = FakeDev::start(config)?;
+    // `device::runtime` creates one instance per process; keep it for `process`.
+    let _ = PROCESS.set(rt.clone());
+    Ok(rt as Arc<dyn DeviceRuntime>)
+}
+
+static PROCESS: OnceLock<Arc<FakeDev>> = OnceLock::new();
+
+/// The process's instance, the one [`crate::device::runtime`] hands out for `fakedev`
+/// memory, once it has been made; so a test can read its counters ([`FakeDev::syncs`])
+/// after moving bytes through it.
+pub fn process() -> Option<Arc<FakeDev>> {
+    PROCESS.get().cloned()
 }
 
 impl FakeDev {

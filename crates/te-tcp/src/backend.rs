@@ -349,25 +349,33 @@ impl TcpBackend {
 struct Frame {
     op: te_core::Op,
     remote: RegionId,
-    /// The local region's device: device memory travels one piece per frame, staged.
+    /// The local region's device, when the parts are device memory (all on it).
     device: Option<Dev>,
     parts: Vec<Part>,
     bytes: u64,
 }
 
+/// Which local memory a piece is in: host memory, or a runtime's device.
+type DevKey<'a> = Option<(&'a str, u32)>;
+
 /// Cuts `batch` into frames: every request into pieces of at most `slice` bytes, and
-/// the pieces of host memory going to the same remote region with the same op gathered
-/// into frames of at most `slice` bytes and [`wire::MAX_ENTRIES`] entries. Frames come
-/// out in the order they are opened. `bases` holds each request's local region address
-/// and device.
+/// the pieces going to the same remote region with the same op from the same kind of
+/// local memory (host, or one device) gathered into frames of at most `slice` bytes and
+/// [`wire::MAX_ENTRIES`] entries. Frames come out in the order they are opened. `bases`
+/// holds each request's local region address and device.
+///
+/// Device pieces are gathered too: a frame's pieces are staged packed in one pinned
+/// buffer of `slice` bytes by one group of copies, so a batch of small device blocks
+/// pays one synchronisation per frame rather than one per block.
 ///
 /// A batch smaller than the frame limit becomes one frame on one connection rather than
 /// one per connection: fewer, fuller frames measured faster (see docs/decisions.md),
 /// and batches larger than that still spread over the pool.
 fn plan(batch: &[TransferRequest], bases: &[(usize, Option<Dev>)], slice: u64) -> Vec<Frame> {
     let mut frames: Vec<Frame> = Vec::new();
-    // The open frame of each (op, remote region): few per batch, so a list.
-    let mut open: Vec<(te_core::Op, RegionId, usize)> = Vec::new();
+    // The open frame of each (op, remote region, local device): few per batch, so a
+    // list.
+    let mut open: Vec<(te_core::Op, RegionId, DevKey<'_>, usize)> = Vec::new();
     for (r, (base, dev)) in batch.iter().zip(bases) {
         let mut off = 0;
         while off < r.len {
@@ -378,18 +386,11 @@ fn plan(batch: &[TransferRequest], bases: &[(usize, Option<Dev>)], slice: u64) -
                 len,
             };
             off += len;
-            if dev.is_some() {
-                frames.push(Frame {
-                    op: r.op,
-                    remote: r.remote,
-                    device: dev.clone(),
-                    parts: vec![part],
-                    bytes: len,
-                });
-                continue;
-            }
-            let slot = open.iter().position(|o| o.0 == r.op && o.1 == r.remote);
-            if let Some(f) = slot.map(|i| &mut frames[open[i].2]) {
+            let key = dev.as_ref().map(|d| (d.0.name(), d.1));
+            let slot = open
+                .iter()
+                .position(|o| o.0 == r.op && o.1 == r.remote && o.2 == key);
+            if let Some(f) = slot.map(|i| &mut frames[open[i].3]) {
                 if f.bytes + len <= slice && f.parts.len() < wire::MAX_ENTRIES {
                     f.bytes += len;
                     f.parts.push(part);
@@ -400,13 +401,13 @@ fn plan(batch: &[TransferRequest], bases: &[(usize, Option<Dev>)], slice: u64) -
             frames.push(Frame {
                 op: r.op,
                 remote: r.remote,
-                device: None,
+                device: dev.clone(),
                 parts: vec![part],
                 bytes: len,
             });
             match slot {
-                Some(i) => open[i].2 = at,
-                None => open.push((r.op, r.remote, at)),
+                Some(i) => open[i].3 = at,
+                None => open.push((r.op, r.remote, key, at)),
             }
         }
     }
@@ -415,18 +416,7 @@ fn plan(batch: &[TransferRequest], bases: &[(usize, Option<Dev>)], slice: u64) -
 
 impl Frame {
     fn into_slice(self, b: &Arc<Batch>) -> Slice {
-        match (&self.device, self.parts.as_slice()) {
-            (Some(_), [p]) => Slice::new(
-                b.clone(),
-                self.op,
-                p.local,
-                self.remote,
-                p.remote_offset,
-                p.len,
-                self.device.clone(),
-            ),
-            _ => Slice::gathered(b.clone(), self.op, self.remote, self.parts),
-        }
+        Slice::gathered(b.clone(), self.op, self.remote, self.parts, self.device)
     }
 }
 
@@ -667,5 +657,33 @@ mod tests {
         assert_eq!(total, batch.iter().map(|r| r.len).sum::<u64>());
         let p = frames[4].parts[0];
         assert_eq!((p.local, p.remote_offset), (0x10000, 0));
+    }
+
+    #[test]
+    fn device_blocks_gather_into_frames_of_their_own_device_apart_from_host_ones() {
+        let rt = te_core::device::runtime(te_core::fakedev::NAME).unwrap();
+        // 128 blocks of 32 KiB from device 0, 4 from host memory, 4 from device 1, all
+        // written to region 1.
+        let mut batch: Vec<TransferRequest> = (0..128)
+            .map(|i| req(Op::Write, 1, i * 32768, 32768))
+            .collect();
+        batch.extend((128..132).map(|i| req(Op::Write, 1, i * 32768, 32768)));
+        batch.extend((132..136).map(|i| req(Op::Write, 1, i * 32768, 32768)));
+        let mut bases = vec![(0x10000usize, Some((rt.clone(), 0))); 128];
+        bases.extend((0..4).map(|_| (0x20000usize, None)));
+        bases.extend((0..4).map(|_| (0x30000usize, Some((rt.clone(), 1)))));
+        let frames = plan(&batch, &bases, 512 << 10);
+        let shape: Vec<(Option<u32>, usize)> = frames
+            .iter()
+            .map(|f| (f.device.as_ref().map(|d| d.1), f.parts.len()))
+            .collect();
+        let mut want = vec![(Some(0), 16); 8];
+        want.extend([(None, 4), (Some(1), 4)]);
+        assert_eq!(shape, want);
+        let p = frames[1].parts[0];
+        assert_eq!(
+            (p.local, p.remote_offset),
+            (0x10000 + 16 * 32768, 16 * 32768)
+        );
     }
 }

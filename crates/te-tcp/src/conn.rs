@@ -130,8 +130,9 @@ pub(crate) struct Slice {
     device: Option<Dev>,
     /// A device WRITE's staging: its copy into a pinned buffer.
     stage: Option<Arc<Mutex<Stage>>>,
-    /// A scatter-gather slice's parts (host memory only; empty for a plain slice, whose
-    /// one range is `local`, `remote_offset`, `len`).
+    /// A scatter-gather slice's parts (empty for a plain slice, whose one range is
+    /// `local`, `remote_offset`, `len`). Device memory's parts are staged packed, one
+    /// after another, in one pinned buffer, so their payload is one span.
     parts: Vec<Part>,
     id: u64,
 }
@@ -186,10 +187,16 @@ impl Slice {
         }
     }
 
-    /// A slice of host memory that travels as one scatter-gather frame: `parts` (at
-    /// most [`wire::MAX_ENTRIES`], adding up to at most the frame limit) of one remote
-    /// region. One part makes a plain slice.
-    pub(crate) fn gathered(batch: Arc<Batch>, op: Op, remote: RegionId, parts: Vec<Part>) -> Slice {
+    /// A slice that travels as one scatter-gather frame: `parts` (at most
+    /// [`wire::MAX_ENTRIES`], adding up to at most the frame limit) of one remote region,
+    /// all in host memory or all on `device`. One part makes a plain slice.
+    pub(crate) fn gathered(
+        batch: Arc<Batch>,
+        op: Op,
+        remote: RegionId,
+        parts: Vec<Part>,
+        device: Option<Dev>,
+    ) -> Slice {
         let first = parts.first().copied().unwrap_or(Part {
             local: 0,
             remote_offset: 0,
@@ -202,7 +209,7 @@ impl Slice {
             remote,
             first.remote_offset,
             parts.iter().map(|p| p.len).sum(),
-            None,
+            device,
         );
         if parts.len() > 1 {
             s.parts = parts;
@@ -230,9 +237,20 @@ impl Slice {
         }
     }
 
+    /// The local ranges (address, bytes) the slice moves, in wire order.
+    fn pieces(&self) -> Vec<(usize, usize)> {
+        if self.parts.is_empty() {
+            return vec![(self.local, self.len as usize)];
+        }
+        self.parts
+            .iter()
+            .map(|p| (p.local, p.len as usize))
+            .collect()
+    }
+
     /// Adds this slice's frame to `c`: its header (and entry list), then for a WRITE
-    /// its payload, from `payload` (a plain slice's source, or its staging buffer) or
-    /// from each part.
+    /// its payload, from `payload` (a plain slice's source, or a device slice's staging
+    /// buffer holding every part packed) or from each part.
     fn push_frame(&self, c: &mut Carry, payload: usize) {
         let h = self.header().encode();
         if self.parts.is_empty() {
@@ -252,14 +270,13 @@ impl Slice {
             }
             .encode_into(&mut head);
         }
-        let write = self.op == Op::Write;
-        c.push(
-            &head,
-            self.parts
-                .iter()
-                .filter(|_| write)
-                .map(|p| (p.local, p.len as usize)),
-        );
+        match (self.op, self.device.is_some()) {
+            (Op::Write, true) => c.push(&head, std::iter::once((payload, self.len as usize))),
+            (Op::Write, false) => {
+                c.push(&head, self.parts.iter().map(|p| (p.local, p.len as usize)))
+            }
+            (Op::Read, _) => c.push(&head, std::iter::empty()),
+        }
     }
 }
 
@@ -376,8 +393,8 @@ struct Tx {
 struct ToStage {
     slot: Arc<Mutex<Stage>>,
     dev: Dev,
-    local: usize,
-    len: u64,
+    /// The device ranges (address, bytes), packed one after another into the buffer.
+    pieces: Vec<(usize, usize)>,
     batch: Arc<Batch>,
 }
 
@@ -645,8 +662,7 @@ impl Conn {
                 let t = ToStage {
                     slot: slot.clone(),
                     dev: dev.clone(),
-                    local: s.local,
-                    len: s.len,
+                    pieces: s.pieces(),
                     batch: s.batch.clone(),
                 };
                 tx.to_stage.push_back(t);
@@ -850,13 +866,17 @@ impl Conn {
             };
             *st = Stage::Copying;
             drop(st);
+            let ordinal = t.dev.1;
             copies.push(Staging {
-                copy: DeviceCopy::ToHost {
-                    ordinal: t.dev.1,
-                    device: t.local as u64,
-                    host: buf.ptr(),
-                    len: t.len as usize,
-                },
+                copies: stage::packed(t.pieces.iter().map(|&(d, l)| (d as u64, l)), buf.ptr())
+                    .into_iter()
+                    .map(|(device, host, len)| DeviceCopy::ToHost {
+                        ordinal,
+                        device,
+                        host,
+                        len,
+                    })
+                    .collect(),
                 rt: t.dev.0.clone(),
                 buf,
                 slot: Some(t.slot.clone()),
@@ -866,13 +886,13 @@ impl Conn {
         copies
     }
 
-    /// Starts device → host copies; each one's completion makes its slice ready (or
-    /// failed) and wakes the writer.
+    /// Starts device → host copies, one group per slice; each group's completion makes
+    /// its slice ready (or failed) and wakes the writer.
     fn start_copies(&self, copies: Vec<Staging>) {
         for c in copies {
             let me = self.me.clone();
             let Staging {
-                copy,
+                copies,
                 rt,
                 buf,
                 slot,
@@ -891,11 +911,11 @@ impl Conn {
                     conn.wake.notify_all();
                 }
             };
-            // SAFETY: the device range lies in a region the batch's pins (held by
-            // `done` until the copy ends) keep registered, and was checked against it at
-            // submission; the buffer is this copy's alone (owned by `done`) and holds
-            // `slice_size >= len` bytes.
-            unsafe { stage::start(&rt, copy, done) };
+            // SAFETY: the device ranges lie in a region the batch's pins (held by
+            // `done` until the copies end) keep registered, and were checked against it
+            // at submission; the buffer is this group's alone (owned by `done`) and holds
+            // `slice_size` bytes, at least the slice's parts packed.
+            unsafe { stage::start_all(&rt, copies, done) };
         }
     }
 
@@ -1061,6 +1081,9 @@ impl Conn {
                     .map_err(|e| unreachable(&self.label, "receive failed", e))?;
                 Err(timeout_error())
             }
+            (Kind::ReadData, Op::Read) if h.len == slice.len && slice.device.is_some() => {
+                self.receive_staged(inb, slice)
+            }
             (Kind::ReadData, Op::Read) if h.len == slice.len && !slice.parts.is_empty() => {
                 // Each part's destination is registered host memory pinned by the
                 // slice's batch; the slice is out of `sent`, so only this thread
@@ -1069,9 +1092,6 @@ impl Conn {
                 inb.read_scattered(dst, &mut on_timeout)
                     .map_err(|e| unreachable(&self.label, "receive failed", e))?;
                 Ok(Answer::Done)
-            }
-            (Kind::ReadData, Op::Read) if h.len == slice.len && slice.device.is_some() => {
-                self.receive_staged(inb, slice)
             }
             (Kind::ReadData, Op::Read) if h.len == slice.len => {
                 // The destination is registered memory pinned by the slice's batch; the
@@ -1099,9 +1119,10 @@ impl Conn {
         }
     }
 
-    /// Receives a device READ's data into a staging buffer and starts its copy to the
-    /// device; the copy's completion finishes the slice. The next response is received
-    /// while the copy runs.
+    /// Receives a device READ's data into a staging buffer and starts its copies to the
+    /// device (one per run of adjacent parts, from successive parts of the buffer) as
+    /// one group; the group's completion finishes the slice. The next response is
+    /// received while the copies run.
     fn receive_staged(&self, inb: &mut Inbound, slice: &Slice) -> Result<Answer> {
         let Some((rt, ordinal)) = &slice.device else {
             return Err(self.protocol("a staged read without a device"));
@@ -1114,20 +1135,25 @@ impl Conn {
         // The buffer is ours and holds `slice_size >= len` bytes.
         inb.read_into(buf.ptr(), len, &mut on_timeout)
             .map_err(|e| unreachable(&self.label, "receive failed", e))?;
-        let copy = DeviceCopy::ToDevice {
-            ordinal: *ordinal,
-            device: slice.local as u64,
-            host: buf.ptr(),
-            len,
-        };
+        let pieces = slice.pieces().into_iter().map(|(d, l)| (d as u64, l));
+        let copies = stage::packed(pieces, buf.ptr())
+            .into_iter()
+            .map(|(device, host, len)| DeviceCopy::ToDevice {
+                ordinal: *ordinal,
+                device,
+                host,
+                len,
+            })
+            .collect();
         let batch = slice.batch.clone();
         let done = move |r: Result<()>| {
             drop(buf);
             batch.finish_slice(r);
         };
-        // SAFETY: the device range lies in a region the batch pins until this slice
-        // finishes, which `done` does after the copy; the buffer is owned by `done`.
-        unsafe { stage::start(rt, copy, done) };
+        // SAFETY: the device ranges lie in a region the batch pins until this slice
+        // finishes, which `done` does after the copies; the buffer is owned by `done`
+        // and its first `len` bytes, the parts' total, were just received.
+        unsafe { stage::start_all(rt, copies, done) };
         Ok(Answer::Copying)
     }
 
@@ -1171,9 +1197,9 @@ enum Answer {
     Copying,
 }
 
-/// A device → host copy about to start for a WRITE slice.
+/// The device → host copies about to start for a WRITE slice.
 struct Staging {
-    copy: DeviceCopy,
+    copies: Vec<DeviceCopy>,
     rt: Arc<dyn te_core::device::DeviceRuntime>,
     buf: StageBuf,
     slot: Option<Arc<Mutex<Stage>>>,

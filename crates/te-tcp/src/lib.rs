@@ -9,19 +9,19 @@
 //! challenge–response, so the token never travels and an unproven peer is refused
 //! before any data moves.
 //!
-//! A batch is cut into slices of at most `slice_size` bytes, and the slices of host
-//! memory going to one remote region are gathered into **scatter-gather frames** (up to
-//! `slice_size` bytes and 1,024 entries each), spread round-robin over the pool; each
-//! connection carries many frames in flight (pipelined). A WRITE frame is a 40-byte
-//! header (and, gathered, its list of (offset, len) entries) followed by its payload,
-//! sent from the registered source memory with `sendmsg` (header and payload spans
-//! gathered, many frames per call). The target checks region, rights and bounds of
-//! every entry against its own registrations **before** placing a byte, receives the
-//! payload with `recvmsg` straight into the registered destinations, and acknowledges
-//! only once the bytes are there. A READ is the mirror image. A refused request fails its
-//! batch with the target's reason (`OutOfBounds`, `NotRegistered`, `InvalidRequest`)
-//! and is logged at the target; a malformed frame closes that one connection with a
-//! `Protocol` error. The wire format is in the `wire` module's docs.
+//! A batch is cut into slices of at most `slice_size` bytes, and the slices going to one
+//! remote region from one kind of local memory (host memory, or one device) are
+//! gathered into **scatter-gather frames** (up to `slice_size` bytes and 1,024 entries
+//! each), spread round-robin over the pool; each connection carries many frames in
+//! flight (pipelined). A WRITE frame is a 40-byte header (and, gathered, its list of
+//! (offset, len) entries) followed by its payload, sent from the registered source
+//! memory with `sendmsg` (header and payload spans gathered, many frames per call). The
+//! target checks region, rights and bounds of every entry against its own registrations
+//! **before** placing a byte, receives the payload with `recvmsg` straight into the
+//! registered destinations, and acknowledges only once the bytes are there. A READ is
+//! the mirror image. A refused request fails its batch with the target's reason
+//! (`OutOfBounds`, `NotRegistered`, `InvalidRequest`) and is logged at the target; a
+//! malformed frame closes that one connection with a `Protocol` error. The wire format is in the `wire` module's docs.
 //!
 //! Completion: each connection has a receiver thread that matches responses to slices
 //! and completes a batch when its last slice is answered; a submitting thread that
@@ -35,10 +35,13 @@
 //! Device memory (`cuda:0`, `fakedev:0`, any runtime in `te_core::device`): sockets
 //! cannot touch it, so its slices are staged through pinned host buffers, a small pool
 //! per connection, direction and runtime, allocated once with the runtime's
-//! `alloc_pinned` and reused. A sender copies slice k+1 from the device while slice k
-//! goes out on the socket; a receiver receives slice k+1 while slice k is copied to the
-//! device, and the target acknowledges a WRITE once its copy has completed (a responder
-//! thread sends that connection's responses in order as their copies complete).
+//! `alloc_pinned` and reused. A frame's pieces are packed one after another in one
+//! buffer and copied as one group of copies (adjacent pieces as one copy), which
+//! synchronises once per frame rather than once per block, on either side. A sender
+//! copies frame k+1 from the device while frame k goes out on the socket; a receiver
+//! receives frame k+1 while frame k is copied to the device, and the target
+//! acknowledges a WRITE once its copies have completed (a responder thread sends that
+//! connection's responses in order as their copies complete).
 //! Copies complete through the runtime's callback. A failed copy fails its batch with
 //! the runtime's error; checks, rights and deregistration work as for host memory
 //! (deregistration also waits for copies of the region in flight).

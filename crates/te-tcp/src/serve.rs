@@ -850,8 +850,9 @@ fn refuse_later(r: &Responder, h: &Header, e: &Error) -> Result<()> {
 }
 
 /// A WRITE to device memory: its payload lands in a staging buffer, and copies (one per
-/// entry, from successive parts of the buffer) move it to the device while the next
-/// request is received; the acknowledgement follows the last copy.
+/// run of adjacent entries, from successive parts of the buffer, started as one group
+/// with one synchronisation) move it to the device while the next request is received;
+/// the acknowledgement follows the group.
 fn write_staged(
     pools: &Pools,
     r: &Arc<Responder>,
@@ -885,6 +886,7 @@ fn write_staged(
         slot: slot.clone(),
     })?;
     let copies = packed(entries, buf.ptr(), pin.region().addr)
+        .into_iter()
         .map(|(device, host, len)| DeviceCopy::ToDevice {
             ordinal,
             device,
@@ -906,24 +908,18 @@ fn write_staged(
     Ok(())
 }
 
-/// Each entry's device address, its part of the staging buffer (packed one after
-/// another) and its length.
-fn packed(
-    entries: &[Entry],
-    buf: *mut u8,
-    base: u64,
-) -> impl Iterator<Item = (u64, *mut u8, usize)> + '_ {
-    let mut at = 0usize;
-    entries.iter().map(move |e| {
-        // The entries add up to the frame's length, which the buffer holds.
-        let host = buf.wrapping_add(at);
-        at += e.len as usize;
-        (base + e.offset, host, e.len as usize)
-    })
+/// The copies staging `entries` of the region at `base`, packed one after another in
+/// `buf`; adjacent entries share a copy.
+fn packed(entries: &[Entry], buf: *mut u8, base: u64) -> Vec<(u64, *mut u8, usize)> {
+    stage::packed(
+        entries.iter().map(|e| (base + e.offset, e.len as usize)),
+        buf,
+    )
 }
 
-/// A READ of device memory: copies stage its entries, packed, while other requests are
-/// served; the responder sends them once the last copy completes.
+/// A READ of device memory: copies stage its entries, packed, as one group (one
+/// synchronisation) while other requests are served; the responder sends them once the
+/// group completes.
 fn read_staged(
     pools: &Pools,
     r: &Arc<Responder>,
@@ -951,6 +947,7 @@ fn read_staged(
         slot: slot.clone(),
     })?;
     let copies = packed(entries, buf.ptr(), pin.region().addr)
+        .into_iter()
         .map(|(device, host, len)| DeviceCopy::ToHost {
             ordinal,
             device,

@@ -1,9 +1,11 @@
 //! Staging device memory through pinned host buffers.
 //!
 //! Sockets cannot read or write device memory, so a slice of a device region travels
-//! through a pinned host buffer: on the sending side the device→host copy of a slice
-//! fills a buffer the socket then sends from, on the receiving side the socket fills a
-//! buffer a host→device copy then empties. Each direction of each connection has its
+//! through a pinned host buffer: on the sending side the device→host copies of a slice
+//! fill a buffer the socket then sends from, on the receiving side the socket fills a
+//! buffer host→device copies then empty. A slice may gather many small blocks (a
+//! scatter-gather frame): they are packed one after another in its buffer and copied as
+//! one group, which synchronises once rather than once per block. Each direction of each connection has its
 //! own small [`Pool`] of buffers per runtime, allocated once with the runtime's
 //! `alloc_pinned` and reused, so no slice allocates; while copies of some buffers run,
 //! the socket works on others, which is the pipeline. A direction's buffers are only
@@ -149,23 +151,25 @@ impl Pools {
     }
 }
 
-/// Starts `copy` on `rt`; `done` runs exactly once with the result, from the runtime's
-/// thread when the copy completes, or here if it cannot start.
+/// Starts `copies` on `rt` as one group ([`DeviceRuntime::copy_group`]): one
+/// synchronisation per queue for all of them rather than one per copy. `done` runs
+/// exactly once, after the last one has ended, with the first error if any failed —
+/// from the runtime's thread, or here if the group cannot start.
 ///
 /// # Safety
-/// As [`DeviceRuntime::copy`]: whatever `done` owns (buffers, pins) must keep both
-/// ranges valid until it runs.
-pub(crate) unsafe fn start(
+/// As [`DeviceRuntime::copy`], for every copy: whatever `done` owns (buffers, pins)
+/// must keep all their ranges valid until it runs.
+pub(crate) unsafe fn start_all(
     rt: &Arc<dyn DeviceRuntime>,
-    copy: DeviceCopy,
+    copies: Vec<DeviceCopy>,
     done: impl FnOnce(Result<()>) + Send + 'static,
 ) {
     let once = Arc::new(Mutex::new(Some(done)));
     let theirs = once.clone();
     // SAFETY: forwarded from the caller.
     let started = unsafe {
-        rt.copy(
-            copy,
+        rt.copy_group(
+            &copies,
             Box::new(move |r| {
                 let f = theirs.lock().take();
                 if let Some(f) = f {
@@ -183,42 +187,39 @@ pub(crate) unsafe fn start(
     }
 }
 
-/// Starts every copy of `copies` on `rt`; `done` runs exactly once, after the last one
-/// has ended, with the first error if any failed.
-///
-/// # Safety
-/// As [`start`], for every copy: whatever `done` owns must keep all their ranges valid
-/// until it runs.
-pub(crate) unsafe fn start_all(
-    rt: &Arc<dyn DeviceRuntime>,
-    copies: Vec<DeviceCopy>,
-    done: impl FnOnce(Result<()>) + Send + 'static,
-) {
-    type Shared<F> = Mutex<(usize, Option<te_core::Error>, Option<F>)>;
-    if copies.is_empty() {
-        done(Ok(()));
-        return;
+/// The copies that stage `pieces` (device address, bytes), packed one after another
+/// from `buf`: each run of pieces that also follow one another on the device becomes
+/// one copy (device address, its part of the buffer, bytes), so a frame of adjacent
+/// blocks launches one copy rather than one per block.
+pub(crate) fn packed(
+    pieces: impl IntoIterator<Item = (u64, usize)>,
+    buf: *mut u8,
+) -> Vec<(u64, *mut u8, usize)> {
+    let mut runs: Vec<(u64, *mut u8, usize)> = Vec::new();
+    let mut at = 0usize;
+    for (device, len) in pieces {
+        match runs.last_mut() {
+            Some(run) if run.0.checked_add(run.2 as u64) == Some(device) => run.2 += len,
+            // The pieces add up to at most the buffer's length.
+            _ => runs.push((device, buf.wrapping_add(at), len)),
+        }
+        at += len;
     }
-    let state: Arc<Shared<_>> = Arc::new(Mutex::new((copies.len(), None, Some(done))));
-    for copy in copies {
-        let state = state.clone();
-        let one = move |r: Result<()>| {
-            let mut s = state.lock();
-            if let Err(e) = r {
-                s.1.get_or_insert(e);
-            }
-            s.0 -= 1;
-            if s.0 == 0 {
-                let f = s.2.take();
-                let result = s.1.take().map_or(Ok(()), Err);
-                drop(s);
-                if let Some(f) = f {
-                    f(result);
-                }
-            }
-        };
-        // SAFETY: forwarded from the caller; `done`, which keeps the ranges valid,
-        // runs only after this copy's completion.
-        unsafe { start(rt, copy, one) };
+    runs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::packed;
+
+    #[test]
+    fn adjacent_pieces_stage_as_one_copy_and_the_rest_keep_their_place_in_the_buffer() {
+        let buf = 0x1000 as *mut u8;
+        let runs = packed([(100, 10), (110, 5), (200, 10), (50, 10), (60, 1)], buf);
+        let runs: Vec<(u64, usize, usize)> = runs
+            .into_iter()
+            .map(|(d, h, l)| (d, h as usize - 0x1000, l))
+            .collect();
+        assert_eq!(runs, [(100, 0, 15), (200, 15, 10), (50, 25, 11)]);
     }
 }

@@ -1277,6 +1277,42 @@ fn gathered_blocks_to_and_from_device_memory_at_the_target_land_intact() {
 }
 
 #[test]
+fn device_blocks_gathered_at_both_ends_land_intact_scattered_or_in_runs() {
+    const BLOCK: u64 = 4096;
+    const N: u64 = 256;
+    let target = backend(|c| c.slice_size = 64 << 10);
+    let init = backend(|_| {});
+    let size = (N * BLOCK) as usize;
+    let (remote, src, back) = (DevMem::new(size), DevMem::new(size), DevMem::new(size));
+    remote.register(&target, 1, Access::REMOTE_READ_WRITE);
+    src.register(&init, 1, Access::LOCAL);
+    back.register(&init, 2, Access::LOCAL);
+    let data = pattern(size, 11);
+    src.fill(&data);
+    let peer = init.connect(&segment(&target), soon()).unwrap();
+    // The first half scattered at both ends (one copy per block inside each frame's
+    // group); the second half in order at both ends, so adjacent blocks share copies
+    // and runs break where a frame ends.
+    let (mut local_ids, mut remote_ids) = (shuffled(N / 2, 3), shuffled(N / 2, 17));
+    local_ids.extend(N / 2..N);
+    remote_ids.extend(N / 2..N);
+    let w = blocks(te_core::Op::Write, 1, &local_ids, &remote_ids, BLOCK);
+    run(&init, peer, &w).expect("write device blocks to device memory");
+    let landed = remote.read();
+    let b = BLOCK as usize;
+    for (&l, &r) in local_ids.iter().zip(&remote_ids) {
+        let (l, r) = (l as usize * b, r as usize * b);
+        assert!(
+            landed[r..r + b] == data[l..l + b],
+            "block {l} landed at {r}"
+        );
+    }
+    let r = blocks(te_core::Op::Read, 2, &local_ids, &remote_ids, BLOCK);
+    run(&init, peer, &r).expect("read device blocks into device memory");
+    assert!(back.read() == data, "the blocks read back intact");
+}
+
+#[test]
 fn a_version_2_peer_is_refused_with_a_version_mismatch_on_both_sides() {
     use crate::wire::{Challenge, Hello, Status};
     // A version-2 initiator at a version-3 target: the challenge says `Version`, and
