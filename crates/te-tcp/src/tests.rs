@@ -543,9 +543,11 @@ fn a_peer_that_trickles_its_handshake_is_cut_at_the_handshake_timeout() {
     let target = backend(|c| c.handshake_timeout = Duration::from_millis(300));
     let (addr, _) = decode_endpoint(&target.endpoint()).unwrap();
     let mut s = TcpStream::connect(addr).unwrap();
-    let t = closed_after(&mut s, Duration::from_secs(3)).expect("closed");
+    // Without the timeout the connection would stay open: the upper bound only
+    // leaves room for a loaded machine.
+    let t = closed_after(&mut s, Duration::from_secs(5)).expect("closed");
     assert!(
-        t >= Duration::from_millis(250) && t < Duration::from_millis(1500),
+        t >= Duration::from_millis(250) && t < Duration::from_secs(5),
         "closed after {t:?}"
     );
     // The target still serves honest peers.
@@ -558,7 +560,8 @@ fn pending_handshakes_and_connections_are_capped_and_the_rest_closed_at_once() {
     let target = backend(|c| {
         c.max_pending = 2;
         c.max_connections = 3;
-        c.handshake_timeout = Duration::from_secs(2);
+        // Far above the bounds below, so "closed at once" cannot be the timeout.
+        c.handshake_timeout = Duration::from_secs(20);
     });
     let (addr, _) = decode_endpoint(&target.endpoint()).unwrap();
     let idle: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
@@ -571,8 +574,8 @@ fn pending_handshakes_and_connections_are_capped_and_the_rest_closed_at_once() {
     });
     // A third unauthenticated connection is closed at once.
     let mut third = TcpStream::connect(addr).unwrap();
-    let t = closed_after(&mut third, Duration::from_secs(1)).expect("refused");
-    assert!(t < Duration::from_millis(1000), "closed after {t:?}");
+    let t = closed_after(&mut third, Duration::from_secs(5)).expect("refused");
+    assert!(t < Duration::from_secs(5), "closed after {t:?}");
     // An authenticated one is not pending; it fits the connection cap (3), a fourth
     // connection does not.
     drop(idle);
@@ -583,8 +586,8 @@ fn pending_handshakes_and_connections_are_capped_and_the_rest_closed_at_once() {
     let peer = init.connect(&segment(&target), soon()).expect("connect");
     assert_eq!(init.live_connections(peer), 3);
     let mut fourth = TcpStream::connect(addr).unwrap();
-    let t = closed_after(&mut fourth, Duration::from_secs(1)).expect("refused");
-    assert!(t < Duration::from_millis(1000), "closed after {t:?}");
+    let t = closed_after(&mut fourth, Duration::from_secs(5)).expect("refused");
+    assert!(t < Duration::from_secs(5), "closed after {t:?}");
 }
 
 #[test]
@@ -784,8 +787,8 @@ fn a_peer_that_floods_requests_and_reads_nothing_is_bounded_and_cut_off() {
 
 #[test]
 fn a_stalled_target_fails_the_batch_at_its_deadline_and_never_writes_later() {
-    // The target holds every request 2 s; the batches' deadline is 300 ms.
-    let target = backend(|c| c.debug_delay = Duration::from_secs(2));
+    // The target holds every request 8 s; the batches' deadline is 300 ms.
+    let target = backend(|c| c.debug_delay = Duration::from_secs(8));
     let mut remote = vec![0x11u8; 8192];
     register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
     let init = backend(|c| c.connections_per_peer = 2);
@@ -813,18 +816,15 @@ fn a_stalled_target_fails_the_batch_at_its_deadline_and_never_writes_later() {
         let (op, r, at) = rx.recv_timeout(Duration::from_secs(5)).expect("completed");
         let e = r.expect_err("the target never answered in time");
         assert_eq!(e.kind(), ErrorKind::Timeout, "{op}: {e}");
-        assert!(
-            at < Duration::from_millis(1500),
-            "{op} completed after {at:?}"
-        );
+        assert!(at < Duration::from_secs(5), "{op} completed after {at:?}");
     }
     assert_eq!(
         init.live_connections(peer),
         0,
         "the connections carrying the batches were closed"
     );
-    // The target answers after 2 s; nothing of it may land in the caller's memory.
-    std::thread::sleep(Duration::from_millis(2500));
+    // The target answers after 8 s; nothing of it may land in the caller's memory.
+    std::thread::sleep(Duration::from_millis(8500));
     assert!(local.iter().all(|&b| b == 0xAB), "late bytes landed");
 }
 
@@ -910,7 +910,7 @@ fn a_busy_connection_is_not_closed_for_a_batch_past_its_deadline() {
 
 #[test]
 fn an_aborted_batch_on_a_stalled_target_ends_without_waiting_for_io_timeout() {
-    let target = backend(|c| c.debug_delay = Duration::from_secs(2));
+    let target = backend(|c| c.debug_delay = Duration::from_secs(8));
     let mut remote = vec![0x33u8; 4096];
     register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
     let init = backend(|c| c.connections_per_peer = 1);
@@ -940,11 +940,11 @@ fn an_aborted_batch_on_a_stalled_target_ends_without_waiting_for_io_timeout() {
     let r = rx.recv_timeout(Duration::from_secs(5)).expect("completed");
     assert!(r.is_err(), "an aborted batch does not succeed");
     assert!(
-        start.elapsed() < Duration::from_millis(1500),
+        start.elapsed() < Duration::from_secs(5),
         "ended {:?} after the abort",
         start.elapsed()
     );
-    std::thread::sleep(Duration::from_millis(2500));
+    std::thread::sleep(Duration::from_millis(8500));
     assert!(local.iter().all(|&b| b == 0xAB), "late bytes landed");
 }
 
