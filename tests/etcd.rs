@@ -231,10 +231,19 @@ fn an_engine_killed_hard_leaves_the_store_when_its_lease_expires() {
     let mut serve = Command::new(te)
         .args(["serve", "--config"])
         .arg(&serve_cfg)
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
+    // te serve publishes itself when its engine starts and prints its address once its
+    // buffer is registered: wait for that line (EOF if it died) before benching.
+    let mut first = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(serve.stdout.take().unwrap()),
+        &mut first,
+    )
+    .unwrap();
+    assert!(!first.trim().is_empty(), "te serve printed no address");
     let bench = || {
         Command::new(te)
             .args(["bench", "--config"])

@@ -139,6 +139,11 @@ impl<'p> Bench<'p> {
             }
         };
         let peer = initiator.connect(&addr)?;
+        // A `te serve` found by name may have been reached between publishing itself
+        // and registering its buffer: look once more with a fresh descriptor.
+        if peer.region("buffer").is_none() {
+            initiator.refresh(&peer, initiator.config().default_timeout)?;
+        }
         let remote = peer.region("buffer").ok_or_else(|| {
             Error::new(
                 ErrorKind::InvalidRequest,
