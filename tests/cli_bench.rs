@@ -507,3 +507,41 @@ fn bench_against_a_serve_with_an_auth_token_needs_the_same_token() {
     assert!(stderr.contains("could not prove"), "{stderr}");
     failed(&tokened(&serve.addr, None), &["auth_token"]);
 }
+
+#[test]
+fn kv_blocks_in_fakedev_memory_move_over_tcp_in_every_mode() {
+    for op in ["read", "write"] {
+        let out = bench(&[
+            "--kv",
+            "--backend",
+            "tcp",
+            "--mem",
+            "fakedev:0",
+            "--op",
+            op,
+            "--kv-layers",
+            "2",
+            "--kv-blocks",
+            "16",
+            "--batch",
+            "4",
+            "--duration",
+            "200ms",
+            "--warmup",
+            "0s",
+            "--json",
+        ]);
+        assert!(out.status.success(), "{op}: {}", text(&out.stderr));
+        // --kv lines have their own fields (mode, blocks_per_s, requests_per_batch).
+        let lines: Vec<serde_json::Value> = text(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+            .collect();
+        let modes: Vec<_> = lines.iter().map(|v| v["mode"].clone()).collect();
+        assert_eq!(modes, ["contiguous", "random", "plain-1MiB"], "{op}");
+        for v in &lines {
+            assert_eq!(v["op"], op);
+            assert!(v["gb_per_s"].as_f64().unwrap() > 0.0, "{v}");
+        }
+    }
+}
