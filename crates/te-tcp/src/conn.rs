@@ -13,7 +13,6 @@
 //! thread still reads or writes that memory.
 
 use std::collections::VecDeque;
-use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -25,12 +24,11 @@ use te_core::device::DeviceCopy;
 use te_core::{Completion, Deadline, Error, ErrorKind, Op, RegionId, Result};
 
 use crate::config::TcpConfig;
+use crate::handshake::handshake;
 use crate::regions::Pin;
 use crate::sock::{self, Inbound};
 use crate::stage::{self, Dev, Pools, StageBuf};
-use crate::wire::{
-    self, Challenge, Header, Hello, Kind, Proof, Status, Terms, Welcome, HEADER_LEN, MAX_MESSAGE,
-};
+use crate::wire::{self, Header, Kind, HEADER_LEN, MAX_MESSAGE};
 
 /// Frames gathered into one `sendmsg`.
 const MAX_FRAMES: usize = 32;
@@ -438,115 +436,12 @@ impl std::fmt::Debug for Conn {
     }
 }
 
-fn unreachable(label: &str, what: &str, e: std::io::Error) -> Error {
+pub(crate) fn unreachable(label: &str, what: &str, e: std::io::Error) -> Error {
     Error::new(
         ErrorKind::PeerUnreachable,
         format!("data connection to {label}: {what}"),
     )
     .with_source(e)
-}
-
-/// Runs the initiator's side of the handshake on a fresh stream; returns the target's
-/// terms.
-pub(crate) fn handshake(
-    s: &mut TcpStream,
-    label: &str,
-    instance: u64,
-    token: Option<&[u8]>,
-) -> Result<Terms> {
-    let io = |what: &str| {
-        let what = what.to_string();
-        move |e: std::io::Error| unreachable(label, &what, e)
-    };
-    let proto = |e: wire::WireError| {
-        Error::new(
-            ErrorKind::Protocol,
-            format!("data connection to {label}: the peer's handshake is malformed: {e}"),
-        )
-    };
-    let nonce: [u8; wire::NONCE_LEN] = rand::random();
-    let hello = Hello {
-        version: wire::VERSION,
-        instance,
-        nonce,
-    };
-    s.write_all(&hello.encode()).map_err(io("sending hello"))?;
-    let mut b = [0u8; Challenge::LEN];
-    s.read_exact(&mut b).map_err(io("reading the challenge"))?;
-    let ch = Challenge::decode(&b).map_err(proto)?;
-    match ch.status {
-        Status::Ok => {}
-        Status::WrongInstance => {
-            return Err(Error::new(
-                ErrorKind::PeerRestarted,
-                format!(
-                    "{label} is a new instance of the peer (it restarted); its old descriptor is void: connect again"
-                ),
-            ))
-        }
-        Status::Version => {
-            return Err(Error::new(
-                ErrorKind::Unsupported,
-                format!(
-                    "{label} speaks te-tcp protocol {} and this side {}; run the same te version on both",
-                    ch.version,
-                    wire::VERSION
-                ),
-            ))
-        }
-        Status::AuthFailed => return Err(proto(wire::WireError::Field("status"))),
-    }
-    let mut b = [0u8; Terms::LEN];
-    s.read_exact(&mut b).map_err(io("reading the terms"))?;
-    let terms = Terms::decode(&b).map_err(proto)?;
-    let mac = match (token, ch.auth) {
-        (Some(t), true) => te_core::auth::prove(t, &wire::role("initiator", instance), &nonce, &ch.nonce),
-        (None, false) => [0; te_core::auth::LEN],
-        (None, true) => {
-            // Send a proof that cannot match, so the target logs the refusal too.
-            [0; te_core::auth::LEN]
-        }
-        (Some(_), false) => {
-            return Err(Error::new(
-                ErrorKind::Unauthorized,
-                format!(
-                    "{label} does not require an auth_token but this side has one; set the same [engine] auth_token on both sides"
-                ),
-            ))
-        }
-    };
-    s.write_all(&Proof { mac }.encode())
-        .map_err(io("sending the proof"))?;
-    let mut b = [0u8; Welcome::LEN];
-    s.read_exact(&mut b).map_err(io("reading the welcome"))?;
-    let w = Welcome::decode(&b).map_err(proto)?;
-    if w.status == Status::AuthFailed {
-        return Err(Error::new(
-            ErrorKind::Unauthorized,
-            format!(
-                "{label} refused the data connection: {}; set the same [engine] auth_token on both sides",
-                if token.is_some() { "wrong auth_token" } else { "it requires an auth_token and this side has none" }
-            ),
-        ));
-    }
-    if w.status != Status::Ok {
-        return Err(proto(wire::WireError::Field("status")));
-    }
-    if let Some(t) = token {
-        if !te_core::auth::verify(
-            t,
-            &wire::role("target", instance),
-            &ch.nonce,
-            &nonce,
-            &w.mac,
-        ) {
-            return Err(Error::new(
-                ErrorKind::Unauthorized,
-                format!("{label} could not prove the auth_token: it is not the peer it claims to be, or its token differs"),
-            ));
-        }
-    }
-    Ok(terms)
 }
 
 /// Spawns a named thread, recording its handle in `threads`.

@@ -109,6 +109,7 @@ use te_core::{BackendContext, BackendType, Result};
 mod backend;
 mod config;
 mod conn;
+mod handshake;
 mod regions;
 mod serve;
 mod sock;

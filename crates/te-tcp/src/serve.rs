@@ -24,9 +24,7 @@ use crate::backend::Shared;
 use crate::regions::Pin;
 use crate::sock::{self, Inbound};
 use crate::stage::{self, Pools, StageBuf};
-use crate::wire::{
-    self, Challenge, Entry, Header, Hello, Kind, Proof, Status, Terms, Welcome, HEADER_LEN,
-};
+use crate::wire::{self, Entry, Header, Kind, HEADER_LEN};
 
 /// The longest pause after a failed `accept`; short, so closing the backend is quick.
 const MAX_BACKOFF: Duration = Duration::from_millis(200);
@@ -138,7 +136,7 @@ impl Drop for Pending {
 }
 
 /// Reads exactly `b.len()` bytes before `until`, however the peer paces them.
-fn read_by(s: &mut TcpStream, b: &mut [u8], until: Instant) -> std::io::Result<()> {
+pub(crate) fn read_by(s: &mut TcpStream, b: &mut [u8], until: Instant) -> std::io::Result<()> {
     let mut got = 0;
     while got < b.len() {
         let left = until.saturating_duration_since(Instant::now());
@@ -166,7 +164,7 @@ fn read_by(s: &mut TcpStream, b: &mut [u8], until: Instant) -> std::io::Result<(
 }
 
 /// Writes all of `b` before `until`.
-fn write_by(s: &mut TcpStream, b: &[u8], until: Instant) -> std::io::Result<()> {
+pub(crate) fn write_by(s: &mut TcpStream, b: &[u8], until: Instant) -> std::io::Result<()> {
     let left = until.saturating_duration_since(Instant::now());
     if left.is_zero() {
         return Err(std::io::ErrorKind::TimedOut.into());
@@ -175,7 +173,7 @@ fn write_by(s: &mut TcpStream, b: &[u8], until: Instant) -> std::io::Result<()> 
     s.write_all(b)
 }
 
-fn io_err(peer: &str, what: &str, e: std::io::Error) -> Error {
+pub(crate) fn io_err(peer: &str, what: &str, e: std::io::Error) -> Error {
     Error::new(
         ErrorKind::PeerUnreachable,
         format!("data connection from {peer}: {what}"),
@@ -239,75 +237,17 @@ fn span(entries: &[Entry]) -> (u64, u64) {
     (start, end)
 }
 
-fn protocol(peer: &str, e: impl std::fmt::Display) -> Error {
+pub(crate) fn protocol(peer: &str, e: impl std::fmt::Display) -> Error {
     Error::new(
         ErrorKind::Protocol,
         format!("{peer} broke the te-tcp protocol ({e}); the connection was closed"),
     )
 }
 
-/// The target's side of the handshake. `Ok(false)`: refused (already answered).
-fn handshake(shared: &Shared, s: &mut TcpStream, peer: &str) -> Result<bool> {
-    let until = Instant::now() + shared.config.handshake_timeout;
-    let mut b = [0u8; Hello::LEN];
-    read_by(s, &mut b, until).map_err(|e| io_err(peer, "reading the hello", e))?;
-    let hello = Hello::decode(&b).map_err(|e| protocol(peer, e))?;
-    let nonce: [u8; wire::NONCE_LEN] = rand::random();
-    let token = shared.config.auth_token.as_deref().map(str::as_bytes);
-    let status = if hello.version != wire::VERSION {
-        Status::Version
-    } else if hello.instance != shared.instance {
-        Status::WrongInstance
-    } else {
-        Status::Ok
-    };
-    let ch = Challenge {
-        version: wire::VERSION,
-        status,
-        auth: token.is_some(),
-        nonce,
-    };
-    let mut answer = ch.encode().to_vec();
-    if status == Status::Ok {
-        // Our staging buffers hold `slice_size` bytes: no frame may carry more.
-        let terms = Terms {
-            max_payload: shared.config.slice_size,
-        };
-        answer.extend_from_slice(&terms.encode());
-    }
-    write_by(s, &answer, until).map_err(|e| io_err(peer, "sending the challenge", e))?;
-    if status != Status::Ok {
-        tracing::warn!(peer = %peer, ?status, version = hello.version, "refused a data connection");
-        return Ok(false);
-    }
-    let mut b = [0u8; Proof::LEN];
-    read_by(s, &mut b, until).map_err(|e| io_err(peer, "reading the proof", e))?;
-    let proof = Proof::decode(&b).map_err(|e| protocol(peer, e))?;
-    let (status, mac) = match token {
-        None => (Status::Ok, [0; te_core::auth::LEN]),
-        Some(t) => {
-            let role = |side| wire::role(side, shared.instance);
-            if te_core::auth::verify(t, &role("initiator"), &hello.nonce, &nonce, &proof.mac) {
-                let mac = te_core::auth::prove(t, &role("target"), &nonce, &hello.nonce);
-                (Status::Ok, mac)
-            } else {
-                (Status::AuthFailed, [0; te_core::auth::LEN])
-            }
-        }
-    };
-    write_by(s, &Welcome { status, mac }.encode(), until)
-        .map_err(|e| io_err(peer, "sending the welcome", e))?;
-    if status != Status::Ok {
-        tracing::warn!(peer = %peer, "refused a data connection: it did not prove the auth_token");
-        return Ok(false);
-    }
-    Ok(true)
-}
-
 fn serve(shared: &Shared, mut s: TcpStream, peer: &str, pending: Pending) -> Result<()> {
     let c = &shared.config;
     sock::tune(&s, c).map_err(|e| io_err(peer, "cannot set options", e))?;
-    if !handshake(shared, &mut s, peer)? {
+    if !crate::handshake::answer(shared, &mut s, peer)? {
         return Ok(());
     }
     drop(pending);

@@ -64,7 +64,7 @@ fn run(b: &TcpBackend, peer: te_core::PeerId, reqs: &[TransferRequest]) -> Resul
 fn raw(target: &TcpBackend) -> TcpStream {
     let (addr, instance) = decode_endpoint(&target.endpoint()).unwrap();
     let mut s = TcpStream::connect(addr).unwrap();
-    crate::conn::handshake(&mut s, "raw", instance, None).unwrap();
+    crate::handshake::handshake(&mut s, "raw", instance, None).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     s
 }
@@ -122,7 +122,7 @@ fn the_token_never_travels_in_clear() {
     s.set_read_timeout(Some(Duration::from_millis(300)))
         .unwrap();
     let token = b"correct horse battery staple";
-    let _ = crate::conn::handshake(&mut s, "recorder", 7, Some(token));
+    let _ = crate::handshake::handshake(&mut s, "recorder", 7, Some(token));
     drop(s);
     let sent = recorder.join().unwrap();
     assert!(sent.len() >= crate::wire::Hello::LEN + crate::wire::Proof::LEN);
@@ -473,7 +473,7 @@ fn a_frame_longer_than_the_agreed_limit_is_refused_and_the_target_keeps_serving(
     // The limit is announced in the handshake.
     let (addr, instance) = decode_endpoint(&target.endpoint()).unwrap();
     let mut s = TcpStream::connect(addr).unwrap();
-    let terms = crate::conn::handshake(&mut s, "raw", instance, None).unwrap();
+    let terms = crate::handshake::handshake(&mut s, "raw", instance, None).unwrap();
     assert_eq!(terms.max_payload, 64 << 10);
     drop(s);
     // A hostile peer ignores it: an oversized WRITE into device memory (whose staging
@@ -1348,7 +1348,7 @@ fn a_version_2_peer_is_refused_with_a_version_mismatch_on_both_sides() {
         c.write_all(&ch.encode()).unwrap();
     });
     let mut s = TcpStream::connect(at).unwrap();
-    let e = crate::conn::handshake(&mut s, "old", 7, None).unwrap_err();
+    let e = crate::handshake::handshake(&mut s, "old", 7, None).unwrap_err();
     t.join().unwrap();
     assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
     assert!(e.to_string().contains("protocol 2 and this side 3"), "{e}");
