@@ -16,8 +16,9 @@ use te_core::{
 };
 
 use crate::config::TcpConfig;
-use crate::conn::{Batch, Conn, Part, Slice};
+use crate::conn::Conn;
 use crate::regions::{Pin, Regions};
+use crate::slice::{Batch, Part, Slice};
 use crate::stage::Dev;
 use crate::wire;
 

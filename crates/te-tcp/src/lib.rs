@@ -112,6 +112,7 @@ mod conn;
 mod handshake;
 mod regions;
 mod serve;
+mod slice;
 mod sock;
 mod stage;
 #[cfg(test)]

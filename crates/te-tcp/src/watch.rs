@@ -16,7 +16,8 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 use te_core::sync::{Condvar, Mutex};
 
-use crate::conn::{Batch, Conn};
+use crate::conn::Conn;
+use crate::slice::Batch;
 
 /// How long a connection that carries an expired batch may go without any answer or
 /// send before it is closed.

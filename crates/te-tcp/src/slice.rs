@@ -1,0 +1,261 @@
+//! What travels on a data connection: batches, their slices (a piece of one request,
+//! or pieces of several gathered into one frame) and, for device memory, where a
+//! slice's bytes are staged.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+use te_core::sync::Mutex;
+
+use te_core::{Completion, Error, Op, RegionId, Result};
+
+use crate::regions::Pin;
+use crate::stage::{Dev, StageBuf};
+use crate::wire::{self, Header, Kind, HEADER_LEN};
+
+use crate::conn::{timeout_error, Carry};
+
+/// One batch: its completion, the pins on its local regions, and how many slices are
+/// still out.
+pub(crate) struct Batch {
+    pub(crate) remaining: AtomicUsize,
+    pub(crate) error: OnceLock<Error>,
+    pub(crate) done: Mutex<Option<(Completion, Arc<Vec<Pin>>)>>,
+    pub(crate) deadline: Instant,
+    pub(crate) id: te_core::BatchId,
+}
+
+impl Batch {
+    pub(crate) fn new(slices: usize, done: Completion, pins: Vec<Pin>) -> Batch {
+        let now = Instant::now();
+        let id = done.batch();
+        Batch {
+            id,
+            remaining: AtomicUsize::new(slices),
+            error: OnceLock::new(),
+            // A deadline too far to represent is as good as none.
+            deadline: now
+                .checked_add(done.remaining())
+                .unwrap_or_else(|| now + std::time::Duration::from_secs(1 << 30)),
+            done: Mutex::new(Some((done, Arc::new(pins)))),
+        }
+    }
+
+    /// The engine's id of the batch.
+    pub(crate) fn id(&self) -> te_core::BatchId {
+        self.id
+    }
+
+    /// When the batch's caller stops waiting.
+    pub(crate) fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// Whether every slice has ended (the batch is completed, or about to be).
+    pub(crate) fn is_finished(&self) -> bool {
+        self.remaining.load(Ordering::Acquire) == 0
+    }
+
+    /// The batch's pins, held by a device copy until it completes, so that the regions
+    /// stay registered while a copy runs even if the batch has ended; `None` once the
+    /// batch has ended.
+    pub(crate) fn hold(&self) -> Option<Arc<Vec<Pin>>> {
+        self.done.lock().as_ref().map(|d| d.1.clone())
+    }
+
+    /// Records one slice's end; the last one releases the pins, then completes.
+    pub(crate) fn finish_slice(&self, result: Result<()>) {
+        if let Err(e) = result {
+            // Past its deadline, whatever broke, the batch ended for lack of time.
+            let e = if Instant::now() >= self.deadline {
+                timeout_error()
+            } else {
+                e
+            };
+            let _ = self.error.set(e);
+        }
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let taken = self.done.lock().take();
+            if let Some((done, pins)) = taken {
+                drop(pins);
+                done.complete(match self.error.get() {
+                    Some(e) => Err(e.clone()),
+                    None => Ok(()),
+                });
+            }
+        }
+    }
+
+    /// Whether the batch is to stop: aborted by the engine (deadline, cancel,
+    /// deregistration), or past its deadline. A stopped batch sends nothing more, and
+    /// the data that arrives for it is discarded, never placed.
+    pub(crate) fn stopped(&self) -> bool {
+        Instant::now() >= self.deadline
+            || self.done.lock().as_ref().is_none_or(|d| d.0.is_aborted())
+    }
+}
+
+/// A piece of one request, at most `slice_size` bytes, travelling as one frame; or
+/// pieces of several requests to one remote region, gathered into one frame.
+pub(crate) struct Slice {
+    pub(crate) batch: Arc<Batch>,
+    pub(crate) op: Op,
+    /// Address of the local bytes (source of a WRITE, destination of a READ); kept
+    /// valid by the batch's pin on the local region.
+    pub(crate) local: usize,
+    pub(crate) remote: RegionId,
+    pub(crate) remote_offset: u64,
+    pub(crate) len: u64,
+    /// The local region's device, when it is device memory.
+    pub(crate) device: Option<Dev>,
+    /// A device WRITE's staging: its copy into a pinned buffer.
+    pub(crate) stage: Option<Arc<Mutex<Stage>>>,
+    /// A scatter-gather slice's parts (empty for a plain slice, whose one range is
+    /// `local`, `remote_offset`, `len`). Device memory's parts are staged packed, one
+    /// after another, in one pinned buffer, so their payload is one span.
+    pub(crate) parts: Vec<Part>,
+    pub(crate) id: u64,
+}
+
+/// One part of a scatter-gather slice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Part {
+    /// Address of the local bytes.
+    pub(crate) local: usize,
+    /// Where they go (or come from) in the remote region.
+    pub(crate) remote_offset: u64,
+    pub(crate) len: u64,
+}
+
+/// Where a device WRITE slice's bytes are on their way to the socket.
+pub(crate) enum Stage {
+    /// Waiting for a buffer.
+    Idle,
+    /// Being copied from the device.
+    Copying,
+    /// In this buffer, ready to send.
+    Ready(StageBuf),
+    /// The copy failed.
+    Failed(Error),
+}
+
+impl Slice {
+    pub(crate) fn new(
+        batch: Arc<Batch>,
+        op: Op,
+        local: usize,
+        remote: RegionId,
+        remote_offset: u64,
+        len: u64,
+        device: Option<Dev>,
+    ) -> Slice {
+        let stage = match (&device, op) {
+            (Some(_), Op::Write) => Some(Arc::new(Mutex::new(Stage::Idle))),
+            _ => None,
+        };
+        Slice {
+            batch,
+            op,
+            local,
+            remote,
+            remote_offset,
+            len,
+            device,
+            stage,
+            parts: Vec::new(),
+            id: 0,
+        }
+    }
+
+    /// A slice that travels as one scatter-gather frame: `parts` (at most
+    /// [`wire::MAX_ENTRIES`], adding up to at most the frame limit) of one remote region,
+    /// all in host memory or all on `device`. One part makes a plain slice.
+    pub(crate) fn gathered(
+        batch: Arc<Batch>,
+        op: Op,
+        remote: RegionId,
+        parts: Vec<Part>,
+        device: Option<Dev>,
+    ) -> Slice {
+        let first = parts.first().copied().unwrap_or(Part {
+            local: 0,
+            remote_offset: 0,
+            len: 0,
+        });
+        let mut s = Slice::new(
+            batch,
+            op,
+            first.local,
+            remote,
+            first.remote_offset,
+            parts.iter().map(|p| p.len).sum(),
+            device,
+        );
+        if parts.len() > 1 {
+            s.parts = parts;
+        }
+        s
+    }
+
+    pub(crate) fn header(&self) -> Header {
+        let kind = match (self.op, self.parts.is_empty()) {
+            (Op::Write, true) => Kind::Write,
+            (Op::Read, true) => Kind::Read,
+            (Op::Write, false) => Kind::WriteV,
+            (Op::Read, false) => Kind::ReadV,
+        };
+        if self.parts.is_empty() {
+            return Header::request(kind, self.id, self.remote.0, self.remote_offset, self.len);
+        }
+        Header {
+            kind,
+            code: self.parts.len() as u32,
+            id: self.id,
+            region: self.remote.0,
+            offset: 0,
+            len: self.len,
+        }
+    }
+
+    /// The local ranges (address, bytes) the slice moves, in wire order.
+    pub(crate) fn pieces(&self) -> Vec<(usize, usize)> {
+        if self.parts.is_empty() {
+            return vec![(self.local, self.len as usize)];
+        }
+        self.parts
+            .iter()
+            .map(|p| (p.local, p.len as usize))
+            .collect()
+    }
+
+    /// Adds this slice's frame to `c`: its header (and entry list), then for a WRITE
+    /// its payload, from `payload` (a plain slice's source, or a device slice's staging
+    /// buffer holding every part packed) or from each part.
+    pub(crate) fn push_frame(&self, c: &mut Carry, payload: usize) {
+        let h = self.header().encode();
+        if self.parts.is_empty() {
+            let body = match self.op {
+                Op::Write => (payload, self.len as usize),
+                Op::Read => (0, 0),
+            };
+            c.push(&h, std::iter::once(body));
+            return;
+        }
+        let mut head = Vec::with_capacity(HEADER_LEN + self.parts.len() * wire::ENTRY_LEN);
+        head.extend_from_slice(&h);
+        for p in &self.parts {
+            wire::Entry {
+                offset: p.remote_offset,
+                len: p.len,
+            }
+            .encode_into(&mut head);
+        }
+        match (self.op, self.device.is_some()) {
+            (Op::Write, true) => c.push(&head, std::iter::once((payload, self.len as usize))),
+            (Op::Write, false) => {
+                c.push(&head, self.parts.iter().map(|p| (p.local, p.len as usize)))
+            }
+            (Op::Read, _) => c.push(&head, std::iter::empty()),
+        }
+    }
+}
