@@ -219,19 +219,7 @@ impl StandaloneControl {
                 "a standalone control plane needs the backend's non-zero epoch",
             ));
         }
-        let settings = crate::control::Settings {
-            name: config.name.clone(),
-            epoch,
-            token: config.auth_token.clone().map(String::into_bytes),
-            heartbeat: config.heartbeat,
-            handshake_timeout: config.handshake_timeout,
-            max_pending: config.max_pending,
-            max_pending_per_source: config.max_pending_per_source,
-            max_sessions: config.max_sessions,
-            max_sessions_per_source: config.max_sessions_per_source,
-            notification_max: config.notification_max as usize,
-            versions: crate::control::VERSIONS,
-        };
+        let settings = crate::control::Settings::new(config, epoch);
         let slot = Arc::new(HookSlot::default());
         let plane = crate::control::ControlPlane::start(
             settings,

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::Instant;
 use te::sync::{Mutex, RwLock};
 
 use pyo3::buffer::PyBuffer;
@@ -306,10 +306,15 @@ impl PyEngine {
             });
         }
         py.allow_threads(|| {
+            // One deadline covers a descriptor refresh and the batch, as in te-core.
+            let started = Instant::now();
+            let budget = options.timeout.unwrap_or(engine.config().default_timeout);
+            let mut options = options;
             let mut regions = remote_regions(peer);
             if requests.iter().any(|r| find(&regions, r.remote_offset, r.len).is_none()) {
-                refresh(&engine, peer)?;
+                engine.refresh(peer, budget)?;
                 regions = remote_regions(peer);
+                options.timeout = Some(budget.saturating_sub(started.elapsed()));
             }
             for (i, r) in requests.iter_mut().enumerate() {
                 let (id, offset) = find(&regions, r.remote_offset, r.len).ok_or_else(|| {
@@ -562,15 +567,6 @@ fn find(regions: &[RegionDesc], addr: u64, len: u64) -> Option<(RegionId, u64)> 
         .rev()
         .find(|r| end <= r.addr.saturating_add(r.len))
         .map(|r| (r.id, addr - r.addr))
-}
-
-/// Fetches the peer's descriptor again, within the engine's default timeout (at most
-/// 30 s).
-fn refresh(engine: &Engine, peer: &Peer) -> te::Result<()> {
-    engine.refresh(
-        peer,
-        engine.config().default_timeout.min(Duration::from_secs(30)),
-    )
 }
 
 /// A connected peer.

@@ -61,6 +61,25 @@ pub(crate) struct Settings {
     pub(crate) versions: (u16, u16),
 }
 
+impl Settings {
+    /// The settings of an engine configured by `config`, running as `epoch`.
+    pub(crate) fn new(config: &crate::EngineConfig, epoch: u64) -> Settings {
+        Settings {
+            name: config.name.clone(),
+            epoch,
+            token: config.auth_token.clone().map(String::into_bytes),
+            heartbeat: config.heartbeat,
+            handshake_timeout: config.handshake_timeout,
+            max_pending: config.max_pending,
+            max_pending_per_source: config.max_pending_per_source,
+            max_sessions: config.max_sessions,
+            max_sessions_per_source: config.max_sessions_per_source,
+            notification_max: config.notification_max as usize,
+            versions: VERSIONS,
+        }
+    }
+}
+
 /// What the server asks of its engine.
 pub(crate) trait Handler: Send + Sync + 'static {
     /// The current segment descriptor.

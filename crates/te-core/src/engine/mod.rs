@@ -160,19 +160,7 @@ impl Engine {
         hook: Arc<HookSlot>,
     ) -> Result<Engine> {
         let epoch = if epoch == 0 { random_nonzero() } else { epoch };
-        let settings = Settings {
-            name: config.name.clone(),
-            epoch,
-            token: config.auth_token.clone().map(String::into_bytes),
-            heartbeat: config.heartbeat,
-            handshake_timeout: config.handshake_timeout,
-            max_pending: config.max_pending,
-            max_pending_per_source: config.max_pending_per_source,
-            max_sessions: config.max_sessions,
-            max_sessions_per_source: config.max_sessions_per_source,
-            notification_max: config.notification_max as usize,
-            versions: control::VERSIONS,
-        };
+        let settings = Settings::new(&config, epoch);
         let plane = ControlPlane::start(
             settings,
             &config.listen,
