@@ -3,10 +3,8 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use te_core::sync::{Mutex, RwLock};
 
 use te_core::{
@@ -25,7 +23,7 @@ use crate::wire;
 /// The endpoint format's version (its first byte).
 const ENDPOINT_VERSION: u8 = 1;
 
-/// What the backend's threads share.
+/// What the backend's tasks share.
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(crate) config: TcpConfig,
@@ -34,6 +32,8 @@ pub(crate) struct Shared {
     pub(crate) instance: u64,
     pub(crate) regions: Regions,
     pub(crate) closed: AtomicBool,
+    /// Ends the accept task.
+    pub(crate) closing: tokio::sync::Notify,
     pub(crate) serving: Mutex<HashMap<u64, std::net::TcpStream>>,
     pub(crate) next_serving: AtomicU64,
     /// Accepted connections still in their handshake.
@@ -44,7 +44,9 @@ pub(crate) struct Shared {
     pub(crate) torn_writes: AtomicU64,
     /// The engine's control plane, where torn writes are posted as peer events.
     pub(crate) hook: te_core::ControlHook,
-    pub(crate) threads: Mutex<Vec<JoinHandle<()>>>,
+    /// The backend's tasks on te-tcp's I/O threads: accepting, watching deadlines, and
+    /// serving and driving connections.
+    pub(crate) tasks: Arc<crate::io::Tasks>,
     /// The deadlines of batches in flight.
     pub(crate) watch: Arc<crate::watch::Watch>,
 }
@@ -66,7 +68,6 @@ pub struct TcpBackend {
     info: BackendInfo,
     shared: Arc<Shared>,
     endpoint: Vec<u8>,
-    listener: Arc<TcpListener>,
     peers: RwLock<HashMap<PeerId, Arc<PeerConns>>>,
     by_endpoint: Mutex<HashMap<Vec<u8>, PeerId>>,
     next_peer: AtomicU64,
@@ -136,7 +137,7 @@ impl TcpBackend {
     ///
     /// # Errors
     /// `ConfigInvalid` for invalid options or an address that cannot be advertised;
-    /// `Io` if the listener cannot bind or its thread cannot start.
+    /// `Io` if the listener cannot bind or te-tcp's I/O threads cannot start.
     pub fn new(mut config: TcpConfig, ctx: &BackendContext) -> Result<TcpBackend> {
         config.validate()?;
         // The engine's token protects the data connections too; the backend's own key
@@ -198,22 +199,22 @@ impl TcpBackend {
             instance,
             regions: Regions::default(),
             closed: AtomicBool::new(false),
+            closing: tokio::sync::Notify::new(),
             serving: Mutex::new(HashMap::new()),
             next_serving: AtomicU64::new(0),
             pending: AtomicUsize::new(0),
             accept_errors: AtomicU64::new(0),
             torn_writes: AtomicU64::new(0),
             hook: ctx.hook.clone(),
-            threads: Mutex::new(Vec::new()),
+            tasks: Arc::default(),
             watch: Arc::default(),
         });
         let watch = shared.watch.clone();
-        crate::conn::spawn(&shared.threads, "te-tcp-deadline", move || watch.run())?;
-        let listener = Arc::new(listener);
-        let (s, l) = (shared.clone(), listener.clone());
-        if let Err(e) = crate::conn::spawn(&shared.threads, "te-tcp-accept", move || {
-            crate::serve::accept_loop(s, l)
-        }) {
+        shared.tasks.spawn(async move { watch.run().await })?;
+        if let Err(e) = shared
+            .tasks
+            .spawn(crate::serve::accept_loop(shared.clone(), listener))
+        {
             shared.watch.close();
             return Err(e);
         }
@@ -238,7 +239,6 @@ impl TcpBackend {
             },
             endpoint: encode_endpoint(advertised, instance),
             shared,
-            listener,
             peers: RwLock::new(HashMap::new()),
             by_endpoint: Mutex::new(HashMap::new()),
             next_peer: AtomicU64::new(1),
@@ -281,7 +281,7 @@ impl TcpBackend {
                 peer.addr,
                 peer.instance,
                 &self.shared.config,
-                &self.shared.threads,
+                &self.shared.tasks,
                 deadline,
             ) {
                 Ok(c) => fresh.push(c),
@@ -577,9 +577,7 @@ impl Drop for TcpBackend {
     fn drop(&mut self) {
         self.shared.closed.store(true, Ordering::Release);
         self.shared.watch.close();
-        // SAFETY: the listener is alive (we hold an Arc); shutting a listening socket
-        // down makes a blocked `accept` return on Linux.
-        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
+        self.shared.closing.notify_one();
         let peers: Vec<_> = self.peers.write().drain().collect();
         for (_, pc) in peers {
             for c in pc.conns.read().iter() {
@@ -593,11 +591,16 @@ impl Drop for TcpBackend {
         for (_, s) in serving {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
-        let me = std::thread::current().id();
-        let threads: Vec<_> = self.shared.threads.lock().drain(..).collect();
-        for t in threads {
-            if t.thread().id() != me {
-                let _ = t.join();
+        // Every socket is shut down: the tasks end at their next step. Dropped on an
+        // I/O thread (a completion that let go of the engine), waiting could hold up
+        // the very tasks waited for; they end on their own then.
+        if !crate::io::on_io_thread() {
+            let left = self.shared.tasks.wait(self.shared.config.io_timeout);
+            if left > 0 {
+                tracing::warn!(
+                    tasks = left,
+                    "te-tcp connection tasks still running after the backend closed"
+                );
             }
         }
     }

@@ -37,7 +37,7 @@ pub struct TcpConfig {
     #[serde(deserialize_with = "te_core::config::de::size")]
     pub recv_buffer: u64,
     /// Bytes a submitting thread may send itself, without blocking, before it hands the
-    /// rest of its batch to the connection's sender thread; 0 always hands over.
+    /// rest of its batch to the connection's sender task; 0 always hands over.
     #[serde(deserialize_with = "te_core::config::de::size")]
     pub inline_send: u64,
     /// How long opening a data connection (TCP connect and handshake) may take.

@@ -1,29 +1,32 @@
 //! The initiator's side of one data connection: its handshake, the queue of slices,
-//! who writes them, and the receiver thread that matches responses to slices and
+//! who writes them, and the receiver task that matches responses to slices and
 //! completes batches.
 //!
 //! Writing: a submitting thread that finds the connection idle sends its frames itself
 //! with non-blocking `sendmsg` (up to `inline_send` bytes), so a small request costs no
-//! thread hand-off; whatever does not fit is left to the connection's sender thread,
-//! which writes with blocking calls. At most one of them writes at a time (`busy`).
+//! thread hand-off; whatever does not fit is left to the connection's sender task on
+//! te-tcp's I/O threads, which writes whenever the socket has room. At most one of
+//! them writes at a time (`busy`).
 //!
 //! Failure: whoever sees the connection break marks it dead and shuts the socket down;
 //! every slice on it then fails, exactly once, by whichever of the writer and the
 //! receiver leaves last, so no slice is failed (and its memory released) while a
-//! thread still reads or writes that memory.
+//! task still reads or writes that memory.
 
 use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
-use te_core::sync::{Condvar, Mutex};
+use std::time::Duration;
+use te_core::sync::Mutex;
+use tokio::sync::Notify;
 
 use te_core::device::DeviceCopy;
 use te_core::{Deadline, Error, ErrorKind, Op, Result};
 
 use crate::config::TcpConfig;
 use crate::handshake::handshake;
+use crate::io::{Sock, Tasks};
 use crate::regions::Pin;
 use crate::slice::{Batch, Slice, Stage};
 use crate::sock::{self, Inbound};
@@ -162,11 +165,13 @@ impl Tx {
 
 /// One data connection to a peer.
 pub(crate) struct Conn {
-    stream: TcpStream,
-    fd: RawFd,
+    sock: Arc<Sock>,
     label: String,
     tx: Mutex<Tx>,
-    wake: Condvar,
+    /// Wakes the sender task: work queued, a staging copy done, a buffer returned, or
+    /// the connection died.
+    wake: Notify,
+    io_timeout: Duration,
     dead: AtomicBool,
     inflight: AtomicUsize,
     /// Counts answers received and sends that moved bytes: unchanged between two looks
@@ -199,27 +204,9 @@ pub(crate) fn unreachable(label: &str, what: &str, e: std::io::Error) -> Error {
     .with_source(e)
 }
 
-/// Spawns a named thread, recording its handle in `threads`.
-pub(crate) fn spawn(
-    threads: &Mutex<Vec<std::thread::JoinHandle<()>>>,
-    name: &str,
-    f: impl FnOnce() + Send + 'static,
-) -> Result<()> {
-    let t = std::thread::Builder::new()
-        .name(name.to_string())
-        .spawn(f)
-        .map_err(|e| {
-            Error::new(ErrorKind::Io, format!("cannot start thread {name}")).with_source(e)
-        })?;
-    let mut ts = threads.lock();
-    ts.retain(|t| !t.is_finished());
-    ts.push(t);
-    Ok(())
-}
-
 impl Conn {
     /// Opens, tunes and authenticates a data connection to `addr`, which must be the
-    /// target instance `instance`, and starts its sender and receiver threads.
+    /// target instance `instance`, and starts its sender and receiver tasks.
     ///
     /// # Errors
     /// `PeerUnreachable` if it cannot be reached in `connect_timeout` (or before the
@@ -231,7 +218,7 @@ impl Conn {
         addr: SocketAddr,
         instance: u64,
         config: &TcpConfig,
-        threads: &Mutex<Vec<std::thread::JoinHandle<()>>>,
+        tasks: &Arc<Tasks>,
         deadline: Deadline,
     ) -> Result<Arc<Conn>> {
         let label = addr.to_string();
@@ -246,11 +233,10 @@ impl Conn {
             instance,
             config.auth_token.as_deref().map(str::as_bytes),
         )?;
-        sock::timeouts(&s, config.io_timeout)
-            .map_err(|e| unreachable(&label, "cannot set timeouts", e))?;
+        let s = Sock::new(s).map_err(|e| unreachable(&label, "cannot register the socket", e))?;
         let conn = Arc::new_cyclic(|me| Conn {
-            fd: s.as_raw_fd(),
-            stream: s,
+            sock: s,
+            io_timeout: config.io_timeout,
             label,
             tx: Mutex::new(Tx {
                 unsent: VecDeque::new(),
@@ -262,7 +248,7 @@ impl Conn {
                 receiving: None,
                 to_stage: VecDeque::new(),
             }),
-            wake: Condvar::new(),
+            wake: Notify::new(),
             dead: AtomicBool::new(false),
             inflight: AtomicUsize::new(0),
             progress: AtomicU64::new(0),
@@ -272,8 +258,10 @@ impl Conn {
             max_payload: terms.max_payload,
         });
         let (c1, c2) = (conn.clone(), conn.clone());
-        spawn(threads, "te-tcp-recv", move || c1.receive())?;
-        if let Err(e) = spawn(threads, "te-tcp-send", move || c2.send_loop()) {
+        let started = tasks
+            .spawn(c1.receive())
+            .and_then(|()| tasks.spawn(c2.send_loop()));
+        if let Err(e) = started {
             conn.kill(e.clone());
             return Err(e);
         }
@@ -330,10 +318,10 @@ impl Conn {
             self.hand_off();
             return 0;
         }
-        self.pump(false, budget)
+        self.pump(Some(budget)).0
     }
 
-    /// Gives up writing; the sender thread takes over whatever is left.
+    /// Gives up writing; the sender task takes over whatever is left.
     fn hand_off(&self) {
         let mut tx = self.lock();
         tx.busy = false;
@@ -353,10 +341,15 @@ impl Conn {
         })
     }
 
-    /// Writes queued frames while this thread holds `busy`: until none are left, or,
-    /// non-blocking, until the socket is full or `budget` bytes are out. Returns the
-    /// bytes written.
-    fn pump(&self, blocking: bool, budget: usize) -> usize {
+    /// Writes queued frames, never waiting, while the caller holds `busy`: until none
+    /// are left, the socket is full, the next frame's staging copy is not done, or (a
+    /// submitting thread's `budget`) enough bytes are out. Returns the bytes written
+    /// and how it stopped: `Idle` gave `busy` up (a submitting thread also gives it up
+    /// when the socket is full or the next frame not staged, handing the rest to the
+    /// sender task); the sender task keeps it on `Full` and `Waiting`.
+    fn pump(&self, budget: Option<usize>) -> (usize, Pumped) {
+        let blocking = budget.is_none();
+        let budget = budget.unwrap_or(usize::MAX);
         let mut written = 0usize;
         let mut expired = Vec::new();
         let mut failed = Vec::new();
@@ -373,7 +366,7 @@ impl Conn {
                     self.fail(left, e.unwrap_or_else(|| self.dead_error()));
                     self.fail(expired, timeout_error());
                     self.fail_each(failed);
-                    return written;
+                    return (written, Pumped::Idle);
                 }
                 let mut waiting = false;
                 if tx.carry.is_empty() {
@@ -421,11 +414,11 @@ impl Conn {
                 }
                 if waiting && blocking {
                     // The next slice's copy (or a buffer for it) is not done; its
-                    // completion wakes this thread.
-                    drop(self.wake.wait(tx));
-                    self.fail(std::mem::take(&mut expired), timeout_error());
-                    self.fail_each(std::mem::take(&mut failed));
-                    continue;
+                    // completion wakes the sender task.
+                    drop(tx);
+                    self.fail(expired, timeout_error());
+                    self.fail_each(failed);
+                    return (written, Pumped::Waiting);
                 }
                 if tx.carry.is_empty() || (!blocking && written >= budget) {
                     tx.busy = false;
@@ -436,7 +429,7 @@ impl Conn {
                     }
                     self.fail(expired, timeout_error());
                     self.fail_each(failed);
-                    return written;
+                    return (written, Pumped::Idle);
                 }
                 std::mem::take(&mut tx.carry)
             };
@@ -445,9 +438,9 @@ impl Conn {
             let mut v = [sock::iov(std::ptr::null(), 0); sock::IOV_MAX];
             let n = carry.iovecs(&mut v);
             // The payload spans are registered memory pinned by the slices' batches;
-            // those slices sit in `sent` and cannot fail while this thread is `busy`.
+            // those slices sit in `sent` and cannot fail while this writer is `busy`.
             // The header spans point into `carry`, alive until after the call.
-            let sent = sock::send(self.fd, &v[..n], !blocking);
+            let sent = sock::send(self.sock.fd(), &v[..n], true);
             let mut carry = carry;
             if let Ok(k) = sent {
                 carry.advance(k);
@@ -461,14 +454,10 @@ impl Conn {
                 }
                 Err(e) if !blocking && e.kind() == std::io::ErrorKind::WouldBlock => {
                     self.hand_off();
-                    return written;
+                    return (written, Pumped::Idle);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    self.kill(unreachable(
-                        &self.label,
-                        "the peer took nothing for io_timeout",
-                        e,
-                    ));
+                    return (written, Pumped::Full);
                 }
                 Err(e) => self.kill(unreachable(&self.label, "send failed", e)),
             }
@@ -557,8 +546,7 @@ impl Conn {
                     };
                 }
                 if let Some(conn) = me.upgrade() {
-                    drop(conn.lock());
-                    conn.wake.notify_all();
+                    conn.wake.notify_one();
                 }
             };
             // SAFETY: the device ranges lie in a region the batch's pins (held by
@@ -569,23 +557,57 @@ impl Conn {
         }
     }
 
-    /// The sender thread: writes whatever submitting threads left, blocking.
-    fn send_loop(self: Arc<Self>) {
+    /// The sender task: writes whatever submitting threads left, whenever the socket
+    /// has room; a peer that takes nothing for `io_timeout` is declared dead.
+    async fn send_loop(self: Arc<Self>) {
         loop {
-            {
-                let mut tx = self.lock();
-                loop {
+            loop {
+                {
+                    let mut tx = self.lock();
                     if tx.dead.is_some() {
                         return;
                     }
                     if !tx.busy && (!tx.unsent.is_empty() || !tx.carry.is_empty()) {
+                        tx.busy = true;
                         break;
                     }
-                    tx = self.wake.wait(tx);
                 }
-                tx.busy = true;
+                // A wake since the look above left a permit: this returns at once.
+                self.wake.notified().await;
             }
-            self.pump(true, usize::MAX);
+            let mut state = self.pump(None).1;
+            loop {
+                match state {
+                    Pumped::Idle => break,
+                    Pumped::Waiting => {
+                        self.wake.notified().await;
+                        state = self.pump(None).1;
+                    }
+                    Pumped::Full => {
+                        // Back as soon as a write moved bytes, so the limit is on a
+                        // peer taking nothing, not on a long transfer.
+                        let r = self
+                            .sock
+                            .when_writable(self.io_timeout, || match self.pump(None) {
+                                (0, Pumped::Full) => Err(std::io::ErrorKind::WouldBlock.into()),
+                                (_, p) => Ok(p),
+                            })
+                            .await;
+                        state = match r {
+                            Ok(p) => p,
+                            Err(e) => {
+                                self.kill(unreachable(
+                                    &self.label,
+                                    "the peer took nothing for io_timeout",
+                                    e,
+                                ));
+                                // Still the writer: drain what is left.
+                                self.pump(None).1
+                            }
+                        };
+                    }
+                }
+            }
         }
     }
 
@@ -650,17 +672,17 @@ impl Conn {
                 tx.drain()
             }
         };
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
-        self.wake.notify_all();
+        self.sock.shutdown();
+        self.wake.notify_one();
         let e = self.dead_error();
         self.fail(left, e);
     }
 
-    /// The receiver thread: matches each response to the oldest written slice.
-    fn receive(self: Arc<Self>) {
-        let mut inb = Inbound::new(self.fd);
+    /// The receiver task: matches each response to the oldest written slice.
+    async fn receive(self: Arc<Self>) {
+        let mut inb = Inbound::new(self.sock.clone(), self.io_timeout);
         let e = loop {
-            match self.receive_one(&mut inb) {
+            match self.receive_one(&mut inb).await {
                 Ok(()) => {}
                 Err(e) => break e,
             }
@@ -671,9 +693,10 @@ impl Conn {
         self.kill(e);
     }
 
-    fn receive_one(&self, inb: &mut Inbound) -> Result<()> {
+    async fn receive_one(&self, inb: &mut Inbound) -> Result<()> {
         let mut on_timeout = |_mid: bool| self.lock().sent.is_empty();
         inb.fill(HEADER_LEN, &mut on_timeout)
+            .await
             .map_err(|e| unreachable(&self.label, "receive failed", e))?;
         let h = Header::decode(&inb.buffered()[..HEADER_LEN]).map_err(|e| self.protocol(e))?;
         inb.consume(HEADER_LEN);
@@ -686,7 +709,7 @@ impl Conn {
             tx.receiving = Some(slice.batch.clone());
             slice
         };
-        let result = self.answer(inb, &h, &slice);
+        let result = self.answer(inb, &h, &slice).await;
         self.lock().receiving = None;
         self.progress.fetch_add(1, Ordering::Release);
         let fatal = match &result {
@@ -705,8 +728,7 @@ impl Conn {
         if slice.stage.is_some() {
             // Its staging buffer goes back to the pool: wake a writer waiting for one.
             drop(slice);
-            drop(self.lock());
-            self.wake.notify_all();
+            self.wake.notify_one();
         }
         match fatal {
             Some(e) => Err(e),
@@ -715,7 +737,7 @@ impl Conn {
     }
 
     /// Handles the response `h` to `slice`; an error here fails the slice.
-    fn answer(&self, inb: &mut Inbound, h: &Header, slice: &Slice) -> Result<Answer> {
+    async fn answer(&self, inb: &mut Inbound, h: &Header, slice: &Slice) -> Result<Answer> {
         if h.id != slice.id {
             return Err(self.protocol(format!(
                 "response {} while request {} was next",
@@ -728,11 +750,12 @@ impl Conn {
             (Kind::ReadData, Op::Read) if h.len == slice.len && slice.batch.stopped() => {
                 // Late data for a batch handed back to its caller: it must not land.
                 inb.discard(slice.len, &mut on_timeout)
+                    .await
                     .map_err(|e| unreachable(&self.label, "receive failed", e))?;
                 Err(timeout_error())
             }
             (Kind::ReadData, Op::Read) if h.len == slice.len && slice.device.is_some() => {
-                self.receive_staged(inb, slice)
+                self.receive_staged(inb, slice).await
             }
             (Kind::ReadData, Op::Read) if h.len == slice.len && !slice.parts.is_empty() => {
                 // Each part's destination is registered host memory pinned by the
@@ -740,19 +763,22 @@ impl Conn {
                 // touches it.
                 let dst = slice.parts.iter().map(|p| (p.local, p.len as usize));
                 inb.read_scattered(dst, &mut on_timeout)
+                    .await
                     .map_err(|e| unreachable(&self.label, "receive failed", e))?;
                 Ok(Answer::Done)
             }
             (Kind::ReadData, Op::Read) if h.len == slice.len => {
                 // The destination is registered memory pinned by the slice's batch; the
                 // slice is out of `sent`, so only this thread touches it.
-                inb.read_into(slice.local as *mut u8, slice.len as usize, &mut on_timeout)
+                inb.read_into(slice.local, slice.len as usize, &mut on_timeout)
+                    .await
                     .map_err(|e| unreachable(&self.label, "receive failed", e))?;
                 Ok(Answer::Done)
             }
             (Kind::Error, _) => {
                 let len = h.len.min(MAX_MESSAGE) as usize;
                 inb.fill(len, &mut on_timeout)
+                    .await
                     .map_err(|e| unreachable(&self.label, "receive failed", e))?;
                 let msg = String::from_utf8_lossy(&inb.buffered()[..len]).into_owned();
                 inb.consume(len);
@@ -773,17 +799,18 @@ impl Conn {
     /// device (one per run of adjacent parts, from successive parts of the buffer) as
     /// one group; the group's completion finishes the slice. The next response is
     /// received while the copies run.
-    fn receive_staged(&self, inb: &mut Inbound, slice: &Slice) -> Result<Answer> {
+    async fn receive_staged(&self, inb: &mut Inbound, slice: &Slice) -> Result<Answer> {
         let Some((rt, ordinal)) = &slice.device else {
             return Err(self.protocol("a staged read without a device"));
         };
         let pool = self.recv_pools.get(rt)?;
         // Waits only for this direction's own copies to finish.
-        let buf = pool.take();
+        let buf = pool.take().await;
         let len = slice.len as usize;
         let mut on_timeout = |_mid: bool| false;
         // The buffer is ours and holds `slice_size >= len` bytes.
-        inb.read_into(buf.ptr(), len, &mut on_timeout)
+        inb.read_into(buf.ptr() as usize, len, &mut on_timeout)
+            .await
             .map_err(|e| unreachable(&self.label, "receive failed", e))?;
         let pieces = slice.pieces().into_iter().map(|(d, l)| (d as u64, l));
         let copies = stage::packed(pieces, buf.ptr())
@@ -837,6 +864,18 @@ impl Conn {
             ),
         )
     }
+}
+
+/// How [`Conn::pump`] stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pumped {
+    /// Nothing left to write now; the writer gave `busy` up.
+    Idle,
+    /// The socket is full; the sender task keeps `busy` and waits for room.
+    Full,
+    /// The next frame waits for its staging copy; the sender task keeps `busy` and
+    /// waits for the copy's wake.
+    Waiting,
 }
 
 /// How a response ended its slice.

@@ -6,11 +6,10 @@ use std::net::TcpStream;
 
 use te_core::{Error, ErrorKind, Result};
 
-use std::time::Instant;
-
 use crate::backend::Shared;
 use crate::conn::unreachable;
-use crate::serve::{io_err, protocol, read_by, write_by};
+use crate::io::Sock;
+use crate::serve::{io_err, protocol};
 use crate::wire::{self, Challenge, Hello, Proof, Status, Terms, Welcome};
 
 /// Runs the initiator's side of the handshake on a fresh stream; returns the target's
@@ -117,10 +116,12 @@ pub(crate) fn handshake(
 }
 
 /// The target's side of the handshake. `Ok(false)`: refused (already answered).
-pub(crate) fn answer(shared: &Shared, s: &mut TcpStream, peer: &str) -> Result<bool> {
-    let until = Instant::now() + shared.config.handshake_timeout;
+pub(crate) async fn answer(shared: &Shared, s: &Sock, peer: &str) -> Result<bool> {
+    let until = tokio::time::Instant::now() + shared.config.handshake_timeout;
     let mut b = [0u8; Hello::LEN];
-    read_by(s, &mut b, until).map_err(|e| io_err(peer, "reading the hello", e))?;
+    s.read_exact_by(&mut b, until)
+        .await
+        .map_err(|e| io_err(peer, "reading the hello", e))?;
     let hello = Hello::decode(&b).map_err(|e| protocol(peer, e))?;
     let nonce: [u8; wire::NONCE_LEN] = rand::random();
     let token = shared.config.auth_token.as_deref().map(str::as_bytes);
@@ -145,13 +146,17 @@ pub(crate) fn answer(shared: &Shared, s: &mut TcpStream, peer: &str) -> Result<b
         };
         answer.extend_from_slice(&terms.encode());
     }
-    write_by(s, &answer, until).map_err(|e| io_err(peer, "sending the challenge", e))?;
+    s.write_all_by(&answer, until)
+        .await
+        .map_err(|e| io_err(peer, "sending the challenge", e))?;
     if status != Status::Ok {
         tracing::warn!(peer = %peer, ?status, version = hello.version, "refused a data connection");
         return Ok(false);
     }
     let mut b = [0u8; Proof::LEN];
-    read_by(s, &mut b, until).map_err(|e| io_err(peer, "reading the proof", e))?;
+    s.read_exact_by(&mut b, until)
+        .await
+        .map_err(|e| io_err(peer, "reading the proof", e))?;
     let proof = Proof::decode(&b).map_err(|e| protocol(peer, e))?;
     let (status, mac) = match token {
         None => (Status::Ok, [0; te_core::auth::LEN]),
@@ -165,7 +170,8 @@ pub(crate) fn answer(shared: &Shared, s: &mut TcpStream, peer: &str) -> Result<b
             }
         }
     };
-    write_by(s, &Welcome { status, mac }.encode(), until)
+    s.write_all_by(&Welcome { status, mac }.encode(), until)
+        .await
         .map_err(|e| io_err(peer, "sending the welcome", e))?;
     if status != Status::Ok {
         tracing::warn!(peer = %peer, "refused a data connection: it did not prove the auth_token");

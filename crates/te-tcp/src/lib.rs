@@ -23,14 +23,23 @@
 //! (`OutOfBounds`, `NotRegistered`, `InvalidRequest`) and is logged at the target; a
 //! malformed frame closes that one connection with a `Protocol` error. The wire format is in the `wire` module's docs.
 //!
-//! Completion: each connection has a receiver thread that matches responses to slices
+//! Threads: every connection of every tcp backend in the process, initiator and target
+//! side, runs as a few tasks on one fixed set of I/O threads (`te-tcp-io`, one per
+//! core; a tokio runtime over epoll), so threads do not grow with peers or
+//! connections: 200 peers × 4 connections run on the same threads as one. Sockets are
+//! non-blocking; a task tries the system call first and waits in epoll only when the
+//! kernel has no bytes or no room, so nothing spins and an idle connection costs no
+//! wake-up.
+//!
+//! Completion: each connection has a receiver task that matches responses to slices
 //! and completes a batch when its last slice is answered; a submitting thread that
 //! finds a connection idle writes its frames itself without blocking, and a sender
-//! thread per connection writes the rest. Threads block in the kernel; nothing spins.
+//! task per connection writes the rest whenever the socket has room.
 //! A connection that breaks fails every batch with slices on it with `PeerUnreachable`
 //! at once (a killed peer's kernel resets the connection); the engine then reconnects
 //! on next use. Deregistration waits for transfers touching the region on either side,
-//! so no byte is read or written after `deregister` returns.
+//! so no byte is read or written after `deregister` returns; dropping the backend
+//! waits (at most `io_timeout`) for its tasks to end.
 //!
 //! Device memory (`cuda:0`, `fakedev:0`, any runtime in `te_core::device`): sockets
 //! cannot touch it, so its slices are staged through pinned host buffers, a small pool
@@ -40,7 +49,7 @@
 //! synchronises once per frame rather than once per block, on either side. A sender
 //! copies frame k+1 from the device while frame k goes out on the socket; a receiver
 //! receives frame k+1 while frame k is copied to the device, and the target
-//! acknowledges a WRITE once its copies have completed (a responder thread sends that
+//! acknowledges a WRITE once its copies have completed (a responder task sends that
 //! connection's responses in order as their copies complete).
 //! Copies complete through the runtime's callback. A failed copy fails its batch with
 //! the runtime's error; checks, rights and deregistration work as for host memory
@@ -58,7 +67,7 @@
 //! | `nodelay` | `true` | `TCP_NODELAY`: small frames go out at once instead of waiting for Nagle |
 //! | `send_buffer` | `0` | `SO_SNDBUF` in bytes; 0 keeps the kernel's auto-tuning |
 //! | `recv_buffer` | `0` | `SO_RCVBUF` in bytes; 0 keeps the kernel's auto-tuning |
-//! | `inline_send` | `"256KiB"` | bytes a submitting thread sends itself, without blocking, before handing the rest to the sender thread; 0 always hands over |
+//! | `inline_send` | `"256KiB"` | bytes a submitting thread sends itself, without blocking, before handing the rest to the sender task; 0 always hands over |
 //! | `connect_timeout` | `"5s"` | limit for opening one data connection (TCP connect and handshake) |
 //! | `io_timeout` | `"10s"` | a connection where requests wait and nothing moves for this long is declared dead; also the keepalive idle time |
 //! | `handshake_timeout` | `"5s"` | an accepted peer must finish the whole handshake within this long, however it paces its bytes |
@@ -85,7 +94,7 @@
 //! it backs off (5 ms doubling to 200 ms), logs once per burst, and accepts again when
 //! it can.
 //!
-//! Deadlines: a thread per backend wakes at the earliest deadline of the batches in
+//! Deadlines: a task per backend wakes at the earliest deadline of the batches in
 //! flight. A batch that is still unfinished then has its unwritten slices dropped; a
 //! connection that carries one of its written slices (or is receiving its answer) is
 //! left alone while answers or sends still move on it (the batch's late answers are
@@ -110,6 +119,7 @@ mod backend;
 mod config;
 mod conn;
 mod handshake;
+mod io;
 mod regions;
 mod serve;
 mod slice;

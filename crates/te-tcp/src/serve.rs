@@ -1,5 +1,5 @@
-//! The target's side: the data listener and one thread per accepted connection, which
-//! authenticates the initiator, then serves its requests in order.
+//! The target's side: the data listener, and a task per accepted connection on the
+//! I/O threads, which authenticates the initiator, then serves its requests in order.
 //!
 //! Every request is checked against this backend's own registrations (region, rights,
 //! bounds) before a byte of its payload is placed: a WRITE lands straight in the
@@ -7,20 +7,20 @@
 //! payload is received and dropped, so the connection stays usable; a READ streams
 //! straight from the registered region.
 
-use std::cell::Cell;
 use std::collections::VecDeque;
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::os::fd::{AsRawFd, RawFd};
+use std::net::TcpListener;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use te_core::sync::{Condvar, Mutex};
+use te_core::sync::Mutex;
+use tokio::io::unix::AsyncFd;
+use tokio::sync::Notify;
 
 use te_core::device::DeviceCopy;
 use te_core::{Error, ErrorKind, RegionId, Result};
 
 use crate::backend::Shared;
+use crate::io::Sock;
 use crate::regions::Pin;
 use crate::sock::{self, Inbound};
 use crate::stage::{self, Pools, StageBuf};
@@ -29,34 +29,55 @@ use crate::wire::{self, Entry, Header, Kind, HEADER_LEN};
 /// The longest pause after a failed `accept`; short, so closing the backend is quick.
 const MAX_BACKOFF: Duration = Duration::from_millis(200);
 
-/// Accepts data connections until the backend closes the listener. A failed `accept`
-/// (out of descriptors or memory) never ends it: it backs off and tries again, logging
-/// once per burst of failures.
-pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
+/// Accepts data connections until the backend closes. A failed `accept` (out of
+/// descriptors or memory) never ends it: it backs off and tries again, logging once
+/// per burst of failures.
+pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
+    let listener = match listener
+        .set_nonblocking(true)
+        // SAFETY: the listener owns its open descriptor and the `AsyncFd` owns the
+        // listener, so the descriptor stays open, the same socket, until it drops.
+        .and_then(|()| unsafe { AsyncFd::register(listener) }.map_err(|e| e.into_parts().1))
+    {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(error = %e, "the tcp data listener cannot wait for connections; none will be accepted");
+            return;
+        }
+    };
     let mut backoff = Duration::ZERO;
     let mut full_logged = false;
     loop {
-        let stream = match listener.accept() {
+        let accepted = tokio::select! {
+            r = async {
+                loop {
+                    let mut g = listener.readable().await?;
+                    match g.try_io(|l| l.get_ref().accept()) {
+                        Ok(r) => return r,
+                        Err(_would_block) => continue,
+                    }
+                }
+            } => r,
+            () = shared.closing.notified() => return,
+        };
+        if shared.closed.load(Ordering::Acquire) {
+            return;
+        }
+        let stream = match accepted {
             Ok((s, _)) => s,
             Err(e) => {
-                if shared.closed.load(Ordering::Acquire) {
-                    return;
-                }
                 if e.kind() == std::io::ErrorKind::Interrupted
                     || e.kind() == std::io::ErrorKind::ConnectionAborted
                 {
                     continue;
                 }
-                back_off(&shared, &mut backoff, &e);
+                back_off(&shared, &mut backoff, &e).await;
                 continue;
             }
         };
         if !backoff.is_zero() {
             tracing::info!("the tcp data listener accepts again");
             backoff = Duration::ZERO;
-        }
-        if shared.closed.load(Ordering::Acquire) {
-            return;
         }
         let peer = stream
             .peer_addr()
@@ -66,7 +87,7 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
         let serving = shared.serving.lock().len();
         let pending = shared.pending.load(Ordering::Acquire);
         if serving >= c.max_connections || pending >= c.max_pending {
-            // Closed at once: a flood of connections costs no thread and no buffer.
+            // Closed at once: a flood of connections costs no task and no buffer.
             if !full_logged {
                 tracing::warn!(peer = %peer, serving, pending, max_connections = c.max_connections, max_pending = c.max_pending, "refusing data connections: too many open (more refusals are not logged until one is accepted)");
                 full_logged = true;
@@ -80,18 +101,18 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
             Err(e) => {
                 // Out of descriptors too: the connection is closed, and so is the next
                 // `accept` until some are free again.
-                back_off(&shared, &mut backoff, &e);
+                back_off(&shared, &mut backoff, &e).await;
                 continue;
             }
         };
         let key = shared.next_serving.fetch_add(1, Ordering::Relaxed);
         shared.serving.lock().insert(key, clone);
-        // Counted from here until its handshake ends, however the thread ends or if it
+        // Counted from here until its handshake ends, however the task ends or if it
         // never starts.
         let pending = Pending::new(&shared);
         let s = shared.clone();
-        let started = crate::conn::spawn(&shared.threads, "te-tcp-serve", move || {
-            if let Err(e) = serve(&s, stream, &peer, pending) {
+        let started = shared.tasks.spawn(async move {
+            if let Err(e) = serve(&s, stream, &peer, pending).await {
                 let quiet = matches!(e.kind(), ErrorKind::PeerUnreachable)
                     || s.closed.load(Ordering::Acquire);
                 if quiet {
@@ -110,13 +131,13 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: Arc<TcpListener>) {
 
 /// Waits a little longer after each resource error in a row (up to [`MAX_BACKOFF`]),
 /// logging only the first one of a burst.
-fn back_off(shared: &Shared, backoff: &mut Duration, e: &std::io::Error) {
+async fn back_off(shared: &Shared, backoff: &mut Duration, e: &std::io::Error) {
     shared.accept_errors.fetch_add(1, Ordering::Relaxed);
     if backoff.is_zero() {
         tracing::error!(error = %e, "the tcp data listener cannot accept; retrying with back-off until it can (raise the descriptor limit, `ulimit -n`, or lower [backends.tcp] max_connections)");
     }
     *backoff = (*backoff * 2).clamp(Duration::from_millis(5), MAX_BACKOFF);
-    std::thread::sleep(*backoff);
+    tokio::time::sleep(*backoff).await;
 }
 
 /// Counts an accepted connection in `Shared::pending` until dropped.
@@ -133,44 +154,6 @@ impl Drop for Pending {
     fn drop(&mut self) {
         self.0.pending.fetch_sub(1, Ordering::AcqRel);
     }
-}
-
-/// Reads exactly `b.len()` bytes before `until`, however the peer paces them.
-pub(crate) fn read_by(s: &mut TcpStream, b: &mut [u8], until: Instant) -> std::io::Result<()> {
-    let mut got = 0;
-    while got < b.len() {
-        let left = until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                "the peer did not finish the handshake within handshake_timeout",
-            ));
-        }
-        s.set_read_timeout(Some(left))?;
-        match s.read(&mut b[got..]) {
-            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => got += n,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::Interrupted
-                        | std::io::ErrorKind::WouldBlock
-                        | std::io::ErrorKind::TimedOut
-                ) => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-/// Writes all of `b` before `until`.
-pub(crate) fn write_by(s: &mut TcpStream, b: &[u8], until: Instant) -> std::io::Result<()> {
-    let left = until.saturating_duration_since(Instant::now());
-    if left.is_zero() {
-        return Err(std::io::ErrorKind::TimedOut.into());
-    }
-    s.set_write_timeout(Some(left))?;
-    s.write_all(b)
 }
 
 pub(crate) fn io_err(peer: &str, what: &str, e: std::io::Error) -> Error {
@@ -244,52 +227,55 @@ pub(crate) fn protocol(peer: &str, e: impl std::fmt::Display) -> Error {
     )
 }
 
-fn serve(shared: &Shared, mut s: TcpStream, peer: &str, pending: Pending) -> Result<()> {
+async fn serve(
+    shared: &Shared,
+    s: std::net::TcpStream,
+    peer: &str,
+    pending: Pending,
+) -> Result<()> {
     let c = &shared.config;
     sock::tune(&s, c).map_err(|e| io_err(peer, "cannot set options", e))?;
-    if !crate::handshake::answer(shared, &mut s, peer)? {
+    let s = Sock::new(s).map_err(|e| io_err(peer, "cannot register the socket", e))?;
+    if !crate::handshake::answer(shared, &s, peer).await? {
         return Ok(());
     }
     drop(pending);
-    sock::timeouts(&s, c.io_timeout).map_err(|e| io_err(peer, "cannot set timeouts", e))?;
-    // An idle limit shorter than `io_timeout` needs a receive timeout that short.
-    if !c.idle_timeout.is_zero() && c.idle_timeout < c.io_timeout {
-        s.set_read_timeout(Some(c.idle_timeout))
-            .map_err(|e| io_err(peer, "cannot set timeouts", e))?;
-    }
-    let fd = s.as_raw_fd();
-    let mut inb = Inbound::new(fd);
-    // Device regions: staging buffers, and a responder thread that sends responses in
+    // An idle limit shorter than `io_timeout` needs waits that short.
+    let wait = if !c.idle_timeout.is_zero() && c.idle_timeout < c.io_timeout {
+        c.idle_timeout
+    } else {
+        c.io_timeout
+    };
+    let mut inb = Inbound::new(s.clone(), wait);
+    // Device regions: staging buffers, and a responder task that sends responses in
     // order once their copies complete; both made at the first device request.
     let send_pools = Pools::new(c.slice_size);
     let recv_pools = Pools::new(c.slice_size);
     let mut responder: Option<ResponderGuard> = None;
-    // Acknowledgements and refusals not yet sent: flushed before this thread would
-    // block on a receive, and in front of the next READ's data.
+    // Acknowledgements and refusals not yet sent: flushed before this task would
+    // wait on a receive, and in front of the next READ's data.
     let mut out: Vec<u8> = Vec::with_capacity(64 * HEADER_LEN);
-    // Waiting for the next request may take forever (or `idle_timeout`); a request
-    // stalled halfway may not.
-    let last_request = Cell::new(Instant::now());
     let idle = c.idle_timeout;
-    let mut on_timeout =
-        |mid: bool| !mid && (idle.is_zero() || last_request.get().elapsed() < idle);
     // The current request's entries: its one range, or a scatter-gather frame's list.
     let mut entries: Vec<Entry> = Vec::new();
     loop {
-        last_request.set(Instant::now());
+        // Waiting for the next request may take forever (or `idle_timeout`); a request
+        // stalled halfway may not.
+        let last_request = Instant::now();
+        let mut on_timeout =
+            move |mid: bool| !mid && (idle.is_zero() || last_request.elapsed() < idle);
         if let Some(r) = &responder {
             if !out.is_empty() {
-                r.push(Item::Bytes(std::mem::take(&mut out)))?;
+                r.push(Item::Bytes(std::mem::take(&mut out))).await?;
             }
         }
         // Refusals pile up only while requests arrive faster than this loop; a peer
         // that sends many refused requests and reads nothing is bounded here.
         if (inb.buffered().len() < HEADER_LEN || out.len() >= OUT_LIMIT) && !out.is_empty() {
-            sock::send_all(fd, &mut [sock::iov(out.as_ptr(), out.len())])
-                .map_err(|e| io_err(peer, "send failed", e))?;
-            out.clear();
+            send_out(&s, &mut out, c.io_timeout, peer).await?;
         }
         inb.fill(HEADER_LEN, &mut on_timeout)
+            .await
             .map_err(|e| io_err(peer, "receive failed", e))?;
         let h = Header::decode(&inb.buffered()[..HEADER_LEN]).map_err(|e| protocol(peer, e))?;
         inb.consume(HEADER_LEN);
@@ -298,20 +284,14 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str, pending: Pending) -> Res
             Kind::Write | Kind::Read | Kind::WriteV | Kind::ReadV
         );
         if h.len > c.slice_size && request {
-            return Err(refuse_oversize(
-                fd,
-                &mut responder,
-                &mut out,
-                &h,
-                c.slice_size,
-                peer,
-            ));
+            return Err(refuse_oversize(&s, &mut responder, &mut out, &h, c, peer).await);
         }
         // The entry list is read and checked whole before any payload byte.
         match h.kind {
             Kind::WriteV | Kind::ReadV => {
                 let n = h.entries_len();
                 inb.fill(n, &mut on_timeout)
+                    .await
                     .map_err(|e| io_err(peer, "receive failed", e))?;
                 wire::decode_entries(&h, &inb.buffered()[..n], &mut entries)
                     .map_err(|e| protocol(peer, e))?;
@@ -326,39 +306,38 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str, pending: Pending) -> Res
             }
         }
         if !c.debug_delay.is_zero() {
-            std::thread::sleep(c.debug_delay);
+            tokio::time::sleep(c.debug_delay).await;
         }
         match h.kind {
             Kind::Write | Kind::WriteV => {
                 match admit(shared, &h, &entries, peer) {
                     Ok(pin) if pin.region().device.is_some() => {
-                        let r = responder_for(&mut responder, fd, peer, c.io_timeout, &mut out)?;
-                        write_staged(&recv_pools, r, &mut inb, &h, &entries, pin, peer)?;
+                        let r = responder_for(&mut responder, &s, peer, shared, &mut out).await?;
+                        write_staged(&recv_pools, &r, &mut inb, &h, &entries, pin, peer).await?;
                     }
                     Ok(pin) => {
                         let base = pin.region().addr;
                         if !out.is_empty() && inb.buffered().len() < h.len as usize {
-                            // This receive may block: acknowledge what is done first.
-                            sock::send_all(fd, &mut [sock::iov(out.as_ptr(), out.len())])
-                                .map_err(|e| io_err(peer, "send failed", e))?;
-                            out.clear();
+                            // This receive may wait: acknowledge what is done first.
+                            send_out(&s, &mut out, c.io_timeout, peer).await?;
                         }
                         // `admit` checked every entry inside the region, and the pin
                         // keeps it registered until the bytes are in place.
                         let dst = entries
                             .iter()
                             .map(|e| ((base + e.offset) as usize, e.len as usize));
-                        inb.read_scattered(dst, &mut on_timeout)
-                            .map_err(|e| torn(shared, &h, &entries, peer, e))?;
+                        let got = inb.read_scattered(dst, &mut on_timeout).await;
+                        got.map_err(|e| torn(shared, &h, &entries, peer, e))?;
                         drop(pin);
                         let ack = Header::response(Kind::WriteAck, 0, h.id, 0).encode();
                         match &responder {
-                            Some(r) => r.push(Item::Bytes(ack.to_vec()))?,
+                            Some(r) => r.push(Item::Bytes(ack.to_vec())).await?,
                             None => out.extend_from_slice(&ack),
                         }
                     }
                     Err(e) => {
                         inb.discard(h.len, &mut on_timeout)
+                            .await
                             .map_err(|e| io_err(peer, "receive failed", e))?;
                         refuse(&mut out, &h, &e);
                     }
@@ -366,38 +345,33 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str, pending: Pending) -> Res
             }
             Kind::Read | Kind::ReadV => match admit(shared, &h, &entries, peer) {
                 Ok(pin) if pin.region().device.is_some() => {
-                    let r = responder_for(&mut responder, fd, peer, c.io_timeout, &mut out)?;
-                    read_staged(&send_pools, r, &h, &entries, pin)?;
-                }
-                Ok(pin) if responder.is_some() => {
-                    if let Some(r) = &responder {
-                        let base = pin.region().addr;
-                        r.push(Item::HostRead {
-                            header: Header::response(Kind::ReadData, 0, h.id, h.len).encode(),
-                            spans: entries
-                                .iter()
-                                .map(|e| ((base + e.offset) as usize, e.len as usize))
-                                .collect(),
-                            pin,
-                        })?;
-                    }
+                    let r = responder_for(&mut responder, &s, peer, shared, &mut out).await?;
+                    read_staged(&send_pools, &r, &h, &entries, pin).await?;
                 }
                 Ok(pin) => {
-                    let header = Header::response(Kind::ReadData, 0, h.id, h.len).encode();
                     let base = pin.region().addr;
-                    let mut v = Vec::with_capacity(entries.len() + 2);
-                    v.push(sock::iov(out.as_ptr(), out.len()));
-                    v.push(sock::iov(header.as_ptr(), HEADER_LEN));
-                    v.extend(
-                        entries
-                            .iter()
-                            .map(|e| sock::iov((base + e.offset) as *const u8, e.len as usize)),
-                    );
-                    // Every source range was checked by `admit` and stays registered
-                    // while the pin lives.
-                    sock::send_all(fd, &mut v).map_err(|e| io_err(peer, "send failed", e))?;
-                    drop(pin);
-                    out.clear();
+                    let spans: Vec<(usize, usize)> = entries
+                        .iter()
+                        .map(|e| ((base + e.offset) as usize, e.len as usize))
+                        .collect();
+                    let header = Header::response(Kind::ReadData, 0, h.id, h.len).encode();
+                    match &responder {
+                        Some(r) => r.push(Item::HostRead { header, spans, pin }).await?,
+                        None => {
+                            let mut v = Vec::with_capacity(spans.len() + 2);
+                            v.push((out.as_ptr() as usize, out.len()));
+                            v.push((header.as_ptr() as usize, HEADER_LEN));
+                            v.extend(spans);
+                            // Every source range was checked by `admit` and stays
+                            // registered while the pin lives; `out` and `header` live
+                            // until after the call.
+                            s.send_all(&v, c.io_timeout)
+                                .await
+                                .map_err(|e| io_err(peer, "send failed", e))?;
+                            drop(pin);
+                            out.clear();
+                        }
+                    }
                 }
                 Err(e) => refuse(&mut out, &h, &e),
             },
@@ -406,18 +380,28 @@ fn serve(shared: &Shared, mut s: TcpStream, peer: &str, pending: Pending) -> Res
     }
 }
 
+/// Sends the buffered acknowledgements and refusals.
+async fn send_out(s: &Sock, out: &mut Vec<u8>, limit: Duration, peer: &str) -> Result<()> {
+    s.send_all(&[(out.as_ptr() as usize, out.len())], limit)
+        .await
+        .map_err(|e| io_err(peer, "send failed", e))?;
+    out.clear();
+    Ok(())
+}
+
 /// Answers a request longer than the frame limit this target announced with an
 /// `InvalidRequest`, after the responses owed before it, and returns the error that
 /// closes the connection: its payload cannot be placed, and a peer that ignores the
 /// agreed terms is not trusted with the rest of the stream.
-fn refuse_oversize(
-    fd: RawFd,
+async fn refuse_oversize(
+    s: &Sock,
     responder: &mut Option<ResponderGuard>,
     out: &mut Vec<u8>,
     h: &Header,
-    limit: u64,
+    c: &crate::config::TcpConfig,
     peer: &str,
 ) -> Error {
+    let limit = c.slice_size;
     let e = Error::new(
         ErrorKind::InvalidRequest,
         format!(
@@ -430,10 +414,12 @@ fn refuse_oversize(
     let mut b = std::mem::take(out);
     refuse(&mut b, h, &e);
     match responder.take() {
-        Some(r) => r.finish(Item::Bytes(b)),
+        Some(r) => r.finish(Item::Bytes(b)).await,
         None => {
             // Best effort: the connection closes whether or not the peer hears why.
-            let _ = sock::send_all(fd, &mut [sock::iov(b.as_ptr(), b.len())]);
+            let _ = s
+                .send_all(&[(b.as_ptr() as usize, b.len())], c.io_timeout)
+                .await;
         }
     }
     protocol(peer, e.message())
@@ -506,7 +492,7 @@ fn refuse(out: &mut Vec<u8>, h: &Header, e: &Error) {
     out.extend_from_slice(msg);
 }
 
-/// A response the responder thread sends, in request order.
+/// A response the responder task sends, in request order.
 enum Item {
     /// Ready frames (acknowledgements, refusals).
     Bytes(Vec<u8>),
@@ -524,7 +510,7 @@ enum Item {
 /// A device copy's result and, for a READ, the staged bytes.
 type Slot = Mutex<Option<(Result<()>, Option<StageBuf>)>>;
 
-/// Responses one connection's responder holds at most; beyond them the serving thread
+/// Responses one connection's responder holds at most; beyond them the serving task
 /// stops reading requests (the peer is throttled by TCP) until the responder catches
 /// up, and a peer that reads nothing for `io_timeout` is cut off.
 pub(crate) const MAX_QUEUED: usize = 256;
@@ -540,10 +526,11 @@ const OUT_LIMIT: usize = 64 << 10;
 /// The responses of one served connection that has seen device memory.
 struct Responder {
     queue: Mutex<Queue>,
-    ready: Condvar,
-    /// Signalled when the queue has room again or closes.
-    room: Condvar,
-    /// How long a full queue may stay full.
+    /// Wakes the responder task: an item is queued, a copy completed, or it closes.
+    ready: Notify,
+    /// Wakes the serving task: the queue has room again, or it closed.
+    room: Notify,
+    /// How long a full queue may stay full, and a send may wait for room.
     limit: Duration,
     peer: String,
 }
@@ -563,8 +550,8 @@ impl Responder {
                 closed: false,
                 draining: false,
             }),
-            ready: Condvar::new(),
-            room: Condvar::new(),
+            ready: Notify::new(),
+            room: Notify::new(),
             limit,
             peer: peer.to_string(),
         }
@@ -576,12 +563,34 @@ impl Responder {
     /// `PeerUnreachable` if the queue stays full for `limit` (the peer does not read
     /// its responses) or the responder has stopped; the item is dropped (releasing its
     /// pin or buffer).
-    fn push(&self, item: Item) -> Result<()> {
-        let end = Instant::now() + self.limit;
-        let mut q = self.queue.lock();
-        while q.items.len() >= MAX_QUEUED && !q.closed {
-            let left = end.saturating_duration_since(Instant::now());
-            if left.is_zero() {
+    async fn push(&self, item: Item) -> Result<()> {
+        let end = tokio::time::Instant::now() + self.limit;
+        loop {
+            {
+                let mut q = self.queue.lock();
+                if q.closed {
+                    return Err(Error::new(
+                        ErrorKind::PeerUnreachable,
+                        format!(
+                            "data connection from {}: sending responses failed",
+                            self.peer
+                        ),
+                    ));
+                }
+                if q.items.len() < MAX_QUEUED {
+                    q.items.push_back(item);
+                    #[cfg(test)]
+                    HIGH_WATER.fetch_max(q.items.len(), Ordering::Relaxed);
+                    drop(q);
+                    self.ready.notify_one();
+                    return Ok(());
+                }
+            }
+            // Room made since the look above left a permit: this returns at once.
+            if tokio::time::timeout_at(end, self.room.notified())
+                .await
+                .is_err()
+            {
                 return Err(Error::new(
                     ErrorKind::PeerUnreachable,
                     format!(
@@ -590,23 +599,7 @@ impl Responder {
                     ),
                 ));
             }
-            q = self.room.wait_timeout(q, left).0;
         }
-        if q.closed {
-            return Err(Error::new(
-                ErrorKind::PeerUnreachable,
-                format!(
-                    "data connection from {}: sending responses failed",
-                    self.peer
-                ),
-            ));
-        }
-        q.items.push_back(item);
-        #[cfg(test)]
-        HIGH_WATER.fetch_max(q.items.len(), Ordering::Relaxed);
-        drop(q);
-        self.ready.notify_all();
-        Ok(())
     }
 
     /// Stops the responder and drops what it still holds, releasing pins and buffers.
@@ -616,53 +609,58 @@ impl Responder {
             q.closed = true;
             std::mem::take(&mut q.items)
         };
-        self.ready.notify_all();
-        self.room.notify_all();
+        self.ready.notify_one();
+        self.room.notify_one();
         drop(left);
     }
 
     /// A copy completed: wake the responder if it waits for that one.
     fn copied(&self) {
-        drop(self.queue.lock());
-        self.ready.notify_all();
+        self.ready.notify_one();
     }
 
     /// The next response once it is ready; `None` once closed.
-    fn next(&self) -> Option<Item> {
-        let mut q = self.queue.lock();
+    async fn next(&self) -> Option<Item> {
         loop {
-            if q.closed {
-                return None;
+            {
+                let mut q = self.queue.lock();
+                if q.closed {
+                    return None;
+                }
+                let ready = match q.items.front() {
+                    Some(Item::Staged { slot, .. }) => slot.lock().is_some(),
+                    Some(_) => true,
+                    None => false,
+                };
+                if ready {
+                    let item = q.items.pop_front();
+                    drop(q);
+                    self.room.notify_one();
+                    return item;
+                }
+                if q.draining && q.items.is_empty() {
+                    return None;
+                }
             }
-            let ready = match q.items.front() {
-                Some(Item::Staged { slot, .. }) => slot.lock().is_some(),
-                Some(_) => true,
-                None => false,
-            };
-            if ready {
-                let item = q.items.pop_front();
-                self.room.notify_one();
-                return item;
-            }
-            if q.draining && q.items.is_empty() {
-                return None;
-            }
-            q = self.ready.wait(q);
+            self.ready.notified().await;
         }
     }
 
-    /// The responder thread: sends responses in order until closed or the socket fails.
-    fn run(&self, fd: RawFd, peer: &str) {
-        while let Some(item) = self.next() {
+    /// The responder task: sends responses in order until closed or the socket fails.
+    async fn run(&self, s: &Sock) {
+        while let Some(item) = self.next().await {
             let sent = match item {
-                Item::Bytes(b) => sock::send_all(fd, &mut [sock::iov(b.as_ptr(), b.len())]),
+                Item::Bytes(b) => {
+                    s.send_all(&[(b.as_ptr() as usize, b.len())], self.limit)
+                        .await
+                }
                 Item::HostRead { header, pin, spans } => {
                     // The source ranges were checked by `admit` and stay registered
                     // while the pin lives.
                     let mut v = Vec::with_capacity(spans.len() + 1);
-                    v.push(sock::iov(header.as_ptr(), HEADER_LEN));
-                    v.extend(spans.iter().map(|&(p, len)| sock::iov(p as *const u8, len)));
-                    let r = sock::send_all(fd, &mut v);
+                    v.push((header.as_ptr() as usize, HEADER_LEN));
+                    v.extend(spans);
+                    let r = s.send_all(&v, self.limit).await;
                     drop(pin);
                     r
                 }
@@ -673,46 +671,47 @@ impl Responder {
                             let header = Header::response(Kind::ReadData, 0, h.id, h.len).encode();
                             // The copy filled `h.len` bytes of the buffer, ours until
                             // it drops after this send.
-                            sock::send_all(
-                                fd,
-                                &mut [
-                                    sock::iov(header.as_ptr(), HEADER_LEN),
-                                    sock::iov(buf.ptr(), h.len as usize),
-                                ],
-                            )
+                            let v = [
+                                (header.as_ptr() as usize, HEADER_LEN),
+                                (buf.ptr() as usize, h.len as usize),
+                            ];
+                            s.send_all(&v, self.limit).await
                         }
                         Some((Ok(()), None)) => {
                             let ack = Header::response(Kind::WriteAck, 0, h.id, 0).encode();
-                            sock::send_all(fd, &mut [sock::iov(ack.as_ptr(), HEADER_LEN)])
+                            s.send_all(&[(ack.as_ptr() as usize, HEADER_LEN)], self.limit)
+                                .await
                         }
                         Some((Err(e), _)) => {
-                            tracing::warn!(peer = %peer, op = ?h.kind, region = h.region, error = %e, "a device copy failed");
+                            tracing::warn!(peer = %self.peer, op = ?h.kind, region = h.region, error = %e, "a device copy failed");
                             let mut b = Vec::new();
                             refuse(&mut b, &h, &e);
-                            sock::send_all(fd, &mut [sock::iov(b.as_ptr(), b.len())])
+                            s.send_all(&[(b.as_ptr() as usize, b.len())], self.limit)
+                                .await
                         }
                         None => Ok(()),
                     }
                 }
             };
             if let Err(e) = sent {
-                tracing::debug!(peer = %peer, error = %e, "sending a response failed");
+                tracing::debug!(peer = %self.peer, error = %e, "sending a response failed");
                 self.close();
-                // Wake the receiving thread; it ends the connection.
-                // SAFETY: the serve thread keeps the socket open until this thread ends.
-                unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+                // Wake the serving task; it ends the connection.
+                s.shutdown();
                 return;
             }
         }
     }
 }
 
-/// The responder of one served connection; dropping it stops the thread and waits for
-/// it, so it never writes to a closed socket.
+/// The responder of one served connection; dropping it stops the task (which holds
+/// the socket open until it has ended, so it never writes to a reused descriptor).
 struct ResponderGuard {
     responder: Arc<Responder>,
-    fd: RawFd,
-    thread: Option<std::thread::JoinHandle<()>>,
+    sock: Arc<Sock>,
+    /// Ends when the responder task does.
+    ended: Arc<Notify>,
+    done: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::ops::Deref for ResponderGuard {
@@ -725,14 +724,13 @@ impl std::ops::Deref for ResponderGuard {
 impl ResponderGuard {
     /// Queues `last`, lets the responder send everything queued, then stops it. Bounded:
     /// each send gives up after `io_timeout`, and copies complete on their own.
-    fn finish(self, last: Item) {
+    async fn finish(self, last: Item) {
         // A responder that cannot take it is already gone: the connection closes anyway.
-        let _ = self.responder.push(last);
+        let _ = self.responder.push(last).await;
         self.responder.queue.lock().draining = true;
-        self.responder.ready.notify_all();
-        let mut this = self;
-        if let Some(t) = this.thread.take() {
-            let _ = t.join();
+        self.responder.ready.notify_one();
+        while !self.done.load(Ordering::Acquire) {
+            self.ended.notified().await;
         }
     }
 }
@@ -740,60 +738,59 @@ impl ResponderGuard {
 impl Drop for ResponderGuard {
     fn drop(&mut self) {
         self.responder.close();
-        // SAFETY: the socket is still open (the serve thread owns it and is here); a
-        // responder blocked in a send returns.
-        unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        // A responder waiting in a send returns.
+        self.sock.shutdown();
     }
 }
 
 /// The connection's responder, started at its first device request; what `out` holds
 /// goes first.
-fn responder_for<'a>(
-    responder: &'a mut Option<ResponderGuard>,
-    fd: RawFd,
+async fn responder_for(
+    responder: &mut Option<ResponderGuard>,
+    s: &Arc<Sock>,
     peer: &str,
-    limit: Duration,
+    shared: &Shared,
     out: &mut Vec<u8>,
-) -> Result<&'a Arc<Responder>> {
-    if responder.is_none() {
-        let r = Arc::new(Responder::new(peer, limit));
-        let (theirs, label) = (r.clone(), peer.to_string());
-        let thread = std::thread::Builder::new()
-            .name("te-tcp-respond".into())
-            .spawn(move || theirs.run(fd, &label))
-            .map_err(|e| {
-                Error::new(ErrorKind::Io, "cannot start thread te-tcp-respond").with_source(e)
+) -> Result<Arc<Responder>> {
+    let r = match responder {
+        Some(g) => g.responder.clone(),
+        None => {
+            let r = Arc::new(Responder::new(peer, shared.config.io_timeout));
+            let ended = Arc::new(Notify::new());
+            let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let (theirs, sock, e, d) = (r.clone(), s.clone(), ended.clone(), done.clone());
+            shared.tasks.spawn(async move {
+                theirs.run(&sock).await;
+                d.store(true, Ordering::Release);
+                e.notify_one();
             })?;
-        *responder = Some(ResponderGuard {
-            responder: r,
-            fd,
-            thread: Some(thread),
-        });
-    }
-    let Some(r) = responder.as_ref() else {
-        return Err(Error::new(ErrorKind::Io, "no responder"));
+            *responder = Some(ResponderGuard {
+                responder: r.clone(),
+                sock: s.clone(),
+                ended,
+                done,
+            });
+            r
+        }
     };
     if !out.is_empty() {
-        r.push(Item::Bytes(std::mem::take(out)))?;
+        r.push(Item::Bytes(std::mem::take(out))).await?;
     }
-    Ok(&r.responder)
+    Ok(r)
 }
 
 /// Refuses `h` through the responder with `e`.
-fn refuse_later(r: &Responder, h: &Header, e: &Error) -> Result<()> {
+async fn refuse_later(r: &Responder, h: &Header, e: &Error) -> Result<()> {
     let mut b = Vec::new();
     refuse(&mut b, h, e);
-    r.push(Item::Bytes(b))
+    r.push(Item::Bytes(b)).await
 }
 
 /// A WRITE to device memory: its payload lands in a staging buffer, and copies (one per
 /// run of adjacent entries, from successive parts of the buffer, started as one group
 /// with one synchronisation) move it to the device while the next request is received;
 /// the acknowledgement follows the group.
-fn write_staged(
+async fn write_staged(
     pools: &Pools,
     r: &Arc<Responder>,
     inb: &mut Inbound,
@@ -810,21 +807,24 @@ fn write_staged(
         Ok(p) => p,
         Err(e) => {
             inb.discard(h.len, &mut on_timeout)
+                .await
                 .map_err(|e| io_err(peer, "receive failed", e))?;
-            return refuse_later(r, h, &e);
+            return refuse_later(r, h, &e).await;
         }
     };
     // Waits only for this direction's own copies to finish.
-    let buf = pool.take();
+    let buf = pool.take().await;
     let len = h.len as usize;
     // The buffer is ours and holds `slice_size >= len` bytes.
-    inb.read_into(buf.ptr(), len, &mut on_timeout)
+    inb.read_into(buf.ptr() as usize, len, &mut on_timeout)
+        .await
         .map_err(|e| io_err(peer, "receive failed", e))?;
     let slot: Arc<Slot> = Arc::new(Mutex::new(None));
     r.push(Item::Staged {
         h: *h,
         slot: slot.clone(),
-    })?;
+    })
+    .await?;
     let copies = packed(entries, buf.ptr(), pin.region().addr)
         .into_iter()
         .map(|(device, host, len)| DeviceCopy::ToDevice {
@@ -860,7 +860,7 @@ fn packed(entries: &[Entry], buf: *mut u8, base: u64) -> Vec<(u64, *mut u8, usiz
 /// A READ of device memory: copies stage its entries, packed, as one group (one
 /// synchronisation) while other requests are served; the responder sends them once the
 /// group completes.
-fn read_staged(
+async fn read_staged(
     pools: &Pools,
     r: &Arc<Responder>,
     h: &Header,
@@ -876,16 +876,17 @@ fn read_staged(
     let pool = match pools.get(&rt) {
         Ok(p) => p,
         Err(e) => {
-            return refuse_later(r, h, &e);
+            return refuse_later(r, h, &e).await;
         }
     };
     // Waits for the responder to send earlier staged reads.
-    let buf = pool.take();
+    let buf = pool.take().await;
     let slot: Arc<Slot> = Arc::new(Mutex::new(None));
     r.push(Item::Staged {
         h: *h,
         slot: slot.clone(),
-    })?;
+    })
+    .await?;
     let copies = packed(entries, buf.ptr(), pin.region().addr)
         .into_iter()
         .map(|(device, host, len)| DeviceCopy::ToHost {
@@ -914,17 +915,18 @@ mod tests {
 
     #[test]
     fn a_full_responder_queue_refuses_more_after_its_limit_and_a_closed_one_at_once() {
+        let rt = crate::io::runtime().expect("runtime");
         let r = Responder::new("peer", Duration::from_millis(100));
         for _ in 0..MAX_QUEUED {
-            r.push(Item::Bytes(vec![0; 8])).expect("room");
+            rt.block_on(r.push(Item::Bytes(vec![0; 8]))).expect("room");
         }
         let start = Instant::now();
-        let e = r.push(Item::Bytes(vec![0; 8])).unwrap_err();
+        let e = rt.block_on(r.push(Item::Bytes(vec![0; 8]))).unwrap_err();
         assert!(start.elapsed() >= Duration::from_millis(100));
         assert_eq!(e.kind(), ErrorKind::PeerUnreachable);
         assert!(e.to_string().contains("read no response"), "{e}");
         r.close();
         assert!(r.queue.lock().items.is_empty(), "close drops what is held");
-        assert!(r.push(Item::Bytes(vec![0; 8])).is_err());
+        assert!(rt.block_on(r.push(Item::Bytes(vec![0; 8]))).is_err());
     }
 }

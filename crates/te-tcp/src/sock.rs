@@ -4,9 +4,11 @@
 use std::io;
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::TcpConfig;
+use crate::io::Sock;
 
 /// Bytes of the inbound header buffer. Payload bytes that arrive in the same receive
 /// as a header are copied out of it (at most this many per receive); the rest of every
@@ -92,44 +94,25 @@ pub(crate) fn send(fd: RawFd, iov: &[libc::iovec], nonblocking: bool) -> io::Res
     }
 }
 
-/// Drops the first `n` bytes from `iov`, returning the index of the first iovec left.
-fn advance(iov: &mut [libc::iovec], mut at: usize, mut n: usize) -> usize {
-    while n > 0 && at < iov.len() {
-        if n >= iov[at].iov_len {
-            n -= iov[at].iov_len;
-            at += 1;
-        } else {
-            // SAFETY: `n < iov_len`, so the new base stays inside the same buffer.
-            iov[at].iov_base = unsafe { (iov[at].iov_base as *mut u8).add(n) }.cast();
-            iov[at].iov_len -= n;
-            n = 0;
-        }
-    }
-    at
-}
-
-/// Sends all of `iov`, blocking; a send timeout is an error.
-pub(crate) fn send_all(fd: RawFd, iov: &mut [libc::iovec]) -> io::Result<()> {
-    let mut at = 0;
-    while at < iov.len() {
-        if iov[at].iov_len == 0 {
-            at += 1;
-            continue;
-        }
-        let n = send(fd, &iov[at..], false)?;
-        at = advance(iov, at, n);
-    }
-    Ok(())
-}
-
-fn recv(fd: RawFd, iov: &mut [libc::iovec]) -> io::Result<usize> {
+/// One non-blocking `recvmsg` into the spans (address, length), at most the first
+/// [`IOV_MAX`]. `UnexpectedEof` once the peer has closed; `WouldBlock` when nothing
+/// is there yet.
+///
+/// Every span must be writable memory of its length, touched by nobody else.
+pub(crate) fn recv(fd: RawFd, spans: &[(usize, usize)]) -> io::Result<usize> {
+    let mut v: Vec<libc::iovec> = spans
+        .iter()
+        .take(IOV_MAX)
+        .map(|&(p, len)| iov(p as *const u8, len))
+        .collect();
     // SAFETY: an all-zero msghdr is valid (no name, no control data).
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = iov.as_mut_ptr();
-    msg.msg_iovlen = iov.len().min(IOV_MAX) as _;
+    msg.msg_iov = v.as_mut_ptr();
+    msg.msg_iovlen = v.len() as _;
     loop {
-        // SAFETY: the caller's iovecs point at writable memory of their lengths.
-        let n = unsafe { libc::recvmsg(fd, &mut msg, 0) };
+        // SAFETY: the caller's spans are writable memory of their lengths; `v` and
+        // `msg` outlive the call.
+        let n = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) };
         if n > 0 {
             return Ok(n as usize);
         }
@@ -146,36 +129,32 @@ fn recv(fd: RawFd, iov: &mut [libc::iovec]) -> io::Result<usize> {
     }
 }
 
-fn is_timeout(e: &io::Error) -> bool {
-    matches!(
-        e.kind(),
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-    )
-}
-
 /// Decides what a receive timeout means: called with whether a frame is partly
 /// received, it returns true to keep waiting.
-pub(crate) type OnTimeout<'a> = &'a mut dyn FnMut(bool) -> bool;
+pub(crate) type OnTimeout<'a> = &'a mut (dyn FnMut(bool) -> bool + Send);
 
 /// The receiving half of a connection: headers through a small buffer, payloads
 /// straight into their destination.
 pub(crate) struct Inbound {
-    fd: RawFd,
+    sock: Arc<Sock>,
+    /// How long one wait for bytes lasts before `OnTimeout` is asked.
+    wait: Duration,
     buf: Box<[u8]>,
     start: usize,
     end: usize,
     /// Reused by [`Inbound::read_scattered`].
-    iov: Vec<libc::iovec>,
+    spans: Vec<(usize, usize)>,
 }
 
 impl Inbound {
-    pub(crate) fn new(fd: RawFd) -> Inbound {
+    pub(crate) fn new(sock: Arc<Sock>, wait: Duration) -> Inbound {
         Inbound {
-            fd,
+            sock,
+            wait,
             buf: vec![0; INBOUND_BUF].into_boxed_slice(),
             start: 0,
             end: 0,
-            iov: Vec::new(),
+            spans: Vec::new(),
         }
     }
 
@@ -193,8 +172,34 @@ impl Inbound {
         }
     }
 
+    /// One receive into `spans`, asking `on_timeout` (with `mid`) whenever nothing
+    /// arrives for the connection's wait.
+    async fn recv(
+        &self,
+        spans: &[(usize, usize)],
+        mid: bool,
+        on_timeout: OnTimeout<'_>,
+    ) -> io::Result<usize> {
+        loop {
+            match self.sock.recv(spans, self.wait).await {
+                Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                    if !on_timeout(mid) {
+                        return Err(io::Error::new(io::ErrorKind::TimedOut, "receive timed out"));
+                    }
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// The free tail of the buffer as a span.
+    fn tail(&mut self) -> (usize, usize) {
+        let tail = &mut self.buf[self.end..];
+        (tail.as_mut_ptr() as usize, tail.len())
+    }
+
     /// Waits until at least `n` (at most the buffer's size) bytes are buffered.
-    pub(crate) fn fill(&mut self, n: usize, on_timeout: OnTimeout<'_>) -> io::Result<()> {
+    pub(crate) async fn fill(&mut self, n: usize, on_timeout: OnTimeout<'_>) -> io::Result<()> {
         debug_assert!(n <= self.buf.len());
         if self.end - self.start >= n {
             return Ok(());
@@ -205,17 +210,9 @@ impl Inbound {
             self.start = 0;
         }
         while self.end - self.start < n {
-            let tail = &mut self.buf[self.end..];
-            let mut v = [iov(tail.as_mut_ptr(), tail.len())];
-            match recv(self.fd, &mut v) {
-                Ok(got) => self.end += got,
-                Err(e) if is_timeout(&e) => {
-                    if !on_timeout(self.end > self.start) {
-                        return Err(io::Error::new(io::ErrorKind::TimedOut, "receive timed out"));
-                    }
-                }
-                Err(e) => return Err(e),
-            }
+            let tail = [self.tail()];
+            let mid = self.end > self.start;
+            self.end += self.recv(&tail, mid, on_timeout).await?;
         }
         Ok(())
     }
@@ -224,41 +221,14 @@ impl Inbound {
     /// the socket, in the same calls that also buffer whatever follows.
     ///
     /// `dst..dst + len` must be writable and touched by nobody else during the call.
-    pub(crate) fn read_into(
+    pub(crate) async fn read_into(
         &mut self,
-        dst: *mut u8,
+        dst: usize,
         len: usize,
         on_timeout: OnTimeout<'_>,
     ) -> io::Result<()> {
-        let have = (self.end - self.start).min(len);
-        // SAFETY: the caller guarantees `dst..dst + len` writable; `have <= len`, and
-        // the source is our own buffer, which cannot overlap registered memory.
-        unsafe { std::ptr::copy_nonoverlapping(self.buf.as_ptr().add(self.start), dst, have) };
-        self.consume(have);
-        let mut done = have;
-        while done < len {
-            // The buffer is empty here (everything buffered went to `dst`).
-            let mut v = [
-                // SAFETY: `done < len`, inside the caller's range.
-                iov(unsafe { dst.add(done) }, len - done),
-                iov(self.buf.as_mut_ptr(), self.buf.len()),
-            ];
-            match recv(self.fd, &mut v) {
-                Ok(got) if got <= len - done => done += got,
-                Ok(got) => {
-                    self.start = 0;
-                    self.end = got - (len - done);
-                    done = len;
-                }
-                Err(e) if is_timeout(&e) => {
-                    if !on_timeout(true) {
-                        return Err(io::Error::new(io::ErrorKind::TimedOut, "receive timed out"));
-                    }
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
+        self.read_scattered(std::iter::once((dst, len)), on_timeout)
+            .await
     }
 
     /// Receives bytes into each `(address, len)` of `dst` in turn, scattered by
@@ -267,36 +237,37 @@ impl Inbound {
     /// in reach.
     ///
     /// Every destination must be writable and touched by nobody else during the call.
-    pub(crate) fn read_scattered(
+    pub(crate) async fn read_scattered(
         &mut self,
         dst: impl Iterator<Item = (usize, usize)>,
         on_timeout: OnTimeout<'_>,
     ) -> io::Result<()> {
-        let mut v = std::mem::take(&mut self.iov);
+        let mut v = std::mem::take(&mut self.spans);
         v.clear();
-        v.extend(
-            dst.filter(|d| d.1 > 0)
-                .map(|(p, len)| iov(p as *const u8, len)),
-        );
-        let r = self.scatter(&mut v, on_timeout);
+        v.extend(dst.filter(|d| d.1 > 0));
+        let r = self.scatter(&mut v, on_timeout).await;
         v.clear();
-        self.iov = v;
+        self.spans = v;
         r
     }
 
-    fn scatter(&mut self, v: &mut Vec<libc::iovec>, on_timeout: OnTimeout<'_>) -> io::Result<()> {
+    async fn scatter(
+        &mut self,
+        v: &mut Vec<(usize, usize)>,
+        on_timeout: OnTimeout<'_>,
+    ) -> io::Result<()> {
         let n = v.len();
         let mut at = 0;
         // What is buffered goes first, copied.
         while at < n && self.end > self.start {
-            let take = (self.end - self.start).min(v[at].iov_len);
+            let take = (self.end - self.start).min(v[at].1);
             // SAFETY: the caller guarantees each destination writable for its length and
             // `take` is within it; the source is our own buffer, which cannot overlap
             // registered memory.
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     self.buf.as_ptr().add(self.start),
-                    v[at].iov_base.cast::<u8>(),
+                    v[at].0 as *mut u8,
                     take,
                 )
             };
@@ -307,42 +278,57 @@ impl Inbound {
             // The buffer is empty here. It joins the call only when every destination
             // left is in it, so the bytes that follow never overtake a destination.
             let end = n.min(at + IOV_MAX - 1);
-            let left: usize = v[at..end].iter().map(|x| x.iov_len).sum();
+            let left: usize = v[at..end].iter().map(|x| x.1).sum();
             let tail = end == n;
             if tail {
-                v.push(iov(self.buf.as_mut_ptr(), self.buf.len()));
+                v.push((self.buf.as_mut_ptr() as usize, self.buf.len()));
             }
-            let got = recv(self.fd, &mut v[at..end + usize::from(tail)]);
+            let got = self
+                .recv(&v[at..end + usize::from(tail)], true, on_timeout)
+                .await;
             if tail {
                 v.pop();
             }
-            match got {
-                Ok(got) if got <= left => at = advance(v, at, got),
-                Ok(got) => {
-                    self.start = 0;
-                    self.end = got - left;
-                    at = n;
-                }
-                Err(e) if is_timeout(&e) => {
-                    if !on_timeout(true) {
-                        return Err(io::Error::new(io::ErrorKind::TimedOut, "receive timed out"));
-                    }
-                }
-                Err(e) => return Err(e),
+            let got = got?;
+            if got <= left {
+                at = advance(v, at, got);
+            } else {
+                self.start = 0;
+                self.end = got - left;
+                at = n;
             }
         }
         Ok(())
     }
 
     /// Receives and drops `len` bytes.
-    pub(crate) fn discard(&mut self, mut len: u64, on_timeout: OnTimeout<'_>) -> io::Result<()> {
+    pub(crate) async fn discard(
+        &mut self,
+        mut len: u64,
+        on_timeout: OnTimeout<'_>,
+    ) -> io::Result<()> {
         while len > 0 {
             let n = (len as usize).min(self.buf.len());
-            self.fill(n.min(self.buf.len()), on_timeout)?;
+            self.fill(n, on_timeout).await?;
             let take = (self.end - self.start).min(len as usize);
             self.consume(take);
             len -= take as u64;
         }
         Ok(())
     }
+}
+
+/// Drops the first `n` bytes from the spans, returning the index of the first left.
+fn advance(v: &mut [(usize, usize)], mut at: usize, mut n: usize) -> usize {
+    while n > 0 && at < v.len() {
+        if n >= v[at].1 {
+            n -= v[at].1;
+            at += 1;
+        } else {
+            v[at].0 += n;
+            v[at].1 -= n;
+            n = 0;
+        }
+    }
+    at
 }

@@ -14,7 +14,8 @@
 
 use std::sync::Arc;
 
-use te_core::sync::{Condvar, Mutex};
+use te_core::sync::Mutex;
+use tokio::sync::Notify;
 
 use te_core::device::{DeviceCopy, DeviceRuntime};
 use te_core::Result;
@@ -31,7 +32,8 @@ pub(crate) struct Pool {
     size: usize,
     all: Vec<usize>,
     free: Mutex<Vec<usize>>,
-    returned: Condvar,
+    /// Wakes the one task of this pool's direction waiting for a buffer.
+    returned: Notify,
 }
 
 impl std::fmt::Debug for Pool {
@@ -51,7 +53,7 @@ impl Pool {
             size,
             all: Vec::with_capacity(count),
             free: Mutex::new(Vec::with_capacity(count)),
-            returned: Condvar::new(),
+            returned: Notify::new(),
         };
         for _ in 0..count {
             // On an error `pool` drops and frees what was allocated.
@@ -71,17 +73,15 @@ impl Pool {
         })
     }
 
-    /// A free buffer, waiting until a copy or a send returns one.
-    pub(crate) fn take(self: &Arc<Self>) -> StageBuf {
-        let mut free = self.free.lock();
+    /// A free buffer, waiting until a copy or a send returns one. Only one task (the
+    /// direction that owns the pool) waits at a time.
+    pub(crate) async fn take(self: &Arc<Self>) -> StageBuf {
         loop {
-            if let Some(p) = free.pop() {
-                return StageBuf {
-                    pool: self.clone(),
-                    ptr: p,
-                };
+            if let Some(b) = self.try_take() {
+                return b;
             }
-            free = self.returned.wait(free);
+            // A buffer returned since `try_take` left a permit: this returns at once.
+            self.returned.notified().await;
         }
     }
 }

@@ -1,12 +1,13 @@
-//! Batch deadlines: one thread per backend that wakes at the earliest deadline of the
-//! batches in flight and cuts what still holds an expired batch.
+//! Batch deadlines: one task per backend, on te-tcp's I/O threads, that wakes at the
+//! earliest deadline of the batches in flight and cuts what still holds an expired
+//! batch.
 //!
 //! At the deadline, slices not yet written are dropped from their queue. A slice already
 //! written waits for its answer, and the receiving thread may be in the middle of
 //! placing a READ's payload; neither can be taken back while the connection lives. If
 //! answers still move on that connection, the batch's own arrive soon and are dropped
 //! (a healthy, busy connection is not closed for one impatient batch); if nothing moved
-//! for [`STALL_GRACE`], the connection is closed: its threads leave the caller's
+//! for [`STALL_GRACE`], the connection is closed: its tasks leave the caller's
 //! memory, every slice on it fails, and the expired batch completes with `Timeout`
 //! within about `STALL_GRACE` of its deadline rather than after `io_timeout`.
 
@@ -14,7 +15,8 @@ use std::cmp::{Ordering as CmpOrdering, Reverse};
 use std::collections::BinaryHeap;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
-use te_core::sync::{Condvar, Mutex};
+use te_core::sync::Mutex;
+use tokio::sync::Notify;
 
 use crate::conn::Conn;
 use crate::slice::Batch;
@@ -63,7 +65,9 @@ struct State {
 #[derive(Default)]
 pub(crate) struct Watch {
     state: Mutex<State>,
-    wake: Condvar,
+    /// Wakes the watching task (its only waiter): an earlier deadline, an abort, or
+    /// closing.
+    wake: Notify,
 }
 
 impl std::fmt::Debug for Watch {
@@ -130,17 +134,17 @@ impl Watch {
     /// Ends [`Watch::run`].
     pub(crate) fn close(&self) {
         self.state.lock().closed = true;
-        self.wake.notify_all();
+        self.wake.notify_one();
     }
 
-    /// The watching thread: sleeps until the earliest deadline, then cuts what holds
+    /// The watching task: sleeps until the earliest deadline, then cuts what holds
     /// the batches that expired unfinished.
-    pub(crate) fn run(&self) {
+    pub(crate) async fn run(&self) {
         loop {
             let mut due = Vec::new();
-            {
-                let mut s = self.state.lock();
-                loop {
+            loop {
+                let next = {
+                    let mut s = self.state.lock();
                     if s.closed {
                         return;
                     }
@@ -153,14 +157,15 @@ impl Watch {
                     if !due.is_empty() {
                         break;
                     }
-                    s = match s.heap.peek().map(|t| t.0.at) {
-                        Some(at) => {
-                            self.wake
-                                .wait_timeout(s, at.saturating_duration_since(now))
-                                .0
-                        }
-                        None => self.wake.wait(s),
-                    };
+                    s.heap.peek().map(|t| t.0.at)
+                };
+                // A wake since the look above left a permit: this returns at once.
+                match next {
+                    Some(at) => {
+                        let at = tokio::time::Instant::from_std(at);
+                        let _ = tokio::time::timeout_at(at, self.wake.notified()).await;
+                    }
+                    None => self.wake.notified().await,
                 }
             }
             for mut t in due {
