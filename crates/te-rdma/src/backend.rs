@@ -32,9 +32,10 @@ use te_core::{
 use crate::completion::InFlight;
 use crate::config::{RdmaConfig, MAX_SLICE};
 use crate::connect::{self, Served};
+use crate::context::Mr;
 use crate::device::{self, Device};
 use crate::exchange::{self, DeviceInfo, Endpoint};
-use crate::ffi::{self, Mr};
+use crate::ffi;
 use crate::path::{self, Job, LocalRegion, Peer, Pin, RemoteRegion};
 use crate::plan;
 use crate::topology::{self, Place};

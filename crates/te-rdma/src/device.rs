@@ -13,8 +13,9 @@ use te_core::{Error, ErrorKind, Result};
 
 use crate::backend::{config_error, Shared};
 use crate::config::RdmaConfig;
+use crate::context::Context;
 use crate::exchange::{self, GidType, LinkLayer, PathInfo, ROCE_V1, ROCE_V2};
-use crate::ffi::{self, Context, Verbs};
+use crate::ffi::{self, Verbs};
 use crate::path::{self, Path};
 use crate::qp::{self, QpParams};
 use crate::verbs;

@@ -97,6 +97,7 @@ mod backend;
 mod completion;
 mod config;
 mod connect;
+mod context;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod device;
