@@ -101,11 +101,13 @@ mod context;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod device;
+mod endpoint;
 mod exchange;
 mod ffi;
 mod path;
 mod plan;
 mod qp;
+mod reader;
 mod topology;
 mod verbs;
 mod wr;

@@ -8,7 +8,8 @@
 //! | RTS | `sq_psn`, `timeout`, `retry_cnt`, `rnr_retry`, `max_rd_atomic` | our PSN; configured (default 14 ≈ 67 ms, 7, 7); the device's `max_qp_init_rd_atom` capped by the READs the peer serves (its `max_dest_rd_atomic`, from the exchange) |
 //! | ERR | `qp_state` | a QP that failed, or to a peer that left: flushes what it holds |
 
-use crate::exchange::{GidType, LinkLayer, PathInfo};
+use crate::endpoint::LinkLayer;
+use crate::exchange::{GidType, PathInfo};
 use crate::verbs as ffi;
 
 /// The `ibv_mtu` code of an MTU in bytes.
