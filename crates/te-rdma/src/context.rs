@@ -3,13 +3,13 @@
 //! libibverbs object and releases it when dropped; the calls go through the function
 //! table of module `ffi`.
 
-use std::ffi::{c_int, c_void, CStr};
+use std::ffi::{c_int, c_void};
 use std::ptr;
 
 use te_core::{Access, Error, ErrorKind, Result};
 
 use crate::exchange::GidType;
-use crate::ffi::{last_os_error, Verbs};
+use crate::ffi::{last_os_error, DeviceList, Verbs};
 use crate::verbs as sys;
 
 /// An open device with its protection domain and completion channel.
@@ -46,30 +46,17 @@ impl Context {
     /// # Errors
     /// `Unavailable` if it is not there; `Backend` if a verbs call fails.
     pub(crate) fn open(v: &'static Verbs, name: &str) -> Result<Context> {
-        let mut n: c_int = 0;
-        // SAFETY: valid out-parameter.
-        let list = unsafe { (v.ibv_get_device_list)(&mut n) };
-        if list.is_null() {
-            return Err(Error::new(
-                ErrorKind::Unavailable,
-                format!("no RDMA devices: ibv_get_device_list: {}", last_os_error()),
-            ));
-        }
-        let mut ctx = ptr::null_mut();
-        for i in 0..n.max(0) as usize {
-            // SAFETY: the list holds `n` valid device pointers with C-string names.
-            let dev = unsafe { *list.add(i) };
-            // SAFETY: as above.
-            let dn = unsafe { (v.ibv_get_device_name)(dev) };
-            // SAFETY: as above.
-            if !dn.is_null() && unsafe { CStr::from_ptr(dn) }.to_bytes() == name.as_bytes() {
-                // SAFETY: a valid device from the live list.
-                ctx = unsafe { (v.ibv_open_device)(dev) };
-                break;
-            }
-        }
-        // SAFETY: freed once; opened contexts stay valid after the list is freed.
-        unsafe { (v.ibv_free_device_list)(list) };
+        let devices = DeviceList::get(v)?;
+        let found = devices
+            .iter()
+            .find(|(_, dn)| dn.to_bytes() == name.as_bytes());
+        let ctx = match found {
+            // SAFETY: a valid device from the live list; the context it opens stays
+            // valid after the list is freed.
+            Some((dev, _)) => unsafe { (v.ibv_open_device)(dev) },
+            None => ptr::null_mut(),
+        };
+        drop(devices);
         if ctx.is_null() {
             return Err(Error::new(
                 ErrorKind::Unavailable,

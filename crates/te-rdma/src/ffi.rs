@@ -187,38 +187,68 @@ pub(crate) fn status_text(v: &Verbs, status: u32) -> String {
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
+/// The RDMA devices present, as `ibv_get_device_list` lists them. The list is freed
+/// when this is dropped; a device opened from it stays open.
+pub(crate) struct DeviceList<'a> {
+    v: &'a Verbs,
+    list: *mut *mut sys::ibv_device,
+    n: usize,
+}
+
+impl<'a> DeviceList<'a> {
+    /// Lists the devices.
+    ///
+    /// # Errors
+    /// `Unavailable` with `ibv_get_device_list`'s errno when it fails (no devices, no
+    /// kernel support).
+    pub(crate) fn get(v: &'a Verbs) -> Result<DeviceList<'a>> {
+        let mut n: c_int = 0;
+        // SAFETY: `n` is a valid out-parameter.
+        let list = unsafe { (v.ibv_get_device_list)(&mut n) };
+        if list.is_null() {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                format!("no RDMA devices: ibv_get_device_list: {}", last_os_error()),
+            ));
+        }
+        Ok(DeviceList {
+            v,
+            list,
+            n: n.max(0) as usize,
+        })
+    }
+
+    /// Each device with its name; a device without a name is left out.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (*mut sys::ibv_device, &CStr)> + '_ {
+        (0..self.n).filter_map(|i| {
+            // SAFETY: the list holds `n` valid device pointers while it is not freed.
+            let dev = unsafe { *self.list.add(i) };
+            // SAFETY: a valid device; the name is a C string owned by it.
+            let name = unsafe { (self.v.ibv_get_device_name)(dev) };
+            // SAFETY: a non-NULL name is NUL-terminated and lives as long as the list,
+            // which the returned borrow of `self` cannot outlive.
+            (!name.is_null()).then(|| (dev, unsafe { CStr::from_ptr(name) }))
+        })
+    }
+}
+
+impl Drop for DeviceList<'_> {
+    fn drop(&mut self) {
+        // SAFETY: the list came from ibv_get_device_list and is freed once, here.
+        unsafe { (self.v.ibv_free_device_list)(self.list) };
+    }
+}
+
 /// The names of the RDMA devices present.
 ///
 /// # Errors
 /// `Unavailable` with the reason (no devices, no kernel support: `ibv_get_device_list`'s
 /// errno).
 pub(crate) fn device_names(v: &Verbs) -> Result<Vec<String>> {
-    let mut n: c_int = 0;
-    // SAFETY: `n` is a valid out-parameter.
-    let list = unsafe { (v.ibv_get_device_list)(&mut n) };
-    if list.is_null() {
-        return Err(Error::new(
-            ErrorKind::Unavailable,
-            format!("no RDMA devices: ibv_get_device_list: {}", last_os_error()),
-        ));
-    }
-    let mut names = Vec::new();
-    for i in 0..n.max(0) as usize {
-        // SAFETY: the list holds `n` valid device pointers.
-        let dev = unsafe { *list.add(i) };
-        // SAFETY: a valid device; the name is a C string owned by it.
-        let name = unsafe { (v.ibv_get_device_name)(dev) };
-        if !name.is_null() {
-            // SAFETY: as above.
-            names.push(
-                unsafe { CStr::from_ptr(name) }
-                    .to_string_lossy()
-                    .into_owned(),
-            );
-        }
-    }
-    // SAFETY: the list came from ibv_get_device_list and is freed once.
-    unsafe { (v.ibv_free_device_list)(list) };
+    let names: Vec<String> = DeviceList::get(v)?
+        .iter()
+        .map(|(_, name)| name.to_string_lossy().into_owned())
+        .collect();
     if names.is_empty() {
         return Err(Error::new(
             ErrorKind::Unavailable,
