@@ -84,17 +84,8 @@ pub(crate) fn encode_endpoint(e: &Endpoint) -> Vec<u8> {
 /// # Errors
 /// `Protocol` for anything else (another version, another backend's bytes).
 pub(crate) fn decode_endpoint(b: &[u8]) -> Result<Endpoint> {
-    let mut r = Reader {
-        b,
-        what: "endpoint",
-    };
-    let version = r.u8("version")?;
-    if version != ENDPOINT_VERSION {
-        return Err(protocol(
-            "endpoint",
-            format!("version {version}, this build understands {ENDPOINT_VERSION}"),
-        ));
-    }
+    let mut r = Reader::new(b, "endpoint");
+    r.version(ENDPOINT_VERSION)?;
     let instance = r.u64("instance")?;
     let n = r.u8("device count")? as usize;
     if n == 0 || n > MAX_DEVICES {
@@ -141,17 +132,8 @@ pub(crate) fn encode_key(rkeys: &[u32]) -> Vec<u8> {
 /// # Errors
 /// `Protocol` for another version, a count that does not match `devices`, or bad length.
 pub(crate) fn decode_key(b: &[u8], devices: usize) -> Result<Vec<u32>> {
-    let mut r = Reader {
-        b,
-        what: "region key",
-    };
-    let version = r.u8("version")?;
-    if version != KEY_VERSION {
-        return Err(protocol(
-            "region key",
-            format!("version {version}, this build understands {KEY_VERSION}"),
-        ));
-    }
+    let mut r = Reader::new(b, "region key");
+    r.version(KEY_VERSION)?;
     let n = r.u8("count")? as usize;
     if n != devices {
         return Err(protocol(

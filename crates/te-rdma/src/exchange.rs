@@ -257,10 +257,7 @@ pub(crate) fn decode(b: &[u8]) -> Result<Message> {
             ),
         ));
     }
-    let mut r = Reader {
-        b,
-        what: "connect exchange",
-    };
+    let mut r = Reader::new(b, "connect exchange");
     if r.take::<4>("magic")? != MAGIC {
         return Err(protocol(
             "connect exchange",

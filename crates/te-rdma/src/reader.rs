@@ -11,11 +11,27 @@ pub(crate) fn protocol(what: &str, m: impl std::fmt::Display) -> Error {
 
 /// A little-endian reader that fails with the name of what it was reading.
 pub(crate) struct Reader<'a> {
+    /// The bytes not read yet.
     pub(crate) b: &'a [u8],
-    pub(crate) what: &'static str,
+    what: &'static str,
 }
 
 impl<'a> Reader<'a> {
+    /// A reader of `b`, whose errors name `what`.
+    pub(crate) fn new(b: &'a [u8], what: &'static str) -> Reader<'a> {
+        Reader { b, what }
+    }
+    /// Reads a one-byte version, refusing any but `expected`.
+    pub(crate) fn version(&mut self, expected: u8) -> Result<()> {
+        let version = self.u8("version")?;
+        if version != expected {
+            return Err(protocol(
+                self.what,
+                format!("version {version}, this build understands {expected}"),
+            ));
+        }
+        Ok(())
+    }
     pub(crate) fn take<const N: usize>(&mut self, field: &str) -> Result<[u8; N]> {
         let (head, rest) = self
             .b
