@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use te_facade::Result;
 
-use crate::error::bad_argument;
+use crate::error::{bad_argument, guard_void};
 
 /// The object behind a handle.
 ///
@@ -19,6 +19,22 @@ pub(crate) unsafe fn obj<'a, T>(
 ) -> Result<&'a T> {
     // SAFETY: by the contract above, a non-NULL `ptr` points to a live `T`.
     unsafe { ptr.as_ref() }.ok_or_else(|| bad_argument(operation, format!("`{what}` is NULL")))
+}
+
+/// Frees a handle C hands back: drops the box te leaked for it; NULL does nothing.
+///
+/// # Safety
+/// `ptr` is NULL or a handle of type `T` that te returned, not freed yet, and used by
+/// no other thread during or after the call.
+pub(crate) unsafe fn free_box<T>(ptr: *mut T, operation: &'static str) {
+    if ptr.is_null() {
+        return;
+    }
+    guard_void(operation, || {
+        // SAFETY: by the contract above this is the box te leaked for the handle, and
+        // nothing uses it any more.
+        drop(unsafe { Box::from_raw(ptr) });
+    });
 }
 
 /// A NUL-terminated UTF-8 string argument.

@@ -11,7 +11,7 @@ use te_facade::sync::Mutex;
 
 use te_facade::{Error, ErrorKind, Result, TransferHandle, TransferStatus};
 
-use crate::args::{obj, wait_timeout, Out};
+use crate::args::{free_box, obj, wait_timeout, Out};
 use crate::error::{fail, guard, guard_void, TE_OK, TE_PENDING};
 
 /// `te_batch`: a submitted batch.
@@ -90,13 +90,8 @@ pub unsafe extern "C" fn te_batch_cancel(batch: *const TeBatch) -> c_int {
 /// `batch` NULL or a batch not freed yet, used by nothing else now.
 #[no_mangle]
 pub unsafe extern "C" fn te_batch_free(batch: *mut TeBatch) {
-    if batch.is_null() {
-        return;
-    }
-    guard_void("te_batch_free", || {
-        // SAFETY: the box TeBatch::boxed leaked, used by nothing else now.
-        drop(unsafe { Box::from_raw(batch) });
-    });
+    // SAFETY: NULL or the box `TeBatch::boxed` leaked, by the contract above.
+    unsafe { free_box(batch, "te_batch_free") }
 }
 
 type OnDone = Box<dyn FnOnce(c_int) + Send>;

@@ -10,9 +10,9 @@ use te_facade::{
     Peer, RegionId, Registration, Result, TransferOptions, TransferRequest,
 };
 
-use crate::args::{call_timeout, obj, slice, text, Out};
+use crate::args::{call_timeout, free_box, obj, slice, text, Out};
 use crate::batch::TeBatch;
-use crate::error::{bad_argument, guard, guard_void, TE_OK};
+use crate::error::{bad_argument, guard, TE_OK};
 
 /// Peers may READ the region (`TE_ACCESS_REMOTE_READ`).
 const ACCESS_REMOTE_READ: u32 = 1;
@@ -125,14 +125,8 @@ pub unsafe extern "C" fn te_engine_from_file(
 /// thread during or after the call.
 #[no_mangle]
 pub unsafe extern "C" fn te_engine_free(engine: *mut TeEngine) {
-    if engine.is_null() {
-        return;
-    }
-    guard_void("te_engine_free", || {
-        // SAFETY: by the contract above this is the box `te_engine_new` leaked, and
-        // nothing uses it any more.
-        drop(unsafe { Box::from_raw(engine) });
-    });
+    // SAFETY: NULL or the box `te_engine_new` leaked, by the contract above.
+    unsafe { free_box(engine, "te_engine_free") }
 }
 
 /// `int te_engine_address(const te_engine *, char *buf, size_t len)`.
@@ -299,13 +293,8 @@ pub unsafe extern "C" fn te_engine_connect(
 /// `peer` NULL or a peer from `te_engine_connect` not freed yet.
 #[no_mangle]
 pub unsafe extern "C" fn te_peer_free(peer: *mut TePeer) {
-    if peer.is_null() {
-        return;
-    }
-    guard_void("te_peer_free", || {
-        // SAFETY: the box te_engine_connect leaked, used by nothing else now.
-        drop(unsafe { Box::from_raw(peer) });
-    });
+    // SAFETY: NULL or the box `te_engine_connect` leaked, by the contract above.
+    unsafe { free_box(peer, "te_peer_free") }
 }
 
 /// `int te_peer_region(const te_peer *, const char *name, uint64_t *region,

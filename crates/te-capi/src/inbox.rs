@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use te_facade::{Notification, PeerEvent, PeerEventKind};
 
-use crate::args::{obj, wait_timeout, Out};
+use crate::args::{free_box, obj, wait_timeout, Out};
 use crate::engine::TeEngine;
-use crate::error::{guard, guard_void, TE_OK, TE_PENDING};
+use crate::error::{guard, TE_OK, TE_PENDING};
 
 /// `te_notification`: a received notification and C strings of its sender.
 #[derive(Debug)]
@@ -152,13 +152,8 @@ pub unsafe extern "C" fn te_notification_sender(
 /// `notification` NULL or one not freed yet.
 #[no_mangle]
 pub unsafe extern "C" fn te_notification_free(notification: *mut TeNotification) {
-    if notification.is_null() {
-        return;
-    }
-    guard_void("te_notification_free", || {
-        // SAFETY: the box te_engine_recv_notification leaked, used by nothing else now.
-        drop(unsafe { Box::from_raw(notification) });
-    });
+    // SAFETY: NULL or the box `te_engine_recv_notification` leaked, by the contract above.
+    unsafe { free_box(notification, "te_notification_free") }
 }
 
 fn event_kind(kind: PeerEventKind) -> i32 {

@@ -32,9 +32,10 @@ use te_core::{
 use crate::completion::InFlight;
 use crate::config::{RdmaConfig, MAX_SLICE};
 use crate::connect::{self, Served};
+use crate::context::Mr;
 use crate::device::{self, Device};
-use crate::exchange::{self, DeviceInfo, Endpoint};
-use crate::ffi::{self, Mr};
+use crate::endpoint::{self, DeviceInfo, Endpoint};
+use crate::ffi;
 use crate::path::{self, Job, LocalRegion, Peer, Pin, RemoteRegion};
 use crate::plan;
 use crate::topology::{self, Place};
@@ -188,7 +189,7 @@ impl RdmaBackend {
             }
         }
         let instance = epoch;
-        let endpoint = exchange::encode_endpoint(&Endpoint {
+        let endpoint = endpoint::encode_endpoint(&Endpoint {
             instance,
             devices: devices
                 .iter()
@@ -360,7 +361,7 @@ impl TransferBackend for RdmaBackend {
             dmabuf,
         ));
         let key = if remote {
-            exchange::encode_key(&region.rkeys())
+            endpoint::encode_key(&region.rkeys())
         } else {
             Vec::new()
         };
@@ -399,12 +400,12 @@ impl TransferBackend for RdmaBackend {
     }
 
     fn connect(&self, segment: &SegmentDesc, deadline: Deadline) -> Result<PeerId> {
-        let ep = exchange::decode_endpoint(&segment.endpoint)?;
+        let ep = endpoint::decode_endpoint(&segment.endpoint)?;
         let regions = segment
             .regions
             .iter()
             .map(|r| {
-                let rkeys = exchange::decode_key(&r.key, ep.devices.len())?;
+                let rkeys = endpoint::decode_key(&r.key, ep.devices.len())?;
                 Ok((
                     r.id,
                     Arc::new(RemoteRegion {

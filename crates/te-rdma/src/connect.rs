@@ -20,7 +20,8 @@ use te_core::{Deadline, Error, ErrorKind, MessageHandler, PeerId, PeerInfo, Resu
 
 use crate::backend::Shared;
 use crate::device::Device;
-use crate::exchange::{self, Endpoint, GidType, Message};
+use crate::endpoint::Endpoint;
+use crate::exchange::{self, GidType, Message};
 use crate::path::{self, Path, PathState, Peer};
 use crate::plan;
 use crate::qp;

@@ -13,8 +13,10 @@ use te_core::{Error, ErrorKind, Result};
 
 use crate::backend::{config_error, Shared};
 use crate::config::RdmaConfig;
-use crate::exchange::{self, GidType, LinkLayer, PathInfo, ROCE_V1, ROCE_V2};
-use crate::ffi::{self, Context, Verbs};
+use crate::context::Context;
+use crate::endpoint::{self, LinkLayer, ROCE_V1, ROCE_V2};
+use crate::exchange::{GidType, PathInfo};
+use crate::ffi::{self, Verbs};
 use crate::path::{self, Path};
 use crate::qp::{self, QpParams};
 use crate::verbs;
@@ -207,7 +209,7 @@ pub(crate) fn open_devices(v: &'static Verbs, config: &RdmaConfig) -> Result<Vec
             ),
         ));
     }
-    devices.truncate(exchange::MAX_DEVICES);
+    devices.truncate(endpoint::MAX_DEVICES);
     Ok(devices)
 }
 

@@ -1,19 +1,9 @@
-//! What travels between two RDMA backends: the endpoint bytes (in the segment
-//! descriptor), the per-region key bytes (rkeys), and the connect exchange that swaps
-//! queue-pair numbers over the engine's control-plane hook.
+//! The connect exchange: the messages that swap queue-pair numbers over the engine's
+//! control-plane hook. (The endpoint and region-key bytes are in module `endpoint`.)
 //!
-//! Every format is little-endian, starts with a version, and is decoded strictly:
-//! wrong versions, short or trailing bytes, and out-of-range fields are `Protocol`
-//! errors naming what was wrong.
-//!
-//! **Endpoint** (`SegmentDesc::endpoint`):
-//! `version u8 = 3 · instance u64 · devices u8 (1–32) · per device: link_layer u8
-//! (1 = InfiniBand, 2 = Ethernet) · roce u8 (the GID types it offers: bit 0 RoCE v1,
-//! bit 1 RoCE v2; 0 on InfiniBand) · name_len u8 · name`. The instance is the engine's
-//! epoch; the peer's engine is reached at the descriptor's `address`.
-//!
-//! **Region key** (`RegionDesc::key`): `version u8 = 1 · n u8 · n × rkey u32`, one
-//! rkey per device of the owner, in its endpoint's device order.
+//! The format is little-endian, starts with a magic and a version, and is decoded
+//! strictly: wrong versions, short or trailing bytes, and out-of-range fields are
+//! `Protocol` errors naming what was wrong.
 //!
 //! **Connect exchange** (a request and its answer, each one backend message on the
 //! engines' authenticated control plane; at most [`MAX_MESSAGE`] bytes): a body is
@@ -36,55 +26,21 @@
 //! its side of a set until the initiator releases it, comes back at the same
 //! control-plane address with another epoch, or asks for more sets than a peer may hold.
 
-use te_core::{Error, ErrorKind, Result};
+use te_core::Result;
 
-/// The endpoint format's version.
-pub(crate) const ENDPOINT_VERSION: u8 = 3;
-/// The region-key format's version.
-pub(crate) const KEY_VERSION: u8 = 1;
+use crate::endpoint::{LinkLayer, ROCE_V1, ROCE_V2};
+use crate::reader::{protocol, Reader};
+
 /// The connect exchange's version.
 pub(crate) const EXCHANGE_VERSION: u16 = 3;
 /// The connect exchange's magic.
 pub(crate) const MAGIC: [u8; 4] = *b"TERC";
 /// The largest connect-exchange frame body.
 pub(crate) const MAX_MESSAGE: usize = 64 << 10;
-/// The most devices an endpoint may name.
-pub(crate) const MAX_DEVICES: usize = 32;
 /// The most paths any message may carry; a target allows far fewer per request
 /// (`qps_per_path` × device pairs).
 pub(crate) const MAX_PATHS: usize = 1024;
 const PATH_LEN: usize = 1 + 1 + 4 + 4 + 2 + 16 + 1 + 1 + 1 + 1 + 1;
-/// RoCE GID-type bits of [`DeviceInfo::roce`].
-pub(crate) const ROCE_V1: u8 = 1;
-pub(crate) const ROCE_V2: u8 = 2;
-
-/// A device's link layer; the two ends of a path must agree.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum LinkLayer {
-    /// InfiniBand: addressed by LID.
-    InfiniBand = 1,
-    /// Ethernet (RoCE): addressed by GID.
-    Ethernet = 2,
-}
-
-impl LinkLayer {
-    fn from_u8(v: u8) -> Option<LinkLayer> {
-        match v {
-            1 => Some(LinkLayer::InfiniBand),
-            2 => Some(LinkLayer::Ethernet),
-            _ => None,
-        }
-    }
-}
-
-/// One device as a peer sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct DeviceInfo {
-    pub(crate) name: String,
-    pub(crate) link_layer: LinkLayer,
-    /// The RoCE GID types it offers ([`ROCE_V1`] | [`ROCE_V2`]); 0 on InfiniBand.
-    pub(crate) roce: u8,
-}
 
 /// The GID type a path uses; both of its QPs use the same.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,13 +81,6 @@ pub(crate) fn negotiate(a: (LinkLayer, u8), b: (LinkLayer, u8)) -> Option<GidTyp
     }
 }
 
-/// A backend's endpoint: its instance (the engine's epoch) and devices.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Endpoint {
-    pub(crate) instance: u64,
-    pub(crate) devices: Vec<DeviceInfo>,
-}
-
 /// One QP's half of a path, as the sender describes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct PathInfo {
@@ -169,157 +118,6 @@ pub(crate) enum Message {
         target: u64,
         set: u64,
     },
-}
-
-fn protocol(what: &str, m: impl std::fmt::Display) -> Error {
-    Error::new(ErrorKind::Protocol, format!("rdma {what}: {m}"))
-}
-
-/// A little-endian reader that fails with the name of what it was reading.
-struct Reader<'a> {
-    b: &'a [u8],
-    what: &'static str,
-}
-
-impl<'a> Reader<'a> {
-    fn take<const N: usize>(&mut self, field: &str) -> Result<[u8; N]> {
-        let (head, rest) = self
-            .b
-            .split_first_chunk::<N>()
-            .ok_or_else(|| protocol(self.what, format!("truncated at {field}")))?;
-        self.b = rest;
-        Ok(*head)
-    }
-    fn u8(&mut self, field: &str) -> Result<u8> {
-        Ok(self.take::<1>(field)?[0])
-    }
-    fn u16(&mut self, field: &str) -> Result<u16> {
-        Ok(u16::from_le_bytes(self.take(field)?))
-    }
-    fn u32(&mut self, field: &str) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.take(field)?))
-    }
-    fn u64(&mut self, field: &str) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.take(field)?))
-    }
-    fn bytes(&mut self, n: usize, field: &str) -> Result<&'a [u8]> {
-        if self.b.len() < n {
-            return Err(protocol(self.what, format!("truncated at {field}")));
-        }
-        let (head, rest) = self.b.split_at(n);
-        self.b = rest;
-        Ok(head)
-    }
-    fn end(&self) -> Result<()> {
-        if self.b.is_empty() {
-            Ok(())
-        } else {
-            Err(protocol(
-                self.what,
-                format!("{} unexpected trailing bytes", self.b.len()),
-            ))
-        }
-    }
-}
-
-/// Encodes an endpoint.
-pub(crate) fn encode_endpoint(e: &Endpoint) -> Vec<u8> {
-    let mut v = vec![ENDPOINT_VERSION];
-    v.extend_from_slice(&e.instance.to_le_bytes());
-    v.push(e.devices.len() as u8);
-    for d in &e.devices {
-        v.push(d.link_layer as u8);
-        v.push(d.roce);
-        let name = &d.name.as_bytes()[..d.name.len().min(255)];
-        v.push(name.len() as u8);
-        v.extend_from_slice(name);
-    }
-    v
-}
-
-/// Decodes [`encode_endpoint`]'s bytes.
-///
-/// # Errors
-/// `Protocol` for anything else (another version, another backend's bytes).
-pub(crate) fn decode_endpoint(b: &[u8]) -> Result<Endpoint> {
-    let mut r = Reader {
-        b,
-        what: "endpoint",
-    };
-    let version = r.u8("version")?;
-    if version != ENDPOINT_VERSION {
-        return Err(protocol(
-            "endpoint",
-            format!("version {version}, this build understands {ENDPOINT_VERSION}"),
-        ));
-    }
-    let instance = r.u64("instance")?;
-    let n = r.u8("device count")? as usize;
-    if n == 0 || n > MAX_DEVICES {
-        return Err(protocol(
-            "endpoint",
-            format!("{n} devices (1–{MAX_DEVICES})"),
-        ));
-    }
-    let mut devices = Vec::with_capacity(n);
-    for _ in 0..n {
-        let ll = r.u8("link layer")?;
-        let link_layer = LinkLayer::from_u8(ll)
-            .ok_or_else(|| protocol("endpoint", format!("link layer {ll}")))?;
-        let roce = r.u8("roce types")?;
-        if roce & !(ROCE_V1 | ROCE_V2) != 0 || (link_layer == LinkLayer::InfiniBand && roce != 0) {
-            return Err(protocol("endpoint", format!("roce types {roce:#x}")));
-        }
-        let len = r.u8("device name length")? as usize;
-        let name = std::str::from_utf8(r.bytes(len, "device name")?)
-            .map_err(|_| protocol("endpoint", "a device name is not UTF-8"))?;
-        devices.push(DeviceInfo {
-            name: name.to_string(),
-            link_layer,
-            roce,
-        });
-    }
-    r.end()?;
-    Ok(Endpoint { instance, devices })
-}
-
-/// Encodes a region's rkeys, one per device.
-pub(crate) fn encode_key(rkeys: &[u32]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(2 + 4 * rkeys.len());
-    v.push(KEY_VERSION);
-    v.push(rkeys.len() as u8);
-    for k in rkeys {
-        v.extend_from_slice(&k.to_le_bytes());
-    }
-    v
-}
-
-/// Decodes [`encode_key`]'s bytes, expecting one rkey per device of the owner.
-///
-/// # Errors
-/// `Protocol` for another version, a count that does not match `devices`, or bad length.
-pub(crate) fn decode_key(b: &[u8], devices: usize) -> Result<Vec<u32>> {
-    let mut r = Reader {
-        b,
-        what: "region key",
-    };
-    let version = r.u8("version")?;
-    if version != KEY_VERSION {
-        return Err(protocol(
-            "region key",
-            format!("version {version}, this build understands {KEY_VERSION}"),
-        ));
-    }
-    let n = r.u8("count")? as usize;
-    if n != devices {
-        return Err(protocol(
-            "region key",
-            format!("{n} rkeys for a peer with {devices} devices"),
-        ));
-    }
-    let keys = (0..n).map(|_| r.u32("rkey")).collect::<Result<Vec<_>>>()?;
-    r.end()?;
-    Ok(keys)
 }
 
 fn put_path(v: &mut Vec<u8>, p: &PathInfo) {
@@ -459,10 +257,7 @@ pub(crate) fn decode(b: &[u8]) -> Result<Message> {
             ),
         ));
     }
-    let mut r = Reader {
-        b,
-        what: "connect exchange",
-    };
+    let mut r = Reader::new(b, "connect exchange");
     if r.take::<4>("magic")? != MAGIC {
         return Err(protocol(
             "connect exchange",
@@ -501,6 +296,7 @@ pub(crate) fn decode(b: &[u8]) -> Result<Message> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use te_core::ErrorKind;
 
     fn path(i: u8) -> PathInfo {
         PathInfo {
@@ -516,76 +312,6 @@ mod tests {
             gid_type: GidType::RoceV2,
             rd_atomic: 16,
         }
-    }
-
-    fn endpoint() -> Endpoint {
-        Endpoint {
-            instance: 0x0102_0304_0506_0708,
-            devices: vec![
-                DeviceInfo {
-                    name: "mlx5_0".into(),
-                    link_layer: LinkLayer::Ethernet,
-                    roce: ROCE_V1 | ROCE_V2,
-                },
-                DeviceInfo {
-                    name: "mlx5_1".into(),
-                    link_layer: LinkLayer::InfiniBand,
-                    roce: 0,
-                },
-            ],
-        }
-    }
-
-    #[test]
-    fn an_endpoint_round_trips_and_its_layout_is_little_endian() {
-        let e = endpoint();
-        let b = encode_endpoint(&e);
-        assert_eq!(b[0], 3, "version");
-        assert_eq!(&b[1..9], &0x0102_0304_0506_0708u64.to_le_bytes());
-        assert_eq!(b[9], 2);
-        assert_eq!(
-            &b[10..13],
-            &[2, 3, 6],
-            "link layer, roce types, name length"
-        );
-        assert_eq!(decode_endpoint(&b).unwrap(), e);
-    }
-
-    #[test]
-    fn a_malformed_endpoint_is_a_protocol_error() {
-        let good = encode_endpoint(&endpoint());
-        let mut cases: Vec<Vec<u8>> = (0..good.len()).map(|n| good[..n].to_vec()).collect();
-        let mut v = good.clone();
-        v[0] = 1;
-        cases.push(v);
-        let mut v = good.clone();
-        v[11] = 4; // the first device's RoCE types: an unknown bit
-        cases.push(v);
-        let mut v = good.clone();
-        v.push(0);
-        cases.push(v);
-        let mut v = good.clone();
-        v[9] = 0;
-        cases.push(v);
-        let mut v = good.clone();
-        v[10] = 9;
-        cases.push(v);
-        for c in cases {
-            let e = decode_endpoint(&c).unwrap_err();
-            assert_eq!(e.kind(), ErrorKind::Protocol, "{c:?}");
-        }
-    }
-
-    #[test]
-    fn region_keys_carry_one_rkey_per_device() {
-        let b = encode_key(&[0x11223344, 7]);
-        assert_eq!(b, [1, 2, 0x44, 0x33, 0x22, 0x11, 7, 0, 0, 0]);
-        assert_eq!(decode_key(&b, 2).unwrap(), [0x11223344, 7]);
-        let e = decode_key(&b, 3).unwrap_err();
-        assert!(e.to_string().contains("3 devices"), "{e}");
-        assert!(decode_key(&b[..9], 2).is_err());
-        assert!(decode_key(&[2, 0], 0).is_err());
-        assert!(decode_key(&[], 0).is_err(), "a tcp or stub key is refused");
     }
 
     #[test]
@@ -716,8 +442,6 @@ mod tests {
         #[test]
         fn decoding_arbitrary_bytes_never_panics(b in proptest::collection::vec(any::<u8>(), 0..200)) {
             let _ = decode(&b);
-            let _ = decode_endpoint(&b);
-            let _ = decode_key(&b, 2);
         }
     }
 }

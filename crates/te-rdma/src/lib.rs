@@ -97,14 +97,17 @@ mod backend;
 mod completion;
 mod config;
 mod connect;
+mod context;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod device;
+mod endpoint;
 mod exchange;
 mod ffi;
 mod path;
 mod plan;
 mod qp;
+mod reader;
 mod topology;
 mod verbs;
 mod wr;

@@ -23,9 +23,11 @@ use te_core::{Error, ErrorKind, Op, PeerId, RegionId};
 
 use crate::backend::Shared;
 use crate::completion::{self, BatchState, Outcome, SendQueue};
+use crate::context::{Cq, Mr, Qp};
 use crate::device::Device;
-use crate::exchange::{Endpoint, GidType};
-use crate::ffi::{self, Cq, Mr, Qp};
+use crate::endpoint::Endpoint;
+use crate::exchange::GidType;
+use crate::ffi;
 use crate::qp;
 use crate::verbs;
 use crate::wr::{WorkItem, WrChain};

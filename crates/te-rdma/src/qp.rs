@@ -8,8 +8,9 @@
 //! | RTS | `sq_psn`, `timeout`, `retry_cnt`, `rnr_retry`, `max_rd_atomic` | our PSN; configured (default 14 ≈ 67 ms, 7, 7); the device's `max_qp_init_rd_atom` capped by the READs the peer serves (its `max_dest_rd_atomic`, from the exchange) |
 //! | ERR | `qp_state` | a QP that failed, or to a peer that left: flushes what it holds |
 
-use crate::exchange::{GidType, LinkLayer, PathInfo};
-use crate::verbs as ffi;
+use crate::endpoint::LinkLayer;
+use crate::exchange::{GidType, PathInfo};
+use crate::verbs as sys;
 
 /// The `ibv_mtu` code of an MTU in bytes.
 pub(crate) fn mtu_enum(bytes: u32) -> Option<u8> {
@@ -48,35 +49,35 @@ pub(crate) const HOP_LIMIT: u8 = 64;
 
 /// One transition: the attributes and the mask naming the ones set.
 pub(crate) struct Transition {
-    pub(crate) attr: ffi::ibv_qp_attr,
+    pub(crate) attr: sys::ibv_qp_attr,
     pub(crate) mask: std::ffi::c_int,
 }
 
 /// RESET → INIT.
 pub(crate) fn init(p: &QpParams) -> Transition {
-    let mut attr = ffi::ibv_qp_attr {
-        qp_state: ffi::IBV_QPS_INIT,
+    let mut attr = sys::ibv_qp_attr {
+        qp_state: sys::IBV_QPS_INIT,
         pkey_index: 0,
         port_num: p.port,
         ..Default::default()
     };
-    attr.qp_access_flags = (ffi::IBV_ACCESS_LOCAL_WRITE
-        | ffi::IBV_ACCESS_REMOTE_READ
-        | ffi::IBV_ACCESS_REMOTE_WRITE) as u32;
+    attr.qp_access_flags = (sys::IBV_ACCESS_LOCAL_WRITE
+        | sys::IBV_ACCESS_REMOTE_READ
+        | sys::IBV_ACCESS_REMOTE_WRITE) as u32;
     Transition {
         attr,
-        mask: ffi::IBV_QP_STATE
-            | ffi::IBV_QP_PKEY_INDEX
-            | ffi::IBV_QP_PORT
-            | ffi::IBV_QP_ACCESS_FLAGS,
+        mask: sys::IBV_QP_STATE
+            | sys::IBV_QP_PKEY_INDEX
+            | sys::IBV_QP_PORT
+            | sys::IBV_QP_ACCESS_FLAGS,
     }
 }
 
 /// INIT → RTR, towards the peer's half of the path; `sgid_index` is our GID of the
 /// path's type (RoCE only).
 pub(crate) fn rtr(p: &QpParams, peer: &PathInfo, sgid_index: u8) -> Transition {
-    let mut attr = ffi::ibv_qp_attr {
-        qp_state: ffi::IBV_QPS_RTR,
+    let mut attr = sys::ibv_qp_attr {
+        qp_state: sys::IBV_QPS_RTR,
         path_mtu: u32::from(p.mtu.min(peer.mtu)),
         dest_qp_num: peer.qpn,
         rq_psn: peer.psn,
@@ -103,21 +104,21 @@ pub(crate) fn rtr(p: &QpParams, peer: &PathInfo, sgid_index: u8) -> Transition {
     }
     Transition {
         attr,
-        mask: ffi::IBV_QP_STATE
-            | ffi::IBV_QP_AV
-            | ffi::IBV_QP_PATH_MTU
-            | ffi::IBV_QP_DEST_QPN
-            | ffi::IBV_QP_RQ_PSN
-            | ffi::IBV_QP_MAX_DEST_RD_ATOMIC
-            | ffi::IBV_QP_MIN_RNR_TIMER,
+        mask: sys::IBV_QP_STATE
+            | sys::IBV_QP_AV
+            | sys::IBV_QP_PATH_MTU
+            | sys::IBV_QP_DEST_QPN
+            | sys::IBV_QP_RQ_PSN
+            | sys::IBV_QP_MAX_DEST_RD_ATOMIC
+            | sys::IBV_QP_MIN_RNR_TIMER,
     }
 }
 
 /// RTR → RTS, sending from `psn`, with at most as many READs outstanding as the peer
 /// serves (`peer_rd_atomic`, its `max_dest_rd_atomic`).
 pub(crate) fn rts(p: &QpParams, psn: u32, peer_rd_atomic: u8) -> Transition {
-    let attr = ffi::ibv_qp_attr {
-        qp_state: ffi::IBV_QPS_RTS,
+    let attr = sys::ibv_qp_attr {
+        qp_state: sys::IBV_QPS_RTS,
         sq_psn: psn,
         timeout: p.timeout,
         retry_cnt: p.retry_count,
@@ -127,23 +128,23 @@ pub(crate) fn rts(p: &QpParams, psn: u32, peer_rd_atomic: u8) -> Transition {
     };
     Transition {
         attr,
-        mask: ffi::IBV_QP_STATE
-            | ffi::IBV_QP_SQ_PSN
-            | ffi::IBV_QP_TIMEOUT
-            | ffi::IBV_QP_RETRY_CNT
-            | ffi::IBV_QP_RNR_RETRY
-            | ffi::IBV_QP_MAX_QP_RD_ATOMIC,
+        mask: sys::IBV_QP_STATE
+            | sys::IBV_QP_SQ_PSN
+            | sys::IBV_QP_TIMEOUT
+            | sys::IBV_QP_RETRY_CNT
+            | sys::IBV_QP_RNR_RETRY
+            | sys::IBV_QP_MAX_QP_RD_ATOMIC,
     }
 }
 
 /// Any state → ERR: every outstanding work request completes, flushed, at once.
 pub(crate) fn error() -> Transition {
     Transition {
-        attr: ffi::ibv_qp_attr {
-            qp_state: ffi::IBV_QPS_ERR,
+        attr: sys::ibv_qp_attr {
+            qp_state: sys::IBV_QPS_ERR,
             ..Default::default()
         },
-        mask: ffi::IBV_QP_STATE,
+        mask: sys::IBV_QP_STATE,
     }
 }
 
@@ -210,33 +211,33 @@ mod tests {
         assert_eq!(mtu_enum(256), Some(1));
         assert_eq!(mtu_enum(4096), Some(5));
         assert_eq!(mtu_enum(1500), None);
-        assert_eq!(u32::from(mtu_enum(1024).unwrap()), ffi::IBV_MTU_1024);
+        assert_eq!(u32::from(mtu_enum(1024).unwrap()), sys::IBV_MTU_1024);
     }
 
     #[test]
     fn init_sets_port_and_remote_access() {
         let t = init(&params());
-        assert_eq!(t.attr.qp_state, ffi::IBV_QPS_INIT);
+        assert_eq!(t.attr.qp_state, sys::IBV_QPS_INIT);
         assert_eq!(t.attr.port_num, 1);
         assert_eq!(
             t.attr.qp_access_flags as i32,
-            ffi::IBV_ACCESS_LOCAL_WRITE
-                | ffi::IBV_ACCESS_REMOTE_READ
-                | ffi::IBV_ACCESS_REMOTE_WRITE
+            sys::IBV_ACCESS_LOCAL_WRITE
+                | sys::IBV_ACCESS_REMOTE_READ
+                | sys::IBV_ACCESS_REMOTE_WRITE
         );
         assert_eq!(
             t.mask,
-            ffi::IBV_QP_STATE
-                | ffi::IBV_QP_PKEY_INDEX
-                | ffi::IBV_QP_PORT
-                | ffi::IBV_QP_ACCESS_FLAGS
+            sys::IBV_QP_STATE
+                | sys::IBV_QP_PKEY_INDEX
+                | sys::IBV_QP_PORT
+                | sys::IBV_QP_ACCESS_FLAGS
         );
     }
 
     #[test]
     fn rtr_on_roce_addresses_the_peer_by_gid_with_the_smaller_mtu() {
         let t = rtr(&params(), &peer(LinkLayer::Ethernet), 3);
-        assert_eq!(t.attr.qp_state, ffi::IBV_QPS_RTR);
+        assert_eq!(t.attr.qp_state, sys::IBV_QPS_RTR);
         assert_eq!(t.attr.path_mtu, 3, "the peer's 1024 beats our 4096");
         assert_eq!(t.attr.dest_qp_num, 0x1234);
         assert_eq!(t.attr.rq_psn, 0xabcdef);
@@ -249,9 +250,9 @@ mod tests {
         assert_eq!(ah.grh.sgid_index, 3);
         assert_eq!(ah.grh.hop_limit, HOP_LIMIT);
         assert_eq!(ah.grh.traffic_class, 106);
-        assert!(t.mask & ffi::IBV_QP_AV != 0);
-        assert!(t.mask & ffi::IBV_QP_DEST_QPN != 0);
-        assert!(t.mask & ffi::IBV_QP_SQ_PSN == 0);
+        assert!(t.mask & sys::IBV_QP_AV != 0);
+        assert!(t.mask & sys::IBV_QP_DEST_QPN != 0);
+        assert!(t.mask & sys::IBV_QP_SQ_PSN == 0);
     }
 
     #[test]
@@ -264,16 +265,16 @@ mod tests {
     #[test]
     fn rts_sets_our_psn_and_the_retry_policy() {
         let t = rts(&params(), 0x42, 16);
-        assert_eq!(t.attr.qp_state, ffi::IBV_QPS_RTS);
+        assert_eq!(t.attr.qp_state, sys::IBV_QPS_RTS);
         assert_eq!(t.attr.sq_psn, 0x42);
         assert_eq!(
             (t.attr.timeout, t.attr.retry_cnt, t.attr.rnr_retry),
             (14, 7, 7)
         );
         assert_eq!(t.attr.max_rd_atomic, 16);
-        assert!(t.mask & ffi::IBV_QP_MAX_QP_RD_ATOMIC != 0);
-        assert!(t.mask & ffi::IBV_QP_AV == 0);
-        assert_eq!(error().attr.qp_state, ffi::IBV_QPS_ERR);
+        assert!(t.mask & sys::IBV_QP_MAX_QP_RD_ATOMIC != 0);
+        assert!(t.mask & sys::IBV_QP_AV == 0);
+        assert_eq!(error().attr.qp_state, sys::IBV_QPS_ERR);
     }
 
     #[test]
