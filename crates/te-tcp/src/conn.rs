@@ -143,6 +143,9 @@ struct Tx {
     /// Device WRITE slices waiting for a staging buffer, in queue order; entries whose
     /// slice has gone (failed, cut) are skipped when reached.
     to_stage: VecDeque<ToStage>,
+    /// The staging of device WRITE frames in `carry`: their buffers go back to the
+    /// pool once the socket has taken the whole carry, not at the acknowledgement.
+    out_staged: Vec<Arc<Mutex<Stage>>>,
 }
 
 /// What starting a device WRITE slice's staging copy needs.
@@ -159,6 +162,7 @@ impl Tx {
     fn drain(&mut self) -> Vec<Slice> {
         self.carry.clear();
         self.to_stage.clear();
+        self.out_staged.clear();
         self.sent.drain(..).chain(self.unsent.drain(..)).collect()
     }
 }
@@ -247,6 +251,7 @@ impl Conn {
                 next_id: 1,
                 receiving: None,
                 to_stage: VecDeque::new(),
+                out_staged: Vec::new(),
             }),
             wake: Notify::new(),
             dead: AtomicBool::new(false),
@@ -383,7 +388,7 @@ impl Conn {
                             Some(st) => match &*st.lock() {
                                 Stage::Ready(buf) => Ok(Some(buf.ptr() as usize)),
                                 Stage::Failed(e) => Err(e.clone()),
-                                Stage::Idle | Stage::Copying => Ok(None),
+                                Stage::Idle | Stage::Copying | Stage::Sent => Ok(None),
                             },
                         };
                         let staged = match staged {
@@ -408,6 +413,9 @@ impl Conn {
                         }
                         s.push_frame(&mut c, payload);
                         frames += 1;
+                        if let Some(st) = &s.stage {
+                            tx.out_staged.push(st.clone());
+                        }
                         tx.sent.push_back(s);
                     }
                     tx.carry = c;
@@ -446,7 +454,21 @@ impl Conn {
                 carry.advance(k);
             }
             // Back where the next writer finds it (only a `busy` writer touches it).
-            self.lock().carry = carry;
+            let out = {
+                let mut tx = self.lock();
+                let done = carry.is_empty();
+                tx.carry = carry;
+                if done {
+                    std::mem::take(&mut tx.out_staged)
+                } else {
+                    Vec::new()
+                }
+            };
+            // Every staged byte of these frames is in the socket: their buffers can
+            // take the next frames' copies (picked up at the top of the loop).
+            for st in out {
+                *st.lock() = Stage::Sent;
+            }
             match sent {
                 Ok(k) => {
                     written += k;

@@ -135,6 +135,9 @@ pub(crate) enum Stage {
     Copying,
     /// In this buffer, ready to send.
     Ready(StageBuf),
+    /// On the wire: the socket took every byte and the buffer went back to its pool,
+    /// before the target's acknowledgement.
+    Sent,
     /// The copy failed.
     Failed(Error),
 }
