@@ -121,6 +121,7 @@ mod conn;
 mod handshake;
 mod io;
 mod regions;
+mod respond;
 mod serve;
 mod slice;
 mod sock;
