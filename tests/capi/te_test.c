@@ -6,6 +6,7 @@
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
@@ -111,6 +112,38 @@ static int target(void) {
 }
 
 /* Starts `self target`; its pid and address from its first line. */
+/* Stops `pid` and waits (at most 2 s) until every thread of it has stopped: `kill`
+ * returns before a running thread is stopped, and one that is not yet could still
+ * answer a request sent right after. */
+static void stop_process(int pid) {
+    kill(pid, SIGSTOP);
+    char dir[64];
+    snprintf(dir, sizeof dir, "/proc/%d/task", pid);
+    for (int tries = 0; tries < 2000; tries++) {
+        DIR *d = opendir(dir);
+        if (d == NULL) return;
+        int running = 0;
+        struct dirent *t;
+        while ((t = readdir(d)) != NULL) {
+            if (t->d_name[0] == '.') continue;
+            char path[384], buf[512];
+            snprintf(path, sizeof path, "%s/%s/stat", dir, t->d_name);
+            FILE *f = fopen(path, "r");
+            if (f == NULL) continue;
+            size_t n = fread(buf, 1, sizeof buf - 1, f);
+            fclose(f);
+            buf[n] = 0;
+            char *close = strrchr(buf, ')');
+            if (close != NULL && close[1] == ' ' && close[2] != 'T' && close[2] != 't') running++;
+        }
+        closedir(d);
+        if (running == 0) return;
+        struct timespec ms = {0, 1000000};
+        nanosleep(&ms, NULL);
+    }
+    FAIL("process %d did not stop within 2 s of SIGSTOP", pid);
+}
+
 static FILE *start_target(const char *self, int *pid, char *address) {
     char command[4096];
     snprintf(command, sizeof command, "exec '%s' target", self);
@@ -265,7 +298,7 @@ static void a_hung_peer_is_reported_within_the_deadline(const char *self) {
     te_peer *peer = NULL;
     OK(te_engine_connect(e, address, 5000, &peer));
     OK(te_peer_region(peer, "dst", &rdst, NULL));
-    kill(pid, SIGSTOP);
+    stop_process(pid);
 
     int64_t start = now_ms();
     te_request w = {TE_OP_WRITE, 0, lsrc, 0, rdst, 0, CHUNK};
