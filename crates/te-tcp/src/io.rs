@@ -190,12 +190,7 @@ impl Sock {
                 return Ok(());
             }
             let rest = &spans[at..spans.len().min(at + IOV_MAX)];
-            let send = |fd: RawFd| {
-                let mut v = Vec::with_capacity(rest.len());
-                v.push(sock::iov((rest[0].0 + skip) as *const u8, rest[0].1 - skip));
-                v.extend(rest[1..].iter().map(|&(p, l)| sock::iov(p as *const u8, l)));
-                sock::send(fd, &v, true)
-            };
+            let send = |fd: RawFd| sock::with_iovecs(rest, skip, |v| sock::send(fd, v, true));
             let n = match send(self.fd()) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => waited(
                     tokio::time::timeout(limit, async {

@@ -100,11 +100,37 @@ pub(crate) fn send(fd: RawFd, iov: &[libc::iovec], nonblocking: bool) -> io::Res
 ///
 /// Every span must be writable memory of its length, touched by nobody else.
 pub(crate) fn recv(fd: RawFd, spans: &[(usize, usize)]) -> io::Result<usize> {
-    let mut v: Vec<libc::iovec> = spans
-        .iter()
-        .take(IOV_MAX)
-        .map(|&(p, len)| iov(p as *const u8, len))
-        .collect();
+    with_iovecs(spans, 0, |v| recv_iov(fd, v))
+}
+
+/// Runs `f` on iovecs over (at most the first [`IOV_MAX`] of) `spans`, the first
+/// shortened by `skip` bytes: on the stack for a few spans, so a frame's receive or
+/// send allocates nothing.
+pub(crate) fn with_iovecs<T>(
+    spans: &[(usize, usize)],
+    skip: usize,
+    f: impl FnOnce(&mut [libc::iovec]) -> T,
+) -> T {
+    const SMALL: usize = 8;
+    let n = spans.len().min(IOV_MAX);
+    let make = |i: usize| {
+        let (p, len) = spans[i];
+        let s = if i == 0 { skip } else { 0 };
+        iov((p + s) as *const u8, len - s)
+    };
+    if n <= SMALL {
+        let mut v = [iov(std::ptr::null(), 0); SMALL];
+        for (i, x) in v.iter_mut().enumerate().take(n) {
+            *x = make(i);
+        }
+        f(&mut v[..n])
+    } else {
+        let mut v: Vec<libc::iovec> = (0..n).map(make).collect();
+        f(&mut v)
+    }
+}
+
+fn recv_iov(fd: RawFd, v: &mut [libc::iovec]) -> io::Result<usize> {
     // SAFETY: an all-zero msghdr is valid (no name, no control data).
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = v.as_mut_ptr();
