@@ -486,7 +486,7 @@ impl Conn {
         }
     }
 
-    /// Gives free staging buffers to the next device WRITE slices waiting for one, in
+    /// Gives free staging memory to the next device WRITE slices waiting for it, in
     /// order, and returns the copies to start (outside the lock). Each waiting slice is
     /// looked at once when its turn comes, not on every call.
     fn stage_next(&self) -> Vec<Staging> {
@@ -500,8 +500,12 @@ impl Conn {
                 tx.to_stage.pop_front();
                 continue;
             }
-            let taken = self.send_pools.get(&next.dev.0).map(|pool| pool.try_take());
-            // The rest wait for buffers that responses return.
+            let len = next.pieces.iter().map(|p| p.1).sum();
+            let taken = self
+                .send_pools
+                .get(&next.dev.0)
+                .and_then(|pool| pool.try_take(len));
+            // The rest wait for staging memory that sends and copies give back.
             if let Ok(None) = taken {
                 break;
             }
@@ -573,8 +577,8 @@ impl Conn {
             };
             // SAFETY: the device ranges lie in a region the batch's pins (held by
             // `done` until the copies end) keep registered, and were checked against it
-            // at submission; the buffer is this group's alone (owned by `done`) and holds
-            // `slice_size` bytes, at least the slice's parts packed.
+            // at submission; the staging range is this group's alone (owned by `done`)
+            // and was taken for the slice's parts packed, their total.
             unsafe { stage::start_all(&rt, copies, done) };
         }
     }
@@ -827,10 +831,10 @@ impl Conn {
         };
         let pool = self.recv_pools.get(rt)?;
         // Waits only for this direction's own copies to finish.
-        let buf = pool.take().await;
         let len = slice.len as usize;
+        let buf = pool.take(len).await?;
         let mut on_timeout = |_mid: bool| false;
-        // The buffer is ours and holds `slice_size >= len` bytes.
+        // The range is ours and holds `len` bytes.
         inb.read_into(buf.ptr() as usize, len, &mut on_timeout)
             .await
             .map_err(|e| unreachable(&self.label, "receive failed", e))?;

@@ -140,7 +140,7 @@ pub(crate) async fn answer(shared: &Shared, s: &Sock, peer: &str) -> Result<bool
     };
     let mut answer = ch.encode().to_vec();
     if status == Status::Ok {
-        // Our staging buffers hold `slice_size` bytes: no frame may carry more.
+        // Our staging memory is sized for `slice_size` frames: no frame may carry more.
         let terms = Terms {
             max_payload: shared.config.slice_size,
         };

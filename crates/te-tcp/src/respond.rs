@@ -339,9 +339,17 @@ pub(crate) async fn write_staged(
         }
     };
     // Waits only for this direction's own copies to finish.
-    let buf = pool.take().await;
     let len = h.len as usize;
-    // The buffer is ours and holds `slice_size >= len` bytes.
+    let buf = match pool.take(len).await {
+        Ok(b) => b,
+        Err(e) => {
+            inb.discard(h.len, &mut on_timeout)
+                .await
+                .map_err(|e| io_err(peer, "receive failed", e))?;
+            return refuse_later(r, h, &e).await;
+        }
+    };
+    // The range is ours and holds `len` bytes.
     inb.read_into(buf.ptr() as usize, len, &mut on_timeout)
         .await
         .map_err(|e| io_err(peer, "receive failed", e))?;
@@ -406,7 +414,11 @@ pub(crate) async fn read_staged(
         }
     };
     // Waits for the responder to send earlier staged reads.
-    let buf = pool.take().await;
+    let len = entries.iter().map(|e| e.len as usize).sum();
+    let buf = match pool.take(len).await {
+        Ok(b) => b,
+        Err(e) => return refuse_later(r, h, &e).await,
+    };
     let slot: Arc<Slot> = Arc::new(Mutex::new(None));
     r.push(Item::Staged {
         h: *h,
