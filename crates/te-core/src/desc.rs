@@ -324,6 +324,21 @@ pub struct Capabilities {
     pub checks_at_target: bool,
 }
 
+impl Capabilities {
+    /// `host` and every device runtime linked into this process, for a backend that
+    /// moves device memory through the runtimes' own copies (staging or device to
+    /// device) rather than through its fabric.
+    pub fn host_and_runtimes() -> Vec<String> {
+        std::iter::once("host".to_string())
+            .chain(
+                crate::device::runtimes()
+                    .into_iter()
+                    .map(|r| r.0.to_string()),
+            )
+            .collect()
+    }
+}
+
 /// A backend's name, version and capabilities.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BackendInfo {

@@ -125,10 +125,7 @@ impl StubBackend {
                 version: env!("CARGO_PKG_VERSION").to_string(),
                 capabilities: Capabilities {
                     // Device memory moves through its runtime's copies.
-                    memory: std::iter::once("host")
-                        .chain(te_core::device::runtimes().into_iter().map(|r| r.0))
-                        .map(str::to_string)
-                        .collect(),
+                    memory: Capabilities::host_and_runtimes(),
                     read: true,
                     write: true,
                     cross_process: false,

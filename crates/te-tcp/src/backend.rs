@@ -224,10 +224,7 @@ impl TcpBackend {
                 version: env!("CARGO_PKG_VERSION").to_string(),
                 capabilities: Capabilities {
                     // Device memory is staged through pinned host buffers.
-                    memory: std::iter::once("host")
-                        .chain(te_core::device::runtimes().into_iter().map(|r| r.0))
-                        .map(str::to_string)
-                        .collect(),
+                    memory: Capabilities::host_and_runtimes(),
                     read: true,
                     write: true,
                     cross_process: true,
