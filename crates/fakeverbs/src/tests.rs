@@ -1,6 +1,17 @@
 //! The fake through its own ABI, as a verbs consumer calls it.
 
-use super::*;
+use std::ffi::{c_int, c_void};
+use std::ptr;
+use std::time::{Duration, Instant};
+
+use crate::control::fakeverbs_qp_state;
+use crate::cq::*;
+use crate::device::*;
+use crate::events::*;
+use crate::memory::*;
+use crate::post::*;
+use crate::qp::*;
+use crate::verbs::*;
 
 const E: c_int = libc::EINVAL;
 
