@@ -6,22 +6,23 @@
 //! kept only if the name is free) and its GIDs and LID carry that id, so a QP's address
 //! vector names the node its peer QP lives on, in this process or another.
 //!
-//! **Requester.** Each QP has one thread that runs its send queue in order. A WRITE
-//! checks its local scatter-gather entries (lkey, protection domain, range), copies the
-//! bytes and sends them with the remote address and rkey on the QP's connection to the
-//! peer node; a READ checks its local entries (which also need LOCAL_WRITE), asks, and
-//! scatters the answer. The reply's status becomes the work completion's. A work
-//! request completes, in posting order, once its bytes have landed (WRITE: the
-//! responder answered after copying them) or been placed (READ).
+//! **Requester** (module `requester`). Each QP has one thread that runs its send queue
+//! in order. A WRITE checks its local scatter-gather entries (lkey, protection domain,
+//! range), copies the bytes and sends them with the remote address and rkey on the QP's
+//! connection to the peer node; a READ checks its local entries (which also need
+//! LOCAL_WRITE), asks, and scatters the answer. The reply's status becomes the work
+//! completion's. A work request completes, in posting order, once its bytes have landed
+//! (WRITE: the responder answered after copying them) or been placed (READ).
 //!
-//! **Responder.** A node's listener starts one thread per incoming connection. Each
-//! request is checked as a NIC checks it: the target QP exists on this device, is in
-//! RTR or RTS, and is connected to exactly the sending QP (QP number, node and GID
-//! type) whose READ depth (`max_rd_atomic`) it can serve; otherwise the request is dropped and the requester's transport retries run
-//! out (`RETRY_EXC_ERR`). Then the rkey must name a live region of the QP's protection
-//! domain covering the whole range, and both the region and the QP must grant the right
-//! (REMOTE_WRITE or REMOTE_READ); otherwise the answer is a remote access error, the
-//! responder's QP moves to ERR and its context gets `IBV_EVENT_QP_ACCESS_ERR`.
+//! **Responder** (module `responder`). A node's listener starts one thread per incoming
+//! connection. Each request is checked as a NIC checks it: the target QP exists on this
+//! device, is in RTR or RTS, and is connected to exactly the sending QP (QP number,
+//! node and GID type) whose READ depth (`max_rd_atomic`) it can serve; otherwise the
+//! request is dropped and the requester's transport retries run out (`RETRY_EXC_ERR`).
+//! Then the rkey must name a live region of the QP's protection domain covering the
+//! whole range, and both the region and the QP must grant the right (REMOTE_WRITE or
+//! REMOTE_READ); otherwise the answer is a remote access error, the responder's QP
+//! moves to ERR and its context gets `IBV_EVENT_QP_ACCESS_ERR`.
 //!
 //! **Errors and flushes.** A work request that fails moves its QP to ERR; every work
 //! request after it, and every one posted while the QP is in ERR, completes with
@@ -34,16 +35,21 @@
 //! and drops what it had not run, without completions, as a NIC does.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::os::unix::net::{SocketAddr, UnixListener};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::spec::{self, DeviceSpec, Roce};
 use crate::verbs::*;
+
+mod requester;
+mod responder;
+
+use requester::requester;
+use responder::listen;
 
 /// Locks a mutex, taking the data out of a poisoned one (a panicking test thread must
 /// not wedge the NIC).
@@ -62,6 +68,17 @@ fn wait_until<'a, T>(cv: &Condvar, g: MutexGuard<'a, T>, until: Instant) -> Mute
 /// emulates before `RETRY_EXC_ERR`.
 const MAX_TRANSPORT_WAIT: Duration = Duration::from_secs(2);
 const MAX_EMULATED_TIMEOUT: Duration = Duration::from_millis(100);
+
+// The wire protocol between a requester and a responder node: the greeting, the request
+// operations and the answers.
+const HELLO: [u8; 4] = *b"FVB1";
+const OP_WRITE: u8 = 1;
+const OP_READ: u8 = 2;
+/// Answers.
+const OK: u8 = 0;
+const DROPPED: u8 = 1;
+const ACCESS: u8 = 2;
+const INVALID: u8 = 3;
 
 /// A pipe whose read end is the pollable fd of a completion channel or an async queue;
 /// one byte per event.
@@ -309,16 +326,6 @@ pub(crate) fn fabric() -> &'static Fabric {
             error: None,
         }
     })
-}
-
-fn listen(dev: &Arc<Device>, listener: &UnixListener) {
-    for stream in listener.incoming() {
-        let Ok(stream) = stream else { continue };
-        let d = dev.clone();
-        let _ = std::thread::Builder::new()
-            .name("fakeverbs-responder".into())
-            .spawn(move || respond(&d, stream));
-    }
 }
 
 /// A completion channel.
@@ -587,338 +594,4 @@ impl Qp {
             st.state = IBV_QPS_ERR;
         }
     }
-}
-
-/// The requester's connection to its peer QP.
-struct Link {
-    generation: u64,
-    stream: UnixStream,
-}
-
-const HELLO: [u8; 4] = *b"FVB1";
-const OP_WRITE: u8 = 1;
-const OP_READ: u8 = 2;
-/// Answers.
-const OK: u8 = 0;
-const DROPPED: u8 = 1;
-const ACCESS: u8 = 2;
-const INVALID: u8 = 3;
-
-/// A QP's requester thread: runs its send queue in order until the QP is destroyed.
-fn requester(qp: &Arc<Qp>) {
-    let mut link: Option<Link> = None;
-    let mut buf = Vec::new();
-    loop {
-        let (wr, state, attrs, generation) = {
-            let mut st = lock(&qp.st);
-            loop {
-                if st.shutdown {
-                    return;
-                }
-                if !st.sq.is_empty() {
-                    break;
-                }
-                st = qp.cv.wait(st).unwrap_or_else(|p| p.into_inner());
-            }
-            let wr = st.sq.pop_front().expect("not empty");
-            (wr, st.state, st.attrs, st.generation)
-        };
-        let (status, len) = if state == IBV_QPS_RTS {
-            run(qp, &wr, &attrs, generation, &mut link, &mut buf)
-        } else {
-            (IBV_WC_WR_FLUSH_ERR, 0)
-        };
-        qp.finish(&wr, status, len);
-    }
-}
-
-/// Runs one work request; returns its status and byte count.
-fn run(
-    qp: &Qp,
-    wr: &Wr,
-    attrs: &Attrs,
-    generation: u64,
-    link: &mut Option<Link>,
-    buf: &mut Vec<u8>,
-) -> (u32, u32) {
-    let fault = qp.take_fault();
-    let mut delay = qp.dev.spec.delay;
-    if let Some(Fault::Delay(d)) = fault {
-        delay += d;
-    }
-    if !delay.is_zero() && !qp.pause(delay) {
-        return (IBV_WC_WR_FLUSH_ERR, 0);
-    }
-    if let Some(Fault::Status(s)) = fault {
-        if s == IBV_WC_RETRY_EXC_ERR && !qp.pause(attrs.retry_time()) {
-            return (IBV_WC_WR_FLUSH_ERR, 0);
-        }
-        return (s, 0);
-    }
-    let total: u64 = wr.sges.iter().map(|s| u64::from(s.length)).sum();
-    if total > 1 << 31 {
-        return (IBV_WC_LOC_LEN_ERR, 0);
-    }
-    // The local entries: each in a live region of this QP's PD, on this device; a READ
-    // writes them, so they need LOCAL_WRITE.
-    let mut local = Vec::with_capacity(wr.sges.len());
-    for s in &wr.sges {
-        match qp.dev.mr(s.lkey) {
-            Some(mr)
-                if mr.pd == qp.pd
-                    && mr.covers(s.addr, u64::from(s.length))
-                    && (wr.write || mr.access & IBV_ACCESS_LOCAL_WRITE != 0) =>
-            {
-                local.push((mr, *s))
-            }
-            _ => return (IBV_WC_LOC_PROT_ERR, 0),
-        }
-    }
-    buf.clear();
-    if wr.write {
-        for (mr, s) in &local {
-            let live = mr.live.read().unwrap_or_else(|p| p.into_inner());
-            if !*live {
-                return (IBV_WC_LOC_PROT_ERR, 0);
-            }
-            let at = buf.len();
-            buf.resize(at + s.length as usize, 0);
-            // SAFETY: the region is registered and live (its read lock is held, so it
-            // cannot be deregistered during the copy) and covers the entry, so the
-            // caller promised these bytes are readable.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    s.addr as *const u8,
-                    buf[at..].as_mut_ptr(),
-                    s.length as usize,
-                )
-            };
-        }
-    }
-    if !qp.dev.active.load(Ordering::Acquire) {
-        return transport_failure(qp, attrs, link);
-    }
-    if link.as_ref().is_none_or(|l| l.generation != generation) {
-        *link = connect(qp, attrs).map(|stream| Link { generation, stream });
-    }
-    let Some(l) = link.as_mut() else {
-        return transport_failure(qp, attrs, link);
-    };
-    let answer = exchange(&mut l.stream, wr, total as u32, buf);
-    match answer {
-        Ok(OK) if wr.write => (IBV_WC_SUCCESS, total as u32),
-        Ok(OK) => {
-            let mut at = 0;
-            for (mr, s) in &local {
-                let live = mr.live.read().unwrap_or_else(|p| p.into_inner());
-                if !*live {
-                    return (IBV_WC_LOC_PROT_ERR, 0);
-                }
-                // SAFETY: as above: a live region covering the entry, with LOCAL_WRITE,
-                // held against deregistration during the copy.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        buf[at..].as_ptr(),
-                        s.addr as *mut u8,
-                        s.length as usize,
-                    )
-                };
-                at += s.length as usize;
-            }
-            (IBV_WC_SUCCESS, total as u32)
-        }
-        Ok(ACCESS) => (IBV_WC_REM_ACCESS_ERR, 0),
-        Ok(INVALID) => (IBV_WC_REM_INV_REQ_ERR, 0),
-        Ok(_) => transport_failure(qp, attrs, link),
-        Err(_) => {
-            *link = None;
-            transport_failure(qp, attrs, link)
-        }
-    }
-}
-
-/// No answer: the transport retries run out.
-fn transport_failure(qp: &Qp, attrs: &Attrs, link: &mut Option<Link>) -> (u32, u32) {
-    *link = None;
-    if !qp.pause(attrs.retry_time()) {
-        return (IBV_WC_WR_FLUSH_ERR, 0);
-    }
-    (IBV_WC_RETRY_EXC_ERR, 0)
-}
-
-fn connect(qp: &Qp, attrs: &Attrs) -> Option<UnixStream> {
-    let addr = SocketAddr::from_abstract_name(node_name(attrs.remote_node)).ok()?;
-    let mut s = UnixStream::connect_addr(&addr).ok()?;
-    s.set_read_timeout(Some(MAX_TRANSPORT_WAIT)).ok()?;
-    let mut hello = HELLO.to_vec();
-    hello.extend_from_slice(&qp.dev.node.to_le_bytes());
-    hello.extend_from_slice(&qp.qpn.to_le_bytes());
-    hello.extend_from_slice(&attrs.dest_qpn.to_le_bytes());
-    hello.extend_from_slice(&attrs.gid_type.to_le_bytes());
-    hello.push(attrs.max_rd_atomic);
-    s.write_all(&hello).ok()?;
-    Some(s)
-}
-
-/// Sends one request and reads the answer (a READ's bytes land in `buf`).
-fn exchange(s: &mut UnixStream, wr: &Wr, len: u32, buf: &mut Vec<u8>) -> std::io::Result<u8> {
-    let mut head = Vec::with_capacity(17);
-    head.push(if wr.write { OP_WRITE } else { OP_READ });
-    head.extend_from_slice(&wr.remote_addr.to_le_bytes());
-    head.extend_from_slice(&wr.rkey.to_le_bytes());
-    head.extend_from_slice(&len.to_le_bytes());
-    s.write_all(&head)?;
-    if wr.write {
-        s.write_all(buf)?;
-    }
-    let mut answer = [0u8; 1];
-    s.read_exact(&mut answer)?;
-    if answer[0] == OK && !wr.write {
-        buf.resize(len as usize, 0);
-        s.read_exact(buf)?;
-    }
-    Ok(answer[0])
-}
-
-fn read_u32(s: &mut UnixStream) -> std::io::Result<u32> {
-    let mut b = [0u8; 4];
-    s.read_exact(&mut b)?;
-    Ok(u32::from_le_bytes(b))
-}
-
-/// The responder side of one connection.
-fn respond(dev: &Arc<Device>, mut s: UnixStream) {
-    let hello = (|| -> std::io::Result<Hello> {
-        let mut magic = [0u8; 4];
-        s.read_exact(&mut magic)?;
-        if magic != HELLO {
-            return Err(std::io::ErrorKind::InvalidData.into());
-        }
-        let mut node = [0u8; 2];
-        s.read_exact(&mut node)?;
-        let (qpn, dst_qpn, gid_type) = (read_u32(&mut s)?, read_u32(&mut s)?, read_u32(&mut s)?);
-        let mut rd = [0u8; 1];
-        s.read_exact(&mut rd)?;
-        Ok(Hello {
-            node: u16::from_le_bytes(node),
-            qpn,
-            dst_qpn,
-            gid_type,
-            rd_atomic: rd[0],
-        })
-    })();
-    let Ok(hello) = hello else {
-        return;
-    };
-    let mut buf = Vec::new();
-    loop {
-        let mut head = [0u8; 17];
-        if s.read_exact(&mut head).is_err() {
-            return;
-        }
-        let op = head[0];
-        let addr = u64::from_le_bytes(head[1..9].try_into().expect("8 bytes"));
-        let rkey = u32::from_le_bytes(head[9..13].try_into().expect("4 bytes"));
-        let len = u32::from_le_bytes(head[13..17].try_into().expect("4 bytes"));
-        if len > 1 << 31 || !(op == OP_WRITE || op == OP_READ) {
-            return;
-        }
-        buf.clear();
-        if op == OP_WRITE {
-            buf.resize(len as usize, 0);
-            if s.read_exact(&mut buf).is_err() {
-                return;
-            }
-        }
-        let answer = serve(dev, &hello, op, addr, rkey, &mut buf, len);
-        let sent = s.write_all(&[answer]).and_then(|()| {
-            if answer == OK && op == OP_READ {
-                s.write_all(&buf)
-            } else {
-                Ok(())
-            }
-        });
-        if sent.is_err() {
-            return;
-        }
-    }
-}
-
-/// What a requester says when it connects.
-struct Hello {
-    node: u16,
-    qpn: u32,
-    dst_qpn: u32,
-    gid_type: u32,
-    /// The READs it may have outstanding (its `max_rd_atomic`).
-    rd_atomic: u8,
-}
-
-/// Checks one request as a NIC does and carries it out; returns the answer.
-fn serve(
-    dev: &Device,
-    from: &Hello,
-    op: u8,
-    addr: u64,
-    rkey: u32,
-    buf: &mut Vec<u8>,
-    len: u32,
-) -> u8 {
-    let Some(qp) = qp(from.dst_qpn).filter(|q| std::ptr::eq(&*q.dev, dev)) else {
-        return DROPPED;
-    };
-    let (access, max_dest_rd_atomic) = {
-        let st = lock(&qp.st);
-        // A requester allowed more READs in flight than this responder serves
-        // (`max_rd_atomic` above its `max_dest_rd_atomic`) would have the excess
-        // dropped; the fake drops every request of such a connection.
-        let connected = (st.state == IBV_QPS_RTR || st.state == IBV_QPS_RTS)
-            && st.attrs.dest_qpn == from.qpn
-            && st.attrs.remote_node == from.node
-            && (dev.spec.infiniband || st.attrs.gid_type == from.gid_type)
-            && from.rd_atomic <= st.attrs.max_dest_rd_atomic;
-        if !connected || !dev.active.load(Ordering::Acquire) {
-            return DROPPED;
-        }
-        (st.attrs.access as i32, st.attrs.max_dest_rd_atomic)
-    };
-    let need = if op == OP_WRITE {
-        IBV_ACCESS_REMOTE_WRITE
-    } else {
-        IBV_ACCESS_REMOTE_READ
-    };
-    if op == OP_READ && max_dest_rd_atomic == 0 {
-        qp.to_error();
-        return INVALID;
-    }
-    let refuse = || {
-        qp.to_error();
-        qp.event(IBV_EVENT_QP_ACCESS_ERR);
-        ACCESS
-    };
-    let mr = match dev.mr(rkey) {
-        Some(mr)
-            if mr.pd == qp.pd
-                && mr.covers(addr, u64::from(len))
-                && mr.access & need != 0
-                && access & need != 0 =>
-        {
-            mr
-        }
-        _ => return refuse(),
-    };
-    let live = mr.live.read().unwrap_or_else(|p| p.into_inner());
-    if !*live {
-        return refuse();
-    }
-    if op == OP_WRITE {
-        // SAFETY: a live region (held against deregistration) that grants REMOTE_WRITE
-        // and covers `addr..addr+len`: its owner allowed the NIC to write these bytes.
-        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), addr as *mut u8, len as usize) };
-    } else {
-        buf.resize(len as usize, 0);
-        // SAFETY: as above, with REMOTE_READ: these bytes may be read.
-        unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, buf.as_mut_ptr(), len as usize) };
-    }
-    OK
 }
