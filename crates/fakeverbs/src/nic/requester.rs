@@ -7,8 +7,9 @@ use std::os::unix::net::{SocketAddr, UnixStream};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use super::queue_pair::Attrs;
 use super::{
-    lock, node_name, Attrs, Fault, Qp, Wr, ACCESS, HELLO, INVALID, MAX_TRANSPORT_WAIT, OK, OP_READ,
+    lock, node_name, Fault, Qp, Wr, ACCESS, HELLO, INVALID, MAX_TRANSPORT_WAIT, OK, OP_READ,
     OP_WRITE,
 };
 use crate::verbs::*;
