@@ -60,6 +60,8 @@ struct PeerConns {
     /// The slice size agreed with this peer: the smaller of our `slice_size` and the
     /// frame limit its connections announced.
     slice: AtomicU64,
+    /// The peer itself, when it is a tcp backend of this process (see `local`).
+    local: Option<std::sync::Weak<Shared>>,
 }
 
 /// The TCP backend.
@@ -129,6 +131,13 @@ pub(crate) fn decode_endpoint(b: &[u8]) -> Result<(SocketAddr, u64)> {
     };
     let instance: [u8; 8] = rest.try_into().map_err(|_| bad())?;
     Ok((SocketAddr::new(ip, port), u64::from_le_bytes(instance)))
+}
+
+impl Shared {
+    /// Whether the backend is still open (not dropped).
+    pub(crate) fn is_open(&self) -> bool {
+        !self.closed.load(Ordering::Acquire)
+    }
 }
 
 impl TcpBackend {
@@ -218,6 +227,8 @@ impl TcpBackend {
             shared.watch.close();
             return Err(e);
         }
+        let endpoint = encode_endpoint(advertised, instance);
+        crate::local::publish(&shared, &endpoint);
         Ok(TcpBackend {
             info: BackendInfo {
                 name: crate::NAME.to_string(),
@@ -234,7 +245,7 @@ impl TcpBackend {
                     checks_at_target: true,
                 },
             },
-            endpoint: encode_endpoint(advertised, instance),
+            endpoint,
             shared,
             peers: RwLock::new(HashMap::new()),
             by_endpoint: Mutex::new(HashMap::new()),
@@ -464,6 +475,12 @@ impl TransferBackend for TcpBackend {
             instance,
             conns: RwLock::new(Vec::new()),
             slice: AtomicU64::new(self.shared.config.slice_size),
+            local: self
+                .shared
+                .config
+                .local_copies
+                .then(|| crate::local::find(&peer.endpoint))
+                .flatten(),
         });
         self.fill_pool(&pc, deadline)?;
         let mut by = self.by_endpoint.lock();
@@ -548,8 +565,18 @@ impl TransferBackend for TcpBackend {
         // batches and the frames of a large one still spread over the whole pool.
         let start = (0..n).min_by_key(|&k| conns[k].load()).unwrap_or(0);
         let mut per_conn: Vec<Vec<Slice>> = (0..n).map(|_| Vec::new()).collect();
-        for (i, f) in frames.into_iter().enumerate() {
-            per_conn[start.wrapping_add(i) % n].push(f.into_slice(&b));
+        let local = pc.local.as_ref().and_then(std::sync::Weak::upgrade);
+        let mut i = 0;
+        for f in frames {
+            let mut slice = f.into_slice(&b);
+            if let Some(target) = local.as_deref().filter(|_| slice.device.is_some()) {
+                match crate::local::start(target, slice) {
+                    Ok(()) => continue,
+                    Err(s) => slice = s,
+                }
+            }
+            per_conn[start.wrapping_add(i) % n].push(slice);
+            i += 1;
         }
         let mut budget = self.shared.config.inline_send as usize;
         // Frame `i` goes to connection `start + i` modulo `n`; the first frame's

@@ -60,6 +60,10 @@ pub struct TcpConfig {
     /// initiator reconnects on next use); 0 never closes an idle connection.
     #[serde(deserialize_with = "te_core::config::de::duration")]
     pub idle_timeout: Duration,
+    /// Frames between device memory of one runtime and device, to a peer that is a
+    /// tcp backend of this same process, move device to device instead of through
+    /// staging and the socket.
+    pub local_copies: bool,
     /// For tests only: the target holds every request this long before serving it.
     #[serde(deserialize_with = "te_core::config::de::duration")]
     pub debug_delay: Duration,
@@ -83,6 +87,7 @@ impl Default for TcpConfig {
             max_pending: 64,
             max_connections: 4096,
             idle_timeout: Duration::ZERO,
+            local_copies: true,
             debug_delay: Duration::ZERO,
         }
     }
@@ -109,6 +114,7 @@ impl fmt::Debug for TcpConfig {
             .field("max_pending", &self.max_pending)
             .field("max_connections", &self.max_connections)
             .field("idle_timeout", &self.idle_timeout)
+            .field("local_copies", &self.local_copies)
             .field("debug_delay", &self.debug_delay)
             .finish()
     }

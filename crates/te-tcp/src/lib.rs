@@ -42,10 +42,10 @@
 //! waits (at most `io_timeout`) for its tasks to end.
 //!
 //! Device memory (`cuda:0`, `fakedev:0`, any runtime in `te_core::device`): sockets
-//! cannot touch it, so its slices are staged through pinned host buffers, a small pool
-//! per connection, direction and runtime, allocated once with the runtime's
-//! `alloc_pinned` and reused. A frame's pieces are packed one after another in one
-//! buffer and copied as one group of copies (adjacent pieces as one copy), which
+//! cannot touch it, so its slices are staged through pinned host memory, one ring per
+//! connection, direction and runtime, allocated once with the runtime's
+//! `alloc_pinned` and handed out by bytes. A frame's pieces are packed one after
+//! another in one range and copied as one group of copies (adjacent pieces as one copy), which
 //! synchronises once per frame rather than once per block, on either side. A sender
 //! copies frame k+1 from the device while frame k goes out on the socket; a receiver
 //! receives frame k+1 while frame k is copied to the device, and the target
@@ -54,6 +54,13 @@
 //! Copies complete through the runtime's callback. A failed copy fails its batch with
 //! the runtime's error; checks, rights and deregistration work as for host memory
 //! (deregistration also waits for copies of the region in flight).
+//!
+//! A peer that is a tcp backend of this same process (its endpoint is one this
+//! process published) gets its device-to-device frames, where both regions are on one
+//! runtime and device, as one group of device copies instead (`local_copies`): the
+//! frame is admitted against the target's registrations as a served frame is, and both
+//! regions stay pinned until the copies end. Everything else still goes over its
+//! connections.
 //!
 //! # Options (`[backends.tcp]`)
 //!
@@ -74,6 +81,7 @@
 //! | `max_pending` | `64` | accepted connections still in their handshake, at most; more are closed at once |
 //! | `max_connections` | `4096` | data connections served at once, at most (pending ones included); more are closed at once |
 //! | `idle_timeout` | `"0s"` | a served connection on which no request arrives for this long is closed (the initiator reconnects on next use); when shorter than `io_timeout` it also bounds a request stalled halfway; 0 = never |
+//! | `local_copies` | `true` | device-to-device frames (same runtime and device) to a peer that is a tcp backend of this process are device copies, not staged through the socket; `false` stages them as for any peer |
 //! | `debug_delay` | `"0s"` | for tests only: the target holds every request this long |
 //!
 //! Sizes are numbers of bytes or strings like `"64KiB"`; durations are strings like
@@ -120,6 +128,7 @@ mod config;
 mod conn;
 mod handshake;
 mod io;
+mod local;
 mod regions;
 mod respond;
 mod serve;

@@ -425,7 +425,7 @@ async fn refuse_oversize(
 
 /// Checks every entry of a request against the registrations (region, right, bounds)
 /// and pins its region.
-fn admit(shared: &Shared, h: &Header, entries: &[Entry], peer: &str) -> Result<Pin> {
+pub(crate) fn admit(shared: &Shared, h: &Header, entries: &[Entry], peer: &str) -> Result<Pin> {
     let first = entries.first().copied().unwrap_or(Entry {
         offset: h.offset,
         len: h.len,

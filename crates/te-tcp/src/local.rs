@@ -1,0 +1,134 @@
+//! Peers in this process: device memory moves device to device, not through sockets.
+//!
+//! When an initiator and its target are tcp backends of one process (a test, a
+//! benchmark, or two engines that share a process), a frame from device memory to
+//! device memory of the same runtime and device need not be staged to the host, sent
+//! over loopback and staged back: it is one group of device-to-device copies. Every
+//! other frame (host memory, another device or runtime) still goes over the socket.
+//!
+//! A backend publishes itself here with its endpoint. An initiator's peer is this
+//! process's backend when the peer's endpoint is, byte for byte, one published here:
+//! the same advertised address and port and the same 64-bit instance, which is random
+//! per engine start, so another process cannot hold it by chance, and a descriptor that
+//! copies it names an address that reaches this process anyway. The data connections
+//! are still opened and authenticated as for any peer; only their frames are skipped.
+//!
+//! The target's checks stay the target's: the frame is admitted against the target's
+//! registrations exactly as a served frame is (`serve::admit`: region, rights, every
+//! entry's bounds), a refusal fails the batch with the target's error, and the target's
+//! pin holds its region until the copies end, so deregistration there waits for them
+//! as it waits for a served request. The initiator's pins hold its region likewise.
+
+use std::sync::{Arc, Weak};
+
+use te_core::device::DeviceCopy;
+use te_core::sync::Mutex;
+use te_core::{Op, Result};
+
+use crate::backend::Shared;
+use crate::conn::timeout_error;
+use crate::slice::{Batch, Part, Slice};
+use crate::stage;
+use crate::wire::{Entry, Header, Kind};
+
+/// Backends of this process, by endpoint.
+static PUBLISHED: Mutex<Vec<(Vec<u8>, Weak<Shared>)>> = Mutex::new(Vec::new());
+
+/// Makes `shared` findable by its `endpoint` for initiators of this process.
+pub(crate) fn publish(shared: &Arc<Shared>, endpoint: &[u8]) {
+    let mut all = PUBLISHED.lock();
+    all.retain(|(_, w)| w.strong_count() > 0);
+    all.push((endpoint.to_vec(), Arc::downgrade(shared)));
+}
+
+/// The backend of this process that published `endpoint`, if it is still open.
+pub(crate) fn find(endpoint: &[u8]) -> Option<Weak<Shared>> {
+    PUBLISHED
+        .lock()
+        .iter()
+        .find(|(e, w)| e == endpoint && w.upgrade().is_some_and(|s| s.is_open()))
+        .map(|(_, w)| w.clone())
+}
+
+/// Moves `slice` (local device memory) device to device into or out of `target`'s
+/// region, if that region is on the same runtime and device; `Err(slice)` hands it back
+/// to go over the socket. The slice's batch learns the result when the copies end, or
+/// at once if the target refuses the frame.
+pub(crate) fn start(target: &Shared, slice: Slice) -> std::result::Result<(), Slice> {
+    let Some((rt, ordinal)) = slice.device.clone() else {
+        return Err(slice);
+    };
+    let parts: Vec<Part> = if slice.parts.is_empty() {
+        vec![Part {
+            local: slice.local,
+            remote_offset: slice.remote_offset,
+            len: slice.len,
+        }]
+    } else {
+        slice.parts.clone()
+    };
+    let entries: Vec<Entry> = parts
+        .iter()
+        .map(|p| Entry {
+            offset: p.remote_offset,
+            len: p.len,
+        })
+        .collect();
+    let kind = match slice.op {
+        Op::Write => Kind::WriteV,
+        Op::Read => Kind::ReadV,
+    };
+    let h = Header::request(kind, 0, slice.remote.0, 0, slice.len);
+    let batch: &Arc<Batch> = &slice.batch;
+    let pin = match crate::serve::admit(target, &h, &entries, "this process") {
+        Ok(pin) => pin,
+        Err(e) => {
+            batch.finish_slice(Err(e));
+            return Ok(());
+        }
+    };
+    let region = pin.region();
+    let same = region
+        .device
+        .as_ref()
+        .is_some_and(|(r, o)| r.name() == rt.name() && *o == ordinal);
+    if !same {
+        return Err(slice);
+    }
+    if batch.stopped() {
+        batch.finish_slice(Err(timeout_error()));
+        return Ok(());
+    }
+    let Some(pins) = batch.hold() else {
+        batch.finish_slice(Err(timeout_error()));
+        return Ok(());
+    };
+    let copies: Vec<DeviceCopy> = parts
+        .iter()
+        .map(|p| {
+            let (here, there) = (p.local as u64, region.addr + p.remote_offset);
+            let (src, dst) = match slice.op {
+                Op::Write => (here, there),
+                Op::Read => (there, here),
+            };
+            DeviceCopy::DeviceToDevice {
+                src_ordinal: ordinal,
+                src,
+                dst_ordinal: ordinal,
+                dst,
+                len: p.len as usize,
+            }
+        })
+        .collect();
+    let batch = batch.clone();
+    let done = move |r: Result<()>| {
+        drop(pin);
+        drop(pins);
+        batch.finish_slice(r);
+    };
+    // SAFETY: the initiator's ranges lie in its region, checked at submission and kept
+    // registered by the batch's pins; the target's were admitted against its region,
+    // which `pin` keeps registered; `done` owns both pins until the copies end.
+    unsafe { stage::start_all(&rt, copies, done) };
+    Ok(())
+}

@@ -1,0 +1,159 @@
+//! What the device-memory test binaries share: `fakedev` memory, backends, a blocking
+//! submit, and a batch of scattered blocks.
+
+#![allow(dead_code)]
+
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use te_core::device::{DeviceCopy, DeviceRuntime};
+use te_core::{
+    Access, BackendContext, Completion, Deadline, MemoryDesc, MemoryKind, Op, PeerId, RegionId,
+    SegmentDesc, TransferBackend, TransferRequest,
+};
+use te_tcp::{TcpBackend, TcpConfig};
+
+pub const BLOCK: u64 = 32 << 10;
+pub const BLOCKS: u64 = 128;
+pub const SLICE: u64 = 512 << 10;
+
+/// Device memory of a `fakedev` device, freed on drop.
+pub struct DevMem {
+    rt: Arc<dyn DeviceRuntime>,
+    ordinal: u32,
+    addr: u64,
+    len: usize,
+}
+
+impl DevMem {
+    pub fn new(ordinal: u32, len: usize) -> DevMem {
+        let rt = te_core::device::runtime(te_core::fakedev::NAME).expect("fakedev");
+        let addr = rt.alloc(ordinal, len).expect("alloc");
+        DevMem {
+            rt,
+            ordinal,
+            addr,
+            len,
+        }
+    }
+
+    pub fn register(&self, b: &TcpBackend, id: u64, access: Access) {
+        let mem = MemoryDesc {
+            name: "d".into(),
+            addr: self.addr,
+            len: self.len as u64,
+            kind: MemoryKind::Device {
+                runtime: te_core::fakedev::NAME.into(),
+                ordinal: self.ordinal,
+            },
+            access,
+        };
+        b.register(RegionId(id), &mem).expect("register");
+    }
+
+    pub fn fill(&self, v: &[u8]) {
+        let copy = DeviceCopy::ToDevice {
+            ordinal: self.ordinal,
+            device: self.addr,
+            host: v.as_ptr(),
+            len: v.len().min(self.len),
+        };
+        // SAFETY: `v` outlives the synchronous copy, which stays inside the allocation.
+        unsafe { self.rt.copy_sync(copy) }.expect("copy");
+    }
+
+    pub fn read(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len];
+        let copy = DeviceCopy::ToHost {
+            ordinal: self.ordinal,
+            device: self.addr,
+            host: v.as_mut_ptr(),
+            len: self.len,
+        };
+        // SAFETY: `v` outlives the synchronous copy and holds `len` bytes.
+        unsafe { self.rt.copy_sync(copy) }.expect("copy");
+        v
+    }
+}
+
+impl Drop for DevMem {
+    fn drop(&mut self) {
+        let _ = self.rt.free(self.ordinal, self.addr);
+    }
+}
+
+/// A tcp backend with `SLICE`-byte slices; `local_copies` as given.
+pub fn backend(local_copies: bool) -> TcpBackend {
+    let mut c = TcpConfig::default();
+    c.slice_size = SLICE;
+    c.local_copies = local_copies;
+    TcpBackend::new(c, &BackendContext::default()).expect("backend")
+}
+
+/// Connects `init` to `target`.
+pub fn connect(init: &TcpBackend, target: &TcpBackend) -> PeerId {
+    let seg = SegmentDesc {
+        engine: "target".into(),
+        epoch: 1,
+        address: String::new(),
+        backend: te_tcp::NAME.into(),
+        endpoint: target.endpoint(),
+        regions: Vec::new(),
+        layouts: Vec::new(),
+    };
+    init.connect(&seg, Deadline::after(Duration::from_secs(10)))
+        .expect("connect")
+}
+
+/// Submits `reqs` and waits for the batch's result.
+pub fn run(b: &TcpBackend, peer: PeerId, reqs: &[TransferRequest]) -> te_core::Result<()> {
+    let (tx, rx) = mpsc::channel();
+    let done = Completion::new(Duration::from_secs(20), move |r, _| {
+        let _ = tx.send(r);
+    });
+    b.submit(peer, reqs, done)?;
+    rx.recv_timeout(Duration::from_secs(20))
+        .expect("the batch completed")
+}
+
+/// Block `i` of local region `local` goes to (or comes from) block `i * 37 mod 128` of
+/// remote region 1, so a frame's entries are scattered over the remote region.
+pub fn requests(op: Op, local: u64) -> Vec<TransferRequest> {
+    (0..BLOCKS)
+        .map(|i| TransferRequest {
+            op,
+            local: RegionId(local),
+            local_offset: i * BLOCK,
+            remote: RegionId(1),
+            remote_offset: (i * 37 % BLOCKS) * BLOCK,
+            len: BLOCK,
+        })
+        .collect()
+}
+
+/// A recognisable pattern of `len` bytes.
+pub fn pattern(len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31) ^ (i >> 15) as u8)
+        .collect()
+}
+
+/// Asserts every block of `data` landed where `requests` sends it in `landed`.
+pub fn assert_scattered(landed: &[u8], data: &[u8]) {
+    for i in 0..BLOCKS {
+        let (at, from) = (((i * 37 % BLOCKS) * BLOCK) as usize, (i * BLOCK) as usize);
+        assert!(
+            landed[at..at + BLOCK as usize] == data[from..from + BLOCK as usize],
+            "block {i} landed intact"
+        );
+    }
+}
+
+/// Deregisters `ids` of `b`.
+pub fn deregister(b: &TcpBackend, ids: &[u64]) {
+    for &id in ids {
+        b.deregister(RegionId(id), Deadline::after(Duration::from_secs(10)))
+            .expect("deregister");
+    }
+}
