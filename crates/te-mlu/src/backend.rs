@@ -9,10 +9,10 @@
 //! - `register`: a remotely accessible `mlu:N` region's key carries the IPC handle of
 //!   its allocation (`cnrtAcquireMemHandle`) and the region's offset in it, plus its
 //!   slot in the region table.
-//! - `connect`: refuses peers on other hosts; receives the peer's region table over its
-//!   socket (`SCM_RIGHTS`); maps each of the peer's regions into this process
-//!   (`cnrtMapMemHandle`, once per allocation) or, for a peer in this process, uses its
-//!   addresses as they are.
+//! - `connect` (module `peer`): refuses peers on other hosts; receives the peer's region
+//!   table over its socket (`SCM_RIGHTS`); maps each of the peer's regions into this
+//!   process (`cnrtMapMemHandle`, once per allocation) or, for a peer in this process,
+//!   uses its addresses as they are.
 //! - `submit`: checks every request against both sides' regions again, counts the batch
 //!   in on each region it touches (so deregistration on either side waits for it), and
 //!   hands it to a worker thread, which enqueues all the batch's copies
@@ -26,31 +26,29 @@
 //!   `Timeout`, never `Ok`, and the region stays refused and counted.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::thread::{JoinHandle, ThreadId};
 use std::time::Instant;
-use te_core::sync::{Mutex, RwLock};
+use te_core::sync::RwLock;
 
 use te_core::{
-    Access, BackendContext, BackendInfo, BatchId, Capabilities, Completion, Deadline, Error,
-    ErrorKind, MemoryDesc, MemoryKind, Op, PeerId, RegionId, Result, SegmentDesc, TransferBackend,
+    BackendContext, BackendInfo, BatchId, Capabilities, Completion, Deadline, Error, ErrorKind,
+    MemoryDesc, MemoryKind, Op, PeerId, RegionId, Result, SegmentDesc, TransferBackend,
     TransferRequest,
 };
 
 use crate::completion::{worker, Copy, Guard, Job, Kind, Shared};
-use crate::config::{IpcMode, MluConfig};
-use crate::endpoint::{process_id, Endpoint, Key};
-use crate::ffi::{dir, IpcHandle};
+use crate::config::MluConfig;
+use crate::endpoint::{host_identity, process_id, Endpoint, Key};
+use crate::ffi::dir;
 use crate::handoff::{self, Server};
+use crate::peer::PeerState;
 use crate::runtime::{self, MluRuntime, RUNTIME};
 use crate::shm::{Extent, Table};
 
-/// How long `connect` waits for a peer's table server to answer.
-const TABLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
-
 /// Where a region's bytes are, as this process addresses them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Mem {
+pub(crate) enum Mem {
     Host,
     /// A local MLU ordinal.
     Mlu(u32),
@@ -64,56 +62,18 @@ struct Local {
     slot: u32,
 }
 
-/// A peer's allocation mapped into this process; unmapped when the last user goes.
-#[derive(Debug)]
-pub(crate) struct Mapping {
-    rt: Arc<MluRuntime>,
-    ordinal: u32,
-    addr: u64,
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        if let Err(e) = self.rt.unmap(self.ordinal, self.addr) {
-            tracing::warn!(error = %e, "unmapping a peer's MLU memory failed");
-        }
-    }
-}
-
-#[derive(Debug)]
-struct Remote {
-    /// The address usable here, or why the region cannot be reached from here.
-    addr: std::result::Result<u64, Error>,
-    mapping: Option<Arc<Mapping>>,
-    len: u64,
-    mem: Mem,
-    access: Access,
-    slot: u32,
-    /// The descriptor's address and the key's offset in the allocation, which must
-    /// agree with the peer's own region table.
-    origin: (u64, u64),
-}
-
-#[derive(Debug)]
-struct PeerState {
-    endpoint: Endpoint,
-    table: Arc<Table>,
-    regions: RwLock<HashMap<RegionId, Arc<Remote>>>,
-    maps: Mutex<HashMap<IpcHandle, Weak<Mapping>>>,
-}
-
 /// The intra-host MLU-Link backend.
 pub struct MluBackend {
     info: BackendInfo,
-    config: MluConfig,
-    rt: Arc<MluRuntime>,
-    endpoint: Endpoint,
+    pub(crate) config: MluConfig,
+    pub(crate) rt: Arc<MluRuntime>,
+    pub(crate) endpoint: Endpoint,
     /// `peerable[a][b]`: mlu:a can copy to and from mlu:b (cnrtGetPeerAccessibility).
     peerable: Vec<Vec<bool>>,
-    table: Arc<Table>,
+    pub(crate) table: Arc<Table>,
     _server: Server,
     locals: RwLock<HashMap<RegionId, Local>>,
-    peers: RwLock<HashMap<PeerId, Arc<PeerState>>>,
+    pub(crate) peers: RwLock<HashMap<PeerId, Arc<PeerState>>>,
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
     thread_ids: Vec<ThreadId>,
@@ -126,21 +86,6 @@ impl std::fmt::Debug for MluBackend {
             .field("config", &self.config)
             .finish()
     }
-}
-
-/// This host's identity: host name and boot id, so that two containers with one host
-/// name on different machines, or one machine rebooted, never look alike.
-fn host_identity() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer and its length are valid.
-    let name = if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0 {
-        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-        String::from_utf8_lossy(&buf[..end]).into_owned()
-    } else {
-        "unknown-host".into()
-    };
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    format!("{name}/{}", boot.trim())
 }
 
 fn region_error(kind: ErrorKind, m: String) -> Error {
@@ -227,99 +172,6 @@ impl MluBackend {
             shared,
         })
     }
-
-    fn local_ordinal(&self, ep: &Endpoint, remote: u32) -> Result<u32> {
-        if ep.process == self.endpoint.process {
-            return Ok(remote);
-        }
-        let bus = ep.buses.get(remote as usize).ok_or_else(|| {
-            Error::new(
-                ErrorKind::Protocol,
-                format!(
-                    "the peer names mlu:{remote} but lists only {} MLUs",
-                    ep.buses.len()
-                ),
-            )
-        })?;
-        self.endpoint
-            .buses
-            .iter()
-            .position(|b| b == bus)
-            .map(|p| p as u32)
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::Unsupported,
-                    format!("the peer's mlu:{remote} (PCI {bus}) is not visible to this process (check MLU_VISIBLE_DEVICES)"),
-                )
-            })
-    }
-
-    fn map(&self, peer: &PeerState, ordinal: u32, handle: IpcHandle) -> Result<Arc<Mapping>> {
-        let mut maps = peer.maps.lock();
-        if let Some(m) = maps.get(&handle).and_then(Weak::upgrade) {
-            return Ok(m);
-        }
-        let addr = self.rt.map(ordinal, handle)?;
-        let m = Arc::new(Mapping {
-            rt: self.rt.clone(),
-            ordinal,
-            addr,
-        });
-        maps.insert(handle, Arc::downgrade(&m));
-        Ok(m)
-    }
-
-    fn remote(&self, peer: &PeerState, r: &te_core::RegionDesc) -> Result<Remote> {
-        let key = Key::decode(&r.key)?;
-        let same_process = peer.endpoint.process == self.endpoint.process;
-        let direct = same_process && self.config.ipc == IpcMode::Auto;
-        let mut remote = Remote {
-            addr: Ok(r.addr),
-            mapping: None,
-            len: r.len,
-            mem: Mem::Host,
-            access: r.access,
-            slot: key.slot,
-            origin: (r.addr, key.handle.map_or(0, |(_, off)| off)),
-        };
-        match &r.kind {
-            MemoryKind::Host if same_process => {}
-            MemoryKind::Host => {
-                remote.addr = Err(Error::new(
-                    ErrorKind::Unsupported,
-                    format!("region {} of the peer is host memory of another process, which MLU-Link cannot reach; register mlu:N memory there, or use the tcp backend for host memory", r.id),
-                ));
-            }
-            MemoryKind::Device { runtime, ordinal } if runtime == RUNTIME => {
-                match self.local_ordinal(&peer.endpoint, *ordinal) {
-                    Ok(local) => {
-                        remote.mem = Mem::Mlu(local);
-                        if !direct {
-                            remote.addr = match key.handle {
-                                Some((h, off)) => self.map(peer, local, h).map(|m| {
-                                    let a = m.addr + off;
-                                    remote.mapping = Some(m);
-                                    a
-                                }),
-                                None => Err(Error::new(
-                                    ErrorKind::Unsupported,
-                                    format!("region {} of the peer has no IPC handle", r.id),
-                                )),
-                            };
-                        }
-                    }
-                    Err(e) => remote.addr = Err(e),
-                }
-            }
-            other => {
-                remote.addr = Err(Error::new(
-                    ErrorKind::Unsupported,
-                    format!("region {} of the peer is {other} memory, which the mlu backend does not move", r.id),
-                ));
-            }
-        }
-        Ok(remote)
-    }
 }
 
 impl TransferBackend for MluBackend {
@@ -395,47 +247,7 @@ impl TransferBackend for MluBackend {
     }
 
     fn connect(&self, peer: &SegmentDesc, _deadline: Deadline) -> Result<PeerId> {
-        let ep = Endpoint::decode(&peer.endpoint)?;
-        if ep.host != self.endpoint.host {
-            return Err(Error::new(
-                ErrorKind::Unsupported,
-                format!(
-                    "engine `{}` is on another host ({}; this is {}): the mlu backend connects engines on one host over MLU-Link; across hosts use the tcp or rdma backend with mlu:N memory",
-                    peer.engine, ep.host, self.endpoint.host
-                ),
-            ));
-        }
-        let id = PeerId(ep.instance);
-        let existing = self.peers.read().get(&id).cloned();
-        let state = match existing {
-            Some(s) if s.endpoint == ep => s,
-            _ => {
-                let table = if ep.instance == self.endpoint.instance {
-                    self.table.clone()
-                } else {
-                    let fd = handoff::fetch(&ep.socket, ep.instance, TABLE_TIMEOUT)?;
-                    Arc::new(Table::open(fd, ep.instance)?)
-                };
-                Arc::new(PeerState {
-                    endpoint: ep,
-                    table,
-                    regions: RwLock::new(HashMap::new()),
-                    maps: Mutex::new(HashMap::new()),
-                })
-            }
-        };
-        let old = state.regions.read().clone();
-        let mut regions = HashMap::new();
-        for r in &peer.regions {
-            let remote = match old.get(&r.id) {
-                Some(known) => known.clone(),
-                None => Arc::new(self.remote(&state, r)?),
-            };
-            regions.insert(r.id, remote);
-        }
-        *state.regions.write() = regions;
-        self.peers.write().insert(id, state);
-        Ok(id)
+        self.connect_peer(peer)
     }
 
     fn disconnect(&self, peer: PeerId, _deadline: Deadline) -> Result<()> {
@@ -665,59 +477,5 @@ impl Drop for MluBackend {
                 let _ = t.join();
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn endpoints_and_keys_round_trip() {
-        let ep = Endpoint {
-            instance: 7,
-            process: 42,
-            socket: "te-mlu-0000000000000007".into(),
-            host: "h/boot".into(),
-            buses: vec!["0000:1a:00.0".into(), "0000:1b:00.0".into()],
-        };
-        assert_eq!(Endpoint::decode(&ep.encode()).unwrap(), ep);
-        assert!(Endpoint::decode(&ep.encode()[..10]).is_err());
-        for k in [
-            Key {
-                slot: 3,
-                handle: None,
-            },
-            Key {
-                slot: 4,
-                handle: Some(([1, 2, 3, 4, 5, 6, 7, 8], 4096)),
-            },
-        ] {
-            assert_eq!(Key::decode(&k.encode()).unwrap(), k);
-        }
-    }
-
-    #[test]
-    fn a_peer_on_another_host_is_refused_naming_tcp_and_rdma() {
-        let b = MluBackend::new(MluConfig::default(), &BackendContext::default())
-            .expect("the fake libcnrt loads");
-        let mut ep = Endpoint::decode(&b.endpoint()).unwrap();
-        ep.host = "elsewhere/0000".into();
-        let seg = SegmentDesc {
-            engine: "far".into(),
-            epoch: 1,
-            address: String::new(),
-            backend: crate::NAME.into(),
-            endpoint: ep.encode(),
-            regions: Vec::new(),
-            layouts: Vec::new(),
-        };
-        let e = b
-            .connect(&seg, Deadline::after(std::time::Duration::from_secs(5)))
-            .unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::Unsupported);
-        let m = e.to_string();
-        assert!(m.contains("tcp or rdma backend with mlu:N memory"), "{m}");
-        assert!(m.contains("elsewhere"), "{m}");
     }
 }

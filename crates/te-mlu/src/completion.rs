@@ -9,8 +9,8 @@ use std::time::Instant;
 use te_core::sync::{Condvar, Mutex};
 use te_core::{Completion, Error, ErrorKind, Result};
 
-use crate::backend::Mapping;
 use crate::ffi::{Cnrt, Queue};
+use crate::peer::Mapping;
 use crate::shm::Table;
 
 /// A batch's claim on one region: counted out again when dropped.

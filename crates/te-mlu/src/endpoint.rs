@@ -28,6 +28,21 @@ pub(crate) fn process_id() -> u64 {
     *ID.get_or_init(|| rand::random::<u64>() | 1)
 }
 
+/// This host's identity: host name and boot id, so that two containers with one host
+/// name on different machines, or one machine rebooted, never look alike.
+pub(crate) fn host_identity() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer and its length are valid.
+    let name = if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0 {
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        String::from_utf8_lossy(&buf[..end]).into_owned()
+    } else {
+        "unknown-host".into()
+    };
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    format!("{name}/{}", boot.trim())
+}
+
 impl Endpoint {
     pub(crate) fn encode(&self) -> Vec<u8> {
         let mut v = ENDPOINT_MAGIC.to_vec();
@@ -61,5 +76,35 @@ impl Key {
 
     pub(crate) fn decode(b: &[u8]) -> Result<Key> {
         codec::decode(b, "an mlu region key")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_and_keys_round_trip() {
+        let ep = Endpoint {
+            instance: 7,
+            process: 42,
+            socket: "te-mlu-0000000000000007".into(),
+            host: "h/boot".into(),
+            buses: vec!["0000:1a:00.0".into(), "0000:1b:00.0".into()],
+        };
+        assert_eq!(Endpoint::decode(&ep.encode()).unwrap(), ep);
+        assert!(Endpoint::decode(&ep.encode()[..10]).is_err());
+        for k in [
+            Key {
+                slot: 3,
+                handle: None,
+            },
+            Key {
+                slot: 4,
+                handle: Some(([1, 2, 3, 4, 5, 6, 7, 8], 4096)),
+            },
+        ] {
+            assert_eq!(Key::decode(&k.encode()).unwrap(), k);
+        }
     }
 }

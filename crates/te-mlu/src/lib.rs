@@ -41,6 +41,7 @@ mod config;
 mod endpoint;
 mod ffi;
 mod handoff;
+mod peer;
 mod runtime;
 mod shm;
 

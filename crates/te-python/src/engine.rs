@@ -1,28 +1,27 @@
-//! `te._te.Engine`, `Peer` and `Registration`.
+//! `te._te.Engine`: registration, connection, transfers, layouts and notifications.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
-use te::sync::{Mutex, RwLock};
+use te::sync::Mutex;
 
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use te::{
-    BlockOptions, Engine, ErrorKind, KvGroup, KvLayout, KvSelection, KvSlot, MemoryDesc, Op, Peer,
-    RegionDesc, RegionId, Registration, TransferOptions, TransferRequest,
+    BlockOptions, Engine, ErrorKind, KvGroup, KvLayout, KvSelection, KvSlot, MemoryDesc, Op,
+    RegionId, TransferOptions, TransferRequest,
 };
 
+use crate::addrs::{find, local_region, remote_regions, AddrMap};
 use crate::args;
 use crate::errors::{te_err, IntoPy};
 use crate::handle::PyHandle;
+use crate::peer::PyPeer;
+use crate::registration::PyRegistration;
 
 /// A layout slot from Python: `(name, region id, offset, bytes per block, blocks)`.
 type SlotSpec = (String, u64, u64, u64, u64);
-
-/// Local regions by start address, for callers that name memory by raw address.
-type AddrMap = Arc<RwLock<BTreeMap<u64, Vec<(u64, RegionId)>>>>;
 
 /// A transfer engine: one backend, one control plane, its registrations and peers.
 #[pyclass(module = "te._te", name = "Engine", subclass, frozen)]
@@ -46,19 +45,6 @@ impl PyEngine {
         Ok(TransferOptions {
             timeout: args::timeout(timeout)?,
             notify,
-        })
-    }
-
-    fn local_region(&self, addr: u64, len: u64) -> Option<(RegionId, u64)> {
-        let map = self.addrs.read();
-        map.range(..=addr).rev().find_map(|(start, regions)| {
-            regions
-                .iter()
-                .find(|(rlen, _)| {
-                    addr.checked_add(len)
-                        .is_some_and(|end| end <= start.saturating_add(*rlen))
-                })
-                .map(|(_, id)| (*id, addr - start))
         })
     }
 
@@ -174,7 +160,7 @@ impl PyEngine {
         let reg = py
             .allow_threads(|| unsafe { engine.register(desc) })
             .py_err()?;
-        Ok(self.track(reg, keep))
+        Ok(PyRegistration::new(&self.addrs, reg, keep))
     }
 
     /// Registers the memory of a writable, C-contiguous buffer-protocol object (a
@@ -287,7 +273,7 @@ impl PyEngine {
         let peer = &peer.peer;
         let mut requests = Vec::with_capacity(buffers.len());
         for (i, ((&local, &len), &addr)) in buffers.iter().zip(&lengths).zip(&remote).enumerate() {
-            let (local, local_offset) = self.local_region(local, len).ok_or_else(|| {
+            let (local, local_offset) = local_region(&self.addrs, local, len).ok_or_else(|| {
                 te_err(
                     ErrorKind::NotRegistered,
                     "transfer",
@@ -533,225 +519,6 @@ impl PyEngine {
                 e.address()
             ),
             None => "<te.Engine closed>".to_string(),
-        }
-    }
-}
-
-impl PyEngine {
-    fn track(&self, reg: Registration, keep: Option<PyObject>) -> PyRegistration {
-        let region = reg.region().clone();
-        let mut map = self.addrs.write();
-        map.entry(region.addr)
-            .or_default()
-            .push((region.len, region.id));
-        PyRegistration {
-            reg: Mutex::new(Some(reg)),
-            region,
-            addrs: self.addrs.clone(),
-            keep: Mutex::new(keep),
-        }
-    }
-}
-
-fn remote_regions(peer: &Peer) -> Vec<RegionDesc> {
-    let mut r = peer.segment().regions.clone();
-    r.sort_by_key(|r| r.addr);
-    r
-}
-
-fn find(regions: &[RegionDesc], addr: u64, len: u64) -> Option<(RegionId, u64)> {
-    let end = addr.checked_add(len)?;
-    let upto = regions.partition_point(|r| r.addr <= addr);
-    regions[..upto]
-        .iter()
-        .rev()
-        .find(|r| end <= r.addr.saturating_add(r.len))
-        .map(|r| (r.id, addr - r.addr))
-}
-
-/// A connected peer.
-#[pyclass(module = "te._te", name = "Peer", frozen)]
-pub(crate) struct PyPeer {
-    pub(crate) peer: Peer,
-}
-
-#[pymethods]
-impl PyPeer {
-    /// The control-plane address it was reached at.
-    #[getter]
-    fn address(&self) -> String {
-        self.peer.addr().to_string()
-    }
-
-    /// The peer engine's name.
-    #[getter]
-    fn name(&self) -> String {
-        self.peer.segment().engine.clone()
-    }
-
-    /// The peer's epoch when connected.
-    #[getter]
-    fn epoch(&self) -> u64 {
-        self.peer.epoch()
-    }
-
-    /// False once a failure or restart invalidated it (the engine reconnects on use).
-    #[getter]
-    fn valid(&self) -> bool {
-        self.peer.is_valid()
-    }
-
-    /// The regions the peer published, as last fetched: dicts with `id`, `name`,
-    /// `addr`, `len`, `device`, `access`.
-    fn regions<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        self.peer
-            .segment()
-            .regions
-            .iter()
-            .map(|r| region_dict(py, r))
-            .collect()
-    }
-
-    /// The id of the peer's first region named `name`, or `None`.
-    fn region(&self, name: &str) -> Option<u64> {
-        self.peer.region(name).map(|r| r.id.0)
-    }
-
-    /// The names of the peer's KV-cache layouts, as last fetched.
-    fn layouts(&self) -> Vec<String> {
-        self.peer
-            .segment()
-            .layouts
-            .iter()
-            .map(|l| l.name.clone())
-            .collect()
-    }
-
-    fn __repr__(&self) -> String {
-        format!("<te.Peer {} at {}>", self.name(), self.address())
-    }
-}
-
-fn region_dict<'py>(py: Python<'py>, r: &RegionDesc) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("id", r.id.0)?;
-    d.set_item("name", &r.name)?;
-    d.set_item("addr", r.addr)?;
-    d.set_item("len", r.len)?;
-    d.set_item("device", r.kind.to_string())?;
-    d.set_item("access", r.access.to_string())?;
-    Ok(d)
-}
-
-/// Registered memory; deregistered by `deregister()`, or when it is garbage-collected
-/// (then errors are only logged).
-#[pyclass(module = "te._te", name = "Registration", frozen)]
-pub(crate) struct PyRegistration {
-    reg: Mutex<Option<Registration>>,
-    region: RegionDesc,
-    addrs: AddrMap,
-    keep: Mutex<Option<PyObject>>,
-}
-
-#[pymethods]
-impl PyRegistration {
-    /// The region's id (what requests and layouts name).
-    #[getter]
-    fn id(&self) -> u64 {
-        self.region.id.0
-    }
-
-    /// Start address.
-    #[getter]
-    fn addr(&self) -> u64 {
-        self.region.addr
-    }
-
-    /// Length in bytes.
-    #[getter]
-    fn len(&self) -> u64 {
-        self.region.len
-    }
-
-    /// The name it was registered under.
-    #[getter]
-    fn name(&self) -> String {
-        self.region.name.clone()
-    }
-
-    /// Where the bytes live (`host`, `cuda:0`, …).
-    #[getter]
-    fn device(&self) -> String {
-        self.region.kind.to_string()
-    }
-
-    /// Deregisters: waits for batches using the region, then makes the backend forget
-    /// it. Afterwards te touches the memory no more. A second call does nothing. If it
-    /// raises, te may still touch the memory, so the object it belongs to is never freed.
-    fn deregister(&self, py: Python<'_>) -> PyResult<()> {
-        let Some(reg) = self.reg.lock().take() else {
-            return Ok(());
-        };
-        self.forget();
-        if let Err(e) = py.allow_threads(|| reg.deregister()) {
-            // te may still touch the memory: never free what it belongs to.
-            if let Some(keep) = self.keep.lock().take() {
-                std::mem::forget(keep);
-            }
-            return Err(crate::errors::to_py(e));
-        }
-        self.keep.lock().take();
-        Ok(())
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    #[pyo3(signature = (_t=None, _v=None, _tb=None))]
-    fn __exit__(
-        &self,
-        py: Python<'_>,
-        _t: Option<PyObject>,
-        _v: Option<PyObject>,
-        _tb: Option<PyObject>,
-    ) -> PyResult<()> {
-        self.deregister(py)
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "<te.Registration id={} {} bytes at {:#x} on {}>",
-            self.region.id, self.region.len, self.region.addr, self.region.kind
-        )
-    }
-}
-
-impl PyRegistration {
-    fn forget(&self) {
-        let mut map = self.addrs.write();
-        if let Some(v) = map.get_mut(&self.region.addr) {
-            v.retain(|(_, id)| *id != self.region.id);
-            if v.is_empty() {
-                map.remove(&self.region.addr);
-            }
-        }
-    }
-}
-
-impl Drop for PyRegistration {
-    fn drop(&mut self) {
-        let Some(reg) = self.reg.lock().take() else {
-            return;
-        };
-        self.forget();
-        // Collected with the GIL held; deregistration may wait for batches.
-        let result = Python::with_gil(|py| py.allow_threads(|| reg.deregister()));
-        if result.is_err() {
-            // te may still touch the memory: never free what it belongs to.
-            if let Some(keep) = self.keep.lock().take() {
-                std::mem::forget(keep);
-            }
         }
     }
 }

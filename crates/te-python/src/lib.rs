@@ -8,11 +8,14 @@
 
 #![deny(missing_docs, unsafe_op_in_unsafe_fn)]
 
+mod addrs;
 mod args;
 mod engine;
 mod errors;
 mod handle;
 mod notifier;
+mod peer;
+mod registration;
 
 use pyo3::prelude::*;
 
@@ -20,8 +23,8 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _te(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyEngine>()?;
-    m.add_class::<engine::PyPeer>()?;
-    m.add_class::<engine::PyRegistration>()?;
+    m.add_class::<peer::PyPeer>()?;
+    m.add_class::<registration::PyRegistration>()?;
     m.add_class::<handle::PyHandle>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(errors::error_kinds, m)?)?;

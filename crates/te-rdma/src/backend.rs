@@ -1,7 +1,7 @@
-//! The RDMA backend's `TransferBackend`: devices, registrations, peers, submission,
-//! and shutdown. The data path is in `path`, the devices' threads in `device`, the
-//! connect exchange (over the engine's control-plane hook) and the background repair
-//! in `connect`.
+//! The RDMA backend's `TransferBackend`: devices, peers, submission, and shutdown.
+//! Registrations are in `regions`, the data path in `path`, the devices' threads in
+//! `device`, the connect exchange (over the engine's control-plane hook) and the
+//! background repair in `connect`.
 //!
 //! **Batches.** `submit` turns a batch into slices ([`Job`]s) sharing one
 //! [`BatchState`](crate::completion::BatchState) (module `completion`), which completes the
@@ -9,11 +9,6 @@
 //! the table of batches in flight ([`InFlight`]) holds it weakly, by the engine's id,
 //! so that the engine's `abort` reaches it: its waiting slices are dropped unposted and
 //! it completes when its posted ones are back (see `path`).
-//!
-//! **Regions.** A slice pins its local region, and pins are taken under the region
-//! table's lock. `deregister` takes the region out of the table (new batches are
-//! refused), waits for the pins until the caller's deadline, and only then destroys
-//! the MRs, so that `Ok` means the NICs refuse every key of the region.
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -25,14 +20,12 @@ use te_core::sync::{Condvar, Mutex, RwLock};
 
 use te_core::{
     BackendInfo, BatchId, Capabilities, Completion, ControlHook, Deadline, Error, ErrorKind,
-    MemoryDesc, MemoryKind, PeerId, RegionId, Result, SegmentDesc, TransferBackend,
-    TransferRequest,
+    MemoryDesc, PeerId, RegionId, Result, SegmentDesc, TransferBackend, TransferRequest,
 };
 
 use crate::completion::InFlight;
 use crate::config::{RdmaConfig, MAX_SLICE};
 use crate::connect::{self, Served};
-use crate::context::Mr;
 use crate::device::{self, Device};
 use crate::endpoint::{self, DeviceInfo, Endpoint};
 use crate::ffi;
@@ -46,11 +39,11 @@ pub(crate) struct Shared {
     pub(crate) instance: u64,
     pub(crate) devices: Vec<Arc<Device>>,
     /// Where each device sits on the PCIe tree.
-    nic_places: Vec<Place>,
+    pub(crate) nic_places: Vec<Place>,
     pub(crate) regions: RwLock<HashMap<RegionId, Arc<LocalRegion>>>,
     /// Regions out of the table whose deregistration has not finished: work still
     /// pinned them at the caller's deadline.
-    closing: Mutex<HashMap<RegionId, Arc<LocalRegion>>>,
+    pub(crate) closing: Mutex<HashMap<RegionId, Arc<LocalRegion>>>,
     /// The batches in flight, for the engine's abort.
     in_flight: Arc<InFlight>,
     pub(crate) peers: RwLock<HashMap<PeerId, Arc<Peer>>>,
@@ -72,8 +65,8 @@ pub(crate) struct Shared {
 
 /// The RDMA backend.
 pub struct RdmaBackend {
-    info: BackendInfo,
-    shared: Arc<Shared>,
+    pub(crate) info: BackendInfo,
+    pub(crate) shared: Arc<Shared>,
     endpoint: Vec<u8>,
     stop: Vec<OwnedFd>,
     device_threads: Mutex<Vec<JoinHandle<()>>>,
@@ -285,37 +278,6 @@ impl RdmaBackend {
         connect::list_local(&b.shared);
         Ok(b)
     }
-
-    /// The local devices that should move memory of `kind`: the configured ones, else
-    /// the nearest to its device on the PCIe tree; empty for any.
-    fn nics_for(&self, kind: &MemoryKind) -> Vec<usize> {
-        let names = self.shared.config.nic_affinity.get(&kind.to_string());
-        if let Some(names) = names {
-            return self
-                .shared
-                .devices
-                .iter()
-                .filter(|d| names.contains(&d.name))
-                .map(|d| d.index)
-                .collect();
-        }
-        let place = match kind {
-            #[cfg(feature = "cuda")]
-            MemoryKind::Device { runtime, ordinal } if runtime == "cuda" => {
-                match crate::cuda::pci_bus_id(*ordinal) {
-                    Ok(bus) => topology::pci_place(std::path::Path::new("/sys"), &bus),
-                    Err(_) => return Vec::new(),
-                }
-            }
-            _ => return Vec::new(),
-        };
-        let near = topology::nearest(&self.shared.nic_places, &place);
-        if near.len() == self.shared.devices.len() {
-            Vec::new()
-        } else {
-            near
-        }
-    }
 }
 
 impl TransferBackend for RdmaBackend {
@@ -326,77 +288,12 @@ impl TransferBackend for RdmaBackend {
     fn endpoint(&self) -> Vec<u8> {
         self.endpoint.clone()
     }
-
     fn register(&self, id: RegionId, mem: &MemoryDesc) -> Result<Vec<u8>> {
-        let devices = &self.shared.devices;
-        let (mrs, dmabuf) = match &mem.kind {
-            MemoryKind::Host => (
-                devices
-                    .iter()
-                    .map(|d| d.ctx.reg_mr(mem.addr, mem.len, mem.access))
-                    .collect::<Result<Vec<_>>>()?,
-                None,
-            ),
-            MemoryKind::Device { runtime, ordinal } if runtime == "cuda" => {
-                register_cuda(devices, *ordinal, mem)?
-            }
-            other => {
-                return Err(Error::new(
-                    ErrorKind::Unsupported,
-                    format!(
-                        "the rdma backend registers {} memory, not {other}",
-                        self.info.capabilities.memory.join(" and ")
-                    ),
-                ))
-            }
-        };
-        // A region peers may not touch publishes no key: its MRs carry no remote
-        // right anyway, and its rkeys are nobody's business.
-        let remote = mem.access.remote_read || mem.access.remote_write;
-        let region = Arc::new(LocalRegion::new(
-            mem.addr,
-            mem.len,
-            mrs,
-            self.nics_for(&mem.kind),
-            dmabuf,
-        ));
-        let key = if remote {
-            endpoint::encode_key(&region.rkeys())
-        } else {
-            Vec::new()
-        };
-        self.shared.regions.write().insert(id, region);
-        Ok(key)
+        self.register_region(id, mem)
     }
 
     fn deregister(&self, id: RegionId, deadline: Deadline) -> Result<()> {
-        let region = {
-            let mut regions = self.shared.regions.write();
-            let mut closing = self.shared.closing.lock();
-            // Out of the table, no new slice can pin it; one whose deregistration
-            // timed out before is waited for again.
-            match regions.remove(&id) {
-                Some(r) => closing.entry(id).or_insert(r).clone(),
-                None => closing.get(&id).cloned().ok_or_else(|| {
-                    Error::new(
-                        ErrorKind::NotRegistered,
-                        format!("region {id} is not registered with the rdma backend"),
-                    )
-                })?,
-            }
-        };
-        let pinned = region.wait_unpinned(deadline.instant());
-        if pinned > 0 {
-            return Err(Error::new(
-                ErrorKind::Timeout,
-                format!(
-                    "region {id}: {pinned} RDMA work requests still used it at the deadline; new batches are refused, and its MRs stay until they complete: deregister it again, and free the memory only once that returns Ok"
-                ),
-            ));
-        }
-        region.release();
-        self.shared.closing.lock().remove(&id);
-        Ok(())
+        self.deregister_region(id, deadline)
     }
 
     fn connect(&self, segment: &SegmentDesc, deadline: Deadline) -> Result<PeerId> {
@@ -581,60 +478,6 @@ impl TransferBackend for RdmaBackend {
         }
     }
 }
-
-#[cfg(feature = "cuda")]
-fn register_cuda(
-    devices: &[Arc<Device>],
-    ordinal: u32,
-    mem: &MemoryDesc,
-) -> Result<(Vec<Mr>, Option<OwnedFd>)> {
-    let (addr, len, access) = (mem.addr, mem.len, mem.access);
-    crate::cuda::check_pointer(ordinal, addr, len)?;
-    let dmabuf = crate::cuda::export_dmabuf(ordinal, addr, len).and_then(|buf| {
-        let mrs = devices
-            .iter()
-            .map(|d| {
-                d.ctx
-                    .reg_dmabuf_mr(buf.fd.as_raw_fd(), buf.offset, len, addr, access)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok((mrs, Some(buf.fd)))
-    });
-    match dmabuf {
-        Ok(x) => Ok(x),
-        Err(dmabuf_error) => {
-            let peermem = devices
-                .iter()
-                .map(|d| d.ctx.reg_mr(addr, len, access))
-                .collect::<Result<Vec<_>>>();
-            match peermem {
-                Ok(mrs) => {
-                    tracing::info!(reason = %dmabuf_error, "DMA-BUF registration unavailable; cuda memory registered through nvidia-peermem");
-                    Ok((mrs, None))
-                }
-                Err(e) => Err(Error::new(
-                    ErrorKind::Unsupported,
-                    format!(
-                        "cuda:{ordinal} memory cannot be registered with the NIC: DMA-BUF: {dmabuf_error}; ibv_reg_mr (nvidia-peermem): {e}"
-                    ),
-                )),
-            }
-        }
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-fn register_cuda(
-    _: &[Arc<Device>],
-    ordinal: u32,
-    _: &MemoryDesc,
-) -> Result<(Vec<Mr>, Option<OwnedFd>)> {
-    Err(Error::new(
-        ErrorKind::Unsupported,
-        format!("cuda:{ordinal} memory: te-rdma was built without its `cuda` feature"),
-    ))
-}
-
 impl Drop for RdmaBackend {
     fn drop(&mut self) {
         self.shared.closed.store(true, Ordering::Release);

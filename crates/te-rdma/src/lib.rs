@@ -108,6 +108,7 @@ mod path;
 mod plan;
 mod qp;
 mod reader;
+mod regions;
 mod topology;
 mod verbs;
 mod wr;

@@ -1,0 +1,136 @@
+//! `te._te.Registration`: registered memory, deregistered on request or when collected,
+//! and kept in its engine's map of local addresses until then.
+
+use pyo3::prelude::*;
+use te::sync::Mutex;
+use te::{RegionDesc, Registration};
+
+use crate::addrs::AddrMap;
+
+/// Registered memory; deregistered by `deregister()`, or when it is garbage-collected
+/// (then errors are only logged).
+#[pyclass(module = "te._te", name = "Registration", frozen)]
+pub(crate) struct PyRegistration {
+    reg: Mutex<Option<Registration>>,
+    region: RegionDesc,
+    addrs: AddrMap,
+    keep: Mutex<Option<PyObject>>,
+}
+
+#[pymethods]
+impl PyRegistration {
+    /// The region's id (what requests and layouts name).
+    #[getter]
+    fn id(&self) -> u64 {
+        self.region.id.0
+    }
+
+    /// Start address.
+    #[getter]
+    fn addr(&self) -> u64 {
+        self.region.addr
+    }
+
+    /// Length in bytes.
+    #[getter]
+    fn len(&self) -> u64 {
+        self.region.len
+    }
+
+    /// The name it was registered under.
+    #[getter]
+    fn name(&self) -> String {
+        self.region.name.clone()
+    }
+
+    /// Where the bytes live (`host`, `cuda:0`, …).
+    #[getter]
+    fn device(&self) -> String {
+        self.region.kind.to_string()
+    }
+
+    /// Deregisters: waits for batches using the region, then makes the backend forget
+    /// it. Afterwards te touches the memory no more. A second call does nothing. If it
+    /// raises, te may still touch the memory, so the object it belongs to is never freed.
+    fn deregister(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(reg) = self.reg.lock().take() else {
+            return Ok(());
+        };
+        self.forget();
+        if let Err(e) = py.allow_threads(|| reg.deregister()) {
+            // te may still touch the memory: never free what it belongs to.
+            if let Some(keep) = self.keep.lock().take() {
+                std::mem::forget(keep);
+            }
+            return Err(crate::errors::to_py(e));
+        }
+        self.keep.lock().take();
+        Ok(())
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (_t=None, _v=None, _tb=None))]
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _t: Option<PyObject>,
+        _v: Option<PyObject>,
+        _tb: Option<PyObject>,
+    ) -> PyResult<()> {
+        self.deregister(py)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<te.Registration id={} {} bytes at {:#x} on {}>",
+            self.region.id, self.region.len, self.region.addr, self.region.kind
+        )
+    }
+}
+
+impl PyRegistration {
+    /// Wraps `reg`, entering it in `addrs`; `keep` is held until deregistration.
+    pub(crate) fn new(addrs: &AddrMap, reg: Registration, keep: Option<PyObject>) -> Self {
+        let region = reg.region().clone();
+        let mut map = addrs.write();
+        map.entry(region.addr)
+            .or_default()
+            .push((region.len, region.id));
+        PyRegistration {
+            reg: Mutex::new(Some(reg)),
+            region,
+            addrs: addrs.clone(),
+            keep: Mutex::new(keep),
+        }
+    }
+
+    fn forget(&self) {
+        let mut map = self.addrs.write();
+        if let Some(v) = map.get_mut(&self.region.addr) {
+            v.retain(|(_, id)| *id != self.region.id);
+            if v.is_empty() {
+                map.remove(&self.region.addr);
+            }
+        }
+    }
+}
+
+impl Drop for PyRegistration {
+    fn drop(&mut self) {
+        let Some(reg) = self.reg.lock().take() else {
+            return;
+        };
+        self.forget();
+        // Collected with the GIL held; deregistration may wait for batches.
+        let result = Python::with_gil(|py| py.allow_threads(|| reg.deregister()));
+        if result.is_err() {
+            // te may still touch the memory: never free what it belongs to.
+            if let Some(keep) = self.keep.lock().take() {
+                std::mem::forget(keep);
+            }
+        }
+    }
+}

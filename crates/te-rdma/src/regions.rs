@@ -1,0 +1,183 @@
+//! The RDMA backend's registrations: a region gets an MR on every device (for CUDA
+//! memory through DMA-BUF, else nvidia-peermem), and the NICs that should move it.
+//!
+//! A slice pins its local region, and pins are taken under the region table's lock.
+//! `deregister` takes the region out of the table (new batches are refused), waits for
+//! the pins until the caller's deadline, and only then destroys the MRs, so that `Ok`
+//! means the NICs refuse every key of the region.
+
+#[cfg(feature = "cuda")]
+use std::os::fd::AsRawFd;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use te_core::{Deadline, Error, ErrorKind, MemoryDesc, MemoryKind, RegionId, Result};
+
+use crate::backend::RdmaBackend;
+use crate::context::Mr;
+use crate::device::Device;
+use crate::endpoint;
+use crate::path::LocalRegion;
+use crate::topology;
+
+impl RdmaBackend {
+    /// `TransferBackend::register`: MRs for the region on every device, and its key
+    /// (one rkey per device), empty for a region peers may not touch.
+    pub(crate) fn register_region(&self, id: RegionId, mem: &MemoryDesc) -> Result<Vec<u8>> {
+        let devices = &self.shared.devices;
+        let (mrs, dmabuf) = match &mem.kind {
+            MemoryKind::Host => (
+                devices
+                    .iter()
+                    .map(|d| d.ctx.reg_mr(mem.addr, mem.len, mem.access))
+                    .collect::<Result<Vec<_>>>()?,
+                None,
+            ),
+            MemoryKind::Device { runtime, ordinal } if runtime == "cuda" => {
+                register_cuda(devices, *ordinal, mem)?
+            }
+            other => {
+                return Err(Error::new(
+                    ErrorKind::Unsupported,
+                    format!(
+                        "the rdma backend registers {} memory, not {other}",
+                        self.info.capabilities.memory.join(" and ")
+                    ),
+                ))
+            }
+        };
+        // A region peers may not touch publishes no key: its MRs carry no remote
+        // right anyway, and its rkeys are nobody's business.
+        let remote = mem.access.remote_read || mem.access.remote_write;
+        let region = Arc::new(LocalRegion::new(
+            mem.addr,
+            mem.len,
+            mrs,
+            self.nics_for(&mem.kind),
+            dmabuf,
+        ));
+        let key = if remote {
+            endpoint::encode_key(&region.rkeys())
+        } else {
+            Vec::new()
+        };
+        self.shared.regions.write().insert(id, region);
+        Ok(key)
+    }
+
+    /// `TransferBackend::deregister`: out of the table, then the MRs destroyed once no
+    /// slice pins the region, or `Timeout` at `deadline` with the region kept refused.
+    pub(crate) fn deregister_region(&self, id: RegionId, deadline: Deadline) -> Result<()> {
+        let region = {
+            let mut regions = self.shared.regions.write();
+            let mut closing = self.shared.closing.lock();
+            // Out of the table, no new slice can pin it; one whose deregistration
+            // timed out before is waited for again.
+            match regions.remove(&id) {
+                Some(r) => closing.entry(id).or_insert(r).clone(),
+                None => closing.get(&id).cloned().ok_or_else(|| {
+                    Error::new(
+                        ErrorKind::NotRegistered,
+                        format!("region {id} is not registered with the rdma backend"),
+                    )
+                })?,
+            }
+        };
+        let pinned = region.wait_unpinned(deadline.instant());
+        if pinned > 0 {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "region {id}: {pinned} RDMA work requests still used it at the deadline; new batches are refused, and its MRs stay until they complete: deregister it again, and free the memory only once that returns Ok"
+                ),
+            ));
+        }
+        region.release();
+        self.shared.closing.lock().remove(&id);
+        Ok(())
+    }
+
+    /// The local devices that should move memory of `kind`: the configured ones, else
+    /// the nearest to its device on the PCIe tree; empty for any.
+    fn nics_for(&self, kind: &MemoryKind) -> Vec<usize> {
+        let names = self.shared.config.nic_affinity.get(&kind.to_string());
+        if let Some(names) = names {
+            return self
+                .shared
+                .devices
+                .iter()
+                .filter(|d| names.contains(&d.name))
+                .map(|d| d.index)
+                .collect();
+        }
+        let place = match kind {
+            #[cfg(feature = "cuda")]
+            MemoryKind::Device { runtime, ordinal } if runtime == "cuda" => {
+                match crate::cuda::pci_bus_id(*ordinal) {
+                    Ok(bus) => topology::pci_place(std::path::Path::new("/sys"), &bus),
+                    Err(_) => return Vec::new(),
+                }
+            }
+            _ => return Vec::new(),
+        };
+        let near = topology::nearest(&self.shared.nic_places, &place);
+        if near.len() == self.shared.devices.len() {
+            Vec::new()
+        } else {
+            near
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn register_cuda(
+    devices: &[Arc<Device>],
+    ordinal: u32,
+    mem: &MemoryDesc,
+) -> Result<(Vec<Mr>, Option<OwnedFd>)> {
+    let (addr, len, access) = (mem.addr, mem.len, mem.access);
+    crate::cuda::check_pointer(ordinal, addr, len)?;
+    let dmabuf = crate::cuda::export_dmabuf(ordinal, addr, len).and_then(|buf| {
+        let mrs = devices
+            .iter()
+            .map(|d| {
+                d.ctx
+                    .reg_dmabuf_mr(buf.fd.as_raw_fd(), buf.offset, len, addr, access)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((mrs, Some(buf.fd)))
+    });
+    match dmabuf {
+        Ok(x) => Ok(x),
+        Err(dmabuf_error) => {
+            let peermem = devices
+                .iter()
+                .map(|d| d.ctx.reg_mr(addr, len, access))
+                .collect::<Result<Vec<_>>>();
+            match peermem {
+                Ok(mrs) => {
+                    tracing::info!(reason = %dmabuf_error, "DMA-BUF registration unavailable; cuda memory registered through nvidia-peermem");
+                    Ok((mrs, None))
+                }
+                Err(e) => Err(Error::new(
+                    ErrorKind::Unsupported,
+                    format!(
+                        "cuda:{ordinal} memory cannot be registered with the NIC: DMA-BUF: {dmabuf_error}; ibv_reg_mr (nvidia-peermem): {e}"
+                    ),
+                )),
+            }
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn register_cuda(
+    _: &[Arc<Device>],
+    ordinal: u32,
+    _: &MemoryDesc,
+) -> Result<(Vec<Mr>, Option<OwnedFd>)> {
+    Err(Error::new(
+        ErrorKind::Unsupported,
+        format!("cuda:{ordinal} memory: te-rdma was built without its `cuda` feature"),
+    ))
+}
