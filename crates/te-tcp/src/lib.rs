@@ -124,6 +124,7 @@
 use te_core::{BackendContext, BackendType, Result};
 
 mod backend;
+mod carry;
 mod config;
 mod conn;
 mod handshake;

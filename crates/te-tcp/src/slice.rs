@@ -13,7 +13,8 @@ use crate::regions::Pin;
 use crate::stage::{Dev, StageBuf};
 use crate::wire::{self, Header, Kind, HEADER_LEN};
 
-use crate::conn::{timeout_error, Carry};
+use crate::carry::Carry;
+use crate::conn::timeout_error;
 
 /// One batch: its completion, the pins on its local regions, and how many slices are
 /// still out.
