@@ -1,0 +1,182 @@
+//! The receiver task of one data connection, initiator side: it matches each response
+//! to the oldest written slice, places a READ's data (straight into registered host
+//! memory, or through staging memory and a copy to the device) and finishes the
+//! slice's batch.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use te_core::device::DeviceCopy;
+use te_core::{Error, ErrorKind, Op, Result};
+
+use super::{timeout_error, unreachable, Conn};
+use crate::slice::Slice;
+use crate::sock::Inbound;
+use crate::stage;
+use crate::wire::{Header, Kind, HEADER_LEN, MAX_MESSAGE};
+
+impl Conn {
+    /// The receiver task: matches each response to the oldest written slice.
+    pub(super) async fn receive(self: Arc<Self>) {
+        let mut inb = Inbound::new(self.sock.clone(), self.io_timeout);
+        let e = loop {
+            match self.receive_one(&mut inb).await {
+                Ok(()) => {}
+                Err(e) => break e,
+            }
+        };
+        if !self.is_dead() && e.kind() == ErrorKind::Protocol {
+            tracing::warn!(peer = %self.label, error = %e, "closing a data connection");
+        }
+        self.kill(e);
+    }
+
+    async fn receive_one(&self, inb: &mut Inbound) -> Result<()> {
+        let mut on_timeout = |_mid: bool| self.lock().sent.is_empty();
+        inb.fill(HEADER_LEN, &mut on_timeout)
+            .await
+            .map_err(|e| unreachable(&self.label, "receive failed", e))?;
+        let h = Header::decode(&inb.buffered()[..HEADER_LEN]).map_err(|e| self.protocol(e))?;
+        inb.consume(HEADER_LEN);
+        self.progress.fetch_add(1, Ordering::Release);
+        let slice = {
+            let mut tx = self.lock();
+            let Some(slice) = tx.sent.pop_front() else {
+                return Err(self.protocol(format!("a {:?} answering no request", h.kind)));
+            };
+            tx.receiving = Some(slice.batch.clone());
+            slice
+        };
+        let result = self.answer(inb, &h, &slice).await;
+        self.lock().receiving = None;
+        self.progress.fetch_add(1, Ordering::Release);
+        let fatal = match &result {
+            Err(e) if matches!(e.kind(), ErrorKind::PeerUnreachable | ErrorKind::Protocol) => {
+                Some(e.clone())
+            }
+            _ => None,
+        };
+        self.inflight.fetch_sub(1, Ordering::Relaxed);
+        match result {
+            // A host → device copy finishes the slice when it completes.
+            Ok(Answer::Copying) => {}
+            Ok(Answer::Done) => slice.batch.finish_slice(Ok(())),
+            Err(e) => slice.batch.finish_slice(Err(e)),
+        }
+        if slice.stage.is_some() {
+            // Its staging buffer goes back to the pool: wake a writer waiting for one.
+            drop(slice);
+            self.wake.notify_one();
+        }
+        match fatal {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Handles the response `h` to `slice`; an error here fails the slice.
+    async fn answer(&self, inb: &mut Inbound, h: &Header, slice: &Slice) -> Result<Answer> {
+        if h.id != slice.id {
+            return Err(self.protocol(format!(
+                "response {} while request {} was next",
+                h.id, slice.id
+            )));
+        }
+        let mut on_timeout = |_mid: bool| false;
+        match (h.kind, slice.op) {
+            (Kind::WriteAck, Op::Write) => Ok(Answer::Done),
+            (Kind::ReadData, Op::Read) if h.len == slice.len && slice.batch.stopped() => {
+                // Late data for a batch handed back to its caller: it must not land.
+                inb.discard(slice.len, &mut on_timeout)
+                    .await
+                    .map_err(|e| unreachable(&self.label, "receive failed", e))?;
+                Err(timeout_error())
+            }
+            (Kind::ReadData, Op::Read) if h.len == slice.len && slice.device.is_some() => {
+                self.receive_staged(inb, slice).await
+            }
+            (Kind::ReadData, Op::Read) if h.len == slice.len && !slice.parts.is_empty() => {
+                // Each part's destination is registered host memory pinned by the
+                // slice's batch; the slice is out of `sent`, so only this thread
+                // touches it.
+                let dst = slice.parts.iter().map(|p| (p.local, p.len as usize));
+                inb.read_scattered(dst, &mut on_timeout)
+                    .await
+                    .map_err(|e| unreachable(&self.label, "receive failed", e))?;
+                Ok(Answer::Done)
+            }
+            (Kind::ReadData, Op::Read) if h.len == slice.len => {
+                // The destination is registered memory pinned by the slice's batch; the
+                // slice is out of `sent`, so only this thread touches it.
+                inb.read_into(slice.local, slice.len as usize, &mut on_timeout)
+                    .await
+                    .map_err(|e| unreachable(&self.label, "receive failed", e))?;
+                Ok(Answer::Done)
+            }
+            (Kind::Error, _) => {
+                let len = h.len.min(MAX_MESSAGE) as usize;
+                inb.fill(len, &mut on_timeout)
+                    .await
+                    .map_err(|e| unreachable(&self.label, "receive failed", e))?;
+                let msg = String::from_utf8_lossy(&inb.buffered()[..len]).into_owned();
+                inb.consume(len);
+                Err(Error::new(
+                    ErrorKind::from_code(h.code),
+                    format!("the target refused the request: {msg}"),
+                )
+                .with_context("peer", &self.label))
+            }
+            _ => Err(self.protocol(format!(
+                "a {:?} of {} bytes answering a {} of {} bytes",
+                h.kind, h.len, slice.op, slice.len
+            ))),
+        }
+    }
+
+    /// Receives a device READ's data into a staging buffer and starts its copies to the
+    /// device (one per run of adjacent parts, from successive parts of the buffer) as
+    /// one group; the group's completion finishes the slice. The next response is
+    /// received while the copies run.
+    async fn receive_staged(&self, inb: &mut Inbound, slice: &Slice) -> Result<Answer> {
+        let Some((rt, ordinal)) = &slice.device else {
+            return Err(self.protocol("a staged read without a device"));
+        };
+        let pool = self.recv_pools.get(rt)?;
+        // Waits only for this direction's own copies to finish.
+        let len = slice.len as usize;
+        let buf = pool.take(len).await?;
+        let mut on_timeout = |_mid: bool| false;
+        // The range is ours and holds `len` bytes.
+        inb.read_into(buf.ptr() as usize, len, &mut on_timeout)
+            .await
+            .map_err(|e| unreachable(&self.label, "receive failed", e))?;
+        let pieces = slice.pieces().into_iter().map(|(d, l)| (d as u64, l));
+        let copies = stage::packed(pieces, buf.ptr())
+            .into_iter()
+            .map(|(device, host, len)| DeviceCopy::ToDevice {
+                ordinal: *ordinal,
+                device,
+                host,
+                len,
+            })
+            .collect();
+        let batch = slice.batch.clone();
+        let done = move |r: Result<()>| {
+            drop(buf);
+            batch.finish_slice(r);
+        };
+        // SAFETY: the device ranges lie in a region the batch pins until this slice
+        // finishes, which `done` does after the copies; the buffer is owned by `done`
+        // and its first `len` bytes, the parts' total, were just received.
+        unsafe { stage::start_all(rt, copies, done) };
+        Ok(Answer::Copying)
+    }
+}
+
+/// How a response ended its slice.
+enum Answer {
+    /// The slice is done.
+    Done,
+    /// A copy to the device finishes it.
+    Copying,
+}
