@@ -6,18 +6,15 @@ use std::time::{Duration, Instant};
 
 use te_core::{Access, Completion, ErrorKind, RegionId, TransferBackend, TransferRequest};
 
-use super::{backend, register, segment, soon};
+use super::{backend, connected, register};
 
 #[test]
 fn a_stalled_target_fails_the_batch_at_its_deadline_and_never_writes_later() {
     // The target holds every request 8 s; the batches' deadline is 300 ms.
     let target = backend(|c| c.debug_delay = Duration::from_secs(8));
-    let mut remote = vec![0x11u8; 8192];
-    register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
     let init = backend(|c| c.connections_per_peer = 2);
-    let mut local = vec![0xABu8; 8192];
-    register(&init, 1, &mut local, Access::LOCAL);
-    let peer = init.connect(&segment(&target), soon()).unwrap();
+    let (mut remote, mut local) = (vec![0x11u8; 8192], vec![0xABu8; 8192]);
+    let peer = connected(&target, &mut remote, &init, &mut local);
     let (tx, rx) = mpsc::channel();
     let start = Instant::now();
     for (op, off) in [(te_core::Op::Read, 0), (te_core::Op::Write, 4096)] {
@@ -60,14 +57,11 @@ fn a_busy_connection_is_not_closed_for_a_batch_past_its_deadline() {
         c.debug_delay = Duration::from_millis(10);
         c.slice_size = 4096;
     });
-    let mut remote = vec![0x22u8; 4096];
-    register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
     let init = backend(|c| c.connections_per_peer = 1);
-    let mut long = vec![0u8; 40 * 4096];
-    register(&init, 1, &mut long, Access::LOCAL);
+    let (mut remote, mut long) = (vec![0x22u8; 4096], vec![0u8; 40 * 4096]);
+    let peer = connected(&target, &mut remote, &init, &mut long);
     let mut late = vec![0xABu8; 4096];
     register(&init, 2, &mut late, Access::LOCAL);
-    let peer = init.connect(&segment(&target), soon()).unwrap();
     let read = |local, local_offset| TransferRequest {
         op: te_core::Op::Read,
         local: RegionId(local),
@@ -103,12 +97,9 @@ fn a_busy_connection_is_not_closed_for_a_batch_past_its_deadline() {
 #[test]
 fn an_aborted_batch_on_a_stalled_target_ends_without_waiting_for_io_timeout() {
     let target = backend(|c| c.debug_delay = Duration::from_secs(8));
-    let mut remote = vec![0x33u8; 4096];
-    register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
     let init = backend(|c| c.connections_per_peer = 1);
-    let mut local = vec![0xABu8; 4096];
-    register(&init, 1, &mut local, Access::LOCAL);
-    let peer = init.connect(&segment(&target), soon()).unwrap();
+    let (mut remote, mut local) = (vec![0x33u8; 4096], vec![0xABu8; 4096]);
+    let peer = connected(&target, &mut remote, &init, &mut local);
     let (tx, rx) = mpsc::channel();
     let (done, aborter) = Completion::abortable(
         te_core::Deadline::after(Duration::from_secs(10)),
@@ -116,14 +107,7 @@ fn an_aborted_batch_on_a_stalled_target_ends_without_waiting_for_io_timeout() {
             let _ = tx.send(r);
         },
     );
-    let r = TransferRequest {
-        op: te_core::Op::Read,
-        local: RegionId(1),
-        local_offset: 0,
-        remote: RegionId(1),
-        remote_offset: 0,
-        len: 4096,
-    };
+    let r = TransferRequest::read(RegionId(1), 0, RegionId(1), 0, 4096);
     init.submit(peer, &[r], done).unwrap();
     std::thread::sleep(Duration::from_millis(100));
     let start = Instant::now();

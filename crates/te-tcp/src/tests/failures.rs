@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use te_core::{Access, Completion, ErrorKind, RegionId, TransferBackend, TransferRequest};
 
-use super::{backend, eventually, raw, read_header, register, run, segment, sg_frame, soon};
+use super::{
+    backend, connected, eventually, raw, read_header, register, run, segment, sg_frame, soon,
+};
 use crate::wire::{Header, Kind};
 use crate::{TcpBackend, TcpConfig};
 
@@ -15,11 +17,8 @@ use crate::{TcpBackend, TcpConfig};
 fn a_target_that_dies_mid_transfer_fails_the_batch_with_peer_unreachable_at_once() {
     let target = backend(|c| c.debug_delay = Duration::from_millis(500));
     let init = backend(|_| {});
-    let mut remote = vec![0u8; 1 << 20];
-    let mut local = vec![1u8; 1 << 20];
-    register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
-    register(&init, 1, &mut local, Access::LOCAL);
-    let peer = init.connect(&segment(&target), soon()).unwrap();
+    let (mut remote, mut local) = (vec![0u8; 1 << 20], vec![1u8; 1 << 20]);
+    let peer = connected(&target, &mut remote, &init, &mut local);
     let (tx, rx) = mpsc::channel();
     let deadline = Duration::from_secs(20);
     for i in 0..8u64 {
@@ -65,12 +64,9 @@ fn a_target_that_dies_mid_transfer_fails_the_batch_with_peer_unreachable_at_once
 fn connect_refills_a_pool_with_broken_connections() {
     let target = backend(|_| {});
     let init = backend(|c| c.connections_per_peer = 2);
-    let mut mem = vec![0u8; 64];
-    register(&target, 1, &mut mem, Access::REMOTE_READ_WRITE);
-    let mut src = vec![3u8; 64];
-    register(&init, 1, &mut src, Access::LOCAL);
+    let (mut mem, mut src) = (vec![0u8; 64], vec![3u8; 64]);
+    let peer = connected(&target, &mut mem, &init, &mut src);
     let seg = segment(&target);
-    let peer = init.connect(&seg, soon()).unwrap();
     // Break every connection the target serves.
     for (_, s) in target.shared().serving.lock().iter() {
         let _ = s.shutdown(std::net::Shutdown::Both);

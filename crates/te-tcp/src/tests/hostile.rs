@@ -35,11 +35,9 @@ fn a_raw_write_past_the_region_end_is_refused_at_the_target_and_memory_is_unchan
         let h = Header::request(Kind::Write, id, region, offset, len);
         s.write_all(&h.encode()).unwrap();
         s.write_all(&vec![0xee; len as usize]).unwrap();
-        let r = read_header(&mut s);
+        let (r, _) = read_error(&mut s);
         assert_eq!((r.kind, r.id), (Kind::Error, id), "case {i}");
         assert_eq!(ErrorKind::from_code(r.code), kind, "case {i}");
-        let mut msg = vec![0u8; r.len as usize];
-        s.read_exact(&mut msg).unwrap();
     }
     assert!(
         mem.iter().all(|&b| b == 0),
@@ -86,12 +84,18 @@ fn a_malformed_frame_closes_only_its_own_connection() {
 fn send_raw_request(target: &TcpBackend, h: Header) -> (Header, String, bool) {
     let mut s = raw(target);
     s.write_all(&h.encode()).unwrap();
-    let e = read_header(&mut s);
-    let mut msg = vec![0u8; e.len as usize];
-    s.read_exact(&mut msg).unwrap();
+    let (e, msg) = read_error(&mut s);
     let mut rest = [0u8; 64];
     let closed = matches!(s.read(&mut rest), Ok(0) | Err(_));
-    (e, String::from_utf8_lossy(&msg).into_owned(), closed)
+    (e, msg, closed)
+}
+
+/// Reads a frame and the message that follows it: an `Error`'s header and its text.
+fn read_error(s: &mut TcpStream) -> (Header, String) {
+    let e = read_header(s);
+    let mut msg = vec![0u8; e.len as usize];
+    s.read_exact(&mut msg).unwrap();
+    (e, String::from_utf8_lossy(&msg).into_owned())
 }
 
 #[test]
@@ -125,14 +129,7 @@ fn a_frame_longer_than_the_agreed_limit_is_refused_and_the_target_keeps_serving(
     let data = pattern(1 << 20, 3);
     src.fill(&data);
     let peer = init.connect(&segment(&target), soon()).unwrap();
-    let w = TransferRequest {
-        op: te_core::Op::Write,
-        local: RegionId(1),
-        local_offset: 0,
-        remote: RegionId(1),
-        remote_offset: 0,
-        len: 1 << 20,
-    };
+    let w = TransferRequest::write(RegionId(1), 0, RegionId(1), 0, 1 << 20);
     run(&init, peer, &[w]).expect("an honest write");
     assert!(dev.read() == data);
 }
@@ -165,22 +162,18 @@ fn a_scatter_gather_frame_with_an_entry_outside_the_region_is_refused_whole_befo
         s.write_all(&sg_frame(Kind::WriteV, id, region, entries, len))
             .unwrap();
         s.write_all(&vec![0xee; len as usize]).unwrap();
-        let r = read_header(&mut s);
+        let (r, _) = read_error(&mut s);
         assert_eq!((r.kind, r.id), (Kind::Error, id), "case {i}");
         assert_eq!(ErrorKind::from_code(r.code), kind, "case {i}");
-        let mut msg = vec![0u8; r.len as usize];
-        s.read_exact(&mut msg).unwrap();
         mem.assert_untouched(0, &format!("case {i}"));
         ro.assert_untouched(0, &format!("case {i}"));
     }
     // A READ with one entry outside is refused whole too: no data, one error.
     s.write_all(&sg_frame(Kind::ReadV, 7, 1, &[(0, 8), (4095, 2)], 10))
         .unwrap();
-    let r = read_header(&mut s);
+    let (r, _) = read_error(&mut s);
     assert_eq!((r.kind, r.id), (Kind::Error, 7));
     assert_eq!(ErrorKind::from_code(r.code), ErrorKind::OutOfBounds);
-    let mut msg = vec![0u8; r.len as usize];
-    s.read_exact(&mut msg).unwrap();
     // The connection is still in sync: a good gathered write lands, entry by entry in
     // order, and a gathered read returns the entries' bytes in order.
     s.write_all(&sg_frame(Kind::WriteV, 8, 1, &[(4088, 8), (0, 4)], 12))
@@ -334,13 +327,6 @@ fn a_peer_that_floods_requests_and_reads_nothing_is_bounded_and_cut_off() {
     let mut dst = vec![0u8; 4096];
     register(&init, 1, &mut dst, Access::LOCAL);
     let peer = init.connect(&segment(&target), soon()).unwrap();
-    let r = TransferRequest {
-        op: te_core::Op::Read,
-        local: RegionId(1),
-        local_offset: 0,
-        remote: RegionId(1),
-        remote_offset: 0,
-        len: 4096,
-    };
+    let r = TransferRequest::read(RegionId(1), 0, RegionId(1), 0, 4096);
     run(&init, peer, &[r]).expect("an honest read");
 }

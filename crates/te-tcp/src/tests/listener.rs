@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use te_core::{Access, RegionId, TransferBackend, TransferRequest};
 
-use super::{backend, eventually, register, run, segment, soon};
+use super::{backend, connected, eventually, register, run, segment, soon};
 use crate::backend::decode_endpoint;
 use crate::{TcpBackend, TcpConfig};
 
@@ -86,20 +86,10 @@ fn pending_handshakes_and_connections_are_capped_and_the_rest_closed_at_once() {
 #[test]
 fn an_idle_data_connection_is_closed_after_idle_timeout() {
     let target = backend(|c| c.idle_timeout = Duration::from_millis(300));
-    let mut mem = vec![0u8; 4096];
-    register(&target, 1, &mut mem, Access::REMOTE_READ_WRITE);
     let init = backend(|c| c.connections_per_peer = 1);
-    let mut src = vec![1u8; 4096];
-    register(&init, 1, &mut src, Access::LOCAL);
-    let peer = init.connect(&segment(&target), soon()).unwrap();
-    let w = TransferRequest {
-        op: te_core::Op::Write,
-        local: RegionId(1),
-        local_offset: 0,
-        remote: RegionId(1),
-        remote_offset: 0,
-        len: 4096,
-    };
+    let (mut mem, mut src) = (vec![0u8; 4096], vec![1u8; 4096]);
+    let peer = connected(&target, &mut mem, &init, &mut src);
+    let w = TransferRequest::write(RegionId(1), 0, RegionId(1), 0, 4096);
     run(&init, peer, &[w]).expect("write");
     eventually("the idle connection closed", Duration::from_secs(3), || {
         init.live_connections(peer) == 0
@@ -195,14 +185,7 @@ fn the_listener_survives_running_out_of_file_descriptors() {
     let peer = init
         .connect(&segment(&target), soon())
         .expect("connect after");
-    let w = TransferRequest {
-        op: te_core::Op::Write,
-        local: RegionId(1),
-        local_offset: 0,
-        remote: RegionId(1),
-        remote_offset: 0,
-        len: 4096,
-    };
+    let w = TransferRequest::write(RegionId(1), 0, RegionId(1), 0, 4096);
     run(&init, peer, &[w]).expect("write after");
     drop(init);
     drop(target);

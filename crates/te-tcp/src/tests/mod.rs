@@ -67,6 +67,19 @@ fn run(b: &TcpBackend, peer: te_core::PeerId, reqs: &[TransferRequest]) -> Resul
         .expect("the batch completed")
 }
 
+/// Registers `remote` as region 1 of `target` and `local` as region 1 of `init`, then
+/// connects `init` to `target`.
+fn connected(
+    target: &TcpBackend,
+    remote: &mut [u8],
+    init: &TcpBackend,
+    local: &mut [u8],
+) -> te_core::PeerId {
+    register(target, 1, remote, Access::REMOTE_READ_WRITE);
+    register(init, 1, local, Access::LOCAL);
+    init.connect(&segment(target), soon()).unwrap()
+}
+
 /// A raw data connection that passed the handshake.
 fn raw(target: &TcpBackend) -> TcpStream {
     let (addr, instance) = decode_endpoint(&target.endpoint()).unwrap();

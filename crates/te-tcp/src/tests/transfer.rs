@@ -3,7 +3,7 @@
 
 use te_core::{Access, RegionId, TransferBackend, TransferRequest};
 
-use super::{backend, pattern, register, run, segment, soon, DevMem, Guarded};
+use super::{backend, connected, pattern, register, run, segment, soon, DevMem, Guarded};
 
 #[test]
 fn large_requests_are_sliced_and_land_intact_in_both_directions() {
@@ -16,9 +16,7 @@ fn large_requests_are_sliced_and_land_intact_in_both_directions() {
     let mut remote = vec![0u8; len];
     let mut local: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
     let want = local.clone();
-    register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
-    register(&init, 1, &mut local, Access::LOCAL);
-    let peer = init.connect(&segment(&target), soon()).unwrap();
+    let peer = connected(&target, &mut remote, &init, &mut local);
     let n = len as u64;
     run(
         &init,
