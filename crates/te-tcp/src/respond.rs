@@ -353,21 +353,8 @@ pub(crate) async fn write_staged(
     inb.read_into(buf.ptr() as usize, len, &mut on_timeout)
         .await
         .map_err(|e| io_err(peer, "receive failed", e))?;
-    let slot: Arc<Slot> = Arc::new(Mutex::new(None));
-    r.push(Item::Staged {
-        h: *h,
-        slot: slot.clone(),
-    })
-    .await?;
-    let copies = packed(entries, buf.ptr(), pin.region().addr)
-        .into_iter()
-        .map(|(device, host, len)| DeviceCopy::ToDevice {
-            ordinal,
-            device,
-            host,
-            len,
-        })
-        .collect();
+    let slot = push_staged(r, h).await?;
+    let copies = staged_copies(entries, buf.ptr(), pin.region().addr, ordinal, true);
     let r = r.clone();
     let done = move |res: Result<()>| {
         drop(pin);
@@ -382,13 +369,49 @@ pub(crate) async fn write_staged(
     Ok(())
 }
 
-/// The copies staging `entries` of the region at `base`, packed one after another in
-/// `buf`; adjacent entries share a copy.
-fn packed(entries: &[Entry], buf: *mut u8, base: u64) -> Vec<(u64, *mut u8, usize)> {
-    stage::packed(
-        entries.iter().map(|e| (base + e.offset, e.len as usize)),
-        buf,
-    )
+/// Queues the answer to `h`, which its staged copies fill in when they complete; returns
+/// the slot they fill.
+async fn push_staged(r: &Responder, h: &Header) -> Result<Arc<Slot>> {
+    let slot: Arc<Slot> = Arc::new(Mutex::new(None));
+    r.push(Item::Staged {
+        h: *h,
+        slot: slot.clone(),
+    })
+    .await?;
+    Ok(slot)
+}
+
+/// The copies staging `entries` of the region at `base` on device `ordinal`, packed one
+/// after another in `buf` (adjacent entries share a copy): to the device for a WRITE
+/// (`to_device`), from it for a READ.
+fn staged_copies(
+    entries: &[Entry],
+    buf: *mut u8,
+    base: u64,
+    ordinal: u32,
+    to_device: bool,
+) -> Vec<DeviceCopy> {
+    let pieces = entries.iter().map(|e| (base + e.offset, e.len as usize));
+    stage::packed(pieces, buf)
+        .into_iter()
+        .map(|(device, host, len)| {
+            if to_device {
+                DeviceCopy::ToDevice {
+                    ordinal,
+                    device,
+                    host,
+                    len,
+                }
+            } else {
+                DeviceCopy::ToHost {
+                    ordinal,
+                    device,
+                    host,
+                    len,
+                }
+            }
+        })
+        .collect()
 }
 
 /// A READ of device memory: copies stage its entries, packed, as one group (one
@@ -419,21 +442,8 @@ pub(crate) async fn read_staged(
         Ok(b) => b,
         Err(e) => return refuse_later(r, h, &e).await,
     };
-    let slot: Arc<Slot> = Arc::new(Mutex::new(None));
-    r.push(Item::Staged {
-        h: *h,
-        slot: slot.clone(),
-    })
-    .await?;
-    let copies = packed(entries, buf.ptr(), pin.region().addr)
-        .into_iter()
-        .map(|(device, host, len)| DeviceCopy::ToHost {
-            ordinal,
-            device,
-            host,
-            len,
-        })
-        .collect();
+    let slot = push_staged(r, h).await?;
+    let copies = staged_copies(entries, buf.ptr(), pin.region().addr, ordinal, false);
     let r = r.clone();
     let done = move |res: Result<()>| {
         drop(pin);
