@@ -2,7 +2,7 @@
 //! connection pools, and how a batch is sliced over them.
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use te_core::sync::{Mutex, RwLock};
@@ -15,13 +15,11 @@ use te_core::{
 
 use crate::config::TcpConfig;
 use crate::conn::Conn;
+use crate::endpoint::{decode_endpoint, encode_endpoint};
 use crate::regions::{Pin, Regions};
 use crate::slice::{Batch, Part, Slice};
 use crate::stage::Dev;
 use crate::wire;
-
-/// The endpoint format's version (its first byte).
-const ENDPOINT_VERSION: u8 = 1;
 
 /// What the backend's tasks share.
 #[derive(Debug)]
@@ -78,59 +76,6 @@ pub struct TcpBackend {
 fn config_error(m: String) -> Error {
     Error::new(ErrorKind::ConfigInvalid, format!("[backends.tcp] {m}"))
         .with_operation("create backend")
-}
-
-/// Encodes a data endpoint: version, address family, port, IP, instance; little-endian.
-pub(crate) fn encode_endpoint(addr: SocketAddr, instance: u64) -> Vec<u8> {
-    let mut v = vec![ENDPOINT_VERSION];
-    match addr.ip() {
-        IpAddr::V4(ip) => {
-            v.push(4);
-            v.extend_from_slice(&addr.port().to_le_bytes());
-            v.extend_from_slice(&ip.octets());
-        }
-        IpAddr::V6(ip) => {
-            v.push(6);
-            v.extend_from_slice(&addr.port().to_le_bytes());
-            v.extend_from_slice(&ip.octets());
-        }
-    }
-    v.extend_from_slice(&instance.to_le_bytes());
-    v
-}
-
-/// Decodes [`encode_endpoint`]'s bytes.
-///
-/// # Errors
-/// `Protocol` for anything else.
-pub(crate) fn decode_endpoint(b: &[u8]) -> Result<(SocketAddr, u64)> {
-    let bad = || {
-        Error::new(
-            ErrorKind::Protocol,
-            format!(
-                "the peer's tcp endpoint ({} bytes) is not one this version understands",
-                b.len()
-            ),
-        )
-    };
-    let (&[version, family, p0, p1], rest) = b.split_first_chunk::<4>().ok_or_else(bad)?;
-    if version != ENDPOINT_VERSION {
-        return Err(bad());
-    }
-    let port = u16::from_le_bytes([p0, p1]);
-    let (ip, rest): (IpAddr, &[u8]) = match family {
-        4 => {
-            let (ip, rest) = rest.split_first_chunk::<4>().ok_or_else(bad)?;
-            ((*ip).into(), rest)
-        }
-        6 => {
-            let (ip, rest) = rest.split_first_chunk::<16>().ok_or_else(bad)?;
-            ((*ip).into(), rest)
-        }
-        _ => return Err(bad()),
-    };
-    let instance: [u8; 8] = rest.try_into().map_err(|_| bad())?;
-    Ok((SocketAddr::new(ip, port), u64::from_le_bytes(instance)))
 }
 
 impl Shared {

@@ -127,6 +127,7 @@ mod backend;
 mod carry;
 mod config;
 mod conn;
+mod endpoint;
 mod handshake;
 mod io;
 mod local;

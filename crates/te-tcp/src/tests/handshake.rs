@@ -8,7 +8,7 @@ use std::time::Duration;
 use te_core::{ErrorKind, TransferBackend};
 
 use super::{backend, read_until_closed, segment, soon};
-use crate::backend::decode_endpoint;
+use crate::endpoint::decode_endpoint;
 
 #[test]
 fn a_peer_without_the_right_auth_token_is_refused_before_any_data_moves() {

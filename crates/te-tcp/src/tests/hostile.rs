@@ -12,7 +12,7 @@ use super::{
     backend, eventually, pattern, raw, read_header, read_until_closed, register, run, segment,
     sg_frame, sg_frame_counted, soon, DevMem, Guarded,
 };
-use crate::backend::decode_endpoint;
+use crate::endpoint::decode_endpoint;
 use crate::wire::{Header, Kind};
 use crate::TcpBackend;
 

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use te_core::{Access, RegionId, TransferBackend, TransferRequest};
 
 use super::{backend, connected, eventually, register, run, segment, soon};
-use crate::backend::decode_endpoint;
+use crate::endpoint::decode_endpoint;
 use crate::{TcpBackend, TcpConfig};
 
 /// How long until the target closes `s`, which sends one byte every 100 ms; `None` if

@@ -11,7 +11,7 @@ use te_core::{
     TransferRequest,
 };
 
-use crate::backend::decode_endpoint;
+use crate::endpoint::decode_endpoint;
 use crate::wire::{Header, Kind, HEADER_LEN};
 use crate::{TcpBackend, TcpConfig};
 
