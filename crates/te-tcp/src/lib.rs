@@ -131,6 +131,7 @@ mod endpoint;
 mod handshake;
 mod io;
 mod local;
+mod plan;
 mod regions;
 mod respond;
 mod serve;
