@@ -115,6 +115,16 @@ fn blocks(
         .collect()
 }
 
+/// Asserts that block `from[i]` of `data` is block `to[i]` of `landed`, for every `i`;
+/// `what` names where it went in the message.
+fn assert_blocks(landed: &[u8], data: &[u8], from: &[u64], to: &[u64], block: u64, what: &str) {
+    let b = block as usize;
+    for (&l, &r) in from.iter().zip(to) {
+        let (l, r) = (l as usize * b, r as usize * b);
+        assert!(landed[r..r + b] == data[l..l + b], "block {l} {what} {r}");
+    }
+}
+
 #[test]
 fn blocks_by_random_id_are_gathered_into_frames_and_land_intact_both_ways() {
     const BLOCK: u64 = 4096;
@@ -136,14 +146,7 @@ fn blocks_by_random_id_are_gathered_into_frames_and_land_intact_both_ways() {
     let (local_ids, remote_ids) = (shuffled(N, 11), shuffled(N, 29));
     let w = blocks(te_core::Op::Write, 1, &local_ids, &remote_ids, BLOCK);
     run(&init, peer, &w).expect("write 2048 random blocks");
-    let b = BLOCK as usize;
-    for (&l, &r) in local_ids.iter().zip(&remote_ids) {
-        let (l, r) = (l as usize * b, r as usize * b);
-        assert!(
-            remote.v[r..r + b] == src[l..l + b],
-            "block {l} landed at {r}"
-        );
-    }
+    assert_blocks(&remote.v, &src, &local_ids, &remote_ids, BLOCK, "landed at");
     assert!(remote.v[(N * BLOCK) as usize..]
         .iter()
         .all(|&x| x == Guarded::CANARY));
@@ -151,13 +154,7 @@ fn blocks_by_random_id_are_gathered_into_frames_and_land_intact_both_ways() {
     let back_ids = shuffled(N, 47);
     let r = blocks(te_core::Op::Read, 2, &back_ids, &remote_ids, BLOCK);
     run(&init, peer, &r).expect("read 2048 random blocks");
-    for ((&l, &dst), &_r) in local_ids.iter().zip(&back_ids).zip(&remote_ids) {
-        let (l, dst) = (l as usize * b, dst as usize * b);
-        assert!(
-            back[dst..dst + b] == src[l..l + b],
-            "block {l} read back at {dst}"
-        );
-    }
+    assert_blocks(&back, &src, &local_ids, &back_ids, BLOCK, "read back at");
 }
 
 #[test]
@@ -177,11 +174,7 @@ fn gathered_blocks_to_and_from_device_memory_at_the_target_land_intact() {
     let w = blocks(te_core::Op::Write, 1, &local_ids, &remote_ids, BLOCK);
     run(&init, peer, &w).expect("write random blocks to device memory");
     let landed = remote.read();
-    let b = BLOCK as usize;
-    for (&l, &r) in local_ids.iter().zip(&remote_ids) {
-        let (l, r) = (l as usize * b, r as usize * b);
-        assert!(landed[r..r + b] == src[l..l + b], "block {l} landed at {r}");
-    }
+    assert_blocks(&landed, &src, &local_ids, &remote_ids, BLOCK, "landed at");
     let r = blocks(te_core::Op::Read, 2, &local_ids, &remote_ids, BLOCK);
     run(&init, peer, &r).expect("read random blocks from device memory");
     assert!(back == src, "the blocks read back intact");
@@ -210,14 +203,7 @@ fn device_blocks_gathered_at_both_ends_land_intact_scattered_or_in_runs() {
     let w = blocks(te_core::Op::Write, 1, &local_ids, &remote_ids, BLOCK);
     run(&init, peer, &w).expect("write device blocks to device memory");
     let landed = remote.read();
-    let b = BLOCK as usize;
-    for (&l, &r) in local_ids.iter().zip(&remote_ids) {
-        let (l, r) = (l as usize * b, r as usize * b);
-        assert!(
-            landed[r..r + b] == data[l..l + b],
-            "block {l} landed at {r}"
-        );
-    }
+    assert_blocks(&landed, &data, &local_ids, &remote_ids, BLOCK, "landed at");
     let r = blocks(te_core::Op::Read, 2, &local_ids, &remote_ids, BLOCK);
     run(&init, peer, &r).expect("read device blocks into device memory");
     assert!(back.read() == data, "the blocks read back intact");
