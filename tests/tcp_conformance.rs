@@ -2,7 +2,8 @@
 //! loopback sockets exactly as two processes would: te-tcp built in, and te-tcp loaded
 //! as a plugin from the cdylib `cargo build --workspace` produced; and with every target
 //! engine in a child process, so the suite runs across two processes. With fake-device
-//! memory on both sides and mixed with host memory, it runs every staging path.
+//! memory on both sides and mixed with host memory, it runs every staging path, and
+//! with both sides on one fake device in this process, the device-to-device path.
 
 use te::testkit::{self, engine_config, Harness};
 use te::Config;
@@ -34,6 +35,13 @@ fn main() {
             .with_memory(initiator.parse().unwrap(), target.parse().unwrap());
         trials.extend(testkit::trials(&h));
     }
+    // Both ends on fakedev:0 in this process: device-to-device copies (`local_copies`).
+    // The slow trials (deadlines, cancel, shutdown) hold frames with the target's
+    // `debug_delay`, which sends every frame over the socket, so they stage.
+    let local = Harness::new("tcp_fakedev_local", tcp_config(""))
+        .with_slow(tcp_config(slow))
+        .with_memory("fakedev:0".parse().unwrap(), "fakedev:0".parse().unwrap());
+    trials.extend(testkit::trials(&local));
     let two_process_fakedev = Harness::new("tcp_two_process_fakedev", tcp_config(""))
         .with_slow(tcp_config(slow))
         .with_memory("fakedev:0".parse().unwrap(), "fakedev:0".parse().unwrap())

@@ -434,7 +434,11 @@ impl TransferBackend for TcpBackend {
         // batches and the frames of a large one still spread over the whole pool.
         let start = (0..n).min_by_key(|&k| conns[k].load()).unwrap_or(0);
         let mut per_conn: Vec<Vec<Slice>> = (0..n).map(|_| Vec::new()).collect();
-        let local = pc.local.as_ref().and_then(std::sync::Weak::upgrade);
+        // A target that holds its requests (`debug_delay`, for tests) serves them all
+        // over the socket, so the delay applies to every frame.
+        let local = (pc.local.as_ref())
+            .and_then(std::sync::Weak::upgrade)
+            .filter(|t| t.is_open() && t.config.debug_delay.is_zero());
         let mut i = 0;
         for f in frames {
             let mut slice = f.into_slice(&b);

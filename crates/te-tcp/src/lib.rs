@@ -81,7 +81,7 @@
 //! | `max_pending` | `64` | accepted connections still in their handshake, at most; more are closed at once |
 //! | `max_connections` | `4096` | data connections served at once, at most (pending ones included); more are closed at once |
 //! | `idle_timeout` | `"0s"` | a served connection on which no request arrives for this long is closed (the initiator reconnects on next use); when shorter than `io_timeout` it also bounds a request stalled halfway; 0 = never |
-//! | `local_copies` | `true` | device-to-device frames (same runtime and device) to a peer that is a tcp backend of this process are device copies, not staged through the socket; `false` stages them as for any peer |
+//! | `local_copies` | `true` | device-to-device frames (same runtime and device) to a peer that is a tcp backend of this process are device copies, not staged through the socket; `false` stages them as for any peer; a target with a `debug_delay` gets every frame over the socket |
 //! | `debug_delay` | `"0s"` | for tests only: the target holds every request this long |
 //!
 //! Sizes are numbers of bytes or strings like `"64KiB"`; durations are strings like
