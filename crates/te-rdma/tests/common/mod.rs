@@ -1,0 +1,288 @@
+//! What the fake-verbs test binaries share: the fake's control functions, backends
+//! each with a control plane of its own, descriptors, a blocking submit, and the `main`
+//! that points te-rdma at the fake and runs a binary's tests one at a time.
+
+#![allow(dead_code)]
+
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use libtest_mimic::{Arguments, Failed, Trial};
+use te_core::hook::StandaloneControl;
+use te_core::{
+    Access, Completion, Deadline, MemoryDesc, MemoryKind, PeerId, RegionDesc, RegionId,
+    SegmentDesc, TransferBackend, TransferRequest,
+};
+use te_rdma::{RdmaBackend, RdmaConfig};
+
+pub const DEVICES: &str = "fake0 fake1 fakeslow:delay=200ms fakev1:roce=v1,rd_atom=4";
+
+/// The fake's control functions, resolved from the library te-rdma loads.
+pub struct Fake {
+    handle: *mut c_void,
+}
+
+impl Fake {
+    pub fn open() -> Fake {
+        let path = std::env::var(te_rdma::VERBS_LIB_ENV).expect("set in main");
+        let c = CString::new(path.clone()).expect("a path");
+        // SAFETY: dlopen of the fake provider; te-rdma opens the same file, so this
+        // returns the same, already loaded, library.
+        let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW) };
+        assert!(!handle.is_null(), "cannot open {path}");
+        Fake { handle }
+    }
+
+    pub fn sym(&self, name: &str) -> *mut c_void {
+        let c = CString::new(name).expect("a name");
+        // SAFETY: a live handle and a C string.
+        let p = unsafe { libc::dlsym(self.handle, c.as_ptr()) };
+        assert!(!p.is_null(), "the fake lacks {name}");
+        p
+    }
+
+    pub fn fail_device(&self, device: &str, status: u32, count: u32) {
+        type F = unsafe extern "C" fn(*const c_char, u32, u32) -> c_int;
+        let d = CString::new(device).expect("a name");
+        // SAFETY: the fake's function of this signature.
+        let rc = unsafe {
+            std::mem::transmute::<*mut c_void, F>(self.sym("fakeverbs_fail_device"))(
+                d.as_ptr(),
+                status,
+                count,
+            )
+        };
+        assert_eq!(rc, 0, "fakeverbs_fail_device({device})");
+    }
+
+    pub fn faults_left(&self, device: &str) -> i64 {
+        type F = unsafe extern "C" fn(*const c_char) -> i64;
+        let d = CString::new(device).expect("a name");
+        // SAFETY: as above.
+        unsafe {
+            std::mem::transmute::<*mut c_void, F>(self.sym("fakeverbs_device_faults_left"))(
+                d.as_ptr(),
+            )
+        }
+    }
+
+    pub fn mr_key(&self, device: &str, addr: u64) -> u32 {
+        type F = unsafe extern "C" fn(*const c_char, u64) -> u32;
+        let d = CString::new(device).expect("a name");
+        // SAFETY: as above.
+        unsafe {
+            std::mem::transmute::<*mut c_void, F>(self.sym("fakeverbs_mr_key"))(d.as_ptr(), addr)
+        }
+    }
+
+    pub fn set_port(&self, device: &str, up: bool) {
+        type F = unsafe extern "C" fn(*const c_char, c_int) -> c_int;
+        let d = CString::new(device).expect("a name");
+        // SAFETY: as above.
+        let rc = unsafe {
+            std::mem::transmute::<*mut c_void, F>(self.sym("fakeverbs_set_port"))(
+                d.as_ptr(),
+                c_int::from(up),
+            )
+        };
+        assert_eq!(rc, 0, "fakeverbs_set_port({device})");
+    }
+
+    pub fn busy_pds(&self) -> u64 {
+        type F = unsafe extern "C" fn() -> u64;
+        // SAFETY: as above.
+        unsafe { std::mem::transmute::<*mut c_void, F>(self.sym("fakeverbs_busy_pds"))() }
+    }
+
+    pub fn outstanding(&self) -> u64 {
+        type F = unsafe extern "C" fn() -> u64;
+        // SAFETY: as above.
+        unsafe { std::mem::transmute::<*mut c_void, F>(self.sym("fakeverbs_outstanding"))() }
+    }
+}
+
+/// A backend with the control plane its connect exchange runs on (dropped after it).
+pub struct Node {
+    pub backend: RdmaBackend,
+    pub control: StandaloneControl,
+}
+
+impl std::ops::Deref for Node {
+    type Target = RdmaBackend;
+    fn deref(&self) -> &RdmaBackend {
+        &self.backend
+    }
+}
+
+/// A backend of epoch `epoch` behind a control plane of its own on 127.0.0.1.
+pub fn node_with(config: RdmaConfig, epoch: u64) -> te_core::Result<Node> {
+    let control = StandaloneControl::start(&te_core::EngineConfig::default(), epoch)?;
+    let backend = RdmaBackend::with_hook(config, epoch, control.hook())?;
+    Ok(Node { backend, control })
+}
+
+pub fn node(config: RdmaConfig) -> te_core::Result<Node> {
+    node_with(config, te_core::random_nonzero())
+}
+
+pub fn backend(devices: &[&str]) -> Node {
+    backend_with(devices, 1)
+}
+
+pub fn backend_with(devices: &[&str], qps_per_path: usize) -> Node {
+    let mut c = RdmaConfig::default();
+    c.devices = devices.iter().map(|d| d.to_string()).collect();
+    c.qps_per_path = qps_per_path;
+    node(c).expect("an rdma backend on the fake")
+}
+
+pub fn host(buf: &[u8], access: Access) -> MemoryDesc {
+    MemoryDesc {
+        name: String::new(),
+        addr: buf.as_ptr() as u64,
+        len: buf.len() as u64,
+        kind: MemoryKind::Host,
+        access,
+    }
+}
+
+/// `target`'s descriptor, with `regions`.
+pub fn segment(target: &Node, regions: Vec<RegionDesc>) -> SegmentDesc {
+    segment_at(
+        target.endpoint(),
+        target.control.address().to_string(),
+        regions,
+    )
+}
+
+pub fn segment_at(endpoint: Vec<u8>, address: String, regions: Vec<RegionDesc>) -> SegmentDesc {
+    SegmentDesc {
+        engine: "target".into(),
+        epoch: 1,
+        address,
+        backend: "rdma".into(),
+        endpoint,
+        regions,
+        layouts: Vec::new(),
+    }
+}
+
+pub fn region(id: u64, buf: &[u8], key: Vec<u8>) -> RegionDesc {
+    RegionDesc {
+        id: RegionId(id),
+        name: String::new(),
+        addr: buf.as_ptr() as u64,
+        len: buf.len() as u64,
+        kind: MemoryKind::Host,
+        access: Access::REMOTE_READ_WRITE,
+        key,
+    }
+}
+
+/// Submits a batch and waits for its result; also returns how many work requests the
+/// fake still had outstanding when the batch completed.
+pub fn run(
+    b: &RdmaBackend,
+    peer: PeerId,
+    reqs: &[TransferRequest],
+    fake: &Fake,
+) -> (te_core::Result<()>, u64, Duration) {
+    let (tx, rx) = mpsc::channel();
+    let outstanding: unsafe extern "C" fn() -> u64 =
+        // SAFETY: the fake's function of this signature.
+        unsafe { std::mem::transmute(fake.sym("fakeverbs_outstanding")) };
+    let start = Instant::now();
+    let done = Completion::new(Duration::from_secs(5), move |r, _| {
+        // SAFETY: a plain counter read.
+        let left = unsafe { outstanding() };
+        let _ = tx.send((r, left, start.elapsed()));
+    });
+    if let Err(e) = b.submit(peer, reqs, done) {
+        return (Err(e), 0, start.elapsed());
+    }
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("the batch completes")
+}
+
+/// A deadline for calls that should be quick.
+pub fn soon() -> Deadline {
+    Deadline::after(Duration::from_secs(5))
+}
+
+pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+        .collect()
+}
+
+pub fn check(cond: bool, what: String) -> Result<(), Failed> {
+    if cond {
+        Ok(())
+    } else {
+        Err(what.into())
+    }
+}
+
+/// A target with one remotely writable 1 MiB region, an initiator with a 1 MiB source,
+/// both on fake0 and fake1 (two paths, one QP each), connected.
+pub struct Pair {
+    pub target: Node,
+    pub initiator: Node,
+    pub dst: Vec<u8>,
+    pub src: Vec<u8>,
+    pub peer: PeerId,
+}
+
+pub fn pair() -> Result<Pair, Failed> {
+    let target = backend(&["fake0", "fake1"]);
+    let dst = vec![0u8; 1 << 20];
+    let key = target.register(RegionId(1), &host(&dst, Access::REMOTE_READ_WRITE))?;
+    let initiator = backend(&["fake0", "fake1"]);
+    let src = pattern(1 << 20, 9);
+    initiator.register(RegionId(1), &host(&src, Access::LOCAL))?;
+    let peer = initiator.connect(&segment(&target, vec![region(1, &dst, key)]), soon())?;
+    Ok(Pair {
+        target,
+        initiator,
+        dst,
+        src,
+        peer,
+    })
+}
+
+pub fn write_all(p: &Pair) -> TransferRequest {
+    TransferRequest::write(RegionId(1), 0, RegionId(1), 0, p.src.len() as u64)
+}
+
+pub type Test = fn() -> Result<(), Failed>;
+
+/// Points te-rdma at the fake verbs library beside the test binary and names the fake's
+/// devices. Before any thread starts; a child started from the binary inherits both.
+pub fn use_the_fake() {
+    if std::env::var_os(te_rdma::VERBS_LIB_ENV).is_none() {
+        let exe = std::env::current_exe().expect("the test binary's path");
+        std::env::set_var(
+            te_rdma::VERBS_LIB_ENV,
+            exe.with_file_name("libfakeverbs.so"),
+        );
+    }
+    std::env::set_var("TE_FAKEVERBS_DEVICES", DEVICES);
+}
+
+/// Runs `tests`, after checking that the fake loads.
+pub fn run_tests(tests: Vec<(&'static str, Test)>) -> ! {
+    if let Err(why) = te_rdma::probe() {
+        eprintln!("the fake verbs provider does not load: {why}");
+        std::process::exit(1);
+    }
+    // The faults are injected per device and the outstanding count is the process's:
+    // the tests run one at a time.
+    let mut args = Arguments::from_args();
+    args.test_threads = Some(1);
+    let trials = tests
+        .into_iter()
+        .map(|(name, f)| Trial::test(name, f))
+        .collect();
+    libtest_mimic::run(&args, trials).exit();
+}

@@ -1,0 +1,290 @@
+//! How te-rdma lets go of work and memory, through the FAKE verbs provider: a
+//! disconnect waits for its flushes, an aborted batch posts none of its waiting slices,
+//! a deregistration waits for the slices that pin its region (or times out), a batch
+//! unpins its regions before its completion runs, and a dropped backend deregisters its
+//! regions before it closes its devices.
+//!
+//! Run as `cargo test -p te-rdma --test fake_teardown`.
+
+mod common;
+
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::{
+    backend, check, host, node, pair, pattern, region, run, segment, soon, write_all, Fake, Node,
+};
+use libtest_mimic::Failed;
+use te_core::{
+    Access, Completion, Deadline, ErrorKind, PeerId, RegionId, TransferBackend, TransferRequest,
+};
+use te_rdma::RdmaConfig;
+
+/// An initiator on `fakeslow` (each work request takes 200 ms) that posts one work
+/// request at a time, so a batch of several slices keeps most of them waiting.
+fn one_at_a_time() -> Node {
+    let mut c = RdmaConfig::default();
+    c.devices = vec!["fakeslow".into()];
+    c.qps_per_path = 1;
+    c.max_outstanding = 1;
+    c.signal_every = 1;
+    node(c).expect("an rdma backend on the fake")
+}
+
+/// A target on fake0 with a remotely writable region of 8 slices, an initiator that
+/// posts one slow work request at a time with an 8-slice source, connected.
+struct SlowPair {
+    target: Node,
+    initiator: Node,
+    dst: Vec<u8>,
+    src: Vec<u8>,
+    peer: PeerId,
+}
+
+const SLICE: usize = 64 << 10;
+
+fn slow_pair() -> Result<SlowPair, Failed> {
+    let target = backend(&["fake0"]);
+    let dst = vec![0u8; 8 * SLICE];
+    let key = target.register(RegionId(1), &host(&dst, Access::REMOTE_READ_WRITE))?;
+    let initiator = one_at_a_time();
+    let src = pattern(8 * SLICE, 4);
+    initiator.register(RegionId(1), &host(&src, Access::LOCAL))?;
+    let peer = initiator.connect(&segment(&target, vec![region(1, &dst, key)]), soon())?;
+    Ok(SlowPair {
+        target,
+        initiator,
+        dst,
+        src,
+        peer,
+    })
+}
+
+fn disconnect_moves_the_qps_to_error_and_waits_for_their_flushes() -> Result<(), Failed> {
+    let fake = Fake::open();
+    let p = pair()?;
+    // Every work request waits 100 ms, so a batch is in flight at the disconnect.
+    let (tx, rx) = mpsc::channel();
+    for d in ["fake0", "fake1"] {
+        type F = unsafe extern "C" fn(*const c_char, u64, u32) -> c_int;
+        let c = CString::new(d).expect("a name");
+        // SAFETY: the fake's function of this signature.
+        unsafe {
+            std::mem::transmute::<*mut c_void, F>(fake.sym("fakeverbs_delay_device"))(
+                c.as_ptr(),
+                100_000,
+                64,
+            )
+        };
+    }
+    let done = Completion::new(Duration::from_secs(5), move |r, _| {
+        let _ = tx.send(r);
+    });
+    p.initiator.submit(p.peer, &[write_all(&p)], done)?;
+    std::thread::sleep(Duration::from_millis(50));
+    let start = Instant::now();
+    p.initiator.disconnect(p.peer, soon())?;
+    // When disconnect returns, every work request has been flushed and accounted for.
+    check(
+        fake.outstanding() == 0,
+        format!(
+            "{} work requests still outstanding after disconnect",
+            fake.outstanding()
+        ),
+    )?;
+    let r = rx.recv_timeout(Duration::from_secs(1))?;
+    check(
+        matches!(&r, Err(e) if e.kind() == ErrorKind::PeerUnreachable),
+        format!("the batch: {r:?}"),
+    )?;
+    check(
+        start.elapsed() < Duration::from_secs(2),
+        format!("disconnect took {:?}", start.elapsed()),
+    )?;
+    for d in ["fake0", "fake1"] {
+        // What is left of the delays must not slow the next tests.
+        type F = unsafe extern "C" fn(*const c_char) -> c_int;
+        let c = CString::new(d).expect("a name");
+        // SAFETY: as above.
+        unsafe {
+            std::mem::transmute::<*mut c_void, F>(fake.sym("fakeverbs_clear_faults"))(c.as_ptr())
+        };
+    }
+    drop(p.target);
+    Ok(())
+}
+
+fn an_aborted_batch_posts_none_of_its_waiting_slices_and_is_released_once_its_posted_ones_are_back(
+) -> Result<(), Failed> {
+    let fake = Fake::open();
+    let p = slow_pair()?;
+    let (tx, rx) = mpsc::channel();
+    let outstanding: unsafe extern "C" fn() -> u64 =
+        // SAFETY: the fake's function of this signature.
+        unsafe { std::mem::transmute(fake.sym("fakeverbs_outstanding")) };
+    let start = Instant::now();
+    let (done, aborter) = Completion::abortable(soon(), move |r, _| {
+        // SAFETY: a plain counter read.
+        let left = unsafe { outstanding() };
+        let _ = tx.send((r, left, start.elapsed()));
+    });
+    let batch = done.batch();
+    let req = TransferRequest::write(RegionId(1), 0, RegionId(1), 0, p.src.len() as u64);
+    p.initiator.submit(p.peer, &[req], done)?;
+    // 8 slices one after another take 1.6 s; abort while the second is posted.
+    std::thread::sleep(Duration::from_millis(300));
+    aborter.abort();
+    p.initiator.abort(p.peer, batch);
+    let (r, left, took) = rx.recv_timeout(Duration::from_secs(5))?;
+    check(
+        matches!(&r, Err(e) if e.kind() == ErrorKind::Cancelled),
+        format!("the aborted batch: {r:?}"),
+    )?;
+    check(
+        left == 0,
+        format!("the batch was released with {left} work requests outstanding"),
+    )?;
+    check(
+        took < Duration::from_millis(1000),
+        format!("released after {took:?}: its waiting slices were posted"),
+    )?;
+    // Long enough for every slice to have landed, had any been posted after the abort.
+    std::thread::sleep(Duration::from_millis(1600));
+    let landed = p
+        .dst
+        .chunks(SLICE)
+        .zip(p.src.chunks(SLICE))
+        .filter(|(d, s)| d == s)
+        .count();
+    let untouched = p
+        .dst
+        .chunks(SLICE)
+        .filter(|d| d.iter().all(|&b| b == 0))
+        .count();
+    check(
+        landed + untouched == 8 && (1..=3).contains(&landed),
+        format!("{landed} slices landed and {untouched} are untouched, of 8"),
+    )?;
+    drop(p.target);
+    Ok(())
+}
+
+fn deregister_times_out_while_a_slice_pins_the_region_and_its_ok_means_the_keys_are_gone(
+) -> Result<(), Failed> {
+    let fake = Fake::open();
+    let p = slow_pair()?;
+    let addr = p.src.as_ptr() as u64;
+    let (tx, rx) = mpsc::channel();
+    let done = Completion::new(Duration::from_secs(5), move |r, _| {
+        let _ = tx.send(r);
+    });
+    let req = TransferRequest::write(RegionId(1), 0, RegionId(1), 0, p.src.len() as u64);
+    p.initiator.submit(p.peer, &[req], done)?;
+    std::thread::sleep(Duration::from_millis(100));
+    let start = Instant::now();
+    let r = p
+        .initiator
+        .deregister(RegionId(1), Deadline::after(Duration::from_millis(200)));
+    let took = start.elapsed();
+    check(
+        matches!(&r, Err(e) if e.kind() == ErrorKind::Timeout),
+        format!("deregister with slices in flight: {r:?}"),
+    )?;
+    check(
+        took >= Duration::from_millis(150) && took < Duration::from_millis(1000),
+        format!("deregister returned after {took:?}, not at its deadline"),
+    )?;
+    check(
+        fake.mr_key("fakeslow", addr) != 0,
+        "the MR went while work requests still used it".into(),
+    )?;
+    // The region is out of the table: a new batch on it is refused.
+    let r = run(&p.initiator, p.peer, &[req], &fake).0;
+    check(
+        matches!(&r, Err(e) if e.kind() == ErrorKind::NotRegistered),
+        format!("a batch on a region being deregistered: {r:?}"),
+    )?;
+    // The batch in flight is not the backend's to stop (the engine aborts it): it lands.
+    rx.recv_timeout(Duration::from_secs(5))??;
+    check(p.dst == p.src, "the batch in flight did not land".into())?;
+    p.initiator.deregister(RegionId(1), soon())?;
+    check(
+        fake.mr_key("fakeslow", addr) == 0,
+        "deregister returned Ok with the region's MR still registered".into(),
+    )?;
+    let r = p.initiator.deregister(RegionId(1), soon());
+    check(
+        matches!(&r, Err(e) if e.kind() == ErrorKind::NotRegistered),
+        format!("a second deregister: {r:?}"),
+    )?;
+    drop(p.target);
+    Ok(())
+}
+
+fn a_batchs_regions_are_unpinned_by_the_time_its_completion_runs() -> Result<(), Failed> {
+    let p = pair()?;
+    let initiator = std::sync::Arc::new(p.initiator);
+    let (tx, rx) = mpsc::channel();
+    let b = initiator.clone();
+    // On the completion thread, before anything after the completion runs there: a
+    // deregistration with no time to wait finds no slice pinning the region.
+    let done = Completion::new(Duration::from_secs(5), move |r, _| {
+        let dereg = b.deregister(RegionId(1), Deadline::after(Duration::ZERO));
+        let _ = tx.send((r, dereg));
+    });
+    let req = TransferRequest::write(RegionId(1), 0, RegionId(1), 0, p.src.len() as u64);
+    initiator.submit(p.peer, &[req], done)?;
+    let (r, dereg) = rx.recv_timeout(Duration::from_secs(5))?;
+    r?;
+    check(
+        dereg.is_ok(),
+        format!("deregister from the batch's completion: {dereg:?}"),
+    )?;
+    drop(p.target);
+    Ok(())
+}
+
+fn a_backend_dropped_with_regions_registered_deregisters_them_before_closing_its_devices(
+) -> Result<(), Failed> {
+    let fake = Fake::open();
+    let before = fake.busy_pds();
+    let b = backend(&["fake0", "fake1"]);
+    let buf = vec![0u8; 8192];
+    b.register(RegionId(1), &host(&buf, Access::REMOTE_READ_WRITE))?;
+    drop(b);
+    check(
+        fake.busy_pds() == before,
+        "the devices were closed with memory regions still registered in them".into(),
+    )?;
+    check(
+        fake.mr_key("fake0", buf.as_ptr() as u64) == 0,
+        "the region's MR outlived the backend".into(),
+    )
+}
+
+fn main() {
+    common::use_the_fake();
+    common::run_tests(vec![
+        (
+            "disconnect_moves_the_qps_to_error_and_waits_for_their_flushes",
+            disconnect_moves_the_qps_to_error_and_waits_for_their_flushes,
+        ),
+        (
+            "an_aborted_batch_posts_none_of_its_waiting_slices_and_is_released_once_its_posted_ones_are_back",
+            an_aborted_batch_posts_none_of_its_waiting_slices_and_is_released_once_its_posted_ones_are_back,
+        ),
+        (
+            "deregister_times_out_while_a_slice_pins_the_region_and_its_ok_means_the_keys_are_gone",
+            deregister_times_out_while_a_slice_pins_the_region_and_its_ok_means_the_keys_are_gone,
+        ),
+        (
+            "a_batchs_regions_are_unpinned_by_the_time_its_completion_runs",
+            a_batchs_regions_are_unpinned_by_the_time_its_completion_runs,
+        ),
+        (
+            "a_backend_dropped_with_regions_registered_deregisters_them_before_closing_its_devices",
+            a_backend_dropped_with_regions_registered_deregisters_them_before_closing_its_devices,
+        ),
+    ]);
+}
