@@ -1,8 +1,8 @@
 //! Builds the two shared libraries the backend can load; neither is linked into the crate.
 //!
-//! - The FAKE shim (`fake/fake_shim.c`), always, into `OUT_DIR`, for tests; its path is
-//!   exported as `TE_FLAGCX_FAKE_SHIM_PATH`. Without a C compiler the build goes on
-//!   without it and the tests say so.
+//! - The FAKE shim (`fake/*.c`, listed in `FAKE_SOURCES`), always, into `OUT_DIR`, for
+//!   tests; its path is exported as `TE_FLAGCX_FAKE_SHIM_PATH`. Without a C compiler the
+//!   build goes on without it and the tests say so.
 //! - The real shim (`shim/te_flagcx_shim.cc`) over an installed FlagCX, only when
 //!   `FLAGCX_HOME` is set; its path is exported as `TE_FLAGCX_BUILT_SHIM_PATH`, where the
 //!   backend looks when neither the configuration nor `TE_FLAGCX_SHIM` names one. Nothing
@@ -13,12 +13,24 @@
 use std::env;
 use std::path::{Path, PathBuf};
 
+/// The FAKE shim's sources; `fake/fake_shim_internal.h` is what they share.
+const FAKE_SOURCES: &[&str] = &[
+    "fake/fake_shim.c",
+    "fake/fake_engine.c",
+    "fake/fake_wire.c",
+    "fake/fake_target.c",
+    "fake/fake_conn.c",
+];
+
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=shim/te_flagcx_shim.h");
     println!("cargo:rerun-if-changed=shim/te_flagcx_shim.cc");
     println!("cargo:rerun-if-changed=shim/te_flagcx_status.h");
-    println!("cargo:rerun-if-changed=fake/fake_shim.c");
+    println!("cargo:rerun-if-changed=fake/fake_shim_internal.h");
+    for source in FAKE_SOURCES {
+        println!("cargo:rerun-if-changed={source}");
+    }
     println!("cargo:rerun-if-env-changed=FLAGCX_HOME");
     println!("cargo:rerun-if-env-changed=CC");
     println!("cargo:rerun-if-env-changed=CXX");
@@ -42,7 +54,7 @@ fn build_fake(out: &Path) {
         .args(["-Wall", "-Wextra"])
         .arg("-o")
         .arg(&lib)
-        .arg("fake/fake_shim.c")
+        .args(FAKE_SOURCES)
         .status();
     match status {
         Ok(s) if s.success() => {

@@ -1,4 +1,4 @@
-//! Builds the FAKE libcnrt (`csrc/fake_cnrt.c`) that te-mlu's tests load through the
+//! Builds the FAKE libcnrt (`csrc/fake_cnrt*.c`) that te-mlu's tests load through the
 //! same `dlopen` path as the real library, in three variants: the normal fake (a
 //! CNRT 6.14-like library), one without `_V2`/`_V3` copy symbols (a 6.0.2-like
 //! library), and one without `cnrtMapMemHandle` (a library missing a symbol).
@@ -8,6 +8,15 @@
 //! are then empty and the fake-based tests fail with a message saying so.
 
 use std::path::{Path, PathBuf};
+
+/// The fake's sources; `csrc/fake_cnrt_internal.h` is what they share.
+const SOURCES: &[&str] = &[
+    "csrc/fake_cnrt.c",
+    "csrc/fake_cnrt_device.c",
+    "csrc/fake_cnrt_memory.c",
+    "csrc/fake_cnrt_copy.c",
+    "csrc/fake_cnrt_ipc.c",
+];
 
 fn build(out: &Path, name: &str, defines: &[&str]) -> Option<PathBuf> {
     let compiler = cc::Build::new()
@@ -26,7 +35,7 @@ fn build(out: &Path, name: &str, defines: &[&str]) -> Option<PathBuf> {
         "-o",
     ])
     .arg(&lib)
-    .arg("csrc/fake_cnrt.c");
+    .args(SOURCES);
     for d in defines {
         cmd.arg(format!("-D{d}"));
     }
@@ -45,7 +54,10 @@ fn build(out: &Path, name: &str, defines: &[&str]) -> Option<PathBuf> {
 }
 
 fn main() {
-    println!("cargo:rerun-if-changed=csrc/fake_cnrt.c");
+    println!("cargo:rerun-if-changed=csrc/fake_cnrt_internal.h");
+    for source in SOURCES {
+        println!("cargo:rerun-if-changed={source}");
+    }
     println!("cargo:rerun-if-changed=build.rs");
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     for (var, name, defines) in [

@@ -7,7 +7,7 @@
  * failed. This header is the small C surface te needs, implemented twice:
  *
  *   te_flagcx_shim.cc   over flagcx_p2p.h, built by build.rs when FLAGCX_HOME is set;
- *   ../fake/fake_shim.c a FAKE for tests: moves bytes between processes over loopback
+ *   ../fake/            a FAKE for tests: moves bytes between processes over loopback
  *                       TCP, with error injection. It is not FlagCX.
  *
  * The Rust backend loads an implementation at run time (dlopen) and resolves every

@@ -27,8 +27,8 @@
 //! | `workers` | `4` | worker threads (1–64), each with a queue per MLU; batches run on them in parallel |
 //! | `debug_delay` | `"0s"` | for tests only: every batch is held this long before its copies start |
 //!
-//! Tests run against a FAKE libcnrt built from `csrc/fake_cnrt.c`; what it cannot prove
-//! is listed in `docs/mlu.md`.
+//! Tests run against a FAKE libcnrt built from the C files in `csrc/`; what it cannot
+//! prove is listed in `docs/mlu.md`.
 
 #![warn(missing_debug_implementations, missing_docs, unreachable_pub)]
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]

@@ -1,0 +1,446 @@
+/*
+ * The initiator side of the FAKE shim: a connection (its handshake and snapshot of
+ * the peer's regions), posting transfers, the thread that runs them in order against
+ * the peer's target side, and querying how they finished.
+ */
+#include "fake_shim_internal.h"
+#include "../shim/te_flagcx_status.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <time.h>
+#include <unistd.h>
+
+enum { INJECT_NONE, INJECT_FAIL, INJECT_STALE };
+
+typedef struct job {
+  uint64_t id;
+  int op, inject;
+  uint32_t count;
+  te_flagcx_desc *descs;
+  struct timespec due;
+  struct job *next;
+} job;
+
+typedef struct xfer {
+  uint64_t id;
+  int status;
+  char msg[256];
+} xfer;
+
+struct te_flagcx_conn {
+  te_flagcx_engine *engine;
+  int fd;
+  char peer[96];
+  wire_range *snapshot;
+  uint32_t nsnapshot;
+
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  job *head, *tail;
+  xfer *xfers;
+  size_t nxfers, capxfers;
+  uint64_t next_id;
+  int stop, broken;
+  pthread_t worker;
+};
+
+static void set_status(te_flagcx_conn *c, uint64_t id, int status,
+                       const char *msg) {
+  pthread_mutex_lock(&c->lock);
+  for (size_t i = 0; i < c->nxfers; i++) {
+    if (c->xfers[i].id == id) {
+      c->xfers[i].status = status;
+      snprintf(c->xfers[i].msg, sizeof c->xfers[i].msg, "%s", msg);
+      break;
+    }
+  }
+  pthread_mutex_unlock(&c->lock);
+}
+
+static int local_ok(te_flagcx_engine *e, const te_flagcx_desc *d) {
+  for (size_t r = 0; r < e->nregions; r++)
+    if (e->regions[r].mr == d->local_mr)
+      return contains(&e->regions[r], d->local_addr, d->len);
+  return 0;
+}
+
+/* The status of a job whose descriptors after the first `moved` failed, through the
+   mapping the real shim uses. */
+static int finished(te_flagcx_conn *c, const job *j, uint32_t moved, char *msg,
+                    size_t cap) {
+  uint64_t failed = j->count - moved;
+  int status = te_flagcx_status(1, failed);
+  if (status != TE_FLAGCX_OK)
+    snprintf(msg, cap,
+             "the transfer to %s finished with %llu failed slice(s) of %u: some of "
+             "its bytes did not arrive (injected by fake shim option fail_every=%u)",
+             c->peer, (unsigned long long)failed, j->count, c->engine->fail_every);
+  return status;
+}
+
+/* Runs a job over the connection; returns a status and fills msg. A job with an
+   injected failure moves every descriptor but its last, and finishes with one failed
+   slice. */
+static int run_job(te_flagcx_conn *c, job *j, char *msg, size_t cap) {
+  uint32_t moved = j->count;
+  if (j->inject == INJECT_FAIL)
+    moved--;
+  if (j->inject == INJECT_STALE) {
+    snprintf(msg, cap,
+             "injected stale registration: the peer's region table changed since "
+             "connect (fake shim option stale_every=%u)",
+             c->engine->stale_every);
+    return TE_FLAGCX_E_STALE;
+  }
+  if (__atomic_load_n(&c->broken, __ATOMIC_ACQUIRE)) {
+    snprintf(msg, cap, "the connection to %s is broken", c->peer);
+    return TE_FLAGCX_E_UNREACHABLE;
+  }
+  te_flagcx_engine *e = c->engine;
+  pthread_rwlock_rdlock(&e->lock);
+  for (uint32_t i = 0; i < j->count; i++) {
+    if (!local_ok(e, &j->descs[i])) {
+      pthread_rwlock_unlock(&e->lock);
+      snprintf(msg, cap,
+               "local memory handle %llu does not cover 0x%llx+%llu "
+               "(deregistered while the transfer was queued?)",
+               (unsigned long long)j->descs[i].local_mr,
+               (unsigned long long)j->descs[i].local_addr,
+               (unsigned long long)j->descs[i].len);
+      return TE_FLAGCX_E_NOT_REGISTERED;
+    }
+  }
+  if (moved == 0) {
+    pthread_rwlock_unlock(&e->lock);
+    return finished(c, j, moved, msg, cap);
+  }
+  request_header h = {FAKE_MAGIC, (uint32_t)j->op, moved, 0, 0};
+  wire_range *ranges = malloc((size_t)moved * sizeof *ranges);
+  if (!ranges) {
+    pthread_rwlock_unlock(&e->lock);
+    snprintf(msg, cap, "out of memory");
+    return TE_FLAGCX_E_INTERNAL;
+  }
+  for (uint32_t i = 0; i < moved; i++) {
+    ranges[i].addr = j->descs[i].remote_addr;
+    ranges[i].len = j->descs[i].len;
+    h.total += j->descs[i].len;
+  }
+  int io = send_all(c->fd, &h, sizeof h) == 0 &&
+                   send_all(c->fd, ranges, (uint64_t)moved * sizeof *ranges) == 0
+               ? 0
+               : -1;
+  free(ranges);
+  if (io == 0 && j->op == TE_FLAGCX_OP_WRITE)
+    for (uint32_t i = 0; i < moved && io == 0; i++)
+      io = send_all(c->fd, (const void *)(uintptr_t)j->descs[i].local_addr,
+                    j->descs[i].len);
+  reply_header r;
+  if (io == 0)
+    io = recv_all(c->fd, &r, sizeof r);
+  int status = TE_FLAGCX_OK;
+  if (io == 0 && r.status != TE_FLAGCX_OK) {
+    char text[256] = "";
+    uint32_t keep = r.msglen < sizeof text - 1 ? r.msglen : sizeof text - 1;
+    io = recv_all(c->fd, text, keep);
+    if (io == 0 && r.msglen > keep)
+      io = drain(c->fd, r.msglen - keep);
+    snprintf(msg, cap, "%s", text);
+    status = r.status;
+  } else if (io == 0) {
+    io = drain(c->fd, r.msglen);
+    if (j->op == TE_FLAGCX_OP_READ)
+      for (uint32_t i = 0; i < moved && io == 0; i++)
+        io = recv_all(c->fd, (void *)(uintptr_t)j->descs[i].local_addr,
+                      j->descs[i].len);
+  }
+  pthread_rwlock_unlock(&e->lock);
+  if (io != 0) {
+    __atomic_store_n(&c->broken, 1, __ATOMIC_RELEASE);
+    snprintf(msg, cap, "the connection to %s broke mid-transfer: %s", c->peer,
+             strerror(errno ? errno : ECONNRESET));
+    return TE_FLAGCX_E_UNREACHABLE;
+  }
+  return status == TE_FLAGCX_OK ? finished(c, j, moved, msg, cap) : status;
+}
+
+static int due_passed(const struct timespec *due) {
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return now.tv_sec > due->tv_sec ||
+         (now.tv_sec == due->tv_sec && now.tv_nsec >= due->tv_nsec);
+}
+
+/* Runs jobs in order, each no sooner than its due time, like a NIC working through
+   its queue; every finished job bumps the engine's event counter. */
+static void *worker_thread(void *arg) {
+  te_flagcx_conn *c = arg;
+  pthread_mutex_lock(&c->lock);
+  for (;;) {
+    while (!c->head && !c->stop)
+      pthread_cond_wait(&c->cond, &c->lock);
+    while (!c->stop && c->head && !due_passed(&c->head->due))
+      pthread_cond_timedwait(&c->cond, &c->lock, &c->head->due);
+    if (c->stop)
+      break;
+    if (!c->head || !due_passed(&c->head->due))
+      continue;
+    job *j = c->head;
+    c->head = j->next;
+    if (!c->head)
+      c->tail = NULL;
+    pthread_mutex_unlock(&c->lock);
+    char msg[256] = "";
+    int status = run_job(c, j, msg, sizeof msg);
+    set_status(c, j->id, status, msg);
+    free(j->descs);
+    free(j);
+    bump_events(c->engine);
+    pthread_mutex_lock(&c->lock);
+  }
+  pthread_mutex_unlock(&c->lock);
+  return NULL;
+}
+
+int te_flagcx_connect(te_flagcx_engine *e, const char *endpoint,
+                      te_flagcx_conn **out) {
+  if (!e || !endpoint || !out)
+    return fail(TE_FLAGCX_E_INVALID, "connect: null argument");
+  __atomic_add_fetch(&counter_connects, 1, __ATOMIC_RELAXED);
+  if (e->connect_delay_ms) {
+    struct timespec ts = {(time_t)(e->connect_delay_ms / 1000),
+                          (long)(e->connect_delay_ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+  }
+  if (e->fail_connect)
+    return fail(TE_FLAGCX_E_UNREACHABLE,
+                "injected connect failure to %s (fake shim option fail_connect)",
+                endpoint);
+  const char *colon = strrchr(endpoint, ':');
+  char host[64];
+  if (!colon || (size_t)(colon - endpoint) >= sizeof host)
+    return fail(TE_FLAGCX_E_INVALID, "endpoint `%s` is not host:port", endpoint);
+  memcpy(host, endpoint, (size_t)(colon - endpoint));
+  host[colon - endpoint] = 0;
+  uint64_t port = 0;
+  struct sockaddr_in a;
+  memset(&a, 0, sizeof a);
+  a.sin_family = AF_INET;
+  if (parse_uint("port", colon + 1, &port) != TE_FLAGCX_OK || port == 0 ||
+      port > 65535 || inet_pton(AF_INET, host, &a.sin_addr) != 1)
+    return fail(TE_FLAGCX_E_INVALID, "endpoint `%s` is not IPv4-host:port",
+                endpoint);
+  a.sin_port = htons((uint16_t)port);
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return fail(TE_FLAGCX_E_INTERNAL, "socket: %s", strerror(errno));
+  struct timeval tv = {5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+    int err = errno;
+    close(fd);
+    return fail(TE_FLAGCX_E_UNREACHABLE, "cannot connect to %s: %s", endpoint,
+                strerror(err));
+  }
+  tv.tv_sec = 0;
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  tune(fd);
+  hello h = {FAKE_MAGIC, FAKE_WIRE_VERSION};
+  uint32_t n = 0;
+  wire_range *snapshot = NULL;
+  if (send_all(fd, &h, sizeof h) != 0 || recv_all(fd, &n, sizeof n) != 0 ||
+      n > FAKE_MAX_REGIONS_ON_WIRE ||
+      !(snapshot = calloc(n ? n : 1, sizeof *snapshot)) ||
+      recv_all(fd, snapshot, (uint64_t)n * sizeof *snapshot) != 0) {
+    close(fd);
+    free(snapshot);
+    return fail(TE_FLAGCX_E_UNREACHABLE,
+                "the handshake with %s failed (not a te fake shim?)", endpoint);
+  }
+  te_flagcx_conn *c = calloc(1, sizeof *c);
+  if (!c) {
+    close(fd);
+    free(snapshot);
+    return fail(TE_FLAGCX_E_INTERNAL, "out of memory");
+  }
+  c->engine = e;
+  c->fd = fd;
+  snprintf(c->peer, sizeof c->peer, "%s", endpoint);
+  c->snapshot = snapshot;
+  c->nsnapshot = n;
+  c->next_id = 1;
+  pthread_mutex_init(&c->lock, NULL);
+  init_monotonic_cond(&c->cond);
+  if (pthread_create(&c->worker, NULL, worker_thread, c) != 0) {
+    close(fd);
+    free(snapshot);
+    free(c);
+    return fail(TE_FLAGCX_E_INTERNAL, "cannot start the connection's thread");
+  }
+  *out = c;
+  return TE_FLAGCX_OK;
+}
+
+void te_flagcx_disconnect(te_flagcx_conn *c) {
+  if (!c)
+    return;
+  pthread_mutex_lock(&c->lock);
+  c->stop = 1;
+  pthread_cond_broadcast(&c->cond);
+  pthread_mutex_unlock(&c->lock);
+  shutdown(c->fd, SHUT_RDWR);
+  pthread_join(c->worker, NULL);
+  for (job *j = c->head; j;) {
+    job *next = j->next;
+    free(j->descs);
+    free(j);
+    j = next;
+  }
+  close(c->fd);
+  pthread_mutex_destroy(&c->lock);
+  pthread_cond_destroy(&c->cond);
+  free(c->xfers);
+  free(c->snapshot);
+  free(c);
+}
+
+static int in_snapshot(const te_flagcx_conn *c, uint64_t addr, uint64_t len) {
+  for (uint32_t i = 0; i < c->nsnapshot; i++) {
+    region r = {0, c->snapshot[i].addr, c->snapshot[i].len};
+    if (contains(&r, addr, len))
+      return 1;
+  }
+  return 0;
+}
+
+int te_flagcx_post(te_flagcx_conn *c, int op, const te_flagcx_desc *descs,
+                   uint32_t count, uint64_t *xfer_out) {
+  if (!c || !descs || count == 0 || !xfer_out)
+    return fail(TE_FLAGCX_E_INVALID, "post: null argument or no descriptors");
+  if (op != TE_FLAGCX_OP_READ && op != TE_FLAGCX_OP_WRITE)
+    return fail(TE_FLAGCX_E_INVALID, "post: unknown operation %d", op);
+  te_flagcx_engine *e = c->engine;
+  for (uint32_t i = 0; i < count; i++) {
+    const te_flagcx_desc *d = &descs[i];
+    if (d->len == 0 || d->len > e->max_desc)
+      return fail(TE_FLAGCX_E_INVALID,
+                  "descriptor %u has %llu bytes; the per-descriptor limit is %llu "
+                  "(split larger copies)",
+                  i, (unsigned long long)d->len, (unsigned long long)e->max_desc);
+    if (!in_snapshot(c, d->remote_addr, d->len))
+      return fail(TE_FLAGCX_E_STALE,
+                  "remote range 0x%llx+%llu is not in the region table taken when "
+                  "connecting to %s (registered since? connect again)",
+                  (unsigned long long)d->remote_addr, (unsigned long long)d->len,
+                  c->peer);
+  }
+  pthread_rwlock_rdlock(&e->lock);
+  for (uint32_t i = 0; i < count; i++) {
+    if (!local_ok(e, &descs[i])) {
+      pthread_rwlock_unlock(&e->lock);
+      return fail(TE_FLAGCX_E_NOT_REGISTERED,
+                  "descriptor %u: local memory handle %llu does not cover 0x%llx+%llu",
+                  i, (unsigned long long)descs[i].local_mr,
+                  (unsigned long long)descs[i].local_addr,
+                  (unsigned long long)descs[i].len);
+    }
+  }
+  pthread_rwlock_unlock(&e->lock);
+  job *j = calloc(1, sizeof *j);
+  te_flagcx_desc *copy = malloc((size_t)count * sizeof *copy);
+  if (!j || !copy) {
+    free(j);
+    free(copy);
+    return fail(TE_FLAGCX_E_INTERNAL, "out of memory");
+  }
+  memcpy(copy, descs, (size_t)count * sizeof *copy);
+  j->op = op;
+  j->count = count;
+  j->descs = copy;
+  uint64_t n = __atomic_add_fetch(&e->posts, 1, __ATOMIC_RELAXED);
+  if (e->fail_every && n % e->fail_every == 0)
+    j->inject = INJECT_FAIL;
+  else if (e->stale_every && n % e->stale_every == 0)
+    j->inject = INJECT_STALE;
+
+  struct timespec *due = &j->due;
+  clock_gettime(CLOCK_MONOTONIC, due);
+  due->tv_sec += e->delay_ms / 1000;
+  due->tv_nsec += (long)(e->delay_ms % 1000) * 1000000L;
+  if (due->tv_nsec >= 1000000000L) {
+    due->tv_sec++;
+    due->tv_nsec -= 1000000000L;
+  }
+
+  pthread_mutex_lock(&c->lock);
+  if (__atomic_load_n(&c->broken, __ATOMIC_ACQUIRE)) {
+    pthread_mutex_unlock(&c->lock);
+    free(copy);
+    free(j);
+    return fail(TE_FLAGCX_E_UNREACHABLE, "the connection to %s is broken",
+                c->peer);
+  }
+  if (c->nxfers == c->capxfers) {
+    size_t cap = c->capxfers ? c->capxfers * 2 : 64;
+    xfer *grown = realloc(c->xfers, cap * sizeof *grown);
+    if (!grown) {
+      pthread_mutex_unlock(&c->lock);
+      free(copy);
+      free(j);
+      return fail(TE_FLAGCX_E_INTERNAL, "out of memory");
+    }
+    c->xfers = grown;
+    c->capxfers = cap;
+  }
+  uint64_t id = j->id = c->next_id++;
+  xfer *x = &c->xfers[c->nxfers++];
+  memset(x, 0, sizeof *x);
+  x->id = j->id;
+  x->status = TE_FLAGCX_PENDING;
+  if (c->tail)
+    c->tail->next = j;
+  else
+    c->head = j;
+  c->tail = j;
+  pthread_cond_signal(&c->cond);
+  pthread_mutex_unlock(&c->lock);
+  __atomic_add_fetch(&counter_posts, 1, __ATOMIC_RELAXED);
+  __atomic_add_fetch(&counter_descs, count, __ATOMIC_RELAXED);
+  /* Not j->id: the worker may have run and freed the job already. */
+  *xfer_out = id;
+  return TE_FLAGCX_OK;
+}
+
+int te_flagcx_query(te_flagcx_conn *c, uint64_t id) {
+  if (!c)
+    return fail(TE_FLAGCX_E_INVALID, "query: null connection");
+  pthread_mutex_lock(&c->lock);
+  for (size_t i = 0; i < c->nxfers; i++) {
+    xfer *x = &c->xfers[i];
+    if (x->id != id)
+      continue;
+    if (x->status == TE_FLAGCX_PENDING) {
+      pthread_mutex_unlock(&c->lock);
+      return TE_FLAGCX_PENDING;
+    }
+    int status = x->status;
+    if (status != TE_FLAGCX_OK)
+      snprintf(last_error, sizeof last_error, "%s", x->msg);
+    *x = c->xfers[--c->nxfers];
+    pthread_mutex_unlock(&c->lock);
+    return status;
+  }
+  pthread_mutex_unlock(&c->lock);
+  __atomic_add_fetch(&counter_misuse, 1, __ATOMIC_RELAXED);
+  return fail(TE_FLAGCX_E_INVALID,
+              "transfer %llu is unknown (never posted, or queried after it finished)",
+              (unsigned long long)id);
+}

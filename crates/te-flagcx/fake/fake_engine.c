@@ -1,0 +1,263 @@
+/*
+ * The FAKE shim's engine: its options (the injected faults among them), creating and
+ * destroying it, its registered regions, and the event counter that te_flagcx_events
+ * and te_flagcx_wait read.
+ */
+#include "fake_shim_internal.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---------------------------------------------------------------- regions */
+
+int contains(const region *r, uint64_t addr, uint64_t len) {
+  return addr >= r->addr && len <= r->len && addr - r->addr <= r->len - len;
+}
+
+/* ---------------------------------------------------------------- engine */
+
+void init_monotonic_cond(pthread_cond_t *cond) {
+  pthread_condattr_t attr;
+  pthread_condattr_init(&attr);
+  pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+  pthread_cond_init(cond, &attr);
+  pthread_condattr_destroy(&attr);
+}
+
+void bump_events(te_flagcx_engine *e) {
+  pthread_mutex_lock(&e->ev_lock);
+  e->events++;
+  pthread_cond_broadcast(&e->ev_cond);
+  pthread_mutex_unlock(&e->ev_lock);
+}
+
+/* ---------------------------------------------------------------- options */
+
+int parse_uint(const char *key, const char *value, uint64_t *out) {
+  char *end = NULL;
+  errno = 0;
+  unsigned long long v = strtoull(value, &end, 10);
+  if (errno || !end || *end || !*value || value[0] == '-')
+    return fail(TE_FLAGCX_E_INVALID,
+                "fake shim option %s=%s is not a non-negative integer", key,
+                value);
+  *out = v;
+  return TE_FLAGCX_OK;
+}
+
+static int parse_options(te_flagcx_engine *e, const char *options) {
+  if (!options)
+    return TE_FLAGCX_OK;
+  char *copy = strdup(options);
+  if (!copy)
+    return fail(TE_FLAGCX_E_INTERNAL, "out of memory");
+  int rc = TE_FLAGCX_OK;
+  char *save = NULL;
+  for (char *item = strtok_r(copy, ",", &save); item && rc == TE_FLAGCX_OK;
+       item = strtok_r(NULL, ",", &save)) {
+    while (*item == ' ')
+      item++;
+    if (!*item)
+      continue;
+    char *eq = strchr(item, '=');
+    if (!eq) {
+      rc = fail(TE_FLAGCX_E_INVALID, "fake shim option `%s` is not key=value",
+                item);
+      break;
+    }
+    *eq = 0;
+    const char *key = item, *value = eq + 1;
+    uint64_t v = 0;
+    if (strcmp(key, "host") == 0) {
+      struct in_addr a;
+      if (inet_pton(AF_INET, value, &a) != 1 || strlen(value) >= sizeof e->host)
+        rc = fail(TE_FLAGCX_E_INVALID,
+                  "fake shim option host=%s is not an IPv4 address", value);
+      else
+        snprintf(e->host, sizeof e->host, "%s", value);
+    } else if (strcmp(key, "max_desc") == 0) {
+      rc = parse_uint(key, value, &v);
+      if (rc == TE_FLAGCX_OK && v == 0)
+        rc = fail(TE_FLAGCX_E_INVALID, "fake shim option max_desc must be > 0");
+      e->max_desc = v;
+    } else if (strcmp(key, "delay_ms") == 0) {
+      rc = parse_uint(key, value, &v);
+      e->delay_ms = (unsigned)v;
+    } else if (strcmp(key, "fail_every") == 0) {
+      rc = parse_uint(key, value, &v);
+      e->fail_every = (unsigned)v;
+    } else if (strcmp(key, "stale_every") == 0) {
+      rc = parse_uint(key, value, &v);
+      e->stale_every = (unsigned)v;
+    } else if (strcmp(key, "connect_delay_ms") == 0) {
+      rc = parse_uint(key, value, &v);
+      e->connect_delay_ms = (unsigned)v;
+    } else if (strcmp(key, "fail_connect") == 0) {
+      rc = parse_uint(key, value, &v);
+      e->fail_connect = v != 0;
+    } else {
+      rc = fail(TE_FLAGCX_E_INVALID,
+                "unknown fake shim option `%s` (known: host, max_desc, delay_ms, "
+                "fail_every, stale_every, fail_connect, connect_delay_ms)",
+                key);
+    }
+  }
+  free(copy);
+  return rc;
+}
+
+/* ---------------------------------------------------------------- the ABI */
+
+int te_flagcx_engine_create(const char *options, te_flagcx_engine **out) {
+  if (!out)
+    return fail(TE_FLAGCX_E_INVALID, "engine_create: null out pointer");
+  te_flagcx_engine *e = calloc(1, sizeof *e);
+  if (!e)
+    return fail(TE_FLAGCX_E_INTERNAL, "out of memory");
+  snprintf(e->host, sizeof e->host, "127.0.0.1");
+  e->max_desc = 1ull << 30;
+  e->next_mr = 1;
+  e->listen_fd = -1;
+  int rc = parse_options(e, options);
+  if (rc != TE_FLAGCX_OK) {
+    free(e);
+    return rc;
+  }
+  pthread_rwlock_init(&e->lock, NULL);
+  pthread_mutex_init(&e->srv_lock, NULL);
+  pthread_mutex_init(&e->ev_lock, NULL);
+  init_monotonic_cond(&e->ev_cond);
+  *out = e;
+  return TE_FLAGCX_OK;
+}
+
+void te_flagcx_engine_destroy(te_flagcx_engine *e) {
+  if (!e)
+    return;
+  pthread_mutex_lock(&e->srv_lock);
+  e->stopping = 1;
+  int serving = e->serving;
+  if (serving)
+    shutdown(e->listen_fd, SHUT_RDWR);
+  for (server_conn *s = e->served; s; s = s->next)
+    shutdown(s->fd, SHUT_RDWR);
+  pthread_mutex_unlock(&e->srv_lock);
+  if (serving) {
+    pthread_join(e->accept_thread, NULL);
+    close(e->listen_fd);
+  }
+  for (server_conn *s = e->served; s;) {
+    server_conn *next = s->next;
+    pthread_join(s->thread, NULL);
+    close(s->fd);
+    free(s);
+    s = next;
+  }
+  pthread_rwlock_destroy(&e->lock);
+  pthread_mutex_destroy(&e->srv_lock);
+  pthread_mutex_destroy(&e->ev_lock);
+  pthread_cond_destroy(&e->ev_cond);
+  free(e->regions);
+  free(e);
+}
+
+const char *te_flagcx_endpoint(te_flagcx_engine *e) {
+  if (!e || !e->serving) {
+    fail(TE_FLAGCX_E_INVALID, "the engine has no endpoint before start_server");
+    return NULL;
+  }
+  return e->endpoint;
+}
+
+uint64_t te_flagcx_max_desc_len(te_flagcx_engine *e) {
+  return e ? e->max_desc : 0;
+}
+
+const char *te_flagcx_memory_kinds(te_flagcx_engine *e) {
+  (void)e;
+  return "host";
+}
+
+int te_flagcx_register(te_flagcx_engine *e, uint64_t addr, uint64_t len,
+                       const char *memory, uint64_t *mr_out) {
+  if (!e || !mr_out || addr == 0 || len == 0 || addr + len < addr)
+    return fail(TE_FLAGCX_E_INVALID, "register: null engine or empty range");
+  if (!memory || strcmp(memory, "host") != 0)
+    return fail(TE_FLAGCX_E_UNSUPPORTED,
+                "the fake shim registers host memory only, not `%s`",
+                memory ? memory : "(null)");
+  pthread_rwlock_wrlock(&e->lock);
+  if (e->nregions == e->cap) {
+    size_t cap = e->cap ? e->cap * 2 : 16;
+    region *grown = realloc(e->regions, cap * sizeof *grown);
+    if (!grown) {
+      pthread_rwlock_unlock(&e->lock);
+      return fail(TE_FLAGCX_E_INTERNAL, "out of memory");
+    }
+    e->regions = grown;
+    e->cap = cap;
+  }
+  region r = {e->next_mr++, addr, len};
+  e->regions[e->nregions++] = r;
+  pthread_rwlock_unlock(&e->lock);
+  *mr_out = r.mr;
+  return TE_FLAGCX_OK;
+}
+
+int te_flagcx_deregister(te_flagcx_engine *e, uint64_t mr) {
+  if (!e)
+    return fail(TE_FLAGCX_E_INVALID, "deregister: null engine");
+  /* Like FlagCX's MrDestroy, this does not wait for transfers still queued on the
+     memory: they fail when their turn comes. The write lock only keeps the fake from
+     deregistering under a job that is moving bytes right now. */
+  pthread_rwlock_wrlock(&e->lock);
+  for (size_t i = 0; i < e->nregions; i++) {
+    if (e->regions[i].mr == mr) {
+      e->regions[i] = e->regions[--e->nregions];
+      pthread_rwlock_unlock(&e->lock);
+      return TE_FLAGCX_OK;
+    }
+  }
+  pthread_rwlock_unlock(&e->lock);
+  return fail(TE_FLAGCX_E_NOT_REGISTERED, "memory handle %llu is not registered",
+              (unsigned long long)mr);
+}
+
+uint64_t te_flagcx_events(te_flagcx_engine *e) {
+  if (!e)
+    return 0;
+  pthread_mutex_lock(&e->ev_lock);
+  uint64_t n = e->events;
+  pthread_mutex_unlock(&e->ev_lock);
+  return n;
+}
+
+void te_flagcx_wait(te_flagcx_engine *e, uint64_t seen, uint32_t timeout_us) {
+  if (!e)
+    return;
+  struct timespec until;
+  clock_gettime(CLOCK_MONOTONIC, &until);
+  until.tv_sec += timeout_us / 1000000u;
+  until.tv_nsec += (long)(timeout_us % 1000000u) * 1000L;
+  if (until.tv_nsec >= 1000000000L) {
+    until.tv_sec++;
+    until.tv_nsec -= 1000000000L;
+  }
+  pthread_mutex_lock(&e->ev_lock);
+  while (e->events == seen &&
+         pthread_cond_timedwait(&e->ev_cond, &e->ev_lock, &until) != ETIMEDOUT) {
+  }
+  pthread_mutex_unlock(&e->ev_lock);
+}
+
+void te_flagcx_wake(te_flagcx_engine *e) {
+  if (e)
+    bump_events(e);
+}
