@@ -54,6 +54,7 @@ pub mod require;
 pub mod sync;
 #[cfg(feature = "testkit")]
 pub mod testkit;
+pub mod worker;
 
 pub use backend::{
     random_nonzero, Aborter, BackendContext, BatchId, Completion, Deadline, FfiError,

@@ -30,6 +30,7 @@ use std::sync::Arc;
 use std::thread::{JoinHandle, ThreadId};
 use std::time::Instant;
 use te_core::sync::RwLock;
+use te_core::worker::DueQueue;
 
 use te_core::{
     BackendContext, BackendInfo, BatchId, Capabilities, Completion, Deadline, Error, ErrorKind,
@@ -37,7 +38,7 @@ use te_core::{
     TransferRequest,
 };
 
-use crate::completion::{worker, Copy, Guard, Job, Kind, Shared};
+use crate::completion::{worker, Copy, Guard, Job, Kind};
 use crate::config::MluConfig;
 use crate::endpoint::{host_identity, process_id, Endpoint, Key};
 use crate::ffi::dir;
@@ -74,7 +75,7 @@ pub struct MluBackend {
     _server: Server,
     locals: RwLock<HashMap<RegionId, Local>>,
     pub(crate) peers: RwLock<HashMap<PeerId, Arc<PeerState>>>,
-    shared: Arc<Shared>,
+    shared: Arc<DueQueue<Job>>,
     threads: Vec<JoinHandle<()>>,
     thread_ids: Vec<ThreadId>,
 }
@@ -132,7 +133,7 @@ impl MluBackend {
             host: host_identity(),
             buses,
         };
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(DueQueue::default());
         let mut threads = Vec::new();
         for i in 0..config.workers {
             let (s, c) = (shared.clone(), cnrt.clone());
@@ -426,31 +427,17 @@ impl TransferBackend for MluBackend {
             copies,
             guards,
             _maps: maps,
-            due: Instant::now() + self.config.debug_delay,
             done,
         };
-        let mut w = self.shared.lock();
-        if w.stop {
-            return Err(Error::new(
-                ErrorKind::Cancelled,
-                "the mlu backend is shutting down",
-            ));
-        }
-        w.jobs.push_back(job);
-        drop(w);
-        self.shared.cond.notify_one();
-        Ok(())
+        self.shared
+            .push(Instant::now() + self.config.debug_delay, job)
+            .map_err(|_| Error::new(ErrorKind::Cancelled, "the mlu backend is shutting down"))
     }
 
     fn abort(&self, _peer: PeerId, batch: BatchId) {
         // A batch still queued has touched nothing: it is released at once. One whose
         // copies are enqueued is released when its queues have been synchronised.
-        let job = {
-            let mut w = self.shared.lock();
-            let at = w.jobs.iter().position(|j| j.done.batch() == batch);
-            at.and_then(|i| w.jobs.remove(i))
-        };
-        if let Some(job) = job {
+        if let Some(job) = self.shared.remove(|j| j.done.batch() == batch) {
             let Job { guards, done, .. } = job;
             drop(guards);
             done.complete(Err(Error::new(
@@ -463,12 +450,7 @@ impl TransferBackend for MluBackend {
 
 impl Drop for MluBackend {
     fn drop(&mut self) {
-        let jobs = {
-            let mut w = self.shared.lock();
-            w.stop = true;
-            std::mem::take(&mut w.jobs)
-        };
-        self.shared.cond.notify_all();
+        let jobs = self.shared.stop();
         // Queued batches complete as cancelled when their completions drop here.
         drop(jobs);
         let me = std::thread::current().id();

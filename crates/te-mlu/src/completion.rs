@@ -2,11 +2,10 @@
 //! with its own CNRT queue per MLU; a worker enqueues all of a batch's copies, waits
 //! once per queue (a blocking sync, never a poll loop) and completes the batch.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
 
-use te_core::sync::{Condvar, Mutex};
+use te_core::worker::DueQueue;
 use te_core::{Completion, Error, ErrorKind, Result};
 
 use crate::ffi::{Cnrt, Queue};
@@ -53,59 +52,12 @@ pub(crate) struct Job {
     pub(crate) copies: Vec<Copy>,
     pub(crate) guards: Vec<Guard>,
     pub(crate) _maps: Vec<Arc<Mapping>>,
-    pub(crate) due: Instant,
     pub(crate) done: Completion,
 }
 
-#[derive(Default)]
-pub(crate) struct Work {
-    pub(crate) jobs: VecDeque<Job>,
-    pub(crate) stop: bool,
-}
-
-#[derive(Default)]
-pub(crate) struct Shared {
-    pub(crate) work: Mutex<Work>,
-    pub(crate) cond: Condvar,
-}
-
-impl Shared {
-    pub(crate) fn lock(&self) -> te_core::sync::MutexGuard<'_, Work> {
-        self.work.lock()
-    }
-}
-
-pub(crate) fn worker(shared: &Shared, cnrt: &Cnrt) {
+pub(crate) fn worker(queue: &DueQueue<Job>, cnrt: &Cnrt) {
     let mut queues: HashMap<u32, Queue> = HashMap::new();
-    loop {
-        let job = {
-            let mut w = shared.lock();
-            loop {
-                if w.stop {
-                    drop(w);
-                    for (_, q) in queues.drain() {
-                        let _ = cnrt.queue_destroy(q);
-                    }
-                    return;
-                }
-                let now = Instant::now();
-                match w.jobs.iter().position(|j| j.due <= now) {
-                    Some(i) => break w.jobs.remove(i),
-                    None => {
-                        let wait = w
-                            .jobs
-                            .iter()
-                            .map(|j| j.due.saturating_duration_since(now))
-                            .min();
-                        w = match wait {
-                            Some(d) => shared.cond.wait_timeout(w, d).0,
-                            None => shared.cond.wait(w),
-                        };
-                    }
-                }
-            }
-        };
-        let Some(job) = job else { continue };
+    while let Some(job) = queue.next(false) {
         let result = if job.done.remaining().is_zero() || job.done.is_aborted() {
             Err(Error::new(
                 ErrorKind::Cancelled,
@@ -117,6 +69,9 @@ pub(crate) fn worker(shared: &Shared, cnrt: &Cnrt) {
         let Job { guards, done, .. } = job;
         drop(guards);
         done.complete(result);
+    }
+    for (_, q) in queues.drain() {
+        let _ = cnrt.queue_destroy(q);
     }
 }
 

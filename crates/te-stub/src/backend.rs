@@ -1,12 +1,13 @@
 //! The stub's `TransferBackend`: a process-wide endpoint table, and one worker thread
 //! per backend instance (see `completion`) that performs the copies.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::Instant;
-use te_core::sync::{Condvar, Mutex, RwLock, RwLockReadGuard};
+use te_core::sync::{Mutex, RwLock, RwLockReadGuard};
+use te_core::worker::DueQueue;
 
 use te_core::device::DeviceRuntime;
 use te_core::{
@@ -55,27 +56,8 @@ pub(crate) enum Fault {
 pub(crate) struct Job {
     pub(crate) peer: Weak<Endpoint>,
     pub(crate) requests: Vec<TransferRequest>,
-    pub(crate) due: Instant,
     pub(crate) fault: Fault,
     pub(crate) done: Completion,
-}
-
-#[derive(Default)]
-pub(crate) struct Queue {
-    pub(crate) jobs: VecDeque<Job>,
-    pub(crate) stop: bool,
-}
-
-#[derive(Default)]
-pub(crate) struct WorkerShared {
-    pub(crate) queue: Mutex<Queue>,
-    pub(crate) cond: Condvar,
-}
-
-impl WorkerShared {
-    pub(crate) fn lock(&self) -> te_core::sync::MutexGuard<'_, Queue> {
-        self.queue.lock()
-    }
 }
 
 /// The in-process backend.
@@ -86,15 +68,9 @@ pub struct StubBackend {
     pub(crate) local: Arc<Endpoint>,
     pub(crate) peers: Arc<RwLock<HashMap<PeerId, Weak<Endpoint>>>>,
     pub(crate) batches: AtomicU64,
-    pub(crate) shared: Arc<WorkerShared>,
+    pub(crate) shared: Arc<DueQueue<Job>>,
     pub(crate) thread: Option<JoinHandle<()>>,
     pub(crate) thread_id: ThreadId,
-}
-
-impl std::fmt::Debug for WorkerShared {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("WorkerShared")
-    }
 }
 
 impl StubBackend {
@@ -110,7 +86,7 @@ impl StubBackend {
         endpoints()
             .get_or_insert_with(HashMap::new)
             .insert(local.id, Arc::downgrade(&local));
-        let shared = Arc::new(WorkerShared::default());
+        let shared = Arc::new(DueQueue::default());
         let peers = Arc::new(RwLock::new(HashMap::new()));
         let (s, me, c, p) = (shared.clone(), local.clone(), config.clone(), peers.clone());
         let thread = std::thread::Builder::new()
@@ -260,21 +236,14 @@ impl TransferBackend for StubBackend {
         let job = Job {
             peer: ep,
             requests,
-            due: Instant::now() + self.config.delay,
             fault: self.fault(),
             done,
         };
-        let mut q = self.shared.lock();
-        if q.stop {
-            return Err(Error::new(
-                ErrorKind::Cancelled,
-                "the stub backend is shutting down",
-            ));
-        }
-        q.jobs.push_back(job);
-        drop(q);
-        self.shared.cond.notify_one();
-        Ok(())
+        // A job refused here drops, and its completion with it: the engine sees the
+        // error returned instead.
+        self.shared
+            .push(Instant::now() + self.config.delay, job)
+            .map_err(|_| Error::new(ErrorKind::Cancelled, "the stub backend is shutting down"))
     }
 
     fn abort(&self, _peer: PeerId, batch: BatchId) {
@@ -283,12 +252,7 @@ impl TransferBackend for StubBackend {
         }
         // A queued batch has touched nothing yet: it is released at once. One being
         // copied sees its flag between requests.
-        let job = {
-            let mut q = self.shared.lock();
-            let at = q.jobs.iter().position(|j| j.done.batch() == batch);
-            at.and_then(|i| q.jobs.remove(i))
-        };
-        if let Some(job) = job {
+        if let Some(job) = self.shared.remove(|j| j.done.batch() == batch) {
             job.done.complete(Err(aborted()));
         }
     }
@@ -303,12 +267,7 @@ impl Drop for StubBackend {
         if let Some(t) = endpoints().as_mut() {
             t.remove(&self.local.id);
         }
-        let jobs = {
-            let mut q = self.shared.lock();
-            q.stop = true;
-            std::mem::take(&mut q.jobs)
-        };
-        self.shared.cond.notify_all();
+        let jobs = self.shared.stop();
         // Queued batches complete as cancelled when their completions drop here.
         drop(jobs);
         if std::thread::current().id() != self.thread_id {

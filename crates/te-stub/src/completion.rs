@@ -4,50 +4,23 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
-use std::time::Instant;
 
 use te_core::device::{DeviceCopy, DeviceRuntime};
 use te_core::sync::RwLock;
+use te_core::worker::DueQueue;
 use te_core::{Completion, Error, ErrorKind, Op, PeerId, Result};
 
 use crate::backend::*;
 use crate::config::{Mode, StubConfig};
 
 pub(crate) fn run(
-    shared: &WorkerShared,
+    queue: &DueQueue<Job>,
     local: &Endpoint,
     config: &StubConfig,
     peers: &RwLock<HashMap<PeerId, Weak<Endpoint>>>,
 ) {
     let mut scratch = Vec::new();
-    loop {
-        let job = {
-            let mut q = shared.lock();
-            loop {
-                if q.stop {
-                    return;
-                }
-                let now = Instant::now();
-                let pick = if config.reorder {
-                    q.jobs.iter().rposition(|j| j.due <= now)
-                } else {
-                    q.jobs.front().filter(|j| j.due <= now).map(|_| 0)
-                };
-                if let Some(i) = pick {
-                    break q.jobs.remove(i);
-                }
-                q = match q.jobs.iter().map(|j| j.due).min() {
-                    Some(due) => {
-                        shared
-                            .cond
-                            .wait_timeout(q, due.saturating_duration_since(now))
-                            .0
-                    }
-                    None => shared.cond.wait(q),
-                };
-            }
-        };
-        let Some(job) = job else { continue };
+    while let Some(job) = queue.next(config.reorder) {
         let result = execute(&job, local, config, &mut scratch);
         if job.fault == Fault::Restart {
             let id = job.peer.upgrade().map(|p| PeerId(p.id));
