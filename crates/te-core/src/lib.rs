@@ -47,6 +47,7 @@ mod inbox;
 pub mod kv;
 pub mod metadata;
 pub mod net;
+pub mod peer_table;
 pub mod plugin;
 mod region;
 pub mod registry;

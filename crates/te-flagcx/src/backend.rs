@@ -3,11 +3,9 @@
 //! descriptors the shim accepts (see `batch`), completed by the completion thread
 //! (see `progress`).
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use te_core::sync::RwLock;
+use te_core::peer_table::PeerTable;
 
 use te_core::{
     BackendInfo, BatchId, Capabilities, Completion, Deadline, Error, ErrorKind, MemoryDesc, PeerId,
@@ -38,8 +36,7 @@ pub struct FlagcxBackend {
     endpoint: String,
     max_desc: u64,
     poster: Arc<Poster>,
-    peers: RwLock<HashMap<PeerId, Arc<PeerState>>>,
-    next_peer: AtomicU64,
+    peers: PeerTable<Arc<PeerState>>,
 }
 
 impl std::fmt::Debug for FlagcxBackend {
@@ -124,8 +121,7 @@ impl FlagcxBackend {
             endpoint,
             max_desc,
             poster,
-            peers: RwLock::new(HashMap::new()),
-            next_peer: AtomicU64::new(1),
+            peers: PeerTable::new(crate::NAME),
         })
     }
 
@@ -162,7 +158,7 @@ impl FlagcxBackend {
                 .find(|(_, p)| p.endpoint == endpoint && p.epoch == peer.epoch)
                 .map(|(id, p)| (*id, p.clone()));
             known.unwrap_or_else(|| {
-                let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
+                let id = self.peers.next_id();
                 let state = Arc::new(PeerState::new(
                     endpoint,
                     peer.epoch,
@@ -211,8 +207,7 @@ impl FlagcxBackend {
 
 impl Drop for FlagcxBackend {
     fn drop(&mut self) {
-        let peers = std::mem::take(&mut *self.peers.write());
-        for p in peers.values() {
+        for p in self.peers.drain() {
             p.close();
         }
     }
@@ -247,27 +242,13 @@ impl TransferBackend for FlagcxBackend {
     }
 
     fn disconnect(&self, peer: PeerId, _deadline: Deadline) -> Result<()> {
-        let removed = self.peers.write().remove(&peer);
-        match removed {
-            // Parked batches fail; those in flight finish, then the connection closes.
-            Some(state) => {
-                state.close();
-                Ok(())
-            }
-            None => Err(Error::new(
-                ErrorKind::PeerUnreachable,
-                "unknown FlagCX peer",
-            )),
-        }
+        // Parked batches fail; those in flight finish, then the connection closes.
+        self.peers.remove(peer)?.close();
+        Ok(())
     }
 
     fn submit(&self, peer: PeerId, batch: &[TransferRequest], done: Completion) -> Result<()> {
-        let Some(state) = self.peers.read().get(&peer).cloned() else {
-            return Err(Error::new(
-                ErrorKind::PeerUnreachable,
-                "the FlagCX backend is not connected to that peer",
-            ));
-        };
+        let state = self.peers.get(peer)?;
         match state.usable(batch)? {
             Some(link) => match self.poster.start(link, batch, done) {
                 Ok(b) => {

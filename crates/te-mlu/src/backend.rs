@@ -29,6 +29,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::thread::{JoinHandle, ThreadId};
 use std::time::Instant;
+use te_core::peer_table::PeerTable;
 use te_core::sync::RwLock;
 use te_core::worker::DueQueue;
 
@@ -74,7 +75,7 @@ pub struct MluBackend {
     pub(crate) table: Arc<Table>,
     _server: Server,
     locals: RwLock<HashMap<RegionId, Local>>,
-    pub(crate) peers: RwLock<HashMap<PeerId, Arc<PeerState>>>,
+    pub(crate) peers: PeerTable<Arc<PeerState>>,
     shared: Arc<DueQueue<Job>>,
     threads: Vec<JoinHandle<()>>,
     thread_ids: Vec<ThreadId>,
@@ -169,7 +170,7 @@ impl MluBackend {
             table,
             _server: server,
             locals: RwLock::new(HashMap::new()),
-            peers: RwLock::new(HashMap::new()),
+            peers: PeerTable::new(crate::NAME),
             shared,
         })
     }
@@ -252,19 +253,11 @@ impl TransferBackend for MluBackend {
     }
 
     fn disconnect(&self, peer: PeerId, _deadline: Deadline) -> Result<()> {
-        match self.peers.write().remove(&peer) {
-            Some(_) => Ok(()),
-            None => Err(Error::new(ErrorKind::PeerUnreachable, "unknown mlu peer")),
-        }
+        self.peers.remove(peer).map(drop)
     }
 
     fn submit(&self, peer: PeerId, batch: &[TransferRequest], done: Completion) -> Result<()> {
-        let Some(p) = self.peers.read().get(&peer).cloned() else {
-            return Err(Error::new(
-                ErrorKind::PeerUnreachable,
-                "the mlu backend is not connected to that peer",
-            ));
-        };
+        let p = self.peers.get(peer)?;
         let mut copies = Vec::with_capacity(batch.len());
         let mut guards: Vec<Guard> = Vec::new();
         let mut maps = Vec::new();

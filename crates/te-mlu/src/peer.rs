@@ -74,7 +74,7 @@ impl MluBackend {
             ));
         }
         let id = PeerId(ep.instance);
-        let existing = self.peers.read().get(&id).cloned();
+        let existing = self.peers.get(id).ok();
         let state = match existing {
             Some(s) if s.endpoint == ep => s,
             _ => {
@@ -102,7 +102,7 @@ impl MluBackend {
             regions.insert(r.id, remote);
         }
         *state.regions.write() = regions;
-        self.peers.write().insert(id, state);
+        self.peers.insert(id, state);
         Ok(id)
     }
 

@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
+use te_core::peer_table::PeerTable;
 use te_core::sync::{Condvar, Mutex, RwLock};
 
 use te_core::{
@@ -46,9 +47,8 @@ pub(crate) struct Shared {
     pub(crate) closing: Mutex<HashMap<RegionId, Arc<LocalRegion>>>,
     /// The batches in flight, for the engine's abort.
     in_flight: Arc<InFlight>,
-    pub(crate) peers: RwLock<HashMap<PeerId, Arc<Peer>>>,
+    pub(crate) peers: PeerTable<Arc<Peer>>,
     by_instance: Mutex<HashMap<u64, PeerId>>,
-    next_peer: AtomicU64,
     pub(crate) next_tag: AtomicU64,
     pub(crate) closed: AtomicBool,
     /// The engine's control plane: the exchange's requests go through it.
@@ -206,9 +206,8 @@ impl RdmaBackend {
             regions: RwLock::new(HashMap::new()),
             closing: Mutex::new(HashMap::new()),
             in_flight: Arc::new(InFlight::default()),
-            peers: RwLock::new(HashMap::new()),
+            peers: PeerTable::new(crate::NAME),
             by_instance: Mutex::new(HashMap::new()),
-            next_peer: AtomicU64::new(1),
             next_tag: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             hook: hook.clone(),
@@ -321,11 +320,10 @@ impl TransferBackend for RdmaBackend {
             }
         }
         // No lock is held while the exchange runs.
-        let id =
-            known.unwrap_or_else(|| PeerId(self.shared.next_peer.fetch_add(1, Ordering::Relaxed)));
+        let id = known.unwrap_or_else(|| self.shared.peers.next_id());
         let peer = self.shared.establish(&ep, &segment.address, id, deadline)?;
         *peer.regions.write() = regions;
-        let old = self.shared.peers.write().insert(id, peer);
+        let old = self.shared.peers.insert(id, peer);
         self.shared.by_instance.lock().insert(ep.instance, id);
         if let Some(old) = old {
             // Its QPs go to ERR first; what they held is flushed back before it fails.
@@ -339,12 +337,7 @@ impl TransferBackend for RdmaBackend {
     }
 
     fn disconnect(&self, peer: PeerId, deadline: Deadline) -> Result<()> {
-        let old = self
-            .shared
-            .peers
-            .write()
-            .remove(&peer)
-            .ok_or_else(|| Error::new(ErrorKind::PeerUnreachable, "unknown peer"))?;
+        let old = self.shared.peers.remove(peer)?;
         self.shared.by_instance.lock().retain(|_, id| *id != peer);
         old.kill("disconnected".into());
         let flushed = path::retire(&old, deadline.instant());
@@ -365,10 +358,7 @@ impl TransferBackend for RdmaBackend {
                 "the batch's deadline passed before it was posted",
             ));
         }
-        let peer = self
-            .shared
-            .peer(peer)
-            .ok_or_else(|| Error::new(ErrorKind::PeerUnreachable, "unknown peer"))?;
+        let peer = self.shared.peers.get(peer)?;
         if peer.dead.load(Ordering::Acquire) {
             return Err(Error::new(
                 ErrorKind::PeerUnreachable,
@@ -491,7 +481,7 @@ impl Drop for RdmaBackend {
         // fail (as when this process exits).
         let served: Vec<Served> = self.shared.served.lock().drain().map(|(_, s)| s).collect();
         drop(served);
-        let peers: Vec<_> = self.shared.peers.write().drain().map(|(_, p)| p).collect();
+        let peers = self.shared.peers.drain();
         // Every peer's QPs go to ERR and their flush completions are taken (the
         // completion threads still run) before the threads stop; whatever has not
         // flushed by then is dropped with its QP, which the NIC stops using.

@@ -290,7 +290,7 @@ impl Shared {
 
     /// The peer currently registered under `id`.
     pub(crate) fn peer(&self, id: PeerId) -> Option<Arc<Peer>> {
-        self.peers.read().get(&id).cloned()
+        self.peers.get(id).ok()
     }
 
     /// Asks the repair thread to rebuild peer `id`'s paths.
@@ -306,8 +306,8 @@ impl Shared {
     pub(crate) fn repair_degraded(&self) {
         let ids: Vec<PeerId> = self
             .peers
-            .read()
-            .values()
+            .all()
+            .iter()
             .filter(|p| !p.dead.load(Ordering::Acquire) && p.healthy().len() < p.paths.len())
             .map(|p| p.id)
             .collect();
@@ -374,7 +374,7 @@ pub(crate) fn repair_loop(shared: &Weak<Shared>) {
                 backoff.remove(&id);
                 let regions = old.regions.read().clone();
                 *new.regions.write() = regions;
-                s.peers.write().insert(id, new);
+                s.peers.insert(id, new);
                 tracing::info!(peer = %old.address, "RDMA paths rebuilt");
                 // The old set's work moves to the new set; it is not dead.
                 *old.why.lock() = "replaced by rebuilt paths".into();

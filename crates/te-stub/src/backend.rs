@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::Instant;
+use te_core::peer_table::PeerTable;
 use te_core::sync::{Mutex, RwLock, RwLockReadGuard};
 use te_core::worker::DueQueue;
 
@@ -66,7 +67,7 @@ pub struct StubBackend {
     pub(crate) info: BackendInfo,
     pub(crate) config: StubConfig,
     pub(crate) local: Arc<Endpoint>,
-    pub(crate) peers: Arc<RwLock<HashMap<PeerId, Weak<Endpoint>>>>,
+    pub(crate) peers: Arc<PeerTable<Weak<Endpoint>>>,
     pub(crate) batches: AtomicU64,
     pub(crate) shared: Arc<DueQueue<Job>>,
     pub(crate) thread: Option<JoinHandle<()>>,
@@ -87,7 +88,7 @@ impl StubBackend {
             .get_or_insert_with(HashMap::new)
             .insert(local.id, Arc::downgrade(&local));
         let shared = Arc::new(DueQueue::default());
-        let peers = Arc::new(RwLock::new(HashMap::new()));
+        let peers = Arc::new(PeerTable::new(crate::NAME));
         let (s, me, c, p) = (shared.clone(), local.clone(), config.clone(), peers.clone());
         let thread = std::thread::Builder::new()
             .name("te-stub".into())
@@ -205,24 +206,16 @@ impl TransferBackend for StubBackend {
                 "no live stub endpoint with that id here: its engine is gone, or uses another copy of the stub (built in vs. plugin)",
             ));
         };
-        self.peers.write().insert(PeerId(id), ep);
+        self.peers.insert(PeerId(id), ep);
         Ok(PeerId(id))
     }
 
     fn disconnect(&self, peer: PeerId, _deadline: Deadline) -> Result<()> {
-        match self.peers.write().remove(&peer) {
-            Some(_) => Ok(()),
-            None => Err(Error::new(ErrorKind::PeerUnreachable, "unknown peer")),
-        }
+        self.peers.remove(peer).map(drop)
     }
 
     fn submit(&self, peer: PeerId, batch: &[TransferRequest], done: Completion) -> Result<()> {
-        let ep = self.peers.read().get(&peer).cloned().ok_or_else(|| {
-            Error::new(
-                ErrorKind::PeerUnreachable,
-                "the stub is not connected to that peer (connect again)",
-            )
-        })?;
+        let ep = self.peers.get(peer)?;
         if ep.strong_count() == 0 {
             return Err(Error::new(
                 ErrorKind::PeerUnreachable,

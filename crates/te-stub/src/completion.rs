@@ -2,11 +2,10 @@
 //! their bytes (through device runtimes where a side is device memory) and completes
 //! each exactly once.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 
 use te_core::device::{DeviceCopy, DeviceRuntime};
-use te_core::sync::RwLock;
+use te_core::peer_table::PeerTable;
 use te_core::worker::DueQueue;
 use te_core::{Completion, Error, ErrorKind, Op, PeerId, Result};
 
@@ -17,7 +16,7 @@ pub(crate) fn run(
     queue: &DueQueue<Job>,
     local: &Endpoint,
     config: &StubConfig,
-    peers: &RwLock<HashMap<PeerId, Weak<Endpoint>>>,
+    peers: &PeerTable<Weak<Endpoint>>,
 ) {
     let mut scratch = Vec::new();
     while let Some(job) = queue.next(config.reorder) {
@@ -25,7 +24,7 @@ pub(crate) fn run(
         if job.fault == Fault::Restart {
             let id = job.peer.upgrade().map(|p| PeerId(p.id));
             if let Some(id) = id {
-                peers.write().remove(&id);
+                let _ = peers.remove(id);
             }
         }
         job.done.complete(result);

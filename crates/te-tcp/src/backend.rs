@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use te_core::peer_table::PeerTable;
 use te_core::sync::{Mutex, RwLock};
 
 use te_core::{
@@ -68,9 +69,8 @@ pub struct TcpBackend {
     info: BackendInfo,
     shared: Arc<Shared>,
     endpoint: Vec<u8>,
-    peers: RwLock<HashMap<PeerId, Arc<PeerConns>>>,
+    peers: PeerTable<Arc<PeerConns>>,
     by_endpoint: Mutex<HashMap<Vec<u8>, PeerId>>,
-    next_peer: AtomicU64,
 }
 
 fn config_error(m: String) -> Error {
@@ -192,9 +192,8 @@ impl TcpBackend {
             },
             endpoint,
             shared,
-            peers: RwLock::new(HashMap::new()),
+            peers: PeerTable::new(crate::NAME),
             by_endpoint: Mutex::new(HashMap::new()),
-            next_peer: AtomicU64::new(1),
         })
     }
 
@@ -213,7 +212,7 @@ impl TcpBackend {
     /// The connections to `peer` not known to be broken.
     #[cfg(test)]
     pub(crate) fn live_connections(&self, peer: PeerId) -> usize {
-        self.peers.read().get(&peer).map_or(0, |pc| {
+        self.peers.get(peer).map_or(0, |pc| {
             pc.conns.read().iter().filter(|c| !c.is_dead()).count()
         })
     }
@@ -333,8 +332,7 @@ impl TransferBackend for TcpBackend {
         let (addr, instance) = decode_endpoint(&peer.endpoint)?;
         let existing = self.by_endpoint.lock().get(&peer.endpoint).copied();
         if let Some(id) = existing {
-            let pc = self.peers.read().get(&id).cloned();
-            if let Some(pc) = pc {
+            if let Ok(pc) = self.peers.get(id) {
                 self.fill_pool(&pc, deadline)?;
                 return Ok(id);
             }
@@ -363,18 +361,14 @@ impl TransferBackend for TcpBackend {
                 return Ok(id);
             }
         }
-        let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
+        let id = self.peers.next_id();
         by.insert(peer.endpoint.clone(), id);
         peers.insert(id, pc);
         Ok(id)
     }
 
     fn disconnect(&self, peer: PeerId, _deadline: Deadline) -> Result<()> {
-        let pc = self
-            .peers
-            .write()
-            .remove(&peer)
-            .ok_or_else(|| Error::new(ErrorKind::PeerUnreachable, "unknown peer"))?;
+        let pc = self.peers.remove(peer)?;
         self.by_endpoint.lock().retain(|_, id| *id != peer);
         for c in pc.conns.read().iter() {
             c.kill(Error::new(
@@ -386,12 +380,7 @@ impl TransferBackend for TcpBackend {
     }
 
     fn submit(&self, peer: PeerId, batch: &[TransferRequest], done: Completion) -> Result<()> {
-        let pc = self.peers.read().get(&peer).cloned().ok_or_else(|| {
-            Error::new(
-                ErrorKind::PeerUnreachable,
-                "the tcp backend is not connected to that peer",
-            )
-        })?;
+        let pc = self.peers.get(peer)?;
         let conns: Vec<Arc<Conn>> = pc
             .conns
             .read()
@@ -475,8 +464,7 @@ impl Drop for TcpBackend {
         self.shared.closed.store(true, Ordering::Release);
         self.shared.watch.close();
         self.shared.closing.notify_one();
-        let peers: Vec<_> = self.peers.write().drain().collect();
-        for (_, pc) in peers {
+        for pc in self.peers.drain() {
             for c in pc.conns.read().iter() {
                 c.kill(Error::new(
                     ErrorKind::Cancelled,
