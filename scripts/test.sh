@@ -67,7 +67,7 @@ cargo test --workspace --locked 2>&1 | tee "$log"
 # One closing line for the whole run (cargo's last line is a crate's doc tests).
 awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "tests: %d passed, %d failed, %d skipped\n", p, f, i }' "$log"
 
-# Device memory against host memory over tcp (issue 15's CI target): best of three runs
+# Device memory against host memory over tcp (issue 15's CI target): best of five runs
 # each, fails below 0.8 x. Measured by the debug build above; a ratio, not a timing.
 echo "== scripts/fakedev-ratio.sh"
 bash scripts/fakedev-ratio.sh target/debug/te
