@@ -103,21 +103,33 @@ pub(crate) fn start(target: &Shared, slice: Slice) -> std::result::Result<(), Sl
         batch.finish_slice(Err(timeout_error()));
         return Ok(());
     };
-    let copies: Vec<DeviceCopy> = parts
-        .iter()
-        .map(|p| {
-            let (here, there) = (p.local as u64, region.addr + p.remote_offset);
-            let (src, dst) = match slice.op {
-                Op::Write => (here, there),
-                Op::Read => (there, here),
-            };
-            DeviceCopy::DeviceToDevice {
-                src_ordinal: ordinal,
-                src,
-                dst_ordinal: ordinal,
-                dst,
-                len: p.len as usize,
+    // Parts that follow one another on both sides are one copy, as staging merges
+    // adjacent pieces: a frame of adjacent blocks launches one copy, not one per block.
+    let mut runs: Vec<(u64, u64, usize)> = Vec::new();
+    for p in &parts {
+        let (here, there) = (p.local as u64, region.addr + p.remote_offset);
+        let (src, dst) = match slice.op {
+            Op::Write => (here, there),
+            Op::Read => (there, here),
+        };
+        match runs.last_mut() {
+            Some(r)
+                if r.0.checked_add(r.2 as u64) == Some(src)
+                    && r.1.checked_add(r.2 as u64) == Some(dst) =>
+            {
+                r.2 += p.len as usize
             }
+            _ => runs.push((src, dst, p.len as usize)),
+        }
+    }
+    let copies: Vec<DeviceCopy> = runs
+        .into_iter()
+        .map(|(src, dst, len)| DeviceCopy::DeviceToDevice {
+            src_ordinal: ordinal,
+            src,
+            dst_ordinal: ordinal,
+            dst,
+            len,
         })
         .collect();
     let batch = batch.clone();

@@ -42,6 +42,20 @@ fn device_frames_to_a_peer_in_this_process_are_device_copies_checked_by_the_targ
          (write {write_syncs}, read {read_syncs}, frames {frames})"
     );
 
+    // Blocks adjacent on both sides are merged into one copy per run; every byte lands.
+    let contiguous: Vec<TransferRequest> = (0..BLOCKS)
+        .map(|i| TransferRequest {
+            op: Op::Write,
+            local: RegionId(1),
+            local_offset: i * BLOCK,
+            remote: RegionId(1),
+            remote_offset: i * BLOCK,
+            len: BLOCK,
+        })
+        .collect();
+    run(&init, peer, &contiguous).expect("write 128 adjacent blocks");
+    assert!(remote.read() == data, "adjacent blocks landed intact");
+
     // The target's rights, bounds and registrations are checked as for a served frame.
     let ro = DevMem::new(0, total);
     ro.register(&target, 2, Access::REMOTE_READ);
