@@ -76,8 +76,9 @@ impl<J> DueQueue<J> {
         jobs.into_iter().map(|(_, j)| j).collect()
     }
 
-    /// The next due job, waiting until one is due: the one queued first, or with
-    /// `newest_first` the one queued last. `None` once the queue has stopped.
+    /// The next job, waiting until it is due: the one queued first (jobs come out in
+    /// the order they were queued, each once it is due), or with `newest_first` the
+    /// last queued of those due. `None` once the queue has stopped.
     pub fn next(&self, newest_first: bool) -> Option<J> {
         let mut s = self.state.lock();
         loop {
@@ -89,7 +90,7 @@ impl<J> DueQueue<J> {
             let pick = if newest_first {
                 s.jobs.iter().rposition(due)
             } else {
-                s.jobs.iter().position(due)
+                s.jobs.front().filter(|j| due(j)).map(|_| 0)
             };
             if let Some(i) = pick {
                 return s.jobs.remove(i).map(|(_, j)| j);
@@ -123,6 +124,17 @@ mod tests {
         assert_eq!(q.next(true), Some(3));
         assert_eq!(q.remove(|&j| j == 2), Some(2));
         assert_eq!(q.remove(|&j| j == 2), None);
+    }
+
+    #[test]
+    fn jobs_come_out_in_the_order_queued_even_if_a_later_one_is_due_first() {
+        let q = DueQueue::default();
+        let start = Instant::now();
+        q.push(start + Duration::from_millis(30), "first").unwrap();
+        q.push(start, "second").unwrap();
+        assert_eq!(q.next(false), Some("first"));
+        assert!(start.elapsed() >= Duration::from_millis(30));
+        assert_eq!(q.next(false), Some("second"));
     }
 
     #[test]

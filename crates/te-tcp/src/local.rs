@@ -92,7 +92,13 @@ pub(crate) fn start(target: &Shared, slice: Slice) -> std::result::Result<(), Sl
         .device
         .as_ref()
         .is_some_and(|(r, o)| r.name() == rt.name() && *o == ordinal);
-    if !same {
+    // Both ends in one allocation, overlapping (an engine moving a region into
+    // itself): a device copy of overlapping ranges is undefined; staging is not.
+    let overlap = parts.iter().any(|p| {
+        let (here, there) = (p.local as u64, region.addr + p.remote_offset);
+        here < there.saturating_add(p.len) && there < here.saturating_add(p.len)
+    });
+    if !same || overlap {
         return Err(slice);
     }
     if batch.stopped() {

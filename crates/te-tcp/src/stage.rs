@@ -29,8 +29,8 @@ use te_core::{Error, ErrorKind, Result};
 /// A device region's runtime and device ordinal.
 pub(crate) type Dev = (Arc<dyn DeviceRuntime>, u32);
 
-/// Staged bytes one direction keeps in flight per runtime, unless two of the largest
-/// slices need more.
+/// Staged bytes one direction keeps in flight per runtime, at most, unless two of the
+/// largest slices need more; at least 16 slices' worth below that.
 const RING_BYTES: usize = 4 << 20;
 
 /// Every staged range starts on this boundary (a cache line; copy engines prefer it).
@@ -204,11 +204,13 @@ pub(crate) struct Pools {
 }
 
 impl Pools {
-    /// Pools that hold [`RING_BYTES`], or two slices of `slice` bytes if that is more.
+    /// Pools that hold 16 slices of `slice` bytes, but at most [`RING_BYTES`], and at
+    /// least two slices: small slices pin little memory per connection.
     pub(crate) fn new(slice: u64) -> Pools {
-        let slice = usize::try_from(slice).unwrap_or(usize::MAX / 4);
+        let slice = usize::try_from(slice).unwrap_or(usize::MAX / 32);
+        let slice = slice.div_ceil(ALIGN) * ALIGN;
         Pools {
-            cap: RING_BYTES.max(slice.div_ceil(ALIGN) * ALIGN * 2),
+            cap: slice.saturating_mul(16).min(RING_BYTES).max(slice * 2),
             pools: Mutex::new(Vec::new()),
         }
     }

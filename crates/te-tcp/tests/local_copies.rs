@@ -100,6 +100,34 @@ fn device_frames_to_a_peer_in_this_process_are_device_copies_checked_by_the_targ
         "another device is staged at both ends ({staged} groups for {frames} frames)"
     );
 
-    deregister(&init, &[1, 2]);
+    // A region moved into itself, the two ranges overlapping: staged, not a device copy
+    // (undefined for overlapping ranges), so what lands is what was there before.
+    let own = DevMem::new(0, 4 * BLOCK as usize);
+    own.register(&init, 5, Access::REMOTE_READ_WRITE);
+    let was = pattern(4 * BLOCK as usize);
+    own.fill(&was);
+    let me = connect(&init, &init);
+    let shift = [TransferRequest {
+        op: Op::Write,
+        local: RegionId(5),
+        local_offset: 0,
+        remote: RegionId(5),
+        remote_offset: BLOCK,
+        len: 2 * BLOCK,
+    }];
+    let before = dev.syncs();
+    run(&init, me, &shift).expect("an overlapping write into the same region");
+    let groups = dev.syncs() - before;
+    assert_eq!(
+        groups, 2,
+        "staged: one group out of the device, one back in"
+    );
+    let (b, now) = (BLOCK as usize, own.read());
+    assert!(
+        now[b..3 * b] == was[..2 * b],
+        "the bytes from before the move landed"
+    );
+
+    deregister(&init, &[1, 2, 5]);
     deregister(&target, &[1, 2, 3]);
 }

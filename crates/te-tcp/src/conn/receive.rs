@@ -141,11 +141,24 @@ impl Conn {
         let Some((rt, ordinal)) = &slice.device else {
             return Err(self.protocol("a staged read without a device"));
         };
-        let pool = self.recv_pools.get(rt)?;
-        // Waits only for this direction's own copies to finish.
         let len = slice.len as usize;
-        let buf = pool.take(len).await?;
         let mut on_timeout = |_mid: bool| false;
+        // Waits only for this direction's own copies to finish.
+        let taken = match self.recv_pools.get(rt) {
+            Ok(pool) => pool.take(len).await,
+            Err(e) => Err(e),
+        };
+        let buf = match taken {
+            Ok(b) => b,
+            Err(e) => {
+                // The payload is still in the stream: skip it, so the next header is
+                // read where it starts, and fail this slice alone.
+                inb.discard(slice.len, &mut on_timeout)
+                    .await
+                    .map_err(|e| unreachable(&self.label, "receive failed", e))?;
+                return Err(e);
+            }
+        };
         // The range is ours and holds `len` bytes.
         inb.read_into(buf.ptr() as usize, len, &mut on_timeout)
             .await
