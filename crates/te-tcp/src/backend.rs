@@ -14,12 +14,13 @@ use te_core::{
     TransferRequest,
 };
 
+use crate::completion::Batch;
 use crate::config::TcpConfig;
 use crate::conn::Conn;
 use crate::endpoint::{decode_endpoint, encode_endpoint};
 use crate::plan::plan;
 use crate::regions::{Pin, Regions};
-use crate::slice::{Batch, Slice};
+use crate::slice::Slice;
 use crate::stage::Dev;
 
 /// What the backend's tasks share.

@@ -19,10 +19,11 @@ use tokio::sync::Notify;
 use te_core::{Deadline, Error, ErrorKind, Result};
 
 use crate::carry::Carry;
+use crate::completion::Batch;
 use crate::config::TcpConfig;
 use crate::handshake::handshake;
 use crate::io::{Sock, Tasks};
-use crate::slice::{Batch, Slice, Stage};
+use crate::slice::{Slice, Stage};
 use crate::sock;
 use crate::stage::{Dev, Pools};
 

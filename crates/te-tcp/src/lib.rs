@@ -125,6 +125,7 @@ use te_core::{BackendContext, BackendType, Result};
 
 mod backend;
 mod carry;
+mod completion;
 mod config;
 mod conn;
 mod endpoint;

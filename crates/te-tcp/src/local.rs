@@ -26,8 +26,9 @@ use te_core::sync::Mutex;
 use te_core::{Op, Result};
 
 use crate::backend::Shared;
+use crate::completion::Batch;
 use crate::conn::timeout_error;
-use crate::slice::{Batch, Part, Slice};
+use crate::slice::{Part, Slice};
 use crate::stage;
 use crate::wire::{Entry, Header, Kind};
 

@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use te_core::{RegionId, TransferRequest};
 
-use crate::slice::{Batch, Part, Slice};
+use crate::completion::Batch;
+use crate::slice::{Part, Slice};
 use crate::stage::Dev;
 use crate::wire;
 

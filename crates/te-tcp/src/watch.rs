@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use te_core::sync::Mutex;
 use tokio::sync::Notify;
 
+use crate::completion::Batch;
 use crate::conn::Conn;
-use crate::slice::Batch;
 
 /// How long a connection that carries an expired batch may go without any answer or
 /// send before it is closed.
