@@ -58,7 +58,7 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
             } => r,
             () = shared.closing.notified() => return,
         };
-        if shared.closed.load(Ordering::Acquire) {
+        if !shared.is_open() {
             return;
         }
         let stream = match accepted {
@@ -111,8 +111,7 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
         let s = shared.clone();
         let started = shared.tasks.spawn(async move {
             if let Err(e) = serve(&s, stream, &peer, pending).await {
-                let quiet = matches!(e.kind(), ErrorKind::PeerUnreachable)
-                    || s.closed.load(Ordering::Acquire);
+                let quiet = matches!(e.kind(), ErrorKind::PeerUnreachable) || !s.is_open();
                 if quiet {
                     tracing::debug!(peer = %peer, error = %e, "data connection ended");
                 } else {

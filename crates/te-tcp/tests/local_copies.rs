@@ -4,25 +4,21 @@
 
 mod common;
 
-use common::{backend, connect, deregister, pattern, requests, run, DevMem, BLOCK, BLOCKS, SLICE};
+use common::{connect, deregister, pattern, requests, run, DevMem, Pair, BLOCK, BLOCKS, SLICE};
 use te_core::{Access, ErrorKind, Op, RegionId, TransferRequest};
 
 #[test]
 fn device_frames_to_a_peer_in_this_process_are_device_copies_checked_by_the_target() {
     let total = (BLOCK * BLOCKS) as usize;
-    let target = backend(true);
-    let init = backend(true);
-    let (remote, src, back) = (
-        DevMem::new(0, total),
-        DevMem::new(0, total),
-        DevMem::new(0, total),
-    );
-    remote.register(&target, 1, Access::REMOTE_READ_WRITE);
-    src.register(&init, 1, Access::LOCAL);
-    back.register(&init, 2, Access::LOCAL);
-    let data = pattern(total);
-    src.fill(&data);
-    let peer = connect(&init, &target);
+    let Pair {
+        target,
+        init,
+        remote,
+        src: _src,
+        back,
+        data,
+        peer,
+    } = Pair::new(true);
     let dev = te_core::fakedev::process().expect("the process's fakedev runtime is running");
     // 8 frames of 512 KiB. Staged, each costs a group at both ends (16 in all); device
     // to device, one group each.

@@ -3,12 +3,14 @@
 //!
 //! Its own test binary, so the threads counted are this test's alone.
 
+mod common;
+
 use std::sync::mpsc;
 use std::time::Duration;
 
 use te_core::{
     Access, BackendContext, Completion, Deadline, MemoryDesc, MemoryKind, Op, RegionId,
-    SegmentDesc, TransferBackend, TransferRequest,
+    TransferBackend, TransferRequest,
 };
 use te_tcp::{TcpBackend, TcpConfig};
 
@@ -82,15 +84,7 @@ fn two_hundred_peers_with_four_connections_each_run_on_a_fixed_set_of_io_threads
     let target = TcpBackend::new(config(), &ctx).expect("target");
     let mut dst = vec![0u8; PEERS * BLOCK];
     register(&target, 1, &mut dst);
-    let seg = SegmentDesc {
-        engine: "target".into(),
-        epoch: 1,
-        address: String::new(),
-        backend: te_tcp::NAME.into(),
-        endpoint: target.endpoint(),
-        regions: Vec::new(),
-        layouts: Vec::new(),
-    };
+    let seg = common::segment(&target);
     let mut peers = Vec::with_capacity(PEERS);
     let mut threads_one_peer = 0;
     for i in 0..PEERS {

@@ -5,27 +5,22 @@
 
 mod common;
 
-use common::{backend, connect, deregister, pattern, requests, run, DevMem, BLOCK, BLOCKS, SLICE};
-use te_core::{Access, Op};
+use common::{deregister, requests, run, Pair, BLOCK, BLOCKS, SLICE};
+use te_core::Op;
 
 #[test]
 fn a_batch_of_small_device_blocks_synchronises_once_per_frame_on_each_side_not_once_per_block() {
-    let total = (BLOCK * BLOCKS) as usize;
     // The target is in this process; without local copies its frames are staged and
     // sent as they would be to another process.
-    let target = backend(false);
-    let init = backend(false);
-    let (remote, src, back) = (
-        DevMem::new(0, total),
-        DevMem::new(0, total),
-        DevMem::new(0, total),
-    );
-    remote.register(&target, 1, Access::REMOTE_READ_WRITE);
-    src.register(&init, 1, Access::LOCAL);
-    back.register(&init, 2, Access::LOCAL);
-    let data = pattern(total);
-    src.fill(&data);
-    let peer = connect(&init, &target);
+    let Pair {
+        target,
+        init,
+        remote,
+        src: _src,
+        back,
+        data,
+        peer,
+    } = Pair::new(false);
     let dev = te_core::fakedev::process().expect("the process's fakedev runtime is running");
     // 4 MiB in frames of 512 KiB: 8 frames of 16 blocks. Each frame is staged by one
     // group of copies at the initiator and one at the target; one synchronisation per

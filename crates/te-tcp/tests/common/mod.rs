@@ -91,9 +91,9 @@ pub fn backend(local_copies: bool) -> TcpBackend {
     TcpBackend::new(c, &BackendContext::default()).expect("backend")
 }
 
-/// Connects `init` to `target`.
-pub fn connect(init: &TcpBackend, target: &TcpBackend) -> PeerId {
-    let seg = SegmentDesc {
+/// The descriptor an initiator connects to `target` with.
+pub fn segment(target: &TcpBackend) -> SegmentDesc {
+    SegmentDesc {
         engine: "target".into(),
         epoch: 1,
         address: String::new(),
@@ -101,9 +101,55 @@ pub fn connect(init: &TcpBackend, target: &TcpBackend) -> PeerId {
         endpoint: target.endpoint(),
         regions: Vec::new(),
         layouts: Vec::new(),
-    };
-    init.connect(&seg, Deadline::after(Duration::from_secs(10)))
+    }
+}
+
+/// Connects `init` to `target`.
+pub fn connect(init: &TcpBackend, target: &TcpBackend) -> PeerId {
+    init.connect(&segment(target), Deadline::after(Duration::from_secs(10)))
         .expect("connect")
+}
+
+/// A target and an initiator in this process, connected, each `BLOCKS` blocks of
+/// fakedev:0 memory: the target's region 1 (`remote`), the initiator's region 1
+/// (`src`, filled with `data`) and region 2 (`back`). Keep `src` bound while it is
+/// used: dropping it frees the memory.
+pub struct Pair {
+    pub target: TcpBackend,
+    pub init: TcpBackend,
+    pub remote: DevMem,
+    pub src: DevMem,
+    pub back: DevMem,
+    pub data: Vec<u8>,
+    pub peer: PeerId,
+}
+
+impl Pair {
+    /// Both backends with `local_copies` as given.
+    pub fn new(local_copies: bool) -> Pair {
+        let total = (BLOCK * BLOCKS) as usize;
+        let (target, init) = (backend(local_copies), backend(local_copies));
+        let (remote, src, back) = (
+            DevMem::new(0, total),
+            DevMem::new(0, total),
+            DevMem::new(0, total),
+        );
+        remote.register(&target, 1, Access::REMOTE_READ_WRITE);
+        src.register(&init, 1, Access::LOCAL);
+        back.register(&init, 2, Access::LOCAL);
+        let data = pattern(total);
+        src.fill(&data);
+        let peer = connect(&init, &target);
+        Pair {
+            target,
+            init,
+            remote,
+            src,
+            back,
+            data,
+            peer,
+        }
+    }
 }
 
 /// Submits `reqs` and waits for the batch's result.
