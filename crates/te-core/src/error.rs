@@ -159,6 +159,20 @@ impl Error {
         Error::new(ErrorKind::from_code(code), message).with_operation(operation)
     }
 
+    /// An error whose text came from a peer: `prefix` (this side's words, may be empty)
+    /// and the peer's `text`, cut to 1,024 bytes and with control and
+    /// direction-changing characters escaped, so that a hostile peer can neither flood
+    /// a log or an error message nor rewrite a terminal through one.
+    pub fn from_peer(kind: ErrorKind, prefix: &str, text: &str) -> Error {
+        let text = peer_text(text);
+        let message = if prefix.is_empty() {
+            text
+        } else {
+            format!("{prefix}: {text}")
+        };
+        Error::new(kind, message)
+    }
+
     pub(crate) fn io(operation: &'static str, what: impl Into<String>, e: std::io::Error) -> Error {
         let kind = match e.kind() {
             std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => ErrorKind::Timeout,
@@ -202,6 +216,32 @@ impl fmt::Display for Error {
     }
 }
 
+/// The most bytes of a peer's text that [`Error::from_peer`] keeps.
+pub(crate) const PEER_TEXT_MAX: usize = 1024;
+
+/// `text` as it may be shown: at most [`PEER_TEXT_MAX`] bytes of it (cut at a character
+/// boundary, saying how much was cut), control characters and the Unicode direction
+/// overrides escaped (`\n`, `\u{1b}`, `\u{202e}`).
+fn peer_text(text: &str) -> String {
+    let mut end = text.len().min(PEER_TEXT_MAX);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut out = String::with_capacity(end + 32);
+    for c in text[..end].chars() {
+        let direction = matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+        if c.is_control() || direction {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    if end < text.len() {
+        out.push_str(&format!(" … ({} more bytes cut)", text.len() - end));
+    }
+    out
+}
+
 impl fmt::Debug for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}: {self}", self.kind)
@@ -230,6 +270,26 @@ mod tests {
             assert_eq!(ErrorKind::from_code(kind.code()), kind);
         }
         assert_eq!(ErrorKind::from_code(9999), ErrorKind::Backend);
+    }
+
+    #[test]
+    fn a_peers_text_is_cut_and_its_control_characters_escaped() {
+        let e = Error::from_peer(ErrorKind::Backend, "refused", "a\nb\u{1b}[31mred\u{202e}x");
+        assert_eq!(e.message(), "refused: a\\nb\\u{1b}[31mred\\u{202e}x");
+        // 60 KB with a multi-byte character across the cut.
+        let long = format!("{}é{}", "x".repeat(PEER_TEXT_MAX - 1), "y".repeat(60_000));
+        let e = Error::from_peer(ErrorKind::Backend, "", &long);
+        assert!(
+            e.message().len() < PEER_TEXT_MAX + 64,
+            "{}",
+            e.message().len()
+        );
+        assert!(
+            e.message().ends_with(" … (60002 more bytes cut)"),
+            "{}",
+            e.message()
+        );
+        assert!(!e.message().contains('é'));
     }
 
     #[test]

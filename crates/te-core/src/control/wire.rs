@@ -262,7 +262,7 @@ impl WireError {
     }
 
     pub(crate) fn into_error(self) -> Error {
-        Error::from_parts(self.code, "peer", self.message)
+        Error::from_peer(ErrorKind::from_code(self.code), "", &self.message).with_operation("peer")
     }
 }
 

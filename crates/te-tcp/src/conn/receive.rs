@@ -120,11 +120,11 @@ impl Conn {
                     .map_err(|e| unreachable(&self.label, "receive failed", e))?;
                 let msg = String::from_utf8_lossy(&inb.buffered()[..len]).into_owned();
                 inb.consume(len);
-                Err(Error::new(
-                    ErrorKind::from_code(h.code),
-                    format!("the target refused the request: {msg}"),
+                let refused = "the target refused the request";
+                Err(
+                    Error::from_peer(ErrorKind::from_code(h.code), refused, &msg)
+                        .with_context("peer", &self.label),
                 )
-                .with_context("peer", &self.label))
             }
             _ => Err(self.protocol(format!(
                 "a {:?} of {} bytes answering a {} of {} bytes",
