@@ -25,6 +25,10 @@ pub mod kind {
     pub const SEGMENT: u8 = 7;
     pub const NOTIFY: u8 = 8;
     pub const ACK: u8 = 9;
+    pub const PING: u8 = 10;
+    pub const PONG: u8 = 11;
+    pub const BACKEND: u8 = 12;
+    pub const BACKEND_REPLY: u8 = 13;
     pub const BYE: u8 = 14;
 }
 

@@ -1,8 +1,14 @@
 //! Network plumbing every listener of te shares: binding a listen address and choosing
-//! the address peers are told, and the compact encoding of a socket address in
-//! endpoint bytes.
+//! the address peers are told, the compact encoding of a socket address in endpoint
+//! bytes, and the slots of connections still in their handshake.
 
+use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::sync::Arc;
+
+use tokio::sync::Notify;
+
+use crate::sync::Mutex;
 
 use crate::error::{Error, ErrorKind, Result};
 
@@ -109,9 +115,139 @@ pub fn out_of_resources(e: &std::io::Error) -> bool {
     )
 }
 
+/// A listener's connections that have not finished their handshake, oldest first.
+///
+/// Each accepted connection takes a slot ([`PendingSlots::admit`]); when the slots are
+/// full, the oldest connection is told to close ([`PendingSlot::evicted`]) to make
+/// room, so idle sockets cannot keep a genuine peer out: to delay one, an attacker
+/// must open `max` connections within that peer's own handshake.
+#[derive(Debug, Default)]
+pub struct PendingSlots {
+    book: Mutex<Book>,
+}
+
+#[derive(Debug, Default)]
+struct Book {
+    queue: VecDeque<(u64, IpAddr, Arc<Notify>)>,
+    next: u64,
+}
+
+impl Book {
+    fn evict(&mut self, i: usize) -> bool {
+        match self.queue.remove(i) {
+            Some((_, ip, evicted)) => {
+                tracing::debug!(%ip, "evicting a connection that has not finished its handshake");
+                evicted.notify_one();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+impl PendingSlots {
+    /// A slot for a new connection from `ip`, made by evicting the oldest connection of
+    /// that source once it holds `per_source` slots, else the oldest of all once `max`
+    /// are taken (both at least 1).
+    pub fn admit(self: &Arc<Self>, ip: IpAddr, per_source: usize, max: usize) -> PendingSlot {
+        let mut b = self.book.lock();
+        let from_source = b.queue.iter().filter(|p| p.1 == ip).count();
+        if from_source >= per_source.max(1) {
+            if let Some(i) = b.queue.iter().position(|p| p.1 == ip) {
+                b.evict(i);
+            }
+        } else if b.queue.len() >= max.max(1) {
+            b.evict(0);
+        }
+        b.next += 1;
+        let id = b.next;
+        let evicted = Arc::new(Notify::new());
+        b.queue.push_back((id, ip, evicted.clone()));
+        PendingSlot {
+            slots: self.clone(),
+            id,
+            evicted,
+        }
+    }
+
+    /// Evicts the oldest connection, if any (when the process runs out of
+    /// descriptors); returns whether there was one.
+    pub fn evict_oldest(&self) -> bool {
+        self.book.lock().evict(0)
+    }
+
+    /// How many slots are taken.
+    pub fn len(&self) -> usize {
+        self.book.lock().queue.len()
+    }
+
+    /// Whether no slot is taken.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One connection's place among the pending ones, given up when dropped (its handshake
+/// ended, either way).
+#[derive(Debug)]
+pub struct PendingSlot {
+    slots: Arc<PendingSlots>,
+    id: u64,
+    evicted: Arc<Notify>,
+}
+
+impl PendingSlot {
+    /// Resolves once a newer connection has taken this slot: the connection should
+    /// close.
+    pub async fn evicted(&self) {
+        self.evicted.notified().await
+    }
+}
+
+impl Drop for PendingSlot {
+    fn drop(&mut self) {
+        self.slots.book.lock().queue.retain(|p| p.0 != self.id);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_oldest_pending_connection_makes_room_for_a_new_one() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let slots = Arc::new(PendingSlots::default());
+        let (a, b): (IpAddr, IpAddr) = ("127.0.0.1".parse().unwrap(), "127.0.0.2".parse().unwrap());
+        let first = slots.admit(a, 2, 3);
+        let second = slots.admit(b, 2, 3);
+        let third = slots.admit(a, 2, 3);
+        // Source `a` is at its cap: its oldest goes, `b`'s stays.
+        let fourth = slots.admit(a, 2, 3);
+        let soon = |s: &PendingSlot| {
+            rt.block_on(async {
+                tokio::time::timeout(std::time::Duration::from_millis(50), s.evicted())
+                    .await
+                    .is_ok()
+            })
+        };
+        assert!(soon(&first));
+        assert!(!soon(&second) && !soon(&third));
+        drop(first);
+        assert_eq!(slots.len(), 3);
+        // All slots taken: the oldest of all goes.
+        let fifth = slots.admit(b, 2, 3);
+        assert!(soon(&second));
+        drop((second, third));
+        assert_eq!(slots.len(), 2);
+        assert!(slots.evict_oldest());
+        assert!(soon(&fourth));
+        drop((fourth, fifth));
+        assert!(slots.is_empty() && !slots.evict_oldest());
+    }
 
     #[test]
     fn addresses_round_trip() {

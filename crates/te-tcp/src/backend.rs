@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use te_core::peer_table::PeerTable;
 use te_core::sync::{Mutex, RwLock};
@@ -36,8 +36,9 @@ pub(crate) struct Shared {
     pub(crate) closing: tokio::sync::Notify,
     pub(crate) serving: Mutex<HashMap<u64, std::net::TcpStream>>,
     pub(crate) next_serving: AtomicU64,
-    /// Accepted connections still in their handshake.
-    pub(crate) pending: AtomicUsize,
+    /// Accepted connections still in their handshake; the oldest is closed to make
+    /// room for a new one.
+    pub(crate) pending: Arc<te_core::net::PendingSlots>,
     /// Times `accept` failed (out of descriptors, memory, …) and the listener backed off.
     pub(crate) accept_errors: AtomicU64,
     /// WRITEs into host memory whose payload stopped part way (a torn range).
@@ -157,7 +158,7 @@ impl TcpBackend {
             closing: tokio::sync::Notify::new(),
             serving: Mutex::new(HashMap::new()),
             next_serving: AtomicU64::new(0),
-            pending: AtomicUsize::new(0),
+            pending: Arc::default(),
             accept_errors: AtomicU64::new(0),
             torn_writes: AtomicU64::new(0),
             hook: ctx.hook.clone(),

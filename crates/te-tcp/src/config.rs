@@ -51,7 +51,8 @@ pub struct TcpConfig {
     /// connection is accepted, however it paces its bytes.
     #[serde(deserialize_with = "te_core::config::de::duration")]
     pub handshake_timeout: Duration,
-    /// Accepted connections still in their handshake, at most; more are closed at once.
+    /// Accepted connections still in their handshake, at most; a new one closes the
+    /// oldest.
     pub max_pending: usize,
     /// Data connections this target serves at once (in their handshake or not), at
     /// most; more are closed at once.

@@ -78,7 +78,7 @@
 //! | `connect_timeout` | `"5s"` | limit for opening one data connection (TCP connect and handshake) |
 //! | `io_timeout` | `"10s"` | a connection where requests wait and nothing moves for this long is declared dead; also the keepalive idle time |
 //! | `handshake_timeout` | `"5s"` | an accepted peer must finish the whole handshake within this long, however it paces its bytes |
-//! | `max_pending` | `64` | accepted connections still in their handshake, at most; more are closed at once |
+//! | `max_pending` | `64` | accepted connections still in their handshake, at most; a new one closes the oldest |
 //! | `max_connections` | `4096` | data connections served at once, at most (pending ones included); more are closed at once |
 //! | `idle_timeout` | `"0s"` | a served connection on which no request arrives for this long is closed (the initiator reconnects on next use); when shorter than `io_timeout` it also bounds a request stalled halfway; 0 = never |
 //! | `local_copies` | `true` | device-to-device frames (same runtime and device) to a peer that is a tcp backend of this process are device copies, not staged through the socket; `false` stages them as for any peer; a target with a `debug_delay` gets every frame over the socket |

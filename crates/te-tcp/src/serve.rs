@@ -77,17 +77,16 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
             tracing::info!("the tcp data listener accepts again");
             backoff = Duration::ZERO;
         }
-        let peer = stream
-            .peer_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_else(|_| "?".into());
+        let Ok(from) = stream.peer_addr() else {
+            continue;
+        };
+        let peer = from.to_string();
         let c = &shared.config;
         let serving = shared.serving.lock().len();
-        let pending = shared.pending.load(Ordering::Acquire);
-        if serving >= c.max_connections || pending >= c.max_pending {
+        if serving >= c.max_connections {
             // Closed at once: a flood of connections costs no task and no buffer.
             if !full_logged {
-                tracing::warn!(peer = %peer, serving, pending, max_connections = c.max_connections, max_pending = c.max_pending, "refusing data connections: too many open (more refusals are not logged until one is accepted)");
+                tracing::warn!(peer = %peer, serving, max_connections = c.max_connections, "refusing data connections: too many open (more refusals are not logged until one is accepted)");
                 full_logged = true;
             }
             drop(stream);
@@ -105,9 +104,11 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
         };
         let key = shared.next_serving.fetch_add(1, Ordering::Relaxed);
         shared.serving.lock().insert(key, clone);
-        // Counted from here until its handshake ends, however the task ends or if it
-        // never starts.
-        let pending = Pending::new(&shared);
+        // Pending from here until its handshake ends, however the task ends or if it
+        // never starts; past `max_pending` the oldest pending connection is closed.
+        let pending = shared
+            .pending
+            .admit(from.ip(), c.max_pending, c.max_pending);
         let s = shared.clone();
         let started = shared.tasks.spawn(async move {
             if let Err(e) = serve(&s, stream, &peer, pending).await {
@@ -135,22 +136,6 @@ async fn back_off(shared: &Shared, backoff: &mut Duration, e: &std::io::Error) {
     }
     *backoff = (*backoff * 2).clamp(Duration::from_millis(5), MAX_BACKOFF);
     tokio::time::sleep(*backoff).await;
-}
-
-/// Counts an accepted connection in `Shared::pending` until dropped.
-struct Pending(Arc<Shared>);
-
-impl Pending {
-    fn new(shared: &Arc<Shared>) -> Pending {
-        shared.pending.fetch_add(1, Ordering::AcqRel);
-        Pending(shared.clone())
-    }
-}
-
-impl Drop for Pending {
-    fn drop(&mut self) {
-        self.0.pending.fetch_sub(1, Ordering::AcqRel);
-    }
 }
 
 pub(crate) fn io_err(peer: &str, what: &str, e: std::io::Error) -> Error {
@@ -228,12 +213,19 @@ async fn serve(
     shared: &Shared,
     s: std::net::TcpStream,
     peer: &str,
-    pending: Pending,
+    pending: te_core::net::PendingSlot,
 ) -> Result<()> {
     let c = &shared.config;
     sock::tune(&s, c).map_err(|e| io_err(peer, "cannot set options", e))?;
     let s = Sock::new(s).map_err(|e| io_err(peer, "cannot register the socket", e))?;
-    if !crate::handshake::answer(shared, &s, peer).await? {
+    let answered = tokio::select! {
+        r = crate::handshake::answer(shared, &s, peer) => r?,
+        () = pending.evicted() => {
+            tracing::debug!(peer = %peer, "closing a data connection still in its handshake to make room for a newer one");
+            return Ok(());
+        }
+    };
+    if !answered {
         return Ok(());
     }
     drop(pending);

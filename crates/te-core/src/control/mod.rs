@@ -301,6 +301,7 @@ impl ControlPlane {
             .map_err(|e| Error::io("start control plane", "cannot configure the listener", e))?;
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
+            .max_blocking_threads(server::BACKEND_WORKERS)
             .thread_name("te-control")
             .build()
             .map_err(|e| Error::io("start control plane", "cannot build the runtime", e))?;

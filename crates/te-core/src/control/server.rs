@@ -2,7 +2,7 @@
 //! authenticated peer's requests.
 
 use crate::sync::Mutex;
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
 use super::session::{read_header, read_payload, within};
 use super::wire::{self, BackendMsg, Hello, Identity, Kind, Notice, Proof, Welcome};
@@ -18,68 +18,31 @@ use super::{closed, Shared};
 use crate::auth;
 use crate::backend::Deadline;
 use crate::error::{Error, ErrorKind, Result};
+use crate::net::{PendingSlot, PendingSlots};
 
-/// Connections not yet authenticated, oldest first, and sessions per source.
+/// Authenticated sessions, in all and per source.
 #[derive(Default)]
-struct Admission {
-    pending: VecDeque<(u64, IpAddr, Arc<Notify>)>,
-    sessions: HashMap<IpAddr, usize>,
+struct Sessions {
+    per_source: HashMap<IpAddr, usize>,
     total: usize,
-    next: u64,
 }
 
-impl Admission {
-    /// Makes room for one more unauthenticated connection from `ip`, evicting the
-    /// oldest of that source past its cap, or the oldest of all past the total.
-    fn admit(&mut self, ip: IpAddr, per_source: usize, max: usize) -> (u64, Arc<Notify>) {
-        let from_source = self.pending.iter().filter(|p| p.1 == ip).count();
-        if from_source >= per_source.max(1) {
-            if let Some(i) = self.pending.iter().position(|p| p.1 == ip) {
-                self.evict(i);
-            }
-        } else if self.pending.len() >= max.max(1) {
-            self.evict(0);
-        }
-        self.next += 1;
-        let evict = Arc::new(Notify::new());
-        self.pending.push_back((self.next, ip, evict.clone()));
-        (self.next, evict)
-    }
-
-    fn evict(&mut self, i: usize) {
-        if let Some((_, ip, n)) = self.pending.remove(i) {
-            tracing::debug!(%ip, "control plane: evicting an unauthenticated connection");
-            n.notify_one();
-        }
-    }
-
-    fn evict_oldest(&mut self) -> bool {
-        let any = !self.pending.is_empty();
-        self.evict(0);
-        any
-    }
-
-    fn forget(&mut self, id: u64) {
-        self.pending.retain(|p| p.0 != id);
-    }
-}
-
-/// One connection's place in the admission book.
+/// One connection's place in the admission book: a pending slot until its handshake
+/// ends, then a session.
 struct Ticket {
     shared: Arc<Shared>,
-    admission: Arc<Mutex<Admission>>,
-    id: u64,
+    sessions: Arc<Mutex<Sessions>>,
+    pending: Option<PendingSlot>,
     ip: IpAddr,
-    session: bool,
+    promoted: bool,
 }
 
 impl Ticket {
     /// Turns an authenticated connection into a session, within the session caps.
     fn promote(&mut self) -> Result<()> {
         let s = &self.shared.settings;
-        let mut a = self.admission.lock();
-        a.forget(self.id);
-        let from_source = a.sessions.get(&self.ip).copied().unwrap_or(0);
+        let mut a = self.sessions.lock();
+        let from_source = a.per_source.get(&self.ip).copied().unwrap_or(0);
         if a.total >= s.max_sessions || from_source >= s.max_sessions_per_source {
             return Err(Error::new(
                 ErrorKind::Busy,
@@ -90,25 +53,25 @@ impl Ticket {
             ));
         }
         a.total += 1;
-        *a.sessions.entry(self.ip).or_insert(0) += 1;
-        self.session = true;
+        *a.per_source.entry(self.ip).or_insert(0) += 1;
+        self.pending = None;
+        self.promoted = true;
         Ok(())
     }
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        let mut a = self.admission.lock();
-        if self.session {
-            a.total -= 1;
-            if let Some(n) = a.sessions.get_mut(&self.ip) {
-                *n -= 1;
-                if *n == 0 {
-                    a.sessions.remove(&self.ip);
-                }
+        if !self.promoted {
+            return;
+        }
+        let mut a = self.sessions.lock();
+        a.total -= 1;
+        if let Some(n) = a.per_source.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                a.per_source.remove(&self.ip);
             }
-        } else {
-            a.forget(self.id);
         }
     }
 }
@@ -118,7 +81,8 @@ impl Drop for Ticket {
 /// 5 ms to 1 s; it never spins and never stops accepting. A burst of such errors is
 /// logged once when it starts and once when it ends.
 pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
-    let admission = Arc::new(Mutex::new(Admission::default()));
+    let pending = Arc::new(PendingSlots::default());
+    let sessions = Arc::new(Mutex::new(Sessions::default()));
     let mut closing = shared.closing.subscribe();
     let mut backoff = Duration::ZERO;
     let mut failures = 0u64;
@@ -138,21 +102,18 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
                 }
                 backoff = Duration::ZERO;
                 let s = &shared.settings;
-                let (id, evict) =
-                    admission
-                        .lock()
-                        .admit(peer.ip(), s.max_pending_per_source, s.max_pending);
+                let slot = pending.admit(peer.ip(), s.max_pending_per_source, s.max_pending);
                 let ticket = Ticket {
                     shared: shared.clone(),
-                    admission: admission.clone(),
-                    id,
+                    sessions: sessions.clone(),
+                    pending: Some(slot),
                     ip: peer.ip(),
-                    session: false,
+                    promoted: false,
                 };
                 let guard = shared.task();
                 shared.rt.spawn(async move {
                     let _guard = guard;
-                    serve(ticket, stream, peer, evict).await;
+                    serve(ticket, stream, peer).await;
                 });
             }
             Err(e) => {
@@ -162,7 +123,7 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
                 }
                 failures += 1;
                 if scarce {
-                    admission.lock().evict_oldest();
+                    pending.evict_oldest();
                 }
                 backoff = (backoff * 2).clamp(Duration::from_millis(5), Duration::from_secs(1));
                 tokio::select! {
@@ -174,15 +135,16 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     }
 }
 
-async fn serve(mut ticket: Ticket, stream: TcpStream, addr: SocketAddr, evict: Arc<Notify>) {
+async fn serve(mut ticket: Ticket, stream: TcpStream, addr: SocketAddr) {
     let shared = ticket.shared.clone();
     let _ = stream.set_nodelay(true);
     let (mut reader, mut writer) = stream.into_split();
     let deadline = Deadline::after(shared.settings.handshake_timeout);
     let mut closing = shared.closing.subscribe();
+    let Some(slot) = &ticket.pending else { return };
     let handshake = tokio::select! {
         r = within(deadline, "the control-plane handshake", handshake(&shared, &mut reader, &mut writer)) => r,
-        _ = evict.notified() => return,
+        _ = slot.evicted() => return,
         _ = closed(&mut closing) => return,
     };
     let peer = match handshake.and_then(|peer| ticket.promote().map(|()| peer)) {
@@ -280,36 +242,71 @@ async fn handshake(
     })
 }
 
+/// Replies queued for a session's writer, at most.
+const REPLIES: usize = 64;
+/// Bytes of replies queued for a session's writer, at most (one larger reply goes
+/// alone).
+const REPLY_BYTES: usize = 1 << 20;
+/// A session's backend requests queued or running at once, at most: its share of the
+/// engine's [`BACKEND_WORKERS`].
+const BACKEND_SHARE: usize = 4;
+/// The threads that run backend requests for every session of an engine.
+pub(super) const BACKEND_WORKERS: usize = 8;
+
+/// A reply, with what it holds of the session's budget until it is written.
+type Queued = (Vec<u8>, Option<OwnedSemaphorePermit>);
+
+/// Queues `frame` once the session's reply budget has room for it; false if the
+/// writer has ended.
+async fn queue(tx: &mpsc::Sender<Queued>, budget: &Arc<Semaphore>, frame: Vec<u8>) -> bool {
+    let cost = frame.len().clamp(1, REPLY_BYTES) as u32;
+    let Ok(held) = budget.clone().acquire_many_owned(cost).await else {
+        return false;
+    };
+    tx.send((frame, Some(held))).await.is_ok()
+}
+
 /// Serves an authenticated peer until it leaves, breaks, goes silent, or this engine
 /// closes. Returns whether the peer said goodbye.
+///
+/// Nothing a peer sends grows without bound: replies wait in a queue bounded in count
+/// and bytes, backend requests take one of the session's [`BACKEND_SHARE`] turns, and
+/// when either is full the session is not read (TCP throttles the peer). A peer that
+/// does not read its replies for three heartbeats is closed.
 async fn session(
     shared: &Arc<Shared>,
     peer: &Identity,
     mut reader: tokio::net::tcp::OwnedReadHalf,
     mut writer: tokio::net::tcp::OwnedWriteHalf,
 ) -> bool {
-    // Replies go through a bounded queue: a peer that sends requests and never reads
-    // the answers stops being read, instead of growing this engine's memory.
-    let (tx, mut rx) = mpsc::channel::<Vec<u8>>(64);
+    let (tx, mut rx) = mpsc::channel::<Queued>(REPLIES);
+    let budget = Arc::new(Semaphore::new(REPLY_BYTES));
+    let share = Arc::new(Semaphore::new(BACKEND_SHARE));
     let heartbeat = Duration::from_millis(peer.heartbeat_ms.clamp(50, 600_000));
     let idle = 3 * heartbeat.max(shared.settings.heartbeat);
+    let stall = 3 * shared.settings.heartbeat;
     let mut closing = shared.closing.subscribe();
     let writing = async {
-        while let Some(f) = rx.recv().await {
-            if writer.write_all(&f).await.is_err() {
-                return;
+        while let Some((f, _held)) = rx.recv().await {
+            match tokio::time::timeout(stall, writer.write_all(&f)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return,
+                Err(_) => {
+                    tracing::debug!(peer = %peer.name, "control plane: the peer stopped reading its replies, closing");
+                    return;
+                }
             }
         }
     };
     let reader = &mut reader;
     // It owns the sending side: once it ends, the writer sees the queue close after
-    // the last reply (the blocking tasks' clones end with them).
+    // the last reply (the backend requests' reserved places end with them).
     let reading = async move {
         loop {
             let frame = tokio::select! {
                 f = tokio::time::timeout(idle, read_request(reader, shared.settings.notification_max)) => f,
                 _ = closed(&mut closing) => {
-                    let _ = tx.send(wire::frame(Kind::Bye, 0, &[])).await;
+                    let _ = tx.send((wire::frame(Kind::Bye, 0, &[]), None)).await;
                     return false;
                 }
             };
@@ -318,9 +315,8 @@ async fn session(
                 Ok(Err(e)) => {
                     if e.kind() == ErrorKind::Protocol {
                         tracing::debug!(peer = %peer.name, error = %e, "control plane: malformed frame, closing");
-                        let _ = tx
-                            .send(wire::frame(Kind::Error, 0, &wire::error_payload(&e)))
-                            .await;
+                        let f = wire::frame(Kind::Error, 0, &wire::error_payload(&e));
+                        let _ = tx.send((f, None)).await;
                     }
                     return false;
                 }
@@ -336,11 +332,19 @@ async fn session(
                 Kind::GetSegment => Some(answer(h.id, segment(shared))),
                 Kind::Notify => Some(answer(h.id, notify(shared, peer, &payload))),
                 Kind::Backend => {
-                    // The backend may block (building queue pairs): off this thread.
-                    let (shared, peer, tx) = (shared.clone(), peer.clone(), tx.clone());
+                    // The backend may block (building queue pairs): on a worker, once
+                    // this session has a turn and a place for the reply.
+                    let Ok(turn) = share.clone().acquire_owned().await else {
+                        return false;
+                    };
+                    let Ok(place) = tx.clone().reserve_owned().await else {
+                        return false;
+                    };
+                    let (shared, peer) = (shared.clone(), peer.clone());
                     shared.clone().rt.spawn_blocking(move || {
                         let r = backend(&shared, &peer, &payload);
-                        let _ = tx.blocking_send(answer(h.id, r));
+                        // The turn is given back once the reply is written.
+                        place.send((answer(h.id, r), Some(turn)));
                     });
                     None
                 }
@@ -349,14 +353,13 @@ async fn session(
                         ErrorKind::Protocol,
                         format!("a {other:?} frame is not a request"),
                     );
-                    let _ = tx
-                        .send(wire::frame(Kind::Error, h.id, &wire::error_payload(&e)))
-                        .await;
+                    let f = wire::frame(Kind::Error, h.id, &wire::error_payload(&e));
+                    let _ = tx.send((f, None)).await;
                     return false;
                 }
             };
             if let Some(f) = reply {
-                if tx.send(f).await.is_err() {
+                if !queue(&tx, &budget, f).await {
                     return false;
                 }
             }

@@ -99,16 +99,6 @@ fn session_closed(addr: &str) -> Error {
     .with_context("peer", addr)
 }
 
-/// Reads one frame, allocating only as its bytes arrive.
-pub(crate) async fn read_frame<R: AsyncReadExt + Unpin>(
-    r: &mut R,
-    notification_max: usize,
-) -> Result<(Header, Vec<u8>)> {
-    let header = read_header(r, notification_max).await?;
-    let payload = read_payload(r, &header).await?;
-    Ok((header, payload))
-}
-
 /// Reads and checks a frame's header, so its kind can be judged before any of its
 /// payload is read.
 pub(crate) async fn read_header<R: AsyncReadExt + Unpin>(
@@ -140,6 +130,37 @@ pub(crate) async fn read_payload<R: AsyncReadExt + Unpin>(
         .with_operation("read frame"));
     }
     Ok(payload)
+}
+
+/// Reads a frame of an open session from the server's side: replies, pings, pongs and
+/// goodbyes. A request (the server is not the one asking) is refused by its header,
+/// before its payload is read, and ends the session.
+async fn read_answer_frame<R: AsyncReadExt + Unpin>(
+    r: &mut R,
+    notification_max: usize,
+) -> Result<(Header, Vec<u8>)> {
+    let h = read_header(r, notification_max).await?;
+    if !matches!(
+        h.kind,
+        Kind::Segment
+            | Kind::Ack
+            | Kind::BackendReply
+            | Kind::Error
+            | Kind::Ping
+            | Kind::Pong
+            | Kind::Bye
+    ) {
+        return Err(Error::new(
+            ErrorKind::Protocol,
+            format!(
+                "the peer sent a {:?} frame on a session it serves; it may send only replies, pings and goodbyes",
+                h.kind
+            ),
+        )
+        .with_operation("read frame"));
+    }
+    let payload = read_payload(r, &h).await?;
+    Ok((h, payload))
 }
 
 /// Reads the server's answer during the handshake: `expected` or an error, refused by
@@ -180,6 +201,26 @@ async fn write(stream: &mut (impl AsyncWriteExt + Unpin), frame: &[u8]) -> Resul
         .write_all(frame)
         .await
         .map_err(|e| Error::io("write frame", "the connection to the peer broke", e))
+}
+
+/// Pongs owed to a peer before its session stops being read.
+const PONGS: usize = 16;
+
+/// Writes a frame of an open session; a write still waiting after `stall` (three
+/// heartbeats) means the peer has stopped reading, and ends the session.
+async fn send(
+    stream: &mut (impl AsyncWriteExt + Unpin),
+    frame: &[u8],
+    stall: Duration,
+) -> Result<()> {
+    match tokio::time::timeout(stall, write(stream, frame)).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::new(
+            ErrorKind::PeerUnreachable,
+            "the peer stopped reading its control-plane session (a frame waited three heartbeats to be sent); closed it",
+        )
+        .with_operation("write frame")),
+    }
 }
 
 /// Opens and authenticates a session's connection.
@@ -327,27 +368,29 @@ async fn run(
         .heartbeat
         .min(Duration::from_millis(peer.heartbeat_ms.max(50)));
     let idle = 3 * shared.settings.heartbeat;
-    let (pong_tx, mut pong_rx) = mpsc::unbounded_channel::<u64>();
+    // A peer that pings faster than its pongs can be sent (it does not read them)
+    // stops being read once a few are owed, and is closed at the next stalled write.
+    let (pong_tx, mut pong_rx) = mpsc::channel::<u64>(PONGS);
     let nmax = shared.settings.notification_max;
     let p2 = pending.clone();
     // Replies, pings and goodbyes from the peer.
     let mut reading = tokio::spawn(async move {
         loop {
-            let (h, payload) = match tokio::time::timeout(idle, read_frame(&mut reader, nmax)).await
-            {
-                Ok(Ok(f)) => f,
-                Ok(Err(e)) => return Err(e),
-                Err(_) => {
-                    return Err(Error::new(
-                        ErrorKind::PeerUnreachable,
-                        "the peer's control plane went silent (no heartbeat)",
-                    ))
-                }
-            };
+            let (h, payload) =
+                match tokio::time::timeout(idle, read_answer_frame(&mut reader, nmax)).await {
+                    Ok(Ok(f)) => f,
+                    Ok(Err(e)) => return Err(e),
+                    Err(_) => {
+                        return Err(Error::new(
+                            ErrorKind::PeerUnreachable,
+                            "the peer's control plane went silent (no heartbeat)",
+                        ))
+                    }
+                };
             match h.kind {
                 Kind::Pong => {}
                 Kind::Ping => {
-                    let _ = pong_tx.send(h.id);
+                    let _ = pong_tx.send(h.id).await;
                 }
                 Kind::Bye => return Ok(()),
                 _ => {
@@ -388,20 +431,20 @@ async fn run(
                 let id = next_id;
                 next_id += 1;
                 pending.lock().insert(id, (req.deadline, req.reply));
-                if let Err(e) = write(&mut writer, &wire::frame(req.kind, id, &req.body)).await {
+                if let Err(e) = send(&mut writer, &wire::frame(req.kind, id, &req.body), idle).await {
                     break Err(e);
                 }
             }
             id = pong_rx.recv() => {
                 if let Some(id) = id {
-                    if let Err(e) = write(&mut writer, &wire::frame(Kind::Pong, id, &[])).await {
+                    if let Err(e) = send(&mut writer, &wire::frame(Kind::Pong, id, &[]), idle).await {
                         break Err(e);
                     }
                 }
             }
             _ = tick.tick() => {
                 expire(&pending);
-                if let Err(e) = write(&mut writer, &wire::frame(Kind::Ping, 0, &[])).await {
+                if let Err(e) = send(&mut writer, &wire::frame(Kind::Ping, 0, &[]), idle).await {
                     break Err(e);
                 }
             }

@@ -49,7 +49,7 @@ fn a_peer_that_trickles_its_handshake_is_cut_at_the_handshake_timeout() {
 }
 
 #[test]
-fn pending_handshakes_and_connections_are_capped_and_the_rest_closed_at_once() {
+fn a_new_connection_evicts_the_oldest_pending_one_and_connections_are_capped() {
     let target = backend(|c| {
         c.max_pending = 2;
         c.max_connections = 3;
@@ -57,21 +57,20 @@ fn pending_handshakes_and_connections_are_capped_and_the_rest_closed_at_once() {
         c.handshake_timeout = Duration::from_secs(20);
     });
     let (addr, _) = decode_endpoint(&target.endpoint()).unwrap();
-    let idle: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    let mut idle: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
     eventually("two pending handshakes", Duration::from_secs(5), || {
-        target
-            .shared()
-            .pending
-            .load(std::sync::atomic::Ordering::Acquire)
-            == 2
+        target.shared().pending.len() == 2
     });
-    // A third unauthenticated connection is closed at once.
-    let mut third = TcpStream::connect(addr).unwrap();
-    let t = closed_after(&mut third, Duration::from_secs(5)).expect("refused");
+    // A third unauthenticated connection takes the oldest one's place, which is
+    // closed at once; the second and third stay.
+    let third = TcpStream::connect(addr).unwrap();
+    let t = closed_after(&mut idle[0], Duration::from_secs(5)).expect("evicted");
     assert!(t < Duration::from_secs(5), "closed after {t:?}");
+    assert_eq!(closed_after(&mut idle[1], Duration::from_millis(300)), None);
+    assert_eq!(target.shared().pending.len(), 2);
     // An authenticated one is not pending; it fits the connection cap (3), a fourth
     // connection does not.
-    drop(idle);
+    drop((idle, third));
     eventually("no connection served", Duration::from_secs(5), || {
         target.shared().serving.lock().is_empty()
     });
