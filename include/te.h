@@ -200,8 +200,11 @@ int te_engine_address(const te_engine *engine, char *buf, size_t len);
 /**
  * Registers caller-owned memory `addr .. addr + len` under `name` (may be NULL; peers
  * look regions up by it), writing its region id to `*region`. `memory` is "host"
- * (or NULL) or a device ("cuda:0", "mlu:1"); `access` is 0 (local use only) or
- * TE_ACCESS_REMOTE_READ | TE_ACCESS_REMOTE_WRITE bits.
+ * (or NULL), a device ("cuda:0", "mlu:1"), or "auto": te asks its device runtimes
+ * which device owns `addr`, host if none does. Device memory registered as "host", or
+ * as another device than its owner, is refused (TE_ERR_INVALID_REQUEST, naming the
+ * owner). `access` is 0 (local use only) or TE_ACCESS_REMOTE_READ |
+ * TE_ACCESS_REMOTE_WRITE bits.
  *
  * The memory must stay valid until te_engine_deregister returns TE_OK for it (or
  * te_engine_free returns); te reads and writes it at any time until then. If

@@ -183,6 +183,9 @@ static void null_and_bad_arguments_are_errors(void) {
     FAILS(TE_ERR_INVALID_REQUEST, te_engine_register(e, "x", buf, 0, NULL, 0, &id));
     FAILS(TE_ERR_UNSUPPORTED, te_engine_register(e, "x", buf, sizeof buf, "nodev:0", 0, &id));
     FAILS(TE_ERR_NOT_REGISTERED, te_engine_deregister(e, 12345));
+    /* "auto" asks the device runtimes; host memory stays host memory. */
+    OK(te_engine_register(e, "auto", buf, sizeof buf, "auto", 0, &id));
+    OK(te_engine_deregister(e, id));
     te_engine_free(e);
     te_engine_free(NULL);
     te_peer_free(NULL);

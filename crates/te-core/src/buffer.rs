@@ -62,6 +62,13 @@ impl Buffer {
             );
         }
         let mem = match kind {
+            MemoryKind::Auto => {
+                return Err(Error::new(
+                    ErrorKind::InvalidRequest,
+                    "`auto` says what existing memory is; to allocate, name `host` or a device (`cuda:0`)",
+                )
+                .with_operation("alloc"))
+            }
             MemoryKind::Host => {
                 let layout = Layout::from_size_align(len, 4096).map_err(|_| {
                     Error::new(

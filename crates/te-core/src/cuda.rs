@@ -213,10 +213,22 @@ fn create(_table: &toml::Table) -> Result<Arc<dyn DeviceRuntime>> {
     }))
 }
 
+/// A 32-bit pointer attribute of `addr` (memory type, managed flag, device ordinal),
+/// or `None` where the driver has none to give (not CUDA memory).
+fn attribute(addr: u64, attr: sys::CUpointer_attribute) -> Option<i32> {
+    let mut v: i32 = -1;
+    // SAFETY: `v` is a valid out-parameter of the 4 bytes these attributes write.
+    let r = driver("pointer attribute", || unsafe {
+        sys::cuPointerGetAttribute((&mut v as *mut i32).cast(), attr, addr).result()
+    });
+    r.ok().map(|()| v)
+}
+
 crate::register_runtime!(
     NAME,
     "NVIDIA GPUs through the CUDA driver (loaded at run time)",
-    create
+    create,
+    loaded_with = ["libcuda.so.1", "libcuda.so"]
 );
 
 impl Cuda {
@@ -350,20 +362,21 @@ impl DeviceRuntime for Cuda {
             )
         };
         let ordinal = self.with(0, || {
-            let mut ordinal: i32 = -1;
-            // SAFETY: `ordinal` is a valid out-parameter of the size the attribute writes.
-            let r = driver("pointer attribute", || unsafe {
-                sys::cuPointerGetAttribute(
-                    (&mut ordinal as *mut i32).cast(),
-                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                    addr,
-                )
-                .result()
-            });
-            if r.is_err() || ordinal < 0 {
-                return Err(not_cuda());
+            // Device memory only: pinned or registered host memory also has an ordinal
+            // (its context's), and managed memory is host-accessible; both are host
+            // memory to te.
+            use sys::CUpointer_attribute as A;
+            let kind = attribute(addr, A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE);
+            let managed = attribute(addr, A::CU_POINTER_ATTRIBUTE_IS_MANAGED);
+            let ordinal = attribute(addr, A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL);
+            match (kind, managed, ordinal) {
+                (Some(k), Some(0), Some(o))
+                    if k == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as i32 && o >= 0 =>
+                {
+                    Ok(o as u32)
+                }
+                _ => Err(not_cuda()),
             }
-            Ok(ordinal as u32)
         })?;
         self.with(ordinal, || {
             let (mut base, mut len) = (0, 0usize);

@@ -33,8 +33,9 @@ pub struct PeerId(pub u64);
 
 /// Where a region's bytes live.
 ///
-/// Written `host`, or `RUNTIME:ORDINAL` for device memory (`cuda:0`, `mlu:1`). The
-/// runtime is a name, not a closed list, so a new device runtime needs no change here.
+/// Written `host`, `RUNTIME:ORDINAL` for device memory (`cuda:0`, `mlu:1`), or `auto`.
+/// The runtime is a name, not a closed list, so a new device runtime needs no change
+/// here.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum MemoryKind {
     /// Ordinary host memory.
@@ -46,14 +47,19 @@ pub enum MemoryKind {
         /// The device's ordinal within that runtime.
         ordinal: u32,
     },
+    /// Whatever the memory is: a registration asks the device runtimes who owns the
+    /// address and becomes that device's memory, or host memory if none claims it.
+    /// Only a registration resolves it; a region is always `Host` or `Device`.
+    Auto,
 }
 
 impl MemoryKind {
-    /// The runtime name: `host`, or the device runtime's name.
+    /// The runtime name: `host`, the device runtime's name, or `auto`.
     pub fn runtime(&self) -> &str {
         match self {
             MemoryKind::Host => "host",
             MemoryKind::Device { runtime, .. } => runtime,
+            MemoryKind::Auto => "auto",
         }
     }
 }
@@ -63,6 +69,7 @@ impl fmt::Display for MemoryKind {
         match self {
             MemoryKind::Host => f.write_str("host"),
             MemoryKind::Device { runtime, ordinal } => write!(f, "{runtime}:{ordinal}"),
+            MemoryKind::Auto => f.write_str("auto"),
         }
     }
 }
@@ -71,13 +78,17 @@ impl FromStr for MemoryKind {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<MemoryKind> {
-        if s == "host" {
-            return Ok(MemoryKind::Host);
+        match s {
+            "host" => return Ok(MemoryKind::Host),
+            "auto" => return Ok(MemoryKind::Auto),
+            _ => {}
         }
         let bad = || {
             Error::new(
                 ErrorKind::InvalidRequest,
-                format!("memory kind `{s}` is not `host` or `RUNTIME:ORDINAL` (like `cuda:0`)"),
+                format!(
+                    "memory kind `{s}` is not `host`, `auto` or `RUNTIME:ORDINAL` (like `cuda:0`)"
+                ),
             )
         };
         let (runtime, ordinal) = s.split_once(':').ok_or_else(bad)?;

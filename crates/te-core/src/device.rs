@@ -15,6 +15,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{mpsc, Arc};
 
+use crate::desc::MemoryKind;
 use crate::error::{Error, ErrorKind, Result};
 
 /// Where a device address lives.
@@ -271,16 +272,29 @@ pub struct RuntimeFactory {
     /// Creates the process's instance from its `[runtimes.NAME]` table (empty if the
     /// configuration has none); an error says why the runtime is unavailable.
     pub create: fn(&toml::Table) -> Result<Arc<dyn DeviceRuntime>>,
+    /// The driver libraries (sonames) without which no memory of this runtime can
+    /// exist in the process: [`owner`] starts a runtime to ask about an address only
+    /// if one of them is loaded already. Empty: asked only once started.
+    pub loaded_with: &'static [&'static str],
 }
 
 inventory::collect!(RuntimeFactory);
 
-/// Registers a device runtime: `te_core::register_runtime!(NAME, "description", create);`
+/// Registers a device runtime: `te_core::register_runtime!(NAME, "description", create)`,
+/// or with `loaded_with = ["libdriver.so.1"]` (see [`RuntimeFactory::loaded_with`]).
 #[macro_export]
 macro_rules! register_runtime {
     ($name:expr, $description:expr, $create:path) => {
+        $crate::register_runtime!($name, $description, $create, loaded_with = []);
+    };
+    ($name:expr, $description:expr, $create:path, loaded_with = [$($lib:expr),*]) => {
         $crate::inventory::submit! {
-            $crate::device::RuntimeFactory { name: $name, description: $description, create: $create }
+            $crate::device::RuntimeFactory {
+                name: $name,
+                description: $description,
+                create: $create,
+                loaded_with: &[$($lib),*],
+            }
         }
     };
 }
@@ -348,6 +362,68 @@ pub fn runtime(name: &str) -> Result<Arc<dyn DeviceRuntime>> {
             })
         })
         .clone()
+}
+
+/// The runtime and device of memory of `kind`: `None` for host memory.
+///
+/// # Errors
+/// As [`runtime`]; `InvalidRequest` for `auto`, which only a registration resolves (a
+/// backend never sees it).
+pub fn of(kind: &MemoryKind) -> Result<Option<(Arc<dyn DeviceRuntime>, u32)>> {
+    match kind {
+        MemoryKind::Host => Ok(None),
+        MemoryKind::Device {
+            runtime: name,
+            ordinal,
+        } => Ok(Some((runtime(name)?, *ordinal))),
+        MemoryKind::Auto => Err(unresolved()),
+    }
+}
+
+/// The error for memory still named `auto` where a registration should have resolved it.
+pub fn unresolved() -> Error {
+    Error::new(
+        ErrorKind::InvalidRequest,
+        "memory of kind `auto` reached a backend unresolved; the engine resolves it when registering",
+    )
+}
+
+/// The device runtime that owns `addr`, and where: asked of every runtime compiled in
+/// that runs in this process, in name order. A runtime not started yet is started to
+/// ask only if its driver library is loaded (by te or by anyone else, such as PyTorch):
+/// without it no memory of that runtime can exist, and a process that uses none pays
+/// nothing (no driver loaded, no device context made). `None`: no runtime claims it,
+/// so it is host memory as far as te can tell.
+pub fn owner(addr: u64) -> Option<(&'static str, PointerInfo)> {
+    let mut factories: Vec<&RuntimeFactory> = inventory::iter::<RuntimeFactory>().collect();
+    factories.sort_unstable_by_key(|f| f.name);
+    factories.into_iter().find_map(|f| {
+        let started = INSTANCES
+            .lock()
+            .as_ref()
+            .is_some_and(|i| i.contains_key(f.name));
+        if !started && !f.loaded_with.iter().any(|lib| loaded(lib)) {
+            return None;
+        }
+        let info = runtime(f.name).ok()?.pointer_info(addr).ok()?;
+        Some((f.name, info))
+    })
+}
+
+/// Whether the shared library `soname` is loaded in this process (it is not loaded
+/// by asking).
+fn loaded(soname: &str) -> bool {
+    let Ok(name) = std::ffi::CString::new(soname) else {
+        return false;
+    };
+    // SAFETY: `name` is a valid C string; RTLD_NOLOAD only looks the library up.
+    let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    if handle.is_null() {
+        return false;
+    }
+    // SAFETY: `handle` came from the successful dlopen above, which took a reference.
+    unsafe { libc::dlclose(handle) };
+    true
 }
 
 /// Every runtime compiled in, with its description and whether it can run here.

@@ -61,7 +61,8 @@ fn create(_table: &te_core::config::Table) -> Result<Arc<dyn DeviceRuntime>> {
 te_core::register_runtime!(
     RUNTIME,
     "Cambricon MLUs through CNRT (libcnrt.so, loaded at run time)",
-    create
+    create,
+    loaded_with = ["libcnrt.so"]
 );
 
 /// The copy thread's queues (used only there), and its buffers for a group.

@@ -16,6 +16,7 @@ mod handle;
 mod notifier;
 mod peer;
 mod registration;
+mod testing;
 
 use pyo3::prelude::*;
 
@@ -28,5 +29,9 @@ fn _te(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<handle::PyHandle>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(errors::error_kinds, m)?)?;
+    m.add_function(wrap_pyfunction!(testing::fakedev_alloc, m)?)?;
+    m.add_function(wrap_pyfunction!(testing::fakedev_free, m)?)?;
+    m.add_function(wrap_pyfunction!(testing::fakedev_write, m)?)?;
+    m.add_function(wrap_pyfunction!(testing::fakedev_read, m)?)?;
     Ok(())
 }

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import te
+import te.testing
 from conftest import config
 
 
@@ -83,6 +84,27 @@ class FakeTensor:
 
     def is_contiguous(self):
         return self.a.flags["C_CONTIGUOUS"]
+
+
+def test_auto_registration_asks_who_owns_the_memory(pair):
+    target, init, peer = pair
+    remote = np.zeros(8192, dtype=np.uint8)
+    rreg = target.register_buffer(remote, name="dst")
+    host = pattern(4096, 7)
+    hreg = init.register(host.ctypes.data, host.nbytes, device="auto", keep=host)
+    assert hreg.device == "host"
+    with te.testing.FakeDeviceBuffer(4096, ordinal=1) as dev:
+        data = pattern(4096, 8).tobytes()
+        dev.write(data)
+        # Device memory named host is refused at registration, naming its owner.
+        with pytest.raises(te.InvalidRequestError, match="it is memory of fakedev:1"):
+            init.register(dev.ptr, 4096, device="host")
+        dreg = init.register(dev.ptr, 4096, device="auto")
+        assert dreg.device == "fakedev:1"
+        reqs = [(dreg.id, 0, rreg.id, 0, 4096), (hreg.id, 0, rreg.id, 4096, 4096)]
+        assert init.transfer(peer, reqs).wait(10)
+        assert remote[:4096].tobytes() == data and (remote[4096:] == host).all()
+        dreg.deregister()
 
 
 @pytest.mark.parametrize("shape", ["pairs", "joint", "mla", "one-allocation"])

@@ -13,8 +13,7 @@ use te_core::worker::DueQueue;
 use te_core::device::DeviceRuntime;
 use te_core::{
     Access, BackendContext, BackendInfo, BatchId, Capabilities, Completion, Deadline, Error,
-    ErrorKind, MemoryDesc, MemoryKind, PeerId, RegionId, Result, SegmentDesc, TransferBackend,
-    TransferRequest,
+    ErrorKind, MemoryDesc, PeerId, RegionId, Result, SegmentDesc, TransferBackend, TransferRequest,
 };
 
 use crate::completion::run;
@@ -153,12 +152,7 @@ impl TransferBackend for StubBackend {
     }
 
     fn register(&self, id: RegionId, mem: &MemoryDesc) -> Result<Vec<u8>> {
-        let device = match &mem.kind {
-            MemoryKind::Host => None,
-            MemoryKind::Device { runtime, ordinal } => {
-                Some((te_core::device::runtime(runtime)?, *ordinal))
-            }
-        };
+        let device = te_core::device::of(&mem.kind)?;
         let region = Region {
             addr: mem.addr,
             len: mem.len,

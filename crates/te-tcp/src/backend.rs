@@ -10,8 +10,7 @@ use te_core::sync::{Mutex, RwLock};
 
 use te_core::{
     BackendContext, BackendInfo, BatchId, Capabilities, Completion, Deadline, Error, ErrorKind,
-    MemoryDesc, MemoryKind, PeerId, RegionId, Result, SegmentDesc, TransferBackend,
-    TransferRequest,
+    MemoryDesc, PeerId, RegionId, Result, SegmentDesc, TransferBackend, TransferRequest,
 };
 
 use crate::completion::Batch;
@@ -309,13 +308,8 @@ impl TransferBackend for TcpBackend {
     }
 
     fn register(&self, id: RegionId, mem: &MemoryDesc) -> Result<Vec<u8>> {
-        let device = match &mem.kind {
-            MemoryKind::Host => None,
-            // Device memory is staged through pinned host buffers by its runtime.
-            MemoryKind::Device { runtime, ordinal } => {
-                Some((te_core::device::runtime(runtime)?, *ordinal))
-            }
-        };
+        // Device memory is staged through pinned host buffers by its runtime.
+        let device = te_core::device::of(&mem.kind)?;
         if usize::try_from(mem.addr.saturating_add(mem.len)).is_err() {
             return Err(Error::new(
                 ErrorKind::InvalidRequest,

@@ -4,7 +4,7 @@
 use super::*;
 
 impl Inner {
-    pub(super) fn register(self: &Arc<Self>, desc: MemoryDesc) -> Result<Registration> {
+    pub(super) fn register(self: &Arc<Self>, mut desc: MemoryDesc) -> Result<Registration> {
         let bad =
             |m: String| Err(Error::new(ErrorKind::InvalidRequest, m).with_operation("register"));
         if desc.len == 0 {
@@ -18,6 +18,25 @@ impl Inner {
                 "region `{}` wraps around the address space",
                 desc.name
             ));
+        }
+        // What the memory is, as its owner says: `auto` becomes it, and `host` for a
+        // device's memory is refused here rather than faulting at the first transfer.
+        let owner = crate::device::owner(desc.addr);
+        match (&desc.kind, owner) {
+            (MemoryKind::Auto, Some((runtime, info))) => {
+                desc.kind = MemoryKind::Device {
+                    runtime: runtime.to_string(),
+                    ordinal: info.ordinal,
+                }
+            }
+            (MemoryKind::Auto, None) => desc.kind = MemoryKind::Host,
+            (MemoryKind::Host, Some((runtime, info))) => {
+                return bad(format!(
+                    "region `{}` ({:#x}+{}) was registered as host memory, but it is memory of {runtime}:{}; register it as {runtime}:{} or as auto",
+                    desc.name, desc.addr, desc.len, info.ordinal, info.ordinal
+                ))
+            }
+            _ => {}
         }
         let caps = &self.backend.info().capabilities;
         if !caps.memory.iter().any(|m| m == desc.kind.runtime()) {
@@ -42,8 +61,8 @@ impl Inner {
                 .is_some_and(|end| end <= info.base + info.len);
             if info.ordinal != *ordinal || !inside {
                 return bad(format!(
-                    "region `{}` ({:#x}+{}) is not inside one allocation of {}: the address belongs to {runtime}:{} ({:#x}+{})",
-                    desc.name, desc.addr, desc.len, desc.kind, info.ordinal, info.base, info.len
+                    "region `{}` ({:#x}+{}) is not inside one allocation of {}: the address belongs to {runtime}:{} ({:#x}+{}); register it as {runtime}:{} or as auto, within that allocation",
+                    desc.name, desc.addr, desc.len, desc.kind, info.ordinal, info.base, info.len, info.ordinal
                 ));
             }
         }
