@@ -8,7 +8,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use te::{Config, Registry};
+use te::Config;
+use te_core::Registry;
 
 mod bench;
 mod serve;
@@ -98,8 +99,8 @@ fn main() -> ExitCode {
 
 fn peers(config: Option<PathBuf>, json: bool) -> te::Result<()> {
     let config = Config::resolve(config.as_deref())?;
-    let store = te::metadata::open(&config.engine)?;
-    let engines = store.list(te::Deadline::after(config.engine.default_timeout))?;
+    let store = te_core::metadata::open(&config.engine)?;
+    let engines = store.list(te_core::Deadline::after(config.engine.default_timeout))?;
     if json {
         for e in &engines {
             println!("{}", serde_json::to_string(e).unwrap_or_default());
@@ -124,7 +125,8 @@ fn info(config: Option<PathBuf>, json: bool) -> te::Result<()> {
     let registry = Registry::discover(&config.engine.plugin_dirs);
     let selected = &config.engine.backend;
     let chosen = registry.get(selected);
-    let is_selected = |e: &te::registry::Entry| chosen.as_ref().is_ok_and(|c| std::ptr::eq(*c, e));
+    let is_selected =
+        |e: &te_core::registry::Entry| chosen.as_ref().is_ok_and(|c| std::ptr::eq(*c, e));
     if json {
         let backends: Vec<_> = registry
             .entries()
@@ -147,7 +149,7 @@ fn info(config: Option<PathBuf>, json: bool) -> te::Result<()> {
             .iter()
             .map(|p| serde_json::json!({"path": p.path.display().to_string(), "error": p.error.to_string()}))
             .collect();
-        let runtimes: Vec<_> = te::device::runtimes()
+        let runtimes: Vec<_> = te_core::device::runtimes()
             .into_iter()
             .map(|(name, description, status)| {
                 serde_json::json!({
@@ -191,7 +193,7 @@ fn info(config: Option<PathBuf>, json: bool) -> te::Result<()> {
             println!("plugin not loaded: {}: {}", p.path.display(), p.error);
         }
         println!("device runtimes:");
-        for (name, description, status) in te::device::runtimes() {
+        for (name, description, status) in te_core::device::runtimes() {
             match status {
                 Ok(()) => println!("   {name:<10}available   {description}"),
                 Err(e) => println!("   {name:<10}unavailable {description}\n     why: {e}"),

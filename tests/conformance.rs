@@ -3,8 +3,8 @@
 //! contract's adversary. The plain built-in run is te-stub's own
 //! `crates/te-stub/tests/conformance.rs`.
 
-use te::testkit::{self, engine_config, Harness};
 use te::Config;
+use te_core::testkit::{self, engine_config, Harness};
 
 fn stub_config(table: &str) -> Config {
     engine_config("stub", table)

@@ -41,7 +41,7 @@ fn agreed(addr: &str, versions: (u16, u16)) -> Result<u64, String> {
 fn a_peer_speaking_a_wider_range_gets_the_highest_common_version() {
     let target = engine("stub");
     let addr = target.address().to_string();
-    let (oldest, newest) = te::CONTROL_VERSIONS;
+    let (oldest, newest) = te_core::CONTROL_VERSIONS;
     assert_eq!(agreed(&addr, (oldest, newest)), Ok(newest.into()));
     assert_eq!(agreed(&addr, (1, newest + 7)), Ok(newest.into()));
     assert_eq!(agreed(&addr, (newest, newest + 1)), Ok(newest.into()));
@@ -51,7 +51,7 @@ fn a_peer_speaking_a_wider_range_gets_the_highest_common_version() {
 fn a_peer_with_no_version_in_common_is_told_both_ranges() {
     let target = engine("stub");
     let addr = target.address().to_string();
-    let (oldest, newest) = te::CONTROL_VERSIONS;
+    let (oldest, newest) = te_core::CONTROL_VERSIONS;
     let newer = agreed(&addr, (newest + 1, newest + 3)).unwrap_err();
     assert!(
         newer.contains(&format!(
@@ -89,7 +89,7 @@ fn a_server_choosing_a_version_this_engine_does_not_speak_is_refused() {
         .connect_with(&addr, Duration::from_secs(5))
         .expect_err("version 9 is refused");
     assert_eq!(e.kind(), ErrorKind::Protocol, "{e}");
-    let (oldest, newest) = te::CONTROL_VERSIONS;
+    let (oldest, newest) = te_core::CONTROL_VERSIONS;
     assert!(
         e.to_string().contains(&format!(
             "the peer chose protocol version 9, outside the {oldest}..={newest}"

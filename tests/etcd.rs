@@ -11,7 +11,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use te::{Access, Config, Deadline, Engine, ErrorKind, TransferRequest};
+use te::{Access, Config, Engine, ErrorKind, TransferRequest};
+use te_core::Deadline;
 
 /// An etcd server on free loopback ports, killed when dropped.
 struct Etcd {
@@ -33,7 +34,7 @@ impl Etcd {
     /// Starts etcd, or `None` (with the reason printed) where there is none.
     fn start() -> Option<Etcd> {
         if Command::new("etcd").arg("--version").output().is_err() {
-            te::require::skip("etcd", "no `etcd` on PATH (apt-get install etcd-server)");
+            te_core::require::skip("etcd", "no `etcd` on PATH (apt-get install etcd-server)");
             return None;
         }
         let dir =
@@ -111,7 +112,7 @@ fn config(etcd: &Etcd, name: &str, prefix: &str) -> Config {
 }
 
 fn names(c: &Config) -> Vec<(String, u64)> {
-    te::metadata::open(&c.engine)
+    te_core::metadata::open(&c.engine)
         .unwrap()
         .list(Deadline::after(Duration::from_secs(10)))
         .unwrap()

@@ -14,7 +14,7 @@ fn cuda0() -> te::MemoryKind {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn cuda_buffers_round_trip_and_bogus_pointers_are_refused() {
-    let rt = te::device::runtime("cuda").expect("the cuda runtime is available");
+    let rt = te_core::device::runtime("cuda").expect("the cuda runtime is available");
     assert!(rt.device_count().unwrap() >= 1);
     let e = Engine::from_config(&Config::defaults()).unwrap();
     let buf = e

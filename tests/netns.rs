@@ -40,7 +40,7 @@ impl Hosts {
     fn new(tag: &str) -> Option<Hosts> {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
-            te::require::skip("netns", "network namespaces need root");
+            te_core::require::skip("netns", "network namespaces need root");
             return None;
         }
         let id = format!("{}{tag}", std::process::id() % 100_000);
@@ -49,14 +49,14 @@ impl Hosts {
             Ok(o) if o.status.success() => {}
             Ok(o) => {
                 let why = String::from_utf8_lossy(&o.stderr);
-                te::require::skip(
+                te_core::require::skip(
                     "netns",
                     format!("`ip netns add` is not allowed here: {}", why.trim()),
                 );
                 return None;
             }
             Err(e) => {
-                te::require::skip(
+                te_core::require::skip(
                     "netns",
                     format!("no `ip` command (apt-get install iproute2): {e}"),
                 );
@@ -267,7 +267,7 @@ fn transfers_over_a_lossy_link_complete_with_every_byte_verified() {
     let Some(hosts) = Hosts::new("l") else { return };
     let how = impair(&hosts);
     if how.is_empty() {
-        te::require::skip(
+        te_core::require::skip(
             "netns",
             "neither tc netem nor nftables can impair the link here",
         );

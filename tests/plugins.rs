@@ -3,8 +3,9 @@
 
 use std::path::{Path, PathBuf};
 
-use te::testkit::built_plugin;
-use te::{Config, Engine, ErrorKind, Origin, Registry};
+use te::{Config, Engine, ErrorKind, Origin};
+use te_core::testkit::built_plugin;
+use te_core::Registry;
 
 fn scratch(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("te-plugins-{tag}-{}", std::process::id()));

@@ -3,7 +3,8 @@
 
 use std::path::Path;
 
-use te::{Config, Origin, Registry};
+use te::{Config, Origin};
+use te_core::Registry;
 
 /// `plugins.toml` with every commented-out key and table header uncommented.
 fn every_key() -> String {

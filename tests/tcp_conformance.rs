@@ -5,8 +5,8 @@
 //! memory on both sides and mixed with host memory, it runs every staging path, and
 //! with both sides on one fake device in this process, the device-to-device path.
 
-use te::testkit::{self, engine_config, Harness};
 use te::Config;
+use te_core::testkit::{self, engine_config, Harness};
 
 fn tcp_config(table: &str) -> Config {
     engine_config("tcp", table)

@@ -7,10 +7,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use te::{
-    Access, Completion, Config, Engine, ErrorKind, Peer, TransferBackend, TransferOptions,
-    TransferRequest,
-};
+use te::{Access, Config, Engine, ErrorKind, Peer, TransferOptions, TransferRequest};
+use te_core::{Completion, TransferBackend};
 
 /// A `te serve` process, killed when dropped.
 struct Server {
@@ -173,7 +171,7 @@ fn a_write_past_the_region_end_is_refused_with_out_of_bounds_and_memory_is_uncha
     let err = e.transfer(&peer, &[past]).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::OutOfBounds, "{err}");
     // ...and so does the target itself, when a backend bypasses the engine's check.
-    let registry = te::Registry::discover(&[]);
+    let registry = te_core::Registry::discover(&[]);
     let backend: Arc<dyn TransferBackend> = registry
         .get("tcp")
         .unwrap()
@@ -191,7 +189,7 @@ fn a_write_past_the_region_end_is_refused_with_out_of_bounds_and_memory_is_uncha
     let id = backend
         .connect(
             &peer.segment(),
-            te::Deadline::after(Duration::from_secs(10)),
+            te_core::Deadline::after(Duration::from_secs(10)),
         )
         .unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -205,7 +203,7 @@ fn a_write_past_the_region_end_is_refused_with_out_of_bounds_and_memory_is_uncha
     backend
         .deregister(
             te::RegionId(1),
-            te::Deadline::after(Duration::from_secs(10)),
+            te_core::Deadline::after(Duration::from_secs(10)),
         )
         .unwrap();
     drop(backend);

@@ -8,9 +8,10 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use te::{
-    Access, Buffer, Config, Engine, Error, ErrorKind, Op, Peer, RegionDesc, Registry, Result,
+    Access, Buffer, Config, Engine, Error, ErrorKind, Op, Peer, RegionDesc, Result,
     TransferOptions, TransferRequest,
 };
+use te_core::Registry;
 
 use super::baseline;
 use super::pattern::{self, Pattern};

@@ -7,7 +7,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
-use te_facade::sync::Mutex;
+use te_core::sync::Mutex;
 
 use te_facade::{Error, ErrorKind, Result, TransferHandle, TransferStatus};
 

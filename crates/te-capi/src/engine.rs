@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void};
 use std::path::Path;
-use te_facade::sync::Mutex;
+use te_core::sync::Mutex;
 
 use te_facade::{
     Access, BlockOptions, Config, Engine, Error, ErrorKind, KvLayout, MemoryDesc, MemoryKind, Op,

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use te::sync::RwLock;
+use te_core::sync::RwLock;
 
 use te::{Peer, RegionDesc, RegionId};
 

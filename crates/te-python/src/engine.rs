@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 use std::time::Instant;
-use te::sync::Mutex;
+use te_core::sync::Mutex;
 
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};

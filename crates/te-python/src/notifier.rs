@@ -12,7 +12,7 @@ use std::pin::Pin;
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Wake, Waker};
-use te::sync::Mutex;
+use te_core::sync::Mutex;
 
 use pyo3::prelude::*;
 use te::TransferHandle;

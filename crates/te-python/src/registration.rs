@@ -2,8 +2,8 @@
 //! and kept in its engine's map of local addresses until then.
 
 use pyo3::prelude::*;
-use te::sync::Mutex;
 use te::{RegionDesc, Registration};
+use te_core::sync::Mutex;
 
 use crate::addrs::AddrMap;
 

@@ -7,12 +7,12 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use te::device::{DeviceCopy, DeviceRuntime};
+use te::backend::device::{DeviceCopy, DeviceRuntime};
 
 use crate::errors::IntoPy;
 
 fn fakedev() -> PyResult<Arc<dyn DeviceRuntime>> {
-    te::device::runtime("fakedev").py_err()
+    te::backend::device::runtime("fakedev").py_err()
 }
 
 /// Allocates `nbytes` of fake device memory on device `ordinal`; returns its address.
