@@ -76,7 +76,8 @@ pub mod backend {
         hook::{ControlHook, MessageHandler, PeerInfo},
         peer_table, plugin, register_backend, register_runtime,
         registry::{self, BackendType, Registry},
-        worker, Aborter, BackendContext, BatchId, Completion, Deadline, FfiError, TransferBackend,
+        worker, Aborter, BackendContext, BatchId, Completion, Deadline, FfiError,
+        StandaloneControl, TransferBackend,
     };
 }
 

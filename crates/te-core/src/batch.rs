@@ -15,8 +15,9 @@ use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::backend::{BatchId, Deadline};
+use crate::backend::BatchId;
 use crate::error::{Error, ErrorKind, Result};
+use crate::time::Deadline;
 
 /// Where a batch stands.
 #[derive(Debug, Clone)]

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use crate::desc::{Access, MemoryDesc, MemoryKind, RegionId};
 use crate::device::{self, DeviceCopy, DeviceRuntime};
-use crate::engine::Registration;
+use crate::engine::{Engine, Registration};
 use crate::error::{Error, ErrorKind, Result};
 
 enum Mem {
@@ -44,6 +44,36 @@ impl std::fmt::Debug for Buffer {
         f.debug_struct("Buffer")
             .field("region", self.reg.region())
             .finish()
+    }
+}
+
+impl Engine {
+    /// Allocates `len` zeroed, page-aligned bytes of host memory and registers them.
+    ///
+    /// # Errors
+    /// As [`Engine::register`]; `InvalidRequest` for zero length.
+    pub fn alloc(&self, name: &str, len: usize, access: Access) -> Result<Buffer> {
+        self.alloc_on(&MemoryKind::Host, name, len, access)
+    }
+
+    /// Allocates `len` zeroed bytes of memory of `kind` (host, or a device through its
+    /// runtime) and registers them.
+    ///
+    /// # Errors
+    /// As [`Engine::alloc`]; `Unsupported` or `Unavailable` if the device runtime is
+    /// unknown or cannot run here.
+    pub fn alloc_on(
+        &self,
+        kind: &MemoryKind,
+        name: &str,
+        len: usize,
+        access: Access,
+    ) -> Result<Buffer> {
+        // SAFETY: the buffer owns the memory and keeps it until its registration is
+        // deregistered (it drops the registration first).
+        Buffer::new(kind, name, len, access, |desc| unsafe {
+            self.register(desc)
+        })
     }
 }
 

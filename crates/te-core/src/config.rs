@@ -300,7 +300,7 @@ impl Config {
         if self.engine.backend.is_empty() {
             return bad("[engine] backend is empty; name a backend (`te info` lists them)".into());
         }
-        if let Err(e) = crate::metadata::parse(&self.engine.metadata) {
+        if let Err(e) = metadata_location(&self.engine.metadata) {
             return bad(e.message().to_string());
         }
         if self.engine.metadata_ttl < Duration::from_secs(1) {
@@ -369,9 +369,56 @@ impl Config {
     }
 }
 
+/// A parsed `metadata` value.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum MetadataLocation {
+    P2p,
+    Etcd(Vec<String>),
+}
+
+/// Parses `p2p` or `etcd://host:port[,host:port…]`.
+pub(crate) fn metadata_location(s: &str) -> Result<MetadataLocation> {
+    let bad = |why: &str| {
+        Err(Error::new(
+            ErrorKind::ConfigInvalid,
+            format!("[engine] metadata = \"{s}\": {why}; use \"p2p\" or \"etcd://HOST:PORT[,HOST:PORT…]\""),
+        ))
+    };
+    if s == "p2p" {
+        return Ok(MetadataLocation::P2p);
+    }
+    let Some(rest) = s.strip_prefix("etcd://") else {
+        return bad("unknown metadata store");
+    };
+    let mut endpoints = Vec::new();
+    for ep in rest.trim_end_matches('/').split(',') {
+        match ep.rsplit_once(':') {
+            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
+                endpoints.push(ep.to_string())
+            }
+            _ => return bad(&format!("endpoint `{ep}` is not HOST:PORT")),
+        }
+    }
+    Ok(MetadataLocation::Etcd(endpoints))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn locations_parse_and_bad_ones_say_what_to_write() {
+        assert_eq!(metadata_location("p2p").unwrap(), MetadataLocation::P2p);
+        assert_eq!(
+            metadata_location("etcd://a:1,10.0.0.2:2379/").unwrap(),
+            MetadataLocation::Etcd(vec!["a:1".into(), "10.0.0.2:2379".into()])
+        );
+        for bad in ["zk://a:1", "etcd://", "etcd://a", "etcd://a:x", "etcd://:1"] {
+            let e = metadata_location(bad).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::ConfigInvalid);
+            assert!(e.to_string().contains("etcd://HOST:PORT"), "{e}");
+        }
+    }
 
     fn parse(text: &str) -> Result<Config> {
         Config::from_toml(text, "test.toml", Path::new("/etc/te"))

@@ -13,8 +13,8 @@ use std::collections::HashSet;
 
 use serde::{Deserialize, Serialize};
 
-use crate::desc::{Op, RegionId, TransferRequest};
 use crate::error::{Error, ErrorKind, Result};
+use crate::request::{Op, RegionId, TransferRequest};
 
 /// One buffer of a group: `blocks` blocks of `bytes_per_block` bytes, contiguous from
 /// `offset` in `region`.

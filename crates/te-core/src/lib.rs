@@ -51,10 +51,12 @@ pub mod peer_table;
 pub mod plugin;
 mod region;
 pub mod registry;
+mod request;
 pub mod require;
 pub mod sync;
 #[cfg(feature = "testkit")]
 pub mod testkit;
+mod time;
 pub mod worker;
 
 pub use backend::{
@@ -64,7 +66,7 @@ pub use backend::{
 pub use batch::{TransferHandle, TransferStatus};
 pub use buffer::Buffer;
 pub use config::{Config, EngineConfig};
-pub use control::{MAX_FRAME, VERSIONS as CONTROL_VERSIONS};
+pub use control::{StandaloneControl, MAX_FRAME, VERSIONS as CONTROL_VERSIONS};
 pub use desc::{
     Access, BackendInfo, Capabilities, MemoryDesc, MemoryKind, Op, PeerId, RegionDesc, RegionId,
     SegmentDesc, TransferRequest,

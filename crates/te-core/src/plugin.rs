@@ -25,12 +25,13 @@ use abi_stable::{declare_root_module_statics, package_version_strings, StableAbi
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{
-    from_ffi, to_ffi, BackendContext, BatchId, Completion, Deadline, FfiError, TransferBackend,
+    from_ffi, to_ffi, BackendContext, BatchId, Completion, FfiError, TransferBackend,
 };
 use crate::codec;
 use crate::desc::{BackendInfo, MemoryDesc, PeerId, RegionId, SegmentDesc, TransferRequest};
 use crate::error::{Error, ErrorKind, Result};
 use crate::hook::{ControlHook, HookTarget, MessageHandler, PeerInfo};
+use crate::time::Deadline;
 
 #[doc(hidden)]
 pub use abi_stable::library::{
@@ -180,25 +181,26 @@ impl FfiHandler for ExportedHandler {
     }
 }
 
-/// [`ControlHook::serve`] for a plugin's backend.
-pub(crate) fn serve_through(hook: &FfiHookBox, handler: Arc<dyn MessageHandler>) -> Result<()> {
-    let handler = FfiHandler_TO::from_value(ExportedHandler(handler), sabi_trait::TD_Opaque);
-    from_ffi(hook.serve(handler))
-}
+/// A plugin's view of its host's hook: what its backend's [`ControlHook`] calls.
+struct PluginHook(FfiHookBox);
 
-/// [`ControlHook::call`] for a plugin's backend.
-pub(crate) fn call_through(
-    hook: &FfiHookBox,
-    peer: &str,
-    request: &[u8],
-    deadline: Deadline,
-) -> Result<Vec<u8>> {
-    from_ffi(hook.call(peer.into(), request.into(), deadline)).map(RVec::into_vec)
-}
+impl HookTarget for PluginHook {
+    fn kind(&self) -> &'static str {
+        "plugin"
+    }
 
-/// [`ControlHook::post_event`] for a plugin's backend.
-pub(crate) fn post_through(hook: &FfiHookBox, event: &crate::PeerEvent) -> Result<()> {
-    from_ffi(hook.post_event(codec::encode(event).as_slice().into()))
+    fn serve(&self, handler: Arc<dyn MessageHandler>) -> Result<()> {
+        let handler = FfiHandler_TO::from_value(ExportedHandler(handler), sabi_trait::TD_Opaque);
+        from_ffi(self.0.serve(handler))
+    }
+
+    fn call(&self, peer: &str, request: &[u8], deadline: Deadline) -> Result<Vec<u8>> {
+        from_ffi(self.0.call(peer.into(), request.into(), deadline)).map(RVec::into_vec)
+    }
+
+    fn post_event(&self, event: crate::PeerEvent) -> Result<()> {
+        from_ffi(self.0.post_event(codec::encode(&event).as_slice().into()))
+    }
 }
 
 /// The root module every backend plugin exports.
@@ -303,7 +305,7 @@ pub fn __create(
             engine: c.engine,
             epoch: c.epoch,
             auth_token: c.auth_token,
-            hook: ControlHook::new(HookTarget::Plugin(Arc::new(hook))),
+            hook: ControlHook::new(Arc::new(PluginHook(hook))),
             table,
             source: c.source,
             listen_host: c.listen_host,

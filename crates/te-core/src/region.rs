@@ -106,8 +106,8 @@ pub(crate) fn fits(offset: u64, len: u64, region_len: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::Deadline;
     use crate::desc::{Access, MemoryKind, RegionId};
+    use crate::time::Deadline;
 
     fn region() -> Arc<Region> {
         Region::new(RegionDesc {

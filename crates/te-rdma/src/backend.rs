@@ -72,7 +72,7 @@ pub struct RdmaBackend {
     device_threads: Mutex<Vec<JoinHandle<()>>>,
     repair_thread: Mutex<Option<JoinHandle<()>>>,
     /// The control plane of a backend created outside an engine; dropped after the rest.
-    own_control: Option<te_core::hook::StandaloneControl>,
+    own_control: Option<te_core::StandaloneControl>,
 }
 
 impl std::fmt::Debug for RdmaBackend {
@@ -270,7 +270,7 @@ impl RdmaBackend {
     pub(crate) fn outside_engine(
         config: RdmaConfig,
         epoch: u64,
-        control: te_core::hook::StandaloneControl,
+        control: te_core::StandaloneControl,
     ) -> Result<RdmaBackend> {
         let mut b = RdmaBackend::with_hook(config, epoch, control.hook())?;
         b.own_control = Some(control);

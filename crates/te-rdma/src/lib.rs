@@ -158,7 +158,7 @@ fn create(config: RdmaConfig, ctx: &BackendContext) -> Result<RdmaBackend> {
     let mut engine = te_core::EngineConfig::default();
     engine.name = ctx.engine.clone();
     engine.auth_token = ctx.auth_token.clone();
-    let control = te_core::hook::StandaloneControl::start(&engine, epoch)?;
+    let control = te_core::StandaloneControl::start(&engine, epoch)?;
     RdmaBackend::outside_engine(config, epoch, control)
 }
 

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use libtest_mimic::{Arguments, Failed, Trial};
-use te_core::hook::StandaloneControl;
+use te_core::StandaloneControl;
 use te_core::{Deadline, EngineConfig, ErrorKind, RegionDesc, SegmentDesc, TransferBackend};
 use te_rdma::{RdmaBackend, RdmaConfig};
 

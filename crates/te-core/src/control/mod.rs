@@ -18,6 +18,7 @@
 //! - **Peer events**: a session that breaks without a goodbye, or a peer that comes
 //!   back with a new epoch, is reported to the engine's user.
 
+mod hook;
 mod server;
 mod session;
 #[cfg(test)]
@@ -32,11 +33,12 @@ use std::sync::{Arc, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime};
 
-use crate::backend::Deadline;
 use crate::desc::SegmentDesc;
 use crate::error::{Error, ErrorKind, Result};
-use crate::hook::HookSlot;
 use crate::inbox::{Mailbox, PeerEvent, PeerEventKind};
+use crate::time::Deadline;
+pub(crate) use hook::HookSlot;
+pub use hook::StandaloneControl;
 
 pub(crate) use wire::{Identity, Kind};
 pub use wire::{MAX_FRAME, VERSIONS};

@@ -16,9 +16,9 @@ use super::session::{read_header, read_payload, within};
 use super::wire::{self, BackendMsg, Hello, Identity, Kind, Notice, Proof, Welcome};
 use super::{closed, Shared};
 use crate::auth;
-use crate::backend::Deadline;
 use crate::error::{Error, ErrorKind, Result};
 use crate::net::{PendingSlot, PendingSlots};
+use crate::time::Deadline;
 
 /// Authenticated sessions, in all and per source.
 #[derive(Default)]

@@ -14,8 +14,8 @@ use tokio::sync::mpsc;
 use super::wire::{self, Header, Hello, Identity, Kind, Proof, Welcome, HEADER};
 use super::{closed, Shared};
 use crate::auth;
-use crate::backend::Deadline;
 use crate::error::{Error, ErrorKind, Result};
+use crate::time::Deadline;
 
 /// What runs with a request's answer.
 pub(crate) type Reply = Box<dyn FnOnce(Result<(Kind, Vec<u8>)>) + Send>;

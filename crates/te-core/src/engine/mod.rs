@@ -12,22 +12,23 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use crate::backend::{random_nonzero, BatchId, Completion, Deadline, TransferBackend};
+use crate::backend::{random_nonzero, BatchId, Completion, TransferBackend};
 use crate::batch::{Abort, BatchState, Timer, TransferHandle};
-use crate::buffer::Buffer;
 use crate::config::{Config, EngineConfig};
+use crate::control::HookSlot;
 use crate::control::{self, wire, ControlPlane, Handler, Identity, Kind, Settings};
 use crate::desc::{
     Access, BackendInfo, MemoryDesc, MemoryKind, Op, PeerId, RegionDesc, RegionId, SegmentDesc,
     TransferRequest,
 };
 use crate::error::{Error, ErrorKind, Result};
-use crate::hook::{ControlHook, HookSlot, HookTarget};
+use crate::hook::ControlHook;
 use crate::inbox::{Mailbox, Next, Notification, PeerEvent};
 use crate::kv::{self, KvLayout, KvSelection};
 use crate::metadata::{self, EngineEntry, MetadataStore};
 use crate::region::{fits, Pins, Region};
 use crate::registry::{Origin, Registry};
+use crate::time::Deadline;
 
 /// Per-batch options.
 #[derive(Debug, Clone, Default)]
@@ -112,7 +113,7 @@ impl Engine {
         let mut ctx = config.backend_context(name);
         ctx.epoch = random_nonzero();
         let hook = Arc::new(HookSlot::default());
-        ctx.hook = ControlHook::new(HookTarget::Engine(hook.clone()));
+        ctx.hook = ControlHook::new(hook.clone());
         let backend = entry.create(&ctx)?;
         Engine::build(
             config.engine.clone(),
@@ -258,30 +259,6 @@ impl Engine {
     /// it refuses the memory.
     pub unsafe fn register(&self, desc: MemoryDesc) -> Result<Registration> {
         self.inner.register(desc)
-    }
-
-    /// Allocates `len` zeroed, page-aligned bytes of host memory and registers them.
-    ///
-    /// # Errors
-    /// As [`Engine::register`]; `InvalidRequest` for zero length.
-    pub fn alloc(&self, name: &str, len: usize, access: Access) -> Result<Buffer> {
-        self.alloc_on(&MemoryKind::Host, name, len, access)
-    }
-
-    /// Allocates `len` zeroed bytes of memory of `kind` (host, or a device through its
-    /// runtime) and registers them.
-    ///
-    /// # Errors
-    /// As [`Engine::alloc`]; `Unsupported` or `Unavailable` if the device runtime is
-    /// unknown or cannot run here.
-    pub fn alloc_on(
-        &self,
-        kind: &MemoryKind,
-        name: &str,
-        len: usize,
-        access: Access,
-    ) -> Result<Buffer> {
-        Buffer::new(kind, name, len, access, |desc| self.inner.register(desc))
     }
 
     /// Connects to the engine whose control plane listens at `addr` (`host:port`, or

@@ -20,8 +20,8 @@ use serde_json::{json, Value};
 
 use super::http;
 use super::{EngineEntry, MetadataStore, OnStale};
-use crate::backend::Deadline;
 use crate::error::{Error, ErrorKind, Result};
+use crate::time::Deadline;
 
 /// The longest a background request to etcd may take.
 const REQUEST: Duration = Duration::from_secs(3);

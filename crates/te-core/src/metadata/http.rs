@@ -5,8 +5,8 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
-use crate::backend::Deadline;
 use crate::error::{Error, ErrorKind, Result};
+use crate::time::Deadline;
 
 /// The largest response body read (etcd's own request limit is 1.5 MiB).
 const MAX_BODY: usize = 16 << 20;

@@ -17,9 +17,9 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::backend::Deadline;
-use crate::config::EngineConfig;
+use crate::config::{EngineConfig, MetadataLocation};
 use crate::error::{Error, ErrorKind, Result};
+use crate::time::Deadline;
 
 /// What an engine publishes about itself in a metadata store.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,47 +75,14 @@ pub trait MetadataStore: Send + Sync {
 /// # Errors
 /// `ConfigInvalid` for a malformed `metadata` value.
 pub fn open(config: &EngineConfig) -> Result<Arc<dyn MetadataStore>> {
-    match parse(&config.metadata)? {
-        Location::P2p => Ok(Arc::new(P2p)),
-        Location::Etcd(endpoints) => Ok(Arc::new(etcd::Etcd::new(
+    match crate::config::metadata_location(&config.metadata)? {
+        MetadataLocation::P2p => Ok(Arc::new(P2p)),
+        MetadataLocation::Etcd(endpoints) => Ok(Arc::new(etcd::Etcd::new(
             endpoints,
             &config.metadata_prefix,
             config.metadata_ttl,
         ))),
     }
-}
-
-/// A parsed `metadata` value.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Location {
-    P2p,
-    Etcd(Vec<String>),
-}
-
-/// Parses `p2p` or `etcd://host:port[,host:port…]`.
-pub(crate) fn parse(s: &str) -> Result<Location> {
-    let bad = |why: &str| {
-        Err(Error::new(
-            ErrorKind::ConfigInvalid,
-            format!("[engine] metadata = \"{s}\": {why}; use \"p2p\" or \"etcd://HOST:PORT[,HOST:PORT…]\""),
-        ))
-    };
-    if s == "p2p" {
-        return Ok(Location::P2p);
-    }
-    let Some(rest) = s.strip_prefix("etcd://") else {
-        return bad("unknown metadata store");
-    };
-    let mut endpoints = Vec::new();
-    for ep in rest.trim_end_matches('/').split(',') {
-        match ep.rsplit_once(':') {
-            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
-                endpoints.push(ep.to_string())
-            }
-            _ => return bad(&format!("endpoint `{ep}` is not HOST:PORT")),
-        }
-    }
-    Ok(Location::Etcd(endpoints))
 }
 
 /// Whether `s` names an address (`host:port`) rather than an engine.
@@ -155,20 +122,6 @@ impl MetadataStore for P2p {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn locations_parse_and_bad_ones_say_what_to_write() {
-        assert_eq!(parse("p2p").unwrap(), Location::P2p);
-        assert_eq!(
-            parse("etcd://a:1,10.0.0.2:2379/").unwrap(),
-            Location::Etcd(vec!["a:1".into(), "10.0.0.2:2379".into()])
-        );
-        for bad in ["zk://a:1", "etcd://", "etcd://a", "etcd://a:x", "etcd://:1"] {
-            let e = parse(bad).unwrap_err();
-            assert_eq!(e.kind(), ErrorKind::ConfigInvalid);
-            assert!(e.to_string().contains("etcd://HOST:PORT"), "{e}");
-        }
-    }
 
     #[test]
     fn names_and_addresses_are_told_apart() {

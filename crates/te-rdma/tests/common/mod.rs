@@ -9,7 +9,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use libtest_mimic::{Arguments, Failed, Trial};
-use te_core::hook::StandaloneControl;
+use te_core::StandaloneControl;
 use te_core::{
     Access, Completion, Deadline, MemoryDesc, MemoryKind, PeerId, RegionDesc, RegionId,
     SegmentDesc, TransferBackend, TransferRequest,

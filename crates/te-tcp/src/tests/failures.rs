@@ -133,8 +133,7 @@ fn a_write_cut_off_mid_payload_is_reported_at_the_target_as_torn() {
 
 #[test]
 fn a_write_torn_mid_payload_is_posted_as_a_peer_event_naming_region_and_range() {
-    let control =
-        te_core::hook::StandaloneControl::start(&te_core::EngineConfig::default(), 7).unwrap();
+    let control = te_core::StandaloneControl::start(&te_core::EngineConfig::default(), 7).unwrap();
     let ctx = te_core::BackendContext {
         hook: control.hook(),
         ..te_core::BackendContext::default()
