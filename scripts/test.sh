@@ -49,6 +49,9 @@ echo "== python: crates/te-python"
 venv="$PWD/target/venv"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/pip" install -q pytest numpy "maturin>=1.5,<2"
+# NIXL's own package, the oracle of te.nixl's differential tests (UCX inside the wheel;
+# --no-deps keeps out torch and the CUDA wheels it declares but does not import).
+"$venv/bin/pip" install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 (cd crates/te-python && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop --locked)
 "$venv/bin/python" -m pytest -q -rs crates/te-python/tests
 
