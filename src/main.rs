@@ -152,11 +152,16 @@ fn info(config: Option<PathBuf>, json: bool) -> te::Result<()> {
         let runtimes: Vec<_> = te_core::device::runtimes()
             .into_iter()
             .map(|(name, description, status)| {
+                let copies = status
+                    .is_ok()
+                    .then(|| te_core::device::runtime(name).ok().map(|r| r.copy_path()))
+                    .flatten();
                 serde_json::json!({
                     "name": name,
                     "description": description,
                     "available": status.is_ok(),
                     "reason": status.err().map(|e| e.to_string()),
+                    "copies": copies,
                 })
             })
             .collect();
@@ -195,7 +200,12 @@ fn info(config: Option<PathBuf>, json: bool) -> te::Result<()> {
         println!("device runtimes:");
         for (name, description, status) in te_core::device::runtimes() {
             match status {
-                Ok(()) => println!("   {name:<10}available   {description}"),
+                Ok(()) => {
+                    println!("   {name:<10}available   {description}");
+                    if let Ok(rt) = te_core::device::runtime(name) {
+                        println!("     copies: {}", rt.copy_path());
+                    }
+                }
                 Err(e) => println!("   {name:<10}unavailable {description}\n     why: {e}"),
             }
         }

@@ -13,6 +13,7 @@
 use crate::sync::Mutex;
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 
 use crate::desc::MemoryKind;
@@ -103,6 +104,77 @@ unsafe impl Send for DeviceCopy {}
 /// What runs when a copy completes.
 pub type CopyDone = Box<dyn FnOnce(Result<()>) + Send>;
 
+/// What a runtime's copies have cost its devices since it started, as the runtime
+/// counts them: how many driver calls submitted copies, how many copies (ranges) those
+/// calls carried, how many times a completion was waited for, and the bytes moved.
+/// A batched call or a kernel launch that moves a whole group is one call; a loop of
+/// single-copy calls is one call per copy. `te bench --json` reports the difference
+/// over a point, per batch, so a regression in batching shows without a device.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CopyStats {
+    /// Driver calls (or fake launches) that submitted copies.
+    pub calls: u64,
+    /// Copies (source, destination, length) submitted.
+    pub copies: u64,
+    /// Synchronisations: waits for a group's (or a single copy's) completion.
+    pub syncs: u64,
+    /// Bytes copied.
+    pub bytes: u64,
+}
+
+impl CopyStats {
+    /// What was counted between `before` and `self`.
+    pub fn since(&self, before: &CopyStats) -> CopyStats {
+        CopyStats {
+            calls: self.calls.saturating_sub(before.calls),
+            copies: self.copies.saturating_sub(before.copies),
+            syncs: self.syncs.saturating_sub(before.syncs),
+            bytes: self.bytes.saturating_sub(before.bytes),
+        }
+    }
+
+    fn add(&mut self, o: &CopyStats) {
+        self.calls += o.calls;
+        self.copies += o.copies;
+        self.syncs += o.syncs;
+        self.bytes += o.bytes;
+    }
+}
+
+/// The counters behind [`CopyStats`], for a runtime to keep: atomics, so any thread
+/// that submits or waits counts without a lock.
+#[derive(Debug, Default)]
+pub struct CopyCounters {
+    calls: AtomicU64,
+    copies: AtomicU64,
+    syncs: AtomicU64,
+    bytes: AtomicU64,
+}
+
+impl CopyCounters {
+    /// One driver call that submitted `copies` copies of `bytes` bytes in all.
+    pub fn call(&self, copies: usize, bytes: u64) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.copies.fetch_add(copies as u64, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// One synchronisation.
+    pub fn sync(&self) {
+        self.syncs.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The counts so far.
+    pub fn get(&self) -> CopyStats {
+        CopyStats {
+            calls: self.calls.load(Ordering::Relaxed),
+            copies: self.copies.load(Ordering::Relaxed),
+            syncs: self.syncs.load(Ordering::Relaxed),
+            bytes: self.bytes.load(Ordering::Relaxed),
+        }
+    }
+}
+
 /// One accelerator runtime.
 pub trait DeviceRuntime: Send + Sync + fmt::Debug + 'static {
     /// The runtime's name (`cuda`, `mlu`, `fakedev`).
@@ -156,11 +228,15 @@ pub trait DeviceRuntime: Send + Sync + fmt::Debug + 'static {
     /// copy the runtime does not do (device to device between two devices).
     unsafe fn copy(&self, copy: DeviceCopy, done: CopyDone) -> Result<()>;
 
-    /// Starts `copies` as one group: each is enqueued on its device's queue for its
-    /// direction without waiting, and `done` runs once, from a runtime thread, when all
-    /// have completed — one synchronisation per queue for the group, not one per copy.
-    /// The first failure is the group's result. The default runs each through
-    /// [`DeviceRuntime::copy`] and counts them in.
+    /// Starts `copies` as one group: the copies of each device and direction are
+    /// submitted to that device's queue for the direction with one driver call where
+    /// the runtime has one (a batched copy, a list-copy kernel), without waiting, and
+    /// `done` runs once, from a runtime thread, when all have completed — one
+    /// synchronisation per queue for the group, not one per copy. The first failure is
+    /// the group's result, and a failure fails the whole group: the caller must treat
+    /// every destination of a failed group as unspecified. Groups are not ordered with
+    /// one another, and the copies of one group must not overlap. The default runs each
+    /// copy through [`DeviceRuntime::copy`] and counts them in.
     ///
     /// # Safety
     /// As [`DeviceRuntime::copy`], for every copy of the group.
@@ -186,6 +262,70 @@ pub trait DeviceRuntime: Send + Sync + fmt::Debug + 'static {
         }
         Ok(())
     }
+
+    /// Runs `copies` as one group, like [`DeviceRuntime::copy_group`], and returns once
+    /// they have completed, with the group's result: for a small group whose caller
+    /// has nothing else to do meanwhile, so that no runtime thread has to wake the
+    /// caller. A runtime that can wait on the calling thread (CUDA: the group's event,
+    /// which sleeps in the driver) does; the default waits for `copy_group`'s
+    /// completion on a channel.
+    ///
+    /// # Safety
+    /// As [`DeviceRuntime::copy`], for every copy of the group.
+    ///
+    /// # Errors
+    /// The group's error.
+    unsafe fn copy_group_wait(&self, copies: &[DeviceCopy]) -> Result<()> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        // SAFETY: forwarded from the caller, who is blocked here until the group ends.
+        unsafe {
+            self.copy_group(
+                copies,
+                Box::new(move |r| {
+                    let _ = tx.send(r);
+                }),
+            )?
+        };
+        rx.recv().unwrap_or_else(|_| Err(dropped()))
+    }
+
+    /// What the runtime's copies have cost its devices so far ([`CopyStats`]); zeros
+    /// for a runtime that does not count.
+    fn stats(&self) -> CopyStats {
+        CopyStats::default()
+    }
+
+    /// How a group of copies reaches the device, for `te info`: which driver call
+    /// carries a group of each direction, and why where it falls back.
+    fn copy_path(&self) -> String {
+        "one driver call per copy, one synchronisation per group".into()
+    }
+}
+
+fn dropped() -> Error {
+    Error::new(
+        ErrorKind::Backend,
+        "the device runtime dropped a copy without completing it",
+    )
+}
+
+/// What the device runtimes started in this process have counted so far, summed
+/// ([`DeviceRuntime::stats`]); runtimes not started count nothing and are not started.
+pub fn stats() -> CopyStats {
+    let started: Vec<Arc<dyn DeviceRuntime>> = INSTANCES
+        .lock()
+        .as_ref()
+        .map(|i| {
+            i.values()
+                .filter_map(|r| r.as_ref().ok().cloned())
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut sum = CopyStats::default();
+    for rt in started {
+        sum.add(&rt.stats());
+    }
+    sum
 }
 
 /// A countdown over a group of copies: the last to arrive runs `done` with the first
@@ -253,12 +393,7 @@ impl dyn DeviceRuntime {
                 }),
             )?
         };
-        rx.recv().unwrap_or_else(|_| {
-            Err(Error::new(
-                ErrorKind::Backend,
-                "the device runtime dropped a copy without completing it",
-            ))
-        })
+        rx.recv().unwrap_or_else(|_| Err(dropped()))
     }
 }
 

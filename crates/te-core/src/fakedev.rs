@@ -8,15 +8,24 @@
 //! It behaves like a GPU's copy engine where te's efficiency depends on it: each device
 //! has a queue per direction (host → device, device → host, device → device), served by
 //! a thread of its own; copies are enqueued without waiting and complete through their
-//! callbacks; and it charges what a GPU charges — a cost per copy launched
-//! (`launch_cost`) and per synchronisation (`sync_cost`, once per group of copies
-//! waited for together, once per single copy). So a pipeline that synchronises per
-//! small copy is slow here for the reason it would be slow on a GPU, and the staging
-//! pipeline's efficiency is measured without one.
+//! callbacks; and it charges what a GPU charges — a cost per launch (`launch_cost`: a
+//! group's copies of one device and direction are one launch, as one
+//! `cuMemcpyBatchAsync` or one list-copy kernel is; with `batch = false`, one per copy,
+//! as a driver without a batched call costs) and per synchronisation (`sync_cost`, once
+//! per group of copies waited for together, once per single copy). So a pipeline that
+//! synchronises or launches per small copy is slow here for the reason it would be slow
+//! on a GPU, and the staging pipeline's efficiency is measured without one.
 //!
-//! Options (`[runtimes.fakedev]`): `launch_cost = "2us"`, `sync_cost = "10us"`. The
-//! costs are paid on the runtime's own threads (by spinning below 100 µs, where sleeps
-//! are too coarse, by sleeping above), never on the caller's.
+//! Options (`[runtimes.fakedev]`): `launch_cost = "2us"`, `sync_cost = "10us"`,
+//! `batch = true`. The costs are paid on the runtime's own threads (by spinning below
+//! 100 µs, where sleeps are too coarse, by sleeping above), never on the caller's —
+//! except in [`DeviceRuntime::copy_group_wait`], which models a caller waiting for the
+//! device on its own thread and pays them there.
+//!
+//! It counts, per device, the launches ("calls"), copies, synchronisations and bytes it
+//! was given ([`FakeDev::device_stats`]), so tests and `te bench --json` see how many
+//! device calls a transfer took; and it fails groups on request
+//! ([`FakeDev::fail_next`]), so a failed copy's path is tested.
 //!
 //! What it cannot prove: DMA behaviour, a real driver's alignment or pinning rules,
 //! copy bandwidth, or anything about GPUDirect.
@@ -30,7 +39,9 @@ use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 
-use crate::device::{CopyDone, DeviceCopy, DeviceRuntime, Group, PointerInfo};
+use crate::device::{
+    CopyCounters, CopyDone, CopyStats, DeviceCopy, DeviceRuntime, Group, PointerInfo,
+};
 use crate::error::{Error, ErrorKind, Result};
 
 /// The runtime's name.
@@ -53,6 +64,10 @@ pub struct FakeDevConfig {
     /// Charged for every synchronisation: once per group, once per single copy.
     #[serde(deserialize_with = "crate::config::de::duration")]
     pub sync_cost: Duration,
+    /// Whether a group's copies of one device and direction are one launch (as one
+    /// batched driver call or one list-copy kernel is), or one launch each (as a loop
+    /// of single-copy calls is, where a driver lacks the batched call).
+    pub batch: bool,
 }
 
 impl Default for FakeDevConfig {
@@ -60,6 +75,7 @@ impl Default for FakeDevConfig {
         FakeDevConfig {
             launch_cost: Duration::from_micros(2),
             sync_cost: Duration::from_micros(10),
+            batch: true,
         }
     }
 }
@@ -77,8 +93,17 @@ struct Planned {
 // owned by the copy until `done` runs).
 unsafe impl Send for Planned {}
 
-struct Job {
+/// One device and direction's part of a group.
+struct Part {
     copies: Vec<Planned>,
+    /// One launch for the part (a batched call), rather than one per copy.
+    batched: bool,
+    /// Fail the part without copying ([`FakeDev::fail_next`]).
+    fail: bool,
+}
+
+struct Job {
+    part: Part,
     done: CopyDone,
 }
 
@@ -89,7 +114,10 @@ pub struct FakeDev {
     /// A queue per device and direction.
     queues: Vec<Mutex<Sender<Job>>>,
     config: FakeDevConfig,
-    syncs: Arc<AtomicU64>,
+    /// Per device: what its copies cost.
+    counters: Arc<Vec<CopyCounters>>,
+    /// Per device: how many of the next groups to fail.
+    failing: Vec<AtomicU64>,
 }
 
 /// Pays `cost` on this (the runtime's) thread.
@@ -105,16 +133,39 @@ fn pay(cost: Duration) {
     }
 }
 
-fn run_queue(rx: mpsc::Receiver<Job>, config: FakeDevConfig, syncs: &AtomicU64) {
+fn run_queue(rx: mpsc::Receiver<Job>, config: FakeDevConfig, counters: &CopyCounters) {
     for job in rx {
-        for p in &job.copies {
+        let r = run_part(&job.part, config, counters);
+        (job.done)(r);
+    }
+}
+
+/// Pays for and runs one part of a group on this thread: a launch for the part (or
+/// one per copy), the copies, then one synchronisation.
+fn run_part(part: &Part, config: FakeDevConfig, counters: &CopyCounters) -> Result<()> {
+    let bytes = |p: &Planned| p.copy.len() as u64;
+    if part.batched {
+        pay(config.launch_cost);
+        counters.call(part.copies.len(), part.copies.iter().map(bytes).sum());
+    }
+    for p in &part.copies {
+        if !part.batched {
             pay(config.launch_cost);
+            counters.call(1, bytes(p));
+        }
+        if !part.fail {
             execute(p);
         }
-        pay(config.sync_cost);
-        syncs.fetch_add(1, Ordering::Relaxed);
-        (job.done)(Ok(()));
     }
+    pay(config.sync_cost);
+    counters.sync();
+    if part.fail {
+        return Err(Error::new(
+            ErrorKind::Backend,
+            "fakedev: a copy group failed (injected by FakeDev::fail_next)",
+        ));
+    }
+    Ok(())
 }
 
 fn execute(p: &Planned) {
@@ -174,14 +225,15 @@ impl FakeDev {
     /// # Errors
     /// `Io` if its threads cannot start.
     pub fn start(config: FakeDevConfig) -> Result<Arc<FakeDev>> {
-        let syncs = Arc::new(AtomicU64::new(0));
+        let counters: Arc<Vec<CopyCounters>> =
+            Arc::new((0..DEVICES).map(|_| CopyCounters::default()).collect());
         let mut queues = Vec::new();
         for q in 0..DEVICES * 3 {
             let (tx, rx) = mpsc::channel::<Job>();
-            let syncs = syncs.clone();
+            let counters = counters.clone();
             std::thread::Builder::new()
                 .name(format!("te-fakedev-{}-{}", q / 3, q % 3))
-                .spawn(move || run_queue(rx, config, &syncs))
+                .spawn(move || run_queue(rx, config, &counters[(q / 3) as usize]))
                 .map_err(|e| {
                     Error::new(ErrorKind::Io, "cannot start a fakedev queue thread").with_source(e)
                 })?;
@@ -192,13 +244,68 @@ impl FakeDev {
             allocs: Mutex::new((BTreeMap::new(), next)),
             queues,
             config,
-            syncs,
+            counters,
+            failing: (0..DEVICES).map(|_| AtomicU64::new(0)).collect(),
         }))
     }
 
-    /// Synchronisations paid so far (one per group per queue, one per single copy).
+    /// Synchronisations paid so far on every device (one per group per queue, one per
+    /// single copy).
     pub fn syncs(&self) -> u64 {
-        self.syncs.load(Ordering::Relaxed)
+        self.counters.iter().map(|c| c.get().syncs).sum()
+    }
+
+    /// What copies on device `ordinal` have cost so far (zeros for a device it does
+    /// not have).
+    pub fn device_stats(&self, ordinal: u32) -> CopyStats {
+        self.counters
+            .get(ordinal as usize)
+            .map(CopyCounters::get)
+            .unwrap_or_default()
+    }
+
+    /// Makes the next `groups` parts of groups (a group's copies of one direction)
+    /// submitted on device `ordinal` fail: nothing of them is copied, they still cost
+    /// their launch and synchronisation, and each completes with a `Backend` error.
+    pub fn fail_next(&self, ordinal: u32, groups: u64) {
+        if let Some(f) = self.failing.get(ordinal as usize) {
+            f.fetch_add(groups, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the next part on device `ordinal` is to fail (and counts it off).
+    fn take_failure(&self, ordinal: u32) -> bool {
+        self.failing.get(ordinal as usize).is_some_and(|f| {
+            f.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                .is_ok()
+        })
+    }
+
+    /// A group's copies planned and split into one part per device and direction (the
+    /// queue's index, and the part).
+    fn parts(&self, copies: &[DeviceCopy], batched: bool) -> Result<Vec<(usize, Part)>> {
+        let mut parts: Vec<(usize, Part)> = Vec::new();
+        for c in copies {
+            let (ordinal, dir) = c.queue();
+            self.queue(c)?;
+            let key = ordinal as usize * 3 + dir;
+            let planned = self.plan(*c)?;
+            match parts.iter_mut().find(|p| p.0 == key) {
+                Some(p) => p.1.copies.push(planned),
+                None => parts.push((
+                    key,
+                    Part {
+                        copies: vec![planned],
+                        batched,
+                        fail: false,
+                    },
+                )),
+            }
+        }
+        for (key, part) in &mut parts {
+            part.fail = self.take_failure((*key / 3) as u32);
+        }
+        Ok(parts)
     }
 }
 
@@ -349,34 +456,28 @@ impl DeviceRuntime for FakeDev {
     unsafe fn copy(&self, copy: DeviceCopy, done: CopyDone) -> Result<()> {
         let queue = self.queue(&copy)?;
         let job = Job {
-            copies: vec![self.plan(copy)?],
+            part: Part {
+                copies: vec![self.plan(copy)?],
+                batched: true,
+                fail: self.take_failure(copy.queue().0),
+            },
             done,
         };
         self.send(queue, job)
     }
 
     unsafe fn copy_group(&self, copies: &[DeviceCopy], done: CopyDone) -> Result<()> {
-        // One job per queue the group touches: each synchronises once.
-        let mut parts: Vec<(usize, Vec<Planned>)> = Vec::new();
-        for c in copies {
-            let (ordinal, dir) = c.queue();
-            self.queue(c)?;
-            let key = ordinal as usize * 3 + dir;
-            let planned = self.plan(*c)?;
-            match parts.iter_mut().find(|p| p.0 == key) {
-                Some(p) => p.1.push(planned),
-                None => parts.push((key, vec![planned])),
-            }
-        }
+        // One job per queue the group touches: each launches and synchronises once.
+        let parts = self.parts(copies, self.config.batch)?;
         if parts.is_empty() {
             done(Ok(()));
             return Ok(());
         }
         let group = Group::new(parts.len(), done);
-        for (key, copies) in parts {
+        for (key, part) in parts {
             let g = group.clone();
             let job = Job {
-                copies,
+                part,
                 done: Box::new(move |r| g.arrive(r)),
             };
             if let Err(e) = self.send(&self.queues[key], job) {
@@ -384,6 +485,38 @@ impl DeviceRuntime for FakeDev {
             }
         }
         Ok(())
+    }
+
+    unsafe fn copy_group_wait(&self, copies: &[DeviceCopy]) -> Result<()> {
+        // The caller waits for the device itself: the group runs here, paying the same
+        // launch and synchronisation a queue thread would, without a queue thread's
+        // wake-up on either side.
+        let mut first = Ok(());
+        for (key, part) in self.parts(copies, self.config.batch)? {
+            let r = run_part(&part, self.config, &self.counters[key / 3]);
+            first = first.and(r);
+        }
+        first
+    }
+
+    fn stats(&self) -> CopyStats {
+        let mut sum = CopyStats::default();
+        for c in self.counters.iter() {
+            let s = c.get();
+            sum.calls += s.calls;
+            sum.copies += s.copies;
+            sum.syncs += s.syncs;
+            sum.bytes += s.bytes;
+        }
+        sum
+    }
+
+    fn copy_path(&self) -> String {
+        if self.config.batch {
+            "one fake launch per group and direction (a batched call or list-copy kernel), one synchronisation per group".into()
+        } else {
+            "one fake launch per copy (batch = false: a driver without a batched call), one synchronisation per group".into()
+        }
     }
 }
 
@@ -471,6 +604,105 @@ mod tests {
         };
         rx.recv().unwrap().unwrap();
         assert_eq!(rt.syncs() - before, 9, "a group of 8 synchronised once");
+        assert_eq!(rt.stats().calls, 9, "and launched once");
+    }
+
+    /// 16 copies of 4 KiB from `src` to scattered places of device 0's `dev`.
+    fn scattered(dev: u64, src: &[u8]) -> Vec<DeviceCopy> {
+        (0..16u64)
+            .map(|i| DeviceCopy::ToDevice {
+                ordinal: 0,
+                device: dev + ((i * 7) % 16) * 4096,
+                host: src[(i * 4096) as usize..].as_ptr(),
+                len: 4096,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_batched_group_is_one_launch_and_an_unbatched_one_a_launch_per_copy() {
+        for batch in [true, false] {
+            let rt = FakeDev::start(FakeDevConfig {
+                batch,
+                ..FakeDevConfig::default()
+            })
+            .unwrap();
+            let dev = rt.alloc(0, 16 * 4096).unwrap();
+            let src: Vec<u8> = (0..16 * 4096).map(|i| (i / 4096) as u8).collect();
+            // SAFETY: `src` outlives the group, which is waited for here.
+            unsafe { rt.copy_group_wait(&scattered(dev, &src)).unwrap() };
+            let s = rt.device_stats(0);
+            let calls = if batch { 1 } else { 16 };
+            assert_eq!(
+                (s.calls, s.copies, s.syncs),
+                (calls, 16, 1),
+                "batch = {batch}"
+            );
+            assert_eq!(s.bytes, 16 * 4096);
+            assert_eq!(rt.device_stats(1), CopyStats::default());
+            let mut back = vec![0u8; 16 * 4096];
+            // SAFETY: `back` is borrowed until the copy completes.
+            unsafe {
+                (&*rt as &dyn DeviceRuntime)
+                    .copy_sync(DeviceCopy::ToHost {
+                        ordinal: 0,
+                        device: dev,
+                        host: back.as_mut_ptr(),
+                        len: back.len(),
+                    })
+                    .unwrap()
+            };
+            for i in 0..16usize {
+                let at = (i * 7 % 16) * 4096;
+                assert!(
+                    back[at..at + 4096].iter().all(|&b| b == i as u8),
+                    "copy {i}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn an_injected_failure_fails_its_group_alone_and_copies_nothing_of_it() {
+        let rt = fresh();
+        let dev = rt.alloc(0, 16 * 4096).unwrap();
+        let src = vec![9u8; 16 * 4096];
+        rt.fail_next(0, 1);
+        let (tx, rx) = mpsc::channel();
+        let t = tx.clone();
+        // SAFETY: `src` outlives both groups, waited for below.
+        unsafe {
+            rt.copy_group(&scattered(dev, &src), Box::new(move |r| t.send(r).unwrap()))
+                .unwrap()
+        };
+        let e = rx.recv().unwrap().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Backend);
+        assert!(e.to_string().contains("injected"), "{e}");
+        let mut back = vec![1u8; 16 * 4096];
+        // SAFETY: `back` is borrowed until the copy completes.
+        unsafe {
+            (&*rt as &dyn DeviceRuntime)
+                .copy_sync(DeviceCopy::ToHost {
+                    ordinal: 0,
+                    device: dev,
+                    host: back.as_mut_ptr(),
+                    len: back.len(),
+                })
+                .unwrap()
+        };
+        assert!(
+            back.iter().all(|&b| b == 0),
+            "the failed group wrote nothing"
+        );
+        // SAFETY: as above.
+        unsafe {
+            rt.copy_group(
+                &scattered(dev, &src),
+                Box::new(move |r| tx.send(r).unwrap()),
+            )
+            .unwrap()
+        };
+        rx.recv().unwrap().expect("the next group is not failed");
     }
 
     #[test]
