@@ -425,10 +425,11 @@ impl TransferBackend for TcpBackend {
             .and_then(std::sync::Weak::upgrade)
             .filter(|t| t.is_open() && t.config.debug_delay.is_zero());
         let mut i = 0;
+        let mut copies = crate::local::Local::default();
         for f in frames {
             let mut slice = f.into_slice(&b);
             if let Some(target) = local.as_deref().filter(|_| slice.device.is_some()) {
-                match crate::local::start(target, slice) {
+                match copies.add(target, slice) {
                     Ok(()) => continue,
                     Err(s) => slice = s,
                 }
@@ -436,6 +437,8 @@ impl TransferBackend for TcpBackend {
             per_conn[start.wrapping_add(i) % n].push(slice);
             i += 1;
         }
+        // Every local frame of the batch in one group per runtime.
+        copies.start();
         let mut budget = self.shared.config.inline_send as usize;
         // Frame `i` goes to connection `start + i` modulo `n`; the first frame's
         // connection goes first.

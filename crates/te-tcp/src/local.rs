@@ -28,6 +28,7 @@ use te_core::{Op, Result};
 use crate::backend::Shared;
 use crate::completion::Batch;
 use crate::conn::timeout_error;
+use crate::regions::Pin;
 use crate::slice::{Part, Slice};
 use crate::stage;
 use crate::wire::{Entry, Header, Kind};
@@ -51,103 +52,148 @@ pub(crate) fn find(endpoint: &[u8]) -> Option<Weak<Shared>> {
         .map(|(_, w)| w.clone())
 }
 
-/// Moves `slice` (local device memory) device to device into or out of `target`'s
-/// region, if that region is on the same runtime and device; `Err(slice)` hands it back
-/// to go over the socket. The slice's batch learns the result when the copies end, or
-/// at once if the target refuses the frame.
-pub(crate) fn start(target: &Shared, slice: Slice) -> std::result::Result<(), Slice> {
-    let Some((rt, ordinal)) = slice.device.clone() else {
-        return Err(slice);
-    };
-    let parts: Vec<Part> = if slice.parts.is_empty() {
-        vec![Part {
-            local: slice.local,
-            remote_offset: slice.remote_offset,
-            len: slice.len,
-        }]
-    } else {
-        slice.parts.clone()
-    };
-    let entries: Vec<Entry> = parts
-        .iter()
-        .map(|p| Entry {
-            offset: p.remote_offset,
-            len: p.len,
-        })
-        .collect();
-    let kind = match slice.op {
-        Op::Write => Kind::WriteV,
-        Op::Read => Kind::ReadV,
-    };
-    let h = Header::request(kind, 0, slice.remote.0, 0, slice.len);
-    let batch: &Arc<Batch> = &slice.batch;
-    let pin = match crate::serve::admit(target, &h, &entries, "this process") {
-        Ok(pin) => pin,
-        Err(e) => {
-            batch.finish_slice(Err(e));
+/// The device-to-device copies of a batch's frames to a peer in this process, started
+/// as one group per runtime once every frame has been admitted: a batch of random KV
+/// block ids (many frames of scattered parts) costs the device one call per runtime
+/// and direction, not one per frame or per block.
+#[derive(Default)]
+pub(crate) struct Local {
+    groups: Vec<LocalGroup>,
+}
+
+/// One runtime's share of a batch's local frames.
+struct LocalGroup {
+    rt: Arc<dyn te_core::device::DeviceRuntime>,
+    copies: Vec<DeviceCopy>,
+    /// Per frame: its batch (finished when the group ends), the target's pin on its
+    /// region and the batch's pins on the local ones, held until then.
+    frames: Vec<(Arc<Batch>, Pin, Arc<Vec<Pin>>)>,
+}
+
+impl Local {
+    /// Plans `slice` (local device memory) as device-to-device copies into or out of
+    /// `target`'s region, if that region is on the same runtime and device; `Err(slice)`
+    /// hands it back to go over the socket. A frame the target refuses, or one of a
+    /// batch that has stopped, is finished at once with its error.
+    pub(crate) fn add(&mut self, target: &Shared, slice: Slice) -> std::result::Result<(), Slice> {
+        let Some((rt, ordinal)) = slice.device.clone() else {
+            return Err(slice);
+        };
+        let parts: Vec<Part> = if slice.parts.is_empty() {
+            vec![Part {
+                local: slice.local,
+                remote_offset: slice.remote_offset,
+                len: slice.len,
+            }]
+        } else {
+            slice.parts.clone()
+        };
+        let entries: Vec<Entry> = parts
+            .iter()
+            .map(|p| Entry {
+                offset: p.remote_offset,
+                len: p.len,
+            })
+            .collect();
+        let kind = match slice.op {
+            Op::Write => Kind::WriteV,
+            Op::Read => Kind::ReadV,
+        };
+        let h = Header::request(kind, 0, slice.remote.0, 0, slice.len);
+        let batch: &Arc<Batch> = &slice.batch;
+        let pin = match crate::serve::admit(target, &h, &entries, "this process") {
+            Ok(pin) => pin,
+            Err(e) => {
+                batch.finish_slice(Err(e));
+                return Ok(());
+            }
+        };
+        let region = pin.region();
+        let same = region
+            .device
+            .as_ref()
+            .is_some_and(|(r, o)| r.name() == rt.name() && *o == ordinal);
+        // Both ends in one allocation, overlapping (an engine moving a region into
+        // itself): a device copy of overlapping ranges is undefined; staging is not.
+        let overlap = parts.iter().any(|p| {
+            let (here, there) = (p.local as u64, region.addr + p.remote_offset);
+            here < there.saturating_add(p.len) && there < here.saturating_add(p.len)
+        });
+        if !same || overlap {
+            return Err(slice);
+        }
+        if batch.stopped() {
+            batch.finish_slice(Err(timeout_error()));
             return Ok(());
         }
-    };
-    let region = pin.region();
-    let same = region
-        .device
-        .as_ref()
-        .is_some_and(|(r, o)| r.name() == rt.name() && *o == ordinal);
-    // Both ends in one allocation, overlapping (an engine moving a region into
-    // itself): a device copy of overlapping ranges is undefined; staging is not.
-    let overlap = parts.iter().any(|p| {
-        let (here, there) = (p.local as u64, region.addr + p.remote_offset);
-        here < there.saturating_add(p.len) && there < here.saturating_add(p.len)
-    });
-    if !same || overlap {
-        return Err(slice);
-    }
-    if batch.stopped() {
-        batch.finish_slice(Err(timeout_error()));
-        return Ok(());
-    }
-    let Some(pins) = batch.hold() else {
-        batch.finish_slice(Err(timeout_error()));
-        return Ok(());
-    };
-    // Parts that follow one another on both sides are one copy, as staging merges
-    // adjacent pieces: a frame of adjacent blocks launches one copy, not one per block.
-    let mut runs: Vec<(u64, u64, usize)> = Vec::new();
-    for p in &parts {
-        let (here, there) = (p.local as u64, region.addr + p.remote_offset);
-        let (src, dst) = match slice.op {
-            Op::Write => (here, there),
-            Op::Read => (there, here),
+        let Some(pins) = batch.hold() else {
+            batch.finish_slice(Err(timeout_error()));
+            return Ok(());
         };
-        match runs.last_mut() {
-            Some(r)
-                if r.0.checked_add(r.2 as u64) == Some(src)
-                    && r.1.checked_add(r.2 as u64) == Some(dst) =>
-            {
-                r.2 += p.len as usize
+        // Parts that follow one another on both sides are one copy, as staging merges
+        // adjacent pieces: a frame of adjacent blocks is one copy, not one per block.
+        let mut runs: Vec<(u64, u64, usize)> = Vec::new();
+        for p in &parts {
+            let (here, there) = (p.local as u64, region.addr + p.remote_offset);
+            let (src, dst) = match slice.op {
+                Op::Write => (here, there),
+                Op::Read => (there, here),
+            };
+            match runs.last_mut() {
+                Some(r)
+                    if r.0.checked_add(r.2 as u64) == Some(src)
+                        && r.1.checked_add(r.2 as u64) == Some(dst) =>
+                {
+                    r.2 += p.len as usize
+                }
+                _ => runs.push((src, dst, p.len as usize)),
             }
-            _ => runs.push((src, dst, p.len as usize)),
+        }
+        let copies = runs
+            .into_iter()
+            .map(|(src, dst, len)| DeviceCopy::DeviceToDevice {
+                src_ordinal: ordinal,
+                src,
+                dst_ordinal: ordinal,
+                dst,
+                len,
+            });
+        let group = match self.groups.iter_mut().position(|g| Arc::ptr_eq(&g.rt, &rt)) {
+            Some(i) => &mut self.groups[i],
+            None => {
+                self.groups.push(LocalGroup {
+                    rt,
+                    copies: Vec::new(),
+                    frames: Vec::new(),
+                });
+                let last = self.groups.len() - 1;
+                &mut self.groups[last]
+            }
+        };
+        group.copies.extend(copies);
+        group.frames.push((batch.clone(), pin, pins));
+        Ok(())
+    }
+
+    /// Starts every group planned; each frame's batch learns the result when its
+    /// group's copies end.
+    pub(crate) fn start(self) {
+        for g in self.groups {
+            let frames = g.frames;
+            let done = move |r: Result<()>| {
+                for (batch, pin, pins) in frames {
+                    drop(pin);
+                    drop(pins);
+                    batch.finish_slice(r.clone());
+                }
+            };
+            // SAFETY: the initiator's ranges lie in its regions, checked at submission
+            // and kept registered by the batch's pins; the target's were admitted
+            // against its regions, which the frames' pins keep registered; `done` owns
+            // every pin until the copies end. Distinct frames' ranges do not overlap on
+            // the destination side unless the caller's requests do, which the backend
+            // contract leaves undefined as for any fabric.
+            unsafe { stage::start_all(&g.rt, g.copies, done) };
         }
     }
-    let copies: Vec<DeviceCopy> = runs
-        .into_iter()
-        .map(|(src, dst, len)| DeviceCopy::DeviceToDevice {
-            src_ordinal: ordinal,
-            src,
-            dst_ordinal: ordinal,
-            dst,
-            len,
-        })
-        .collect();
-    let batch = batch.clone();
-    let done = move |r: Result<()>| {
-        drop(pin);
-        drop(pins);
-        batch.finish_slice(r);
-    };
-    // SAFETY: the initiator's ranges lie in its region, checked at submission and kept
-    // registered by the batch's pins; the target's were admitted against its region,
-    // which `pin` keeps registered; `done` owns both pins until the copies end.
-    unsafe { stage::start_all(&rt, copies, done) };
-    Ok(())
 }

@@ -353,8 +353,17 @@ pub(crate) async fn write_staged(
     inb.read_into(buf.ptr() as usize, len, &mut on_timeout)
         .await
         .map_err(|e| io_err(peer, "receive failed", e))?;
-    let slot = push_staged(r, h).await?;
     let copies = staged_copies(entries, buf.ptr(), pin.region().addr, ordinal, true);
+    if len <= stage::INLINE_COPY {
+        // Small: copied here, so no runtime thread wakes the responder for it.
+        // SAFETY: as below; the buffer and the pin live until the copies have ended.
+        let res = unsafe { stage::run_now(&rt, &copies) };
+        drop(pin);
+        drop(buf);
+        let slot: Arc<Slot> = Arc::new(Mutex::new(Some((res, None))));
+        return r.push(Item::Staged { h: *h, slot }).await;
+    }
+    let slot = push_staged(r, h).await?;
     let r = r.clone();
     let done = move |res: Result<()>| {
         drop(pin);
@@ -437,13 +446,21 @@ pub(crate) async fn read_staged(
         }
     };
     // Waits for the responder to send earlier staged reads.
-    let len = entries.iter().map(|e| e.len as usize).sum();
+    let len: usize = entries.iter().map(|e| e.len as usize).sum();
     let buf = match pool.take(len).await {
         Ok(b) => b,
         Err(e) => return refuse_later(r, h, &e).await,
     };
-    let slot = push_staged(r, h).await?;
     let copies = staged_copies(entries, buf.ptr(), pin.region().addr, ordinal, false);
+    if len <= stage::INLINE_COPY {
+        // Small: copied here, so no runtime thread wakes the responder for it.
+        // SAFETY: as below; the buffer and the pin live until the copies have ended.
+        let res = unsafe { stage::run_now(&rt, &copies) };
+        drop(pin);
+        let slot: Arc<Slot> = Arc::new(Mutex::new(Some((res, Some(buf)))));
+        return r.push(Item::Staged { h: *h, slot }).await;
+    }
+    let slot = push_staged(r, h).await?;
     let r = r.clone();
     let done = move |res: Result<()>| {
         drop(pin);

@@ -230,6 +230,22 @@ impl Pools {
     }
 }
 
+/// A staged frame of at most this many bytes is copied by the thread that holds it,
+/// which waits for the device itself ([`DeviceRuntime::copy_group_wait`]), where that
+/// thread would otherwise hand the frame to a runtime thread and be woken back: for a
+/// small frame those two wake-ups cost more than the copy. Larger frames are copied
+/// asynchronously, so the socket works on one while the device copies the next.
+pub(crate) const INLINE_COPY: usize = 64 << 10;
+
+/// Runs `copies` on `rt` as one group on this thread and returns its result.
+///
+/// # Safety
+/// As [`DeviceRuntime::copy`], for every copy.
+pub(crate) unsafe fn run_now(rt: &Arc<dyn DeviceRuntime>, copies: &[DeviceCopy]) -> Result<()> {
+    // SAFETY: forwarded from the caller.
+    unsafe { rt.copy_group_wait(copies) }
+}
+
 /// Starts `copies` on `rt` as one group ([`DeviceRuntime::copy_group`]): one
 /// synchronisation per queue for all of them rather than one per copy. `done` runs
 /// exactly once, after the last one has ended, with the first error if any failed —

@@ -164,7 +164,7 @@ impl Conn {
             .await
             .map_err(|e| unreachable(&self.label, "receive failed", e))?;
         let pieces = slice.pieces().into_iter().map(|(d, l)| (d as u64, l));
-        let copies = stage::packed(pieces, buf.ptr())
+        let copies: Vec<DeviceCopy> = stage::packed(pieces, buf.ptr())
             .into_iter()
             .map(|(device, host, len)| DeviceCopy::ToDevice {
                 ordinal: *ordinal,
@@ -173,6 +173,14 @@ impl Conn {
                 len,
             })
             .collect();
+        if len <= stage::INLINE_COPY {
+            // Small: this task copies it and finishes the slice, rather than a runtime
+            // thread waking it and then the caller.
+            // SAFETY: as below; `buf` lives until the copies have ended.
+            let r = unsafe { stage::run_now(rt, &copies) };
+            drop(buf);
+            return r.map(|()| Answer::Done);
+        }
         let batch = slice.batch.clone();
         let done = move |r: Result<()>| {
             drop(buf);

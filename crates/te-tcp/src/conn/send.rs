@@ -49,7 +49,8 @@ impl Conn {
         let mut failed = Vec::new();
         loop {
             let copies = self.stage_next();
-            self.start_copies(copies);
+            // A submitting thread copies small frames itself: it sends them next.
+            self.start_copies(copies, !blocking);
             let carry = {
                 let mut tx = self.lock();
                 if tx.dead.is_some() {
@@ -241,9 +242,25 @@ impl Conn {
     }
 
     /// Starts device → host copies, one group per slice; each group's completion makes
-    /// its slice ready (or failed) and wakes the writer.
-    fn start_copies(&self, copies: Vec<Staging>) {
+    /// its slice ready (or failed) and wakes the writer. With `inline`, a slice of at
+    /// most [`stage::INLINE_COPY`] bytes is copied on this thread, which then sends it:
+    /// no runtime thread hands it back.
+    fn start_copies(&self, copies: Vec<Staging>, inline: bool) {
         for c in copies {
+            let small = c.copies.iter().map(|c| c.len()).sum::<usize>() <= stage::INLINE_COPY;
+            if inline && small {
+                // SAFETY: as for `start_all` below; this thread holds the buffer and
+                // the pins until the copies have ended.
+                let r = unsafe { stage::run_now(&c.rt, &c.copies) };
+                drop(c.pins);
+                if let Some(slot) = c.slot {
+                    *slot.lock() = match r {
+                        Ok(()) => Stage::Ready(c.buf),
+                        Err(e) => Stage::Failed(e),
+                    };
+                }
+                continue;
+            }
             let me = self.me.clone();
             let Staging {
                 copies,
