@@ -5,7 +5,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Output, Stdio};
 
 /// Every field of a `--json` result line.
-const FIELDS: [&str; 12] = [
+const FIELDS: [&str; 15] = [
     "backend",
     "op",
     "block_size",
@@ -18,6 +18,9 @@ const FIELDS: [&str; 12] = [
     "lat_us_p50",
     "lat_us_p99",
     "lat_us_p999",
+    "device_calls_per_batch",
+    "device_copies_per_batch",
+    "device_syncs_per_batch",
 ];
 
 fn te() -> Command {

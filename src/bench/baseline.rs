@@ -248,6 +248,9 @@ fn qperf(path: &PathBuf, block: u64, time: Duration) -> std::result::Result<Reco
                 lat_us_p50: None,
                 lat_us_p99: None,
                 lat_us_p999: None,
+                device_calls_per_batch: None,
+                device_copies_per_batch: None,
+                device_syncs_per_batch: None,
             });
         }
         // The server may not listen yet.

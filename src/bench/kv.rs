@@ -80,6 +80,8 @@ struct Outcome {
     bytes: u64,
     seconds: f64,
     latencies: Vec<f64>,
+    /// What the device runtimes counted over the mode's batches.
+    device: te_core::device::CopyStats,
 }
 
 pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
@@ -166,6 +168,7 @@ pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
             bytes: 0,
             seconds: 0.0,
             latencies: Vec::new(),
+            device: Default::default(),
         };
         let plain: Vec<TransferRequest> = {
             let chunk = 1u64 << 20;
@@ -181,6 +184,7 @@ pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
                 .collect()
         };
         let start = Instant::now();
+        let device = te_core::device::stats();
         while start.elapsed() < duration {
             let (remote_ids, local_ids): (Vec<u64>, Vec<u64>) = match mode {
                 "contiguous" => {
@@ -219,6 +223,7 @@ pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
             }
         }
         o.seconds = start.elapsed().as_secs_f64();
+        o.device = te_core::device::stats().since(&device);
         outcomes.push(o);
     }
     report(
@@ -264,7 +269,9 @@ fn runs(remote: &[u64], local: &[u64]) -> usize {
 
 fn report(json: bool, backend: &str, op: Op, batch: u64, bpb: u64, outcomes: &[Outcome]) {
     if !json {
-        println!("MODE          BLOCKS/S      GB/S  REQUESTS/BATCH  AVG µs  P50 µs  P99 µs");
+        println!(
+            "MODE          BLOCKS/S      GB/S  REQUESTS/BATCH  AVG µs  P50 µs  P99 µs  DEV CALLS/BATCH"
+        );
     }
     for o in outcomes {
         let mut lat = o.latencies.clone();
@@ -277,24 +284,29 @@ fn report(json: bool, backend: &str, op: Op, batch: u64, bpb: u64, outcomes: &[O
         let avg = lat.iter().sum::<f64>() / lat.len().max(1) as f64;
         let gbps = o.bytes as f64 / o.seconds / 1e9;
         let blocks_per_s = (o.batches * batch) as f64 / o.seconds;
+        let per = |n: u64| n as f64 / o.batches.max(1) as f64;
         if json {
             let v = serde_json::json!({
                 "backend": backend, "op": op.to_string(), "mode": o.mode, "block_size": bpb,
                 "batch_size": batch, "requests_per_batch": o.requests, "bytes": o.bytes,
                 "seconds": o.seconds, "blocks_per_s": blocks_per_s, "gb_per_s": gbps,
                 "lat_us_avg": avg, "lat_us_p50": pct(0.5), "lat_us_p99": pct(0.99),
+                "device_calls_per_batch": per(o.device.calls),
+                "device_copies_per_batch": per(o.device.copies),
+                "device_syncs_per_batch": per(o.device.syncs),
             });
             println!("{v}");
         } else {
             println!(
-                "{:<12} {:>9.0} {:>9.3} {:>15} {:>7.1} {:>7.1} {:>7.1}",
+                "{:<12} {:>9.0} {:>9.3} {:>15} {:>7.1} {:>7.1} {:>7.1} {:>16.1}",
                 o.mode,
                 blocks_per_s,
                 gbps,
                 o.requests,
                 avg,
                 pct(0.5),
-                pct(0.99)
+                pct(0.99),
+                per(o.device.calls)
             );
         }
     }

@@ -252,7 +252,9 @@ impl<'p> Bench<'p> {
             self.phase(&requests, Stop::After(plan.warmup), None)?;
         }
         progress.measuring();
+        let device = te_core::device::stats();
         let mut phase = self.phase(&requests, plan.stop, Some((progress, layout)))?;
+        let device = te_core::device::stats().since(&device);
         if plan.verify {
             self.check(range, pattern)?;
         }
@@ -266,7 +268,8 @@ impl<'p> Bench<'p> {
             bytes,
             phase.seconds,
             stats::summarise(&mut phase.latencies_ns),
-        ))
+        )
+        .with_device(&device, phase.batches))
     }
 
     /// Runs every thread's batches until `stop`; the time is from the first thread's

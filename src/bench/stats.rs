@@ -66,6 +66,13 @@ pub(crate) struct Record {
     pub(crate) lat_us_p99: Option<f64>,
     /// 99.9th percentile per-batch latency.
     pub(crate) lat_us_p999: Option<f64>,
+    /// Device driver calls (or fake launches) per batch in the measured time, both
+    /// sides where the target is in this process (`te_core::device::stats`).
+    pub(crate) device_calls_per_batch: Option<f64>,
+    /// Device copies (ranges) per batch.
+    pub(crate) device_copies_per_batch: Option<f64>,
+    /// Device synchronisations per batch.
+    pub(crate) device_syncs_per_batch: Option<f64>,
 }
 
 impl Record {
@@ -94,7 +101,23 @@ impl Record {
             lat_us_p50: lat.map(|l| l.p50),
             lat_us_p99: lat.map(|l| l.p99),
             lat_us_p999: lat.map(|l| l.p999),
+            device_calls_per_batch: None,
+            device_copies_per_batch: None,
+            device_syncs_per_batch: None,
         }
+    }
+
+    /// The record with what the device runtimes counted over its `batches` batches.
+    pub(crate) fn with_device(
+        mut self,
+        device: &te_core::device::CopyStats,
+        batches: u64,
+    ) -> Record {
+        let per = |n: u64| Some(n as f64 / batches.max(1) as f64);
+        self.device_calls_per_batch = per(device.calls);
+        self.device_copies_per_batch = per(device.copies);
+        self.device_syncs_per_batch = per(device.syncs);
+        self
     }
 
     /// Whether this is a baseline rather than a te measurement.
@@ -153,12 +176,26 @@ mod tests {
             "lat_us_p50",
             "lat_us_p99",
             "lat_us_p999",
+            "device_calls_per_batch",
+            "device_copies_per_batch",
+            "device_syncs_per_batch",
         ];
         want.sort_unstable();
         let mut keys = keys;
         keys.sort_unstable();
         assert_eq!(keys, want);
         assert!(v["lat_us_p99"].is_null());
+        assert!(v["device_calls_per_batch"].is_null());
         assert_eq!(v["op"], "write");
+        let device = te_core::device::CopyStats {
+            calls: 30,
+            copies: 1280,
+            syncs: 20,
+            bytes: 1 << 20,
+        };
+        let v = serde_json::to_value(r.with_device(&device, 10)).unwrap();
+        assert_eq!(v["device_calls_per_batch"], 3.0);
+        assert_eq!(v["device_copies_per_batch"], 128.0);
+        assert_eq!(v["device_syncs_per_batch"], 2.0);
     }
 }
