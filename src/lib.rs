@@ -76,7 +76,7 @@ pub mod backend {
         hook::{ControlHook, MessageHandler, PeerInfo},
         peer_table, plugin, register_backend, register_runtime,
         registry::{self, BackendType, Registry},
-        worker, Aborter, BackendContext, BatchId, Completion, Deadline, FfiError,
+        worker, Aborter, BackendConfig, BackendContext, BatchId, Completion, Deadline, FfiError,
         StandaloneControl, TransferBackend,
     };
 }

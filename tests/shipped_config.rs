@@ -1,5 +1,7 @@
 //! The shipped `plugins.toml` agrees with the code: every key in it, commented out or
-//! not, parses, and every backend linked into te has a table there.
+//! not, parses and validates, every backend linked into te has a table there, and each
+//! table names every key its backend takes. A key's one documentation is its config
+//! field's doc comment; plugins.toml shows the keys with their defaults.
 
 use std::path::Path;
 
@@ -77,4 +79,42 @@ fn a_misspelt_key_in_a_table_is_caught_without_creating_the_backend() {
         .unwrap_err();
     assert!(e.to_string().contains("slice_sise"), "{e}");
     assert!(e.to_string().contains("typo.toml"), "{e}");
+}
+
+#[test]
+fn each_table_in_plugins_toml_names_exactly_the_keys_its_backend_takes() {
+    let config = Config::from_toml(&every_key(), "plugins.toml", Path::new(".")).unwrap();
+    for entry in Registry::discover(&[]).entries() {
+        let Some(options) = entry.options() else {
+            continue;
+        };
+        let name = entry.name();
+        let mut takes: Vec<&str> = options.to_vec();
+        takes.sort_unstable();
+        let mut shown: Vec<&str> = config.backends[name].keys().map(String::as_str).collect();
+        shown.sort_unstable();
+        assert!(!takes.is_empty(), "{name} takes no keys?");
+        assert_eq!(
+            shown, takes,
+            "[backends.{name}] in plugins.toml against the fields of its config"
+        );
+    }
+}
+
+#[test]
+fn a_table_that_parses_but_cannot_work_is_refused_without_creating_the_backend() {
+    let config = Config::from_toml(
+        "[engine]\nbackend = \"tcp\"\n[backends.rdma]\nqps_per_path = 0\n",
+        "zero.toml",
+        Path::new("."),
+    )
+    .unwrap();
+    let entry = Registry::discover(&[]).get("rdma").unwrap().clone();
+    let e = entry
+        .check_table(&config.backend_context("rdma"))
+        .expect("rdma registers by type")
+        .unwrap_err();
+    assert_eq!(e.kind(), te::ErrorKind::ConfigInvalid, "{e}");
+    assert!(e.to_string().contains("qps_per_path"), "{e}");
+    assert!(e.to_string().contains("zero.toml"), "{e}");
 }

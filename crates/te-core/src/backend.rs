@@ -167,6 +167,18 @@ impl BackendContext {
         })
     }
 
+    /// Parses the backend's table into its config and validates it
+    /// ([`BackendConfig::validate`]): what the registry does before `create`.
+    ///
+    /// # Errors
+    /// `ConfigInvalid`, naming the offending key and the file.
+    pub fn config<C: BackendConfig>(&self, backend: &str) -> Result<C> {
+        let c: C = self.parse(backend)?;
+        c.validate()
+            .map_err(|e| e.with_context("file", &self.source))?;
+        Ok(c)
+    }
+
     /// The epoch, or a fresh random one where the context has none (a backend created
     /// outside an engine, in a test).
     pub fn epoch_or_random(&self) -> u64 {
@@ -384,6 +396,20 @@ impl Capabilities {
                     .map(|r| r.0.to_string()),
             )
             .collect()
+    }
+}
+
+/// A backend's `[backends.NAME]` table, parsed (unknown keys refused) and then
+/// validated before the backend is created — by the registry for the engine's
+/// backend, and by `te check` for every table a file names.
+pub trait BackendConfig: serde::de::DeserializeOwned {
+    /// Refuses values that parse but cannot work (a zero count, a limit below its
+    /// floor), naming the key and what to write instead. The default accepts all.
+    ///
+    /// # Errors
+    /// `ConfigInvalid`, naming the key.
+    fn validate(&self) -> Result<()> {
+        Ok(())
     }
 }
 

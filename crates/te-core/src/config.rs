@@ -369,6 +369,40 @@ impl Config {
     }
 }
 
+/// The field names of a struct that serde's derive deserializes (its config keys),
+/// found by asking its `Deserialize` impl: the derive names every field when it asks
+/// for a struct, and this deserializer answers nothing else. Empty for anything that
+/// is not such a struct.
+pub fn fields<T: serde::de::DeserializeOwned>() -> &'static [&'static str] {
+    struct Fields(Option<&'static [&'static str]>);
+    impl<'de> serde::de::Deserializer<'de> for &mut Fields {
+        type Error = serde::de::value::Error;
+        fn deserialize_any<V: serde::de::Visitor<'de>>(
+            self,
+            _: V,
+        ) -> std::result::Result<V::Value, Self::Error> {
+            Err(serde::de::Error::custom("not a struct"))
+        }
+        fn deserialize_struct<V: serde::de::Visitor<'de>>(
+            self,
+            _: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> std::result::Result<V::Value, Self::Error> {
+            self.0 = Some(fields);
+            Err(serde::de::Error::custom("fields taken"))
+        }
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
+            byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map enum
+            identifier ignored_any
+        }
+    }
+    let mut f = Fields(None);
+    let _ = T::deserialize(&mut f);
+    f.0.unwrap_or(&[])
+}
+
 /// A parsed `metadata` value.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum MetadataLocation {

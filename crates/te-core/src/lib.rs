@@ -60,8 +60,8 @@ mod time;
 pub mod worker;
 
 pub use backend::{
-    random_nonzero, Aborter, BackendContext, BatchId, Completion, Deadline, FfiError,
-    TransferBackend,
+    random_nonzero, Aborter, BackendConfig, BackendContext, BatchId, Completion, Deadline,
+    FfiError, TransferBackend,
 };
 pub use batch::{TransferHandle, TransferStatus};
 pub use buffer::Buffer;

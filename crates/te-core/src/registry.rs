@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::backend::{BackendContext, TransferBackend};
+use crate::backend::{BackendConfig, BackendContext, TransferBackend};
 use crate::error::{Error, ErrorKind, Result};
 use crate::plugin::{self, PluginModuleRef};
 
@@ -32,9 +32,13 @@ pub struct BackendFactory {
     pub probe: fn() -> Result<()>,
     /// Creates an instance from its context.
     pub create: fn(&BackendContext) -> Result<Arc<dyn TransferBackend>>,
-    /// Parses the context's `[backends.NAME]` table without creating anything, where
-    /// the backend registered by type ([`BackendType`]).
+    /// Parses and validates the context's `[backends.NAME]` table without creating
+    /// anything, where the backend registered by type ([`BackendType`]).
     pub check: Option<fn(&BackendContext) -> Result<()>>,
+    /// The keys its `[backends.NAME]` table takes, where the backend registered by
+    /// type: the fields of its [`BackendConfig`], whose docs are each key's one
+    /// documentation (`tests/shipped_config.rs` holds plugins.toml to them).
+    pub options: fn() -> &'static [&'static str],
 }
 
 inventory::collect!(BackendFactory);
@@ -45,8 +49,9 @@ inventory::collect!(BackendFactory);
 pub trait BackendType: TransferBackend + Sized {
     /// The registry name (`[engine] backend = "…"`), also the crate's `NAME`.
     const NAME: &'static str;
-    /// The `[backends.NAME]` table, parsed (unknown keys refused) before `create`.
-    type Config: serde::de::DeserializeOwned;
+    /// The `[backends.NAME]` table, parsed (unknown keys refused) and validated
+    /// before `create`.
+    type Config: BackendConfig;
 
     /// Says whether the backend can run here (library present, devices present), and
     /// if not, why. The default: it always can.
@@ -70,8 +75,7 @@ pub trait BackendType: TransferBackend + Sized {
 /// # Errors
 /// `ConfigInvalid` for a bad table; otherwise what `create` returns.
 pub fn build<B: BackendType + 'static>(ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
-    let config: B::Config = ctx.parse(B::NAME)?;
-    Ok(Arc::new(B::create(config, ctx)?))
+    Ok(Arc::new(B::create(ctx.config(B::NAME)?, ctx)?))
 }
 
 /// Parses a [`BackendType`]'s `[backends.NAME]` table from the context, creating
@@ -80,7 +84,17 @@ pub fn build<B: BackendType + 'static>(ctx: &BackendContext) -> Result<Arc<dyn T
 /// # Errors
 /// `ConfigInvalid`, naming the offending key and the file.
 pub fn check_table<B: BackendType>(ctx: &BackendContext) -> Result<()> {
-    ctx.parse::<B::Config>(B::NAME).map(|_| ())
+    ctx.config::<B::Config>(B::NAME).map(|_| ())
+}
+
+/// The keys a [`BackendType`]'s table takes: its config's field names.
+pub fn options<B: BackendType>() -> &'static [&'static str] {
+    crate::config::fields::<B::Config>()
+}
+
+#[doc(hidden)]
+pub fn __no_options() -> &'static [&'static str] {
+    &[]
 }
 
 /// Registers a backend crate: as a built-in backend (through `inventory`) and as the
@@ -95,9 +109,9 @@ pub fn check_table<B: BackendType>(ctx: &BackendContext) -> Result<()> {
 #[macro_export]
 macro_rules! register_backend {
     ($name:expr, $probe:path, $create:path) => {
-        $crate::register_backend!(@with_check $name, $probe, $create, None);
+        $crate::register_backend!(@with_check $name, $probe, $create, None, $crate::registry::__no_options);
     };
-    (@with_check $name:expr, $probe:path, $create:path, $check:expr) => {
+    (@with_check $name:expr, $probe:path, $create:path, $check:expr, $options:expr) => {
         $crate::inventory::submit! {
             $crate::registry::BackendFactory {
                 name: $name,
@@ -105,6 +119,7 @@ macro_rules! register_backend {
                 probe: $probe,
                 create: $create,
                 check: $check,
+                options: $options,
             }
         }
 
@@ -151,7 +166,8 @@ macro_rules! register_backend {
             @with_check <$backend as $crate::registry::BackendType>::NAME,
             __te_backend_probe,
             __te_backend_create,
-            Some($crate::registry::check_table::<$backend>)
+            Some($crate::registry::check_table::<$backend>),
+            $crate::registry::options::<$backend>
         );
     };
 }
@@ -220,6 +236,15 @@ impl Entry {
     /// True if an earlier entry of the same name is used instead (see the module docs).
     pub fn is_shadowed(&self) -> bool {
         self.shadowed
+    }
+    /// The keys its `[backends.NAME]` table takes, for a built-in backend registered by
+    /// type (its config's fields); `None` for a plugin or a backend registered with
+    /// plain functions.
+    pub fn options(&self) -> Option<&'static [&'static str]> {
+        match self.source {
+            Source::BuiltIn(f) if f.check.is_some() => Some((f.options)()),
+            _ => None,
+        }
     }
 
     /// Parses the context's `[backends.NAME]` table without creating the backend:

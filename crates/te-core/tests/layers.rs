@@ -21,7 +21,12 @@ fn edges() -> BTreeMap<String, BTreeSet<String>> {
                 continue;
             }
             let rel = path.strip_prefix(&src).unwrap();
-            let first = rel.components().next().unwrap().as_os_str().to_string_lossy();
+            let first = rel
+                .components()
+                .next()
+                .unwrap()
+                .as_os_str()
+                .to_string_lossy();
             let module = first.trim_end_matches(".rs").to_string();
             if module == "lib" || rel.ends_with("tests.rs") {
                 continue;
@@ -36,7 +41,13 @@ fn edges() -> BTreeMap<String, BTreeSet<String>> {
                     .take_while(|c| c.is_ascii_lowercase() || *c == '_')
                     .collect();
                 // Macros and their helpers are reached through the crate root.
-                let macros = ["", "register_runtime", "register_backend", "inventory", "__abi"];
+                let macros = [
+                    "",
+                    "register_runtime",
+                    "register_backend",
+                    "inventory",
+                    "__abi",
+                ];
                 if name != module && !macros.contains(&name.as_str()) {
                     names.insert(name);
                 }

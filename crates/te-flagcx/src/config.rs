@@ -24,3 +24,5 @@ pub struct FlagcxConfig {
     /// `fake/fake_shim.c`). Default: none.
     pub shim_options: String,
 }
+/// Every value that parses works: nothing more to check.
+impl te_core::BackendConfig for FlagcxConfig {}

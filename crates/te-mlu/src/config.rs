@@ -42,3 +42,5 @@ impl Default for MluConfig {
         }
     }
 }
+/// Every value that parses works: nothing more to check.
+impl te_core::BackendConfig for MluConfig {}

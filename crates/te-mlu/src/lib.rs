@@ -21,11 +21,9 @@
 //!
 //! # Options (`[backends.mlu]`)
 //!
-//! | key | default | meaning |
-//! |-----|---------|---------|
-//! | `ipc` | `"auto"` | `"auto"`: IPC handles for peers in other processes, direct addresses within one process; `"always"`: IPC handles for every peer (tests) |
-//! | `workers` | `4` | worker threads (1–64), each with a queue per MLU; batches run on them in parallel |
-//! | `debug_delay` | `"0s"` | for tests only: every batch is held this long before its copies start |
+//! The keys are the fields of [`MluConfig`], each documented there, with their
+//! defaults in its `Default`; the shipped `plugins.toml` shows every key (a test
+//! keeps the two in step).
 //!
 //! Tests run against a FAKE libcnrt built from the C files in `csrc/`; what it cannot
 //! prove is listed in `docs/mlu.md`.

@@ -163,7 +163,7 @@ impl RdmaBackend {
                 "the epoch (instance id) must not be zero".into(),
             ));
         }
-        config.validate()?;
+        te_core::BackendConfig::validate(&config)?;
         let v = ffi::verbs()?;
         let devices = device::open_devices(v, &config)?;
         for (kind, nics) in &config.nic_affinity {

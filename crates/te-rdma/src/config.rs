@@ -16,7 +16,9 @@ pub struct RdmaConfig {
     pub devices: Vec<String>,
     /// The port of each device (ports are numbered from 1).
     pub port: u8,
-    /// The GID index for RoCE; `None` picks the first RoCE v2 GID of the port.
+    /// The one GID index to use (its type, RoCE v1 or v2, is then the only one
+    /// offered); `None` picks, per GID type, the port's first non-zero GID, IPv4-mapped
+    /// ones first.
     pub gid_index: Option<u8>,
     /// Deprecated and ignored (a warning says so): the connect exchange runs on the
     /// engine's control plane (`[engine] listen`). Accepted so that old files still load.
@@ -82,12 +84,12 @@ impl Default for RdmaConfig {
 /// would defeat striping anyway.
 pub(crate) const MAX_SLICE: u64 = 1 << 30;
 
-impl RdmaConfig {
+impl te_core::BackendConfig for RdmaConfig {
     /// Checks values serde cannot.
     ///
     /// # Errors
     /// `ConfigInvalid`, naming the key and the accepted range.
-    pub fn validate(&self) -> Result<()> {
+    fn validate(&self) -> Result<()> {
         let bad = |m: String| {
             Err(
                 Error::new(ErrorKind::ConfigInvalid, format!("[backends.rdma] {m}"))
@@ -166,9 +168,7 @@ mod tests {
             source: "test.toml".into(),
             ..Default::default()
         };
-        let c: RdmaConfig = ctx.parse(crate::NAME)?;
-        c.validate()?;
-        Ok(c)
+        ctx.config(crate::NAME)
     }
 
     #[test]

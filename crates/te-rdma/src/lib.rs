@@ -67,24 +67,9 @@
 //!
 //! # Options (`[backends.rdma]`)
 //!
-//! | key | default | meaning |
-//! |-----|---------|---------|
-//! | `devices` | all with an active port | RDMA devices to use, e.g. `["mlx5_0", "mlx5_1"]` |
-//! | `port` | `1` | the port of each device |
-//! | `gid_index` | per type, the first (IPv4-mapped) GID | the one GID index to use; its type (RoCE v1 or v2) is then the only one offered |
-//! | `listen`, `advertise` | — | deprecated, ignored with a warning: the exchange uses `[engine] listen` / `advertise` |
-//! | `slice_size` | `"64KiB"` | requests are cut into slices this big, striped over NICs and QPs |
-//! | `qps_per_path` | `2` | RC QPs per (local NIC, peer NIC) pair |
-//! | `max_outstanding` | `128` | work requests one QP may have posted |
-//! | `signal_every` | `16` | one work request in this many is signalled |
-//! | `nic_affinity` | nearest on the PCIe tree | NICs per device memory kind, e.g. `{ "cuda:0" = ["mlx5_0"] }` |
-//! | `connect_timeout` | `"5s"` | limit for the connect exchange |
-//! | `mtu` | `4096` | path MTU cap; the smaller of this, the port's and the peer's is used |
-//! | `timeout` | `14` | ACK timeout exponent (4.096 µs × 2^14 ≈ 67 ms) |
-//! | `retry_count` | `7` | transport retries |
-//! | `rnr_retry` | `7` | RNR retries (7 = infinite) |
-//! | `service_level` | `0` | IB service level |
-//! | `traffic_class` | `0` | RoCE traffic class |
+//! The keys are the fields of [`RdmaConfig`], each documented there, with their
+//! defaults in its `Default`; the shipped `plugins.toml` shows every key (a test
+//! keeps the two in step).
 //!
 //! See `docs/rdma.md` for requirements, two-host commands and what was verified.
 

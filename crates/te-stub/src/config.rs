@@ -41,3 +41,5 @@ pub struct StubConfig {
     /// it, and the stub forgets the peer until it is connected again; 0 never.
     pub restart_every: u64,
 }
+/// Every value that parses works: nothing more to check.
+impl te_core::BackendConfig for StubConfig {}

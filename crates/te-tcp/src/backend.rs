@@ -94,7 +94,7 @@ impl TcpBackend {
     /// `ConfigInvalid` for invalid options or an address that cannot be advertised;
     /// `Io` if the listener cannot bind or te-tcp's I/O threads cannot start.
     pub fn new(mut config: TcpConfig, ctx: &BackendContext) -> Result<TcpBackend> {
-        config.validate()?;
+        te_core::BackendConfig::validate(&config)?;
         // The engine's token protects the data connections too; the backend's own key
         // is an older spelling of the same thing.
         match (&config.auth_token, &ctx.auth_token) {

@@ -20,15 +20,19 @@ pub struct TcpConfig {
     /// or `[engine] advertise` when `listen` is unset. Required when the listener binds
     /// every interface (`0.0.0.0`, `[::]`).
     pub advertise: Option<String>,
-    /// Persistent data connections opened to each peer.
+    /// Persistent data connections opened to each peer (1–64).
     pub connections_per_peer: usize,
-    /// Requests longer than this are cut into slices spread over the connections.
+    /// Requests longer than this are cut into slices spread over the connections
+    /// (4KiB–64MiB). It is also the largest frame this side accepts as a target,
+    /// announced in the handshake; a peer's slices are the smaller of both sides'.
     #[serde(deserialize_with = "te_core::config::de::size")]
     pub slice_size: u64,
-    /// A shared secret both sides must prove (HMAC challenge–response) before any data
-    /// moves; `None` accepts any peer.
+    /// Deprecated: set `[engine] auth_token`, which protects the control plane and these
+    /// data connections alike (HMAC challenge–response before any data moves); a value
+    /// here must equal it. `None` with no engine token accepts any peer.
     pub auth_token: Option<String>,
-    /// Sets `TCP_NODELAY` on data connections.
+    /// Sets `TCP_NODELAY` on data connections: small frames go out at once instead of
+    /// waiting for Nagle.
     pub nodelay: bool,
     /// `SO_SNDBUF` of data connections; 0 keeps the kernel's auto-tuning.
     #[serde(deserialize_with = "te_core::config::de::size")]
@@ -44,7 +48,8 @@ pub struct TcpConfig {
     #[serde(deserialize_with = "te_core::config::de::duration")]
     pub connect_timeout: Duration,
     /// A connection on which nothing moves for this long while requests wait on it is
-    /// declared dead, and its requests fail with `PeerUnreachable`.
+    /// declared dead, and its requests fail with `PeerUnreachable`; also the TCP
+    /// keepalive idle time.
     #[serde(deserialize_with = "te_core::config::de::duration")]
     pub io_timeout: Duration,
     /// A peer must finish the whole handshake (hello, proof) within this long after its
@@ -58,12 +63,14 @@ pub struct TcpConfig {
     /// most; more are closed at once.
     pub max_connections: usize,
     /// A served connection on which no request arrives for this long is closed (the
-    /// initiator reconnects on next use); 0 never closes an idle connection.
+    /// initiator reconnects on next use); when shorter than `io_timeout` it also bounds
+    /// a request stalled halfway; 0 never closes an idle connection.
     #[serde(deserialize_with = "te_core::config::de::duration")]
     pub idle_timeout: Duration,
     /// Frames between device memory of one runtime and device, to a peer that is a
     /// tcp backend of this same process, move device to device instead of through
-    /// staging and the socket.
+    /// staging and the socket; `false` stages them as for any peer. A target with a
+    /// `debug_delay` gets every frame over the socket.
     pub local_copies: bool,
     /// For tests only: the target holds every request this long before serving it.
     #[serde(deserialize_with = "te_core::config::de::duration")]
@@ -121,12 +128,12 @@ impl fmt::Debug for TcpConfig {
     }
 }
 
-impl TcpConfig {
+impl te_core::BackendConfig for TcpConfig {
     /// Checks values serde cannot.
     ///
     /// # Errors
     /// `ConfigInvalid`, naming the key and the accepted range.
-    pub fn validate(&self) -> Result<()> {
+    fn validate(&self) -> Result<()> {
         let bad = |m: String| {
             Err(
                 Error::new(ErrorKind::ConfigInvalid, format!("[backends.tcp] {m}"))
@@ -180,9 +187,7 @@ mod tests {
             source: "test.toml".into(),
             ..Default::default()
         };
-        let c: TcpConfig = ctx.parse(crate::NAME)?;
-        c.validate()?;
-        Ok(c)
+        ctx.config(crate::NAME)
     }
 
     #[test]

@@ -64,25 +64,9 @@
 //!
 //! # Options (`[backends.tcp]`)
 //!
-//! | key | default | meaning |
-//! |-----|---------|---------|
-//! | `listen` | the host of `[engine] listen`, port 0 | where the data listener binds; port 0 picks a free port |
-//! | `advertise` | the `listen` host, or `[engine] advertise` when `listen` is unset | the host or IP peers connect to; required when the listener binds every interface (`0.0.0.0`) |
-//! | `connections_per_peer` | `4` | data connections per peer (1–64) |
-//! | `slice_size` | `"512KiB"` | requests longer than this are cut into slices spread over the connections (4KiB–64MiB); it is also the largest frame this side accepts as a target, announced in the handshake, and a peer's slices are the smaller of both sides' |
-//! | `auth_token` | none | deprecated: set `[engine] auth_token`, which protects the control plane and these data connections alike; a value here must equal it |
-//! | `nodelay` | `true` | `TCP_NODELAY`: small frames go out at once instead of waiting for Nagle |
-//! | `send_buffer` | `0` | `SO_SNDBUF` in bytes; 0 keeps the kernel's auto-tuning |
-//! | `recv_buffer` | `0` | `SO_RCVBUF` in bytes; 0 keeps the kernel's auto-tuning |
-//! | `inline_send` | `"256KiB"` | bytes a submitting thread sends itself, without blocking, before handing the rest to the sender task; 0 always hands over |
-//! | `connect_timeout` | `"5s"` | limit for opening one data connection (TCP connect and handshake) |
-//! | `io_timeout` | `"10s"` | a connection where requests wait and nothing moves for this long is declared dead; also the keepalive idle time |
-//! | `handshake_timeout` | `"5s"` | an accepted peer must finish the whole handshake within this long, however it paces its bytes |
-//! | `max_pending` | `64` | accepted connections still in their handshake, at most; a new one closes the oldest |
-//! | `max_connections` | `4096` | data connections served at once, at most (pending ones included); more are closed at once |
-//! | `idle_timeout` | `"0s"` | a served connection on which no request arrives for this long is closed (the initiator reconnects on next use); when shorter than `io_timeout` it also bounds a request stalled halfway; 0 = never |
-//! | `local_copies` | `true` | device-to-device frames (same runtime and device) to a peer that is a tcp backend of this process are device copies, not staged through the socket; `false` stages them as for any peer; a target with a `debug_delay` gets every frame over the socket |
-//! | `debug_delay` | `"0s"` | for tests only: the target holds every request this long |
+//! The keys are the fields of [`TcpConfig`], each documented there, with their
+//! defaults in its `Default`; the shipped `plugins.toml` shows every key (a test
+//! keeps the two in step).
 //!
 //! Sizes are numbers of bytes or strings like `"64KiB"`; durations are strings like
 //! `"250ms"`. The reasons for the defaults, with measurements, are in
