@@ -11,51 +11,29 @@
 #![doc = include_str!("../README.md")]
 
 // The user's API, by name: everything a program that moves data with te needs, and
-// nothing it does not. `tests/public_api.rs` holds the list of names that must not be
-// here.
+// nothing it does not. `src/surface.rs` lists names that must stay internal.
+
+// Engines, peers and memory.
 pub use te_core::{
-    // Engines, peers and memory.
-    Access,
-    // What an engine runs on.
-    BackendInfo,
-    // Requests and their handles.
-    BlockOptions,
-    Buffer,
-    Capabilities,
-    // Configuration.
-    Config,
-    Engine,
-    EngineConfig,
-    // Errors.
-    Error,
-    ErrorKind,
-    // KV-cache layouts.
-    KvGroup,
-    KvLayout,
-    KvSelection,
-    KvSlot,
-    MemoryDesc,
-    MemoryKind,
-    // Notifications and peer events.
-    Next,
-    Notification,
-    Op,
-    Origin,
-    Peer,
-    PeerEvent,
-    PeerEventKind,
-    PeerId,
-    RegionDesc,
-    RegionId,
-    Registration,
-    Result,
-    SegmentDesc,
-    TornRange,
-    TransferHandle,
-    TransferOptions,
-    TransferRequest,
-    TransferStatus,
+    Access, Buffer, Engine, MemoryDesc, MemoryKind, Peer, PeerId, RegionDesc, RegionId,
+    Registration, SegmentDesc,
 };
+// Requests and their handles.
+pub use te_core::{
+    BlockOptions, Op, TransferHandle, TransferOptions, TransferRequest, TransferStatus,
+};
+// KV-cache layouts.
+pub use te_core::{KvGroup, KvLayout, KvSelection, KvSlot};
+// Configuration.
+pub use te_core::{Config, EngineConfig};
+// Errors.
+pub use te_core::{Error, ErrorKind, Result};
+// Notifications and peer events.
+pub use te_core::{Next, Notification, PeerEvent, PeerEventKind, TornRange};
+// What an engine runs on.
+pub use te_core::{BackendInfo, Capabilities, Origin};
+// What it has done.
+pub use te_core::{BatchTelemetry, Histogram, Metrics, PeerMetrics, RegisteredMemory};
 
 /// Configuration: the file's structure, and the size and duration syntax it uses.
 pub mod config {

@@ -10,13 +10,14 @@ use std::collections::BinaryHeap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::backend::BatchId;
 use crate::error::{Error, ErrorKind, Result};
+use crate::metrics::{BatchMeter, BatchTelemetry};
 use crate::time::Deadline;
 
 /// Where a batch stands.
@@ -93,6 +94,9 @@ pub(crate) struct BatchState {
     slot: Mutex<Slot>,
     cond: Condvar,
     deadline: Deadline,
+    /// What it moves and when, counted into the engine's metrics at its end; set
+    /// once the batch has passed its checks.
+    meter: OnceLock<BatchMeter>,
 }
 
 impl BatchState {
@@ -106,7 +110,20 @@ impl BatchState {
             slot: Mutex::new(Slot::default()),
             cond: Condvar::new(),
             deadline,
+            meter: OnceLock::new(),
         })
+    }
+
+    /// Measures the batch with `meter` from now on.
+    pub(crate) fn meter(&self, meter: BatchMeter) {
+        let _ = self.meter.set(meter);
+    }
+
+    /// Notes that the backend has taken the batch.
+    pub(crate) fn posted(&self) {
+        if let Some(m) = self.meter.get() {
+            m.posted();
+        }
     }
 
     pub(crate) fn id(&self) -> BatchId {
@@ -182,6 +199,9 @@ impl BatchState {
             let mut slot = self.slot.lock();
             if slot.result.is_some() {
                 return false;
+            }
+            if let Some(m) = self.meter.get() {
+                m.end(&result);
             }
             slot.result = Some(result);
             self.done.store(true, Ordering::Release);
@@ -279,6 +299,12 @@ impl TransferHandle {
             }
             slot = self.state.cond.wait_timeout(slot, left).0;
         }
+    }
+
+    /// What the batch did — its requests, bytes, when it was submitted, how long
+    /// posting and the whole batch took — once it has ended; `None` before.
+    pub fn telemetry(&self) -> Option<BatchTelemetry> {
+        self.state.meter.get()?.telemetry()
     }
 
     /// The batch's deadline.

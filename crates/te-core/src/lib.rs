@@ -46,6 +46,7 @@ pub mod hook;
 mod inbox;
 pub mod kv;
 pub mod metadata;
+mod metrics;
 pub mod net;
 pub mod peer_table;
 pub mod plugin;
@@ -77,6 +78,7 @@ pub use hook::{ControlHook, MessageHandler, PeerInfo};
 pub use inbox::Notification;
 pub use inbox::{Next, PeerEvent, PeerEventKind, TornRange};
 pub use kv::{KvGroup, KvLayout, KvSelection, KvSlot};
+pub use metrics::{BatchTelemetry, Histogram, Metrics, PeerMetrics, RegisteredMemory};
 pub use registry::{BackendType, Origin, Registry};
 
 #[doc(hidden)]

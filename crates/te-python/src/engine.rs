@@ -481,6 +481,16 @@ impl PyEngine {
         }))
     }
 
+    /// What this engine has done, as a dict: batches and their outcomes, bytes and
+    /// requests per direction and per peer, the latency histogram, registered memory
+    /// and notifications (docs/metrics.md explains each key).
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let m = self.get()?.metrics();
+        let json = serde_json::to_string(&m)
+            .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?;
+        py.import("json")?.call_method1("loads", (json,))
+    }
+
     /// Drains peer events without waiting: dicts with `kind` (`"lost"`, `"restarted"`,
     /// `"left"`, `"torn_write"`), `name`, `address`, `epoch`, `previous_epoch`, and for
     /// a torn write `torn` = (region id, start, end).

@@ -3,6 +3,7 @@
 use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 use te::{TransferHandle, TransferStatus};
 
 use crate::errors::to_py;
@@ -42,6 +43,24 @@ impl PyHandle {
             TransferStatus::Done => "done",
             TransferStatus::Failed(_) => "failed",
         }
+    }
+
+    /// What the batch did, once it has ended (else `None`): a dict with `requests`,
+    /// `bytes`, `start_time` (seconds since the epoch, when it was submitted),
+    /// `post_us` (submission until the backend had taken it) and `duration_us`
+    /// (submission until the end), as te measured them.
+    fn telemetry<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(t) = self.handle.telemetry() else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        d.set_item("requests", t.requests)?;
+        d.set_item("bytes", t.bytes)?;
+        let start = t.started_at.duration_since(std::time::UNIX_EPOCH);
+        d.set_item("start_time", start.map_or(0.0, |s| s.as_secs_f64()))?;
+        d.set_item("post_us", t.post.as_secs_f64() * 1e6)?;
+        d.set_item("duration_us", t.duration.as_secs_f64() * 1e6)?;
+        Ok(Some(d))
     }
 
     /// The batch's error as an exception object, or `None` (pending or done).

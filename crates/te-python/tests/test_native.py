@@ -343,3 +343,23 @@ def test_torch_cuda_tensors_move_between_engines():
         assert b.transfer(peer, [(rs.id, 0, rd.id, 0, 1 << 20)]).wait(30)
         torch.cuda.synchronize()
         assert torch.equal(src, dst)
+
+
+def test_metrics_count_what_moved_and_a_handle_tells_its_batch(pair):
+    target, init, peer = pair
+    remote = np.zeros(8192, dtype=np.uint8)
+    rreg = target.register_buffer(remote, name="dst")
+    local = pattern(8192, 3)
+    lreg = init.register_buffer(local)
+    h = init.transfer(peer, [(lreg.id, 0, rreg.id, 0, 4096), (lreg.id, 4096, rreg.id, 4096, 4096)])
+    assert h.telemetry() is None or h.done()
+    assert h.wait(10)
+    t = h.telemetry()
+    assert (t["requests"], t["bytes"]) == (2, 8192)
+    assert 0 <= t["post_us"] <= t["duration_us"] and t["start_time"] > 1.7e9
+    m = init.metrics()
+    assert (m["batches_submitted"], m["batches_completed"], m["batches_failed"]) == (1, 1, [])
+    assert (m["bytes_written"], m["requests_written"]) == (8192, 2)
+    assert m["latency"]["count"] == 1 and len(m["latency"]["counts"]) == len(m["latency"]["bounds_us"]) + 1
+    assert [p["address"] for p in m["peers"]] == [target.address]
+    assert {"kind": "host", "count": 1, "bytes": 8192} in m["registrations"]

@@ -26,6 +26,7 @@ use crate::hook::ControlHook;
 use crate::inbox::{Mailbox, Next, Notification, PeerEvent};
 use crate::kv::{self, KvLayout, KvSelection};
 use crate::metadata::{self, EngineEntry, MetadataStore};
+use crate::metrics::{BatchMeter, Counters, Metrics, PeerCounters};
 use crate::region::{fits, Pins, Region};
 use crate::registry::{Origin, Registry};
 use crate::time::Deadline;
@@ -75,6 +76,7 @@ struct Inner {
     timer: Timer,
     control: Arc<control::Shared>,
     store: Arc<dyn MetadataStore>,
+    metrics: Arc<Counters>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -176,6 +178,7 @@ impl Engine {
             timer: Timer::start()?,
             control: plane.shared(),
             store,
+            metrics: Arc::default(),
             config,
         });
         let handler: Weak<dyn Handler> = Arc::downgrade(&inner) as Weak<dyn Handler>;
@@ -338,6 +341,23 @@ impl Engine {
         self.transfer_with(peer, &[], &options)
     }
 
+    /// A snapshot of what this engine has done: batches and their outcomes, bytes
+    /// and requests per direction and per peer, batch latency, registered memory and
+    /// notifications (docs/metrics.md explains each). Cheap enough to call often.
+    pub fn metrics(&self) -> Metrics {
+        let peers = self
+            .inner
+            .peers
+            .lock()
+            .values()
+            .map(|p| {
+                let name = p.inner.segment.read().engine.clone();
+                p.inner.metrics.snapshot(&p.inner.addr, &name)
+            })
+            .collect();
+        self.inner.metrics.snapshot(peers)
+    }
+
     /// The next received notification, waiting at most `timeout`.
     pub fn recv_notification(&self, timeout: Duration) -> Option<Notification> {
         self.inner.inbox.pop(timeout)
@@ -401,6 +421,19 @@ impl Handler for Inner {
     }
 
     fn notify(&self, from: &Identity, to_epoch: u64, message: Vec<u8>) -> Result<()> {
+        let kept = self.keep_notification(from, to_epoch, message);
+        let counter = match kept {
+            Ok(()) => &self.metrics.notifications_received,
+            Err(_) => &self.metrics.notifications_refused,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        kept
+    }
+}
+
+impl Inner {
+    /// Puts a notification from an authenticated peer in the inbox, within its budget.
+    fn keep_notification(&self, from: &Identity, to_epoch: u64, message: Vec<u8>) -> Result<()> {
         if to_epoch != self.epoch {
             return Err(Error::new(
                 ErrorKind::PeerRestarted,

@@ -51,6 +51,7 @@ impl Inner {
                 segment: RwLock::new(Arc::new(segment)),
                 backend_id,
                 valid: AtomicBool::new(true),
+                metrics: Arc::default(),
             }),
         };
         let old = self.peers.lock().insert(addr.to_string(), peer.clone());
@@ -151,6 +152,8 @@ pub(super) struct PeerInner {
     pub(super) segment: RwLock<Arc<SegmentDesc>>,
     pub(super) backend_id: PeerId,
     pub(super) valid: AtomicBool,
+    /// What moved to and from this peer.
+    pub(super) metrics: Arc<PeerCounters>,
 }
 
 impl std::fmt::Debug for Peer {

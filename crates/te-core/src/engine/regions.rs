@@ -67,6 +67,8 @@ impl Inner {
             }
         }
         let region = self.add_region(desc)?;
+        self.metrics
+            .registered(&region.kind.to_string(), region.len, true);
         Ok(Registration {
             engine: self.clone(),
             region,
@@ -267,8 +269,15 @@ impl Registration {
     /// it (te's own buffers leak it on purpose, and say so in the log).
     pub fn deregister(mut self) -> Result<()> {
         self.done = true;
+        self.release()
+    }
+
+    fn release(&self) -> Result<()> {
+        let r = &self.region;
         self.engine
-            .release_region(self.region.id, self.engine.deadline(None))
+            .metrics
+            .registered(&r.kind.to_string(), r.len, false);
+        self.engine.release_region(r.id, self.engine.deadline(None))
     }
 }
 
@@ -277,10 +286,7 @@ impl Drop for Registration {
         if self.done {
             return;
         }
-        if let Err(e) = self
-            .engine
-            .release_region(self.region.id, self.engine.deadline(None))
-        {
+        if let Err(e) = self.release() {
             tracing::error!(
                 region = %self.region.id,
                 error = %e,

@@ -119,12 +119,16 @@ impl Inner {
         );
         let peer = self.current(peer, deadline)?;
         let pins = self.check(&peer, requests, &state)?;
+        // Measured from here: a batch the checks refused is an error of the call.
+        let metrics = peer.inner.metrics.clone();
+        state.meter(BatchMeter::start(self.metrics.clone(), metrics, requests));
         self.timer.add(&state);
         let handle = TransferHandle::new(state.clone());
         let finisher = Finisher {
             state: state.clone(),
             pins,
             peer: peer.clone(),
+            sent: self.metrics.clone(),
             notify: notify.map(|message| {
                 (
                     self.control.clone(),
@@ -163,6 +167,7 @@ impl Inner {
         );
         let backend_id = peer.inner.backend_id;
         let submitted = self.backend.submit(backend_id, requests, done);
+        state.posted();
         let ok = submitted.is_ok();
         Join::arrive(
             &join,
@@ -227,6 +232,8 @@ pub(super) struct Finisher {
     pub(super) pins: Pins,
     pub(super) peer: Peer,
     pub(super) notify: Option<(Arc<control::Shared>, wire::Notice)>,
+    /// The engine's count of notifications the peer accepted.
+    pub(super) sent: Arc<Counters>,
 }
 
 impl Finisher {
@@ -255,12 +262,16 @@ impl Finisher {
                 // Queued on the peer's session, pipelined with others; its answer (or
                 // the batch's deadline, whichever comes first) ends the batch.
                 let state = self.state.clone();
+                let counters = self.sent.clone();
                 control.send(
                     &self.peer.inner.addr,
                     Kind::Notify,
                     wire::encode(&notice),
                     self.state.deadline(),
                     Box::new(move |r| {
+                        if r.is_ok() {
+                            counters.notifications_sent.fetch_add(1, Ordering::Relaxed);
+                        }
                         state.finish(r.map(|_| ()).map_err(|e| e.with_operation("notify")));
                     }),
                 );

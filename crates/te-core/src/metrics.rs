@@ -1,0 +1,369 @@
+//! What an engine has done, counted as it happens: batches and their outcomes, bytes
+//! and requests per direction and per peer, batch latency, registrations and
+//! notifications. The data path only adds to atomic counters (no lock, no
+//! allocation per request); [`Metrics`] is a snapshot taken when asked.
+//!
+//! docs/metrics.md lists every field; a test holds it to this file.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant, SystemTime};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ErrorKind, Result};
+use crate::request::{Op, TransferRequest};
+use crate::sync::Mutex;
+
+/// Upper bounds (µs) of the latency histogram's buckets; one more counts the rest.
+pub(crate) const LATENCY_BOUNDS_US: [u64; 16] = [
+    10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000,
+    1_000_000, 10_000_000,
+];
+
+/// Error kinds by code, for the per-kind failure counters (codes are small).
+const KINDS: usize = 32;
+
+/// A histogram of durations in fixed buckets.
+#[derive(Default)]
+pub(crate) struct Hist {
+    counts: [AtomicU64; LATENCY_BOUNDS_US.len() + 1],
+    sum_us: AtomicU64,
+}
+
+impl Hist {
+    fn record(&self, d: Duration) {
+        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        let i = LATENCY_BOUNDS_US.partition_point(|b| *b < us);
+        self.counts[i].fetch_add(1, Relaxed);
+        self.sum_us.fetch_add(us, Relaxed);
+    }
+
+    fn snapshot(&self) -> Histogram {
+        let counts: Vec<u64> = self.counts.iter().map(|c| c.load(Relaxed)).collect();
+        Histogram {
+            bounds_us: LATENCY_BOUNDS_US.to_vec(),
+            count: counts.iter().sum(),
+            counts,
+            sum_us: self.sum_us.load(Relaxed),
+        }
+    }
+}
+
+/// An engine's counters.
+#[derive(Default)]
+pub(crate) struct Counters {
+    submitted: AtomicU64,
+    completed: AtomicU64,
+    failed: [AtomicU64; KINDS],
+    in_flight: AtomicU64,
+    in_flight_bytes: AtomicU64,
+    bytes: [AtomicU64; 2],
+    requests: [AtomicU64; 2],
+    latency: Hist,
+    pub(crate) notifications_sent: AtomicU64,
+    pub(crate) notifications_received: AtomicU64,
+    pub(crate) notifications_refused: AtomicU64,
+    /// Per memory kind: registrations and their bytes.
+    registered: Mutex<BTreeMap<String, (u64, u64)>>,
+}
+
+/// A peer's counters, kept with the engine's handle on it.
+#[derive(Default)]
+pub(crate) struct PeerCounters {
+    bytes: [AtomicU64; 2],
+    requests: [AtomicU64; 2],
+    completed: AtomicU64,
+    failed: AtomicU64,
+}
+
+fn dir(op: Op) -> usize {
+    match op {
+        Op::Write => 0,
+        Op::Read => 1,
+    }
+}
+
+impl Counters {
+    /// A region of `kind` and `len` bytes was registered (`added`) or released.
+    pub(crate) fn registered(&self, kind: &str, len: u64, added: bool) {
+        let mut r = self.registered.lock();
+        let e = r.entry(kind.to_string()).or_insert((0, 0));
+        if added {
+            *e = (e.0 + 1, e.1 + len);
+        } else {
+            *e = (e.0.saturating_sub(1), e.1.saturating_sub(len));
+        }
+    }
+
+    /// The snapshot of these counters, with `peers` as the engine has them.
+    pub(crate) fn snapshot(&self, peers: Vec<PeerMetrics>) -> Metrics {
+        let failed = self
+            .failed
+            .iter()
+            .enumerate()
+            .filter_map(|(code, n)| {
+                let n = n.load(Relaxed);
+                (n > 0).then(|| (ErrorKind::from_code(code as u32).as_str().to_string(), n))
+            })
+            .collect();
+        Metrics {
+            batches_submitted: self.submitted.load(Relaxed),
+            batches_completed: self.completed.load(Relaxed),
+            batches_failed: failed,
+            batches_in_flight: self.in_flight.load(Relaxed),
+            bytes_in_flight: self.in_flight_bytes.load(Relaxed),
+            bytes_written: self.bytes[0].load(Relaxed),
+            bytes_read: self.bytes[1].load(Relaxed),
+            requests_written: self.requests[0].load(Relaxed),
+            requests_read: self.requests[1].load(Relaxed),
+            latency: self.latency.snapshot(),
+            registrations: self
+                .registered
+                .lock()
+                .iter()
+                .map(|(kind, (count, bytes))| RegisteredMemory {
+                    kind: kind.clone(),
+                    count: *count,
+                    bytes: *bytes,
+                })
+                .collect(),
+            notifications_sent: self.notifications_sent.load(Relaxed),
+            notifications_received: self.notifications_received.load(Relaxed),
+            notifications_refused: self.notifications_refused.load(Relaxed),
+            peers,
+        }
+    }
+}
+
+impl PeerCounters {
+    /// The snapshot of one peer's counters.
+    pub(crate) fn snapshot(&self, address: &str, name: &str) -> PeerMetrics {
+        PeerMetrics {
+            address: address.to_string(),
+            name: name.to_string(),
+            bytes_written: self.bytes[0].load(Relaxed),
+            bytes_read: self.bytes[1].load(Relaxed),
+            requests_written: self.requests[0].load(Relaxed),
+            requests_read: self.requests[1].load(Relaxed),
+            batches_completed: self.completed.load(Relaxed),
+            batches_failed: self.failed.load(Relaxed),
+        }
+    }
+}
+
+/// One batch's measure: what it moves, when it started, when the backend took it and
+/// when it ended; counted into the engine's and its peer's counters once, at its end.
+pub(crate) struct BatchMeter {
+    engine: Arc<Counters>,
+    peer: Arc<PeerCounters>,
+    /// Bytes and requests per direction.
+    bytes: [u64; 2],
+    requests: [u64; 2],
+    started: Instant,
+    started_at: SystemTime,
+    posted: OnceLock<Duration>,
+    ended: OnceLock<Duration>,
+}
+
+impl BatchMeter {
+    /// Starts measuring a batch of `requests` to a peer.
+    pub(crate) fn start(
+        engine: Arc<Counters>,
+        peer: Arc<PeerCounters>,
+        requests: &[TransferRequest],
+    ) -> BatchMeter {
+        let (mut bytes, mut count) = ([0u64; 2], [0u64; 2]);
+        for r in requests {
+            bytes[dir(r.op)] += r.len;
+            count[dir(r.op)] += 1;
+        }
+        engine.submitted.fetch_add(1, Relaxed);
+        engine.in_flight.fetch_add(1, Relaxed);
+        engine
+            .in_flight_bytes
+            .fetch_add(bytes[0] + bytes[1], Relaxed);
+        BatchMeter {
+            engine,
+            peer,
+            bytes,
+            requests: count,
+            started: Instant::now(),
+            started_at: SystemTime::now(),
+            posted: OnceLock::new(),
+            ended: OnceLock::new(),
+        }
+    }
+
+    /// The backend has taken the batch.
+    pub(crate) fn posted(&self) {
+        let _ = self.posted.set(self.started.elapsed());
+    }
+
+    /// The batch ended with `result`; counted once.
+    pub(crate) fn end(&self, result: &Result<()>) {
+        let took = self.started.elapsed();
+        if self.ended.set(took).is_err() {
+            return;
+        }
+        let (e, p) = (&self.engine, &self.peer);
+        e.in_flight.fetch_sub(1, Relaxed);
+        e.in_flight_bytes
+            .fetch_sub(self.bytes[0] + self.bytes[1], Relaxed);
+        match result {
+            Ok(()) => {
+                e.completed.fetch_add(1, Relaxed);
+                p.completed.fetch_add(1, Relaxed);
+                for d in 0..2 {
+                    e.bytes[d].fetch_add(self.bytes[d], Relaxed);
+                    e.requests[d].fetch_add(self.requests[d], Relaxed);
+                    p.bytes[d].fetch_add(self.bytes[d], Relaxed);
+                    p.requests[d].fetch_add(self.requests[d], Relaxed);
+                }
+                e.latency.record(took);
+            }
+            Err(err) => {
+                let code = (err.kind().code() as usize).min(KINDS - 1);
+                e.failed[code].fetch_add(1, Relaxed);
+                p.failed.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    /// What the batch did, once it has ended.
+    pub(crate) fn telemetry(&self) -> Option<BatchTelemetry> {
+        let ended = *self.ended.get()?;
+        Some(BatchTelemetry {
+            requests: self.requests[0] + self.requests[1],
+            bytes: self.bytes[0] + self.bytes[1],
+            started_at: self.started_at,
+            post: self.posted.get().copied().unwrap_or(Duration::ZERO),
+            duration: ended,
+        })
+    }
+}
+
+/// What one batch did, from [`TransferHandle::telemetry`](crate::TransferHandle::telemetry)
+/// once it has ended: the numbers a connector logs per request (and NIXL's
+/// `get_xfer_telemetry` returns).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BatchTelemetry {
+    /// Requests in the batch.
+    pub requests: u64,
+    /// Bytes the batch moves (both directions).
+    pub bytes: u64,
+    /// When it was submitted (wall clock, for logs).
+    pub started_at: SystemTime,
+    /// From submission until the backend had taken it (checks, pins, posting).
+    pub post: Duration,
+    /// From submission until it ended (its notification delivered, if it had one).
+    pub duration: Duration,
+}
+
+/// A snapshot of an engine's counters, from [`Engine::metrics`](crate::Engine::metrics).
+/// Counts are since the engine started; bytes and requests count completed batches.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct Metrics {
+    /// Batches submitted (notifications sent alone included).
+    pub batches_submitted: u64,
+    /// Batches that completed.
+    pub batches_completed: u64,
+    /// Batches that failed, by error kind (`Timeout` for deadlines, `Cancelled` for
+    /// cancellations), only kinds that occurred.
+    pub batches_failed: Vec<(String, u64)>,
+    /// Batches submitted and not yet ended.
+    pub batches_in_flight: u64,
+    /// Bytes of the batches in flight.
+    pub bytes_in_flight: u64,
+    /// Bytes written to peers by completed batches.
+    pub bytes_written: u64,
+    /// Bytes read from peers by completed batches.
+    pub bytes_read: u64,
+    /// WRITE requests of completed batches.
+    pub requests_written: u64,
+    /// READ requests of completed batches.
+    pub requests_read: u64,
+    /// Latency of completed batches, submission to end.
+    pub latency: Histogram,
+    /// Registered memory by kind (`host`, `cuda:0`, …).
+    pub registrations: Vec<RegisteredMemory>,
+    /// Notifications this engine sent that the peer accepted.
+    pub notifications_sent: u64,
+    /// Notifications this engine received and kept.
+    pub notifications_received: u64,
+    /// Notifications this engine refused (inbox full, wrong epoch, too large).
+    pub notifications_refused: u64,
+    /// Per connected peer.
+    pub peers: Vec<PeerMetrics>,
+}
+
+/// Durations in fixed buckets.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct Histogram {
+    /// Upper bound of each bucket but the last, in µs.
+    pub bounds_us: Vec<u64>,
+    /// Count in each bucket (not cumulative): `counts[i]` counts durations up to
+    /// `bounds_us[i]` and above the previous bound; the last counts the rest.
+    pub counts: Vec<u64>,
+    /// Sum of all durations counted, in µs.
+    pub sum_us: u64,
+    /// Durations counted.
+    pub count: u64,
+}
+
+/// Registered memory of one kind.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct RegisteredMemory {
+    /// The memory kind (`host`, `cuda:0`, …).
+    pub kind: String,
+    /// Registrations live.
+    pub count: u64,
+    /// Their bytes.
+    pub bytes: u64,
+}
+
+/// One peer's counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct PeerMetrics {
+    /// The peer's control-plane address.
+    pub address: String,
+    /// The peer engine's name.
+    pub name: String,
+    /// Bytes written to it by completed batches.
+    pub bytes_written: u64,
+    /// Bytes read from it by completed batches.
+    pub bytes_read: u64,
+    /// WRITE requests of completed batches.
+    pub requests_written: u64,
+    /// READ requests of completed batches.
+    pub requests_read: u64,
+    /// Batches to it that completed.
+    pub batches_completed: u64,
+    /// Batches to it that failed.
+    pub batches_failed: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_fall_in_the_bucket_of_their_upper_bound() {
+        let h = Hist::default();
+        for us in [5, 10, 11, 999_999, 20_000_000] {
+            h.record(Duration::from_micros(us));
+        }
+        let s = h.snapshot();
+        assert_eq!((s.counts[0], s.counts[1]), (2, 1));
+        assert_eq!(s.counts[LATENCY_BOUNDS_US.len() - 2], 1);
+        assert_eq!(s.counts[LATENCY_BOUNDS_US.len()], 1);
+        assert_eq!(s.count, 5);
+        assert_eq!(s.sum_us, 5 + 10 + 11 + 999_999 + 20_000_000);
+    }
+}

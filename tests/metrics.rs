@@ -1,0 +1,101 @@
+//! What an engine counts: batches and their outcomes, bytes and requests per direction
+//! and per peer, latency, registered memory, notifications; and what a handle tells
+//! of its batch. docs/metrics.md lists every field (checked here).
+
+use std::time::Duration;
+
+use te::{Access, Config, Engine, ErrorKind, Metrics, PeerMetrics, TransferRequest};
+
+fn stub(table: &str) -> Engine {
+    let mut c = Config::from_toml(
+        &format!("[engine]\nbackend = \"stub\"\n[backends.stub]\n{table}"),
+        "metrics test",
+        std::path::Path::new("."),
+    )
+    .unwrap();
+    c.engine.default_timeout = Duration::from_secs(10);
+    Engine::from_config(&c).unwrap()
+}
+
+#[test]
+fn batches_bytes_latency_registrations_and_notifications_are_counted() {
+    let target = stub("");
+    let dst = target
+        .alloc("dst", 64 << 10, Access::REMOTE_READ_WRITE)
+        .unwrap();
+    let me = stub("fail_every = 3");
+    let src = me.alloc("src", 64 << 10, Access::LOCAL).unwrap();
+    let peer = me.connect(&target.address().to_string()).unwrap();
+    let rid = peer.region("dst").unwrap().id;
+    let write = |n: u64| TransferRequest::write(src.id(), 0, rid, 0, n);
+    let read = |n: u64| TransferRequest::read(src.id(), 0, rid, 0, n);
+
+    // Batch 1: two writes and a read; 2: a write with a notification; 3: fails.
+    let h = me
+        .transfer(&peer, &[write(4096), write(8192), read(1024)])
+        .unwrap();
+    h.wait().unwrap();
+    let t = h.telemetry().expect("an ended batch tells what it did");
+    assert_eq!((t.requests, t.bytes), (3, 4096 + 8192 + 1024));
+    assert!(t.post <= t.duration, "{t:?}");
+    let opts = te::TransferOptions {
+        notify: Some(b"done".to_vec()),
+        ..Default::default()
+    };
+    me.transfer_with(&peer, &[write(100)], &opts)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let failed = me.transfer(&peer, &[write(1)]).unwrap();
+    assert_eq!(failed.wait().unwrap_err().kind(), ErrorKind::Backend);
+    assert!(failed.telemetry().is_some());
+    // A request refused by the checks is the call's error, not a batch.
+    assert!(me.transfer(&peer, &[write(1 << 20)]).is_err());
+    target.recv_notification(Duration::from_secs(5)).unwrap();
+
+    let m = me.metrics();
+    assert_eq!((m.batches_submitted, m.batches_completed), (3, 2), "{m:?}");
+    assert_eq!(m.batches_failed, vec![("Backend".to_string(), 1)]);
+    assert_eq!((m.batches_in_flight, m.bytes_in_flight), (0, 0));
+    assert_eq!(
+        (m.bytes_written, m.requests_written),
+        (4096 + 8192 + 100, 3)
+    );
+    assert_eq!((m.bytes_read, m.requests_read), (1024, 1));
+    assert_eq!(m.latency.count, 2);
+    assert_eq!(m.latency.counts.iter().sum::<u64>(), 2);
+    assert_eq!(m.latency.counts.len(), m.latency.bounds_us.len() + 1);
+    assert_eq!(m.notifications_sent, 1);
+    assert_eq!(m.registrations.len(), 1);
+    let r = &m.registrations[0];
+    assert_eq!((r.kind.as_str(), r.count, r.bytes), ("host", 1, 64 << 10));
+    let p: &PeerMetrics = &m.peers[0];
+    assert_eq!(p.address, target.address().to_string());
+    assert_eq!(p.name, target.name());
+    assert_eq!((p.batches_completed, p.batches_failed), (2, 1));
+    assert_eq!((p.bytes_written, p.bytes_read), (4096 + 8192 + 100, 1024));
+
+    let t = target.metrics();
+    assert_eq!((t.notifications_received, t.notifications_refused), (1, 0));
+    assert_eq!(t.batches_submitted, 0);
+    drop(dst);
+    assert!(target.metrics().registrations.iter().all(|r| r.count == 0));
+}
+
+#[test]
+fn docs_metrics_md_explains_every_field() {
+    let doc = std::fs::read_to_string("docs/metrics.md").expect("docs/metrics.md");
+    let fields = [
+        te_core::config::fields::<Metrics>(),
+        te_core::config::fields::<PeerMetrics>(),
+        te_core::config::fields::<te::Histogram>(),
+        te_core::config::fields::<te::RegisteredMemory>(),
+    ];
+    for f in fields.iter().flat_map(|f| f.iter()) {
+        assert!(
+            doc.contains(&format!("`{f}`")),
+            "docs/metrics.md does not explain `{f}`"
+        );
+    }
+    assert!(fields[0].contains(&"batches_failed"));
+}
