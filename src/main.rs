@@ -13,6 +13,7 @@ use te_core::Registry;
 
 mod bench;
 mod serve;
+mod stats;
 
 /// te: a transfer engine for disaggregated LLM inference.
 #[derive(Parser, Debug)]
@@ -46,6 +47,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Measure throughput and latency over loopback or against a `te serve`.
     Bench(Box<bench::BenchArgs>),
+    /// Print a running engine's metrics as a live table, from its metrics endpoint.
+    Stats(stats::StatsArgs),
     /// List the engines published in the configuration's metadata store (etcd).
     Peers {
         /// Configuration file (default: $TE_CONFIG, else built-in defaults).
@@ -85,6 +88,7 @@ fn main() -> ExitCode {
         Command::Check { config } => check(config),
         Command::Serve(args) => serve::run(args),
         Command::Bench(args) => bench::run(*args),
+        Command::Stats(args) => stats::run(args),
         Command::Peers { config, json } => peers(config, json),
     };
     match result {

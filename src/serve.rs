@@ -32,6 +32,10 @@ pub(crate) struct ServeArgs {
     /// Memory of the buffer: host, fakedev:0, cuda:0, … (`te info` lists the runtimes).
     #[arg(long, value_name = "KIND", default_value = "host")]
     pub(crate) mem: String,
+    /// Serve the engine's metrics on this address (`GET /metrics`), overriding the
+    /// configuration's `metrics_listen`; `te stats ADDR` shows them live.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub(crate) metrics_listen: Option<String>,
 }
 
 /// clap value parser for sizes.
@@ -74,6 +78,9 @@ pub(crate) fn run(args: ServeArgs) -> te::Result<()> {
     if let Some(l) = args.listen {
         config.engine.listen = l;
     }
+    if let Some(m) = args.metrics_listen {
+        config.engine.metrics_listen = Some(m);
+    }
     let len = usize::try_from(args.buffer_size).map_err(|_| {
         te::Error::new(
             te::ErrorKind::InvalidRequest,
@@ -90,6 +97,12 @@ pub(crate) fn run(args: ServeArgs) -> te::Result<()> {
     let buffer = engine.alloc_on(&mem, "buffer", len, Access::REMOTE_READ_WRITE)?;
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{}", engine.address());
+    if let Some(m) = engine.metrics_address() {
+        let _ = writeln!(
+            out,
+            "metrics at http://{m}/metrics (`te stats {m}` shows them live)"
+        );
+    }
     let _ = writeln!(
         out,
         "serving {} bytes of {mem} memory as \"buffer\" on backend {} (epoch {:016x}); Ctrl-C stops",

@@ -81,6 +81,9 @@ pub struct EngineConfig {
     pub max_sessions: usize,
     /// Authenticated sessions served at once for one address.
     pub max_sessions_per_source: usize,
+    /// Where the metrics endpoint listens (`HOST:PORT`): `GET /metrics` answers the
+    /// engine's metrics in the OpenMetrics text format. Unset: no endpoint.
+    pub metrics_listen: Option<String>,
 }
 
 impl Default for EngineConfig {
@@ -104,6 +107,7 @@ impl Default for EngineConfig {
             max_pending_per_source: 256,
             max_sessions: 4096,
             max_sessions_per_source: 1024,
+            metrics_listen: None,
         }
     }
 }

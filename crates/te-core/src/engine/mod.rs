@@ -51,6 +51,7 @@ pub struct TransferOptions {
 pub struct Engine {
     inner: Arc<Inner>,
     control: Option<ControlPlane>,
+    exporter: Option<exporter::Exporter>,
 }
 
 /// A KV layout as registered: the caller's version (for planning local requests) and
@@ -205,9 +206,19 @@ impl Engine {
             address = %inner.control.address(),
             "engine started"
         );
+        let exporter = match &inner.config.metrics_listen {
+            Some(listen) => {
+                let weak = Arc::downgrade(&inner);
+                let snapshot: exporter::Snapshot =
+                    Arc::new(move || weak.upgrade().map(|i| i.metrics()));
+                Some(exporter::Exporter::start(listen, snapshot)?)
+            }
+            None => None,
+        };
         Ok(Engine {
             inner,
             control: Some(plane),
+            exporter,
         })
     }
 
@@ -345,17 +356,12 @@ impl Engine {
     /// and requests per direction and per peer, batch latency, registered memory and
     /// notifications (docs/metrics.md explains each). Cheap enough to call often.
     pub fn metrics(&self) -> Metrics {
-        let peers = self
-            .inner
-            .peers
-            .lock()
-            .values()
-            .map(|p| {
-                let name = p.inner.segment.read().engine.clone();
-                p.inner.metrics.snapshot(&p.inner.addr, &name)
-            })
-            .collect();
-        self.inner.metrics.snapshot(peers)
+        self.inner.metrics()
+    }
+
+    /// Where the metrics endpoint listens (`[engine] metrics_listen`), if it runs.
+    pub fn metrics_address(&self) -> Option<SocketAddr> {
+        self.exporter.as_ref().map(exporter::Exporter::address)
     }
 
     /// The next received notification, waiting at most `timeout`.
@@ -405,6 +411,7 @@ impl Drop for Engine {
             .default_timeout
             .min(Duration::from_secs(2));
         self.inner.store.withdraw(Deadline::after(bound));
+        self.exporter.take();
         self.control.take();
         let peers: Vec<Peer> = self.inner.peers.lock().drain().map(|(_, p)| p).collect();
         let deadline = self.inner.deadline(None);
@@ -506,10 +513,27 @@ impl Inner {
     }
 }
 
+mod exporter;
 mod layouts;
 mod peers;
 mod regions;
 mod submit;
+
+impl Inner {
+    /// The counters' snapshot, with the peers this engine holds.
+    fn metrics(&self) -> Metrics {
+        let peers = self
+            .peers
+            .lock()
+            .values()
+            .map(|p| {
+                let name = p.inner.segment.read().engine.clone();
+                p.inner.metrics.snapshot(&p.inner.addr, &name)
+            })
+            .collect();
+        self.metrics.snapshot(peers)
+    }
+}
 
 pub use layouts::BlockOptions;
 pub use peers::Peer;
