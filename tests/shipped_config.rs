@@ -64,19 +64,21 @@ fn every_linked_backend_has_a_table_in_plugins_toml() {
     }
 }
 
-#[test]
-fn a_misspelt_key_in_a_table_is_caught_without_creating_the_backend() {
-    let config = Config::from_toml(
-        "[backends.rdma]\nslice_sise = \"1MiB\"\n",
-        "typo.toml",
-        Path::new("."),
-    )
-    .unwrap();
+/// The error `te check` gives for `[backends.rdma]` `table` in a file named `file`,
+/// without creating the backend.
+fn rdma_table_refused(table: &str, file: &str) -> te::Error {
+    let config =
+        Config::from_toml(&format!("[backends.rdma]\n{table}\n"), file, Path::new(".")).unwrap();
     let entry = Registry::discover(&[]).get("rdma").unwrap().clone();
-    let e = entry
+    entry
         .check_table(&config.backend_context("rdma"))
         .expect("rdma registers by type")
-        .unwrap_err();
+        .unwrap_err()
+}
+
+#[test]
+fn a_misspelt_key_in_a_table_is_caught_without_creating_the_backend() {
+    let e = rdma_table_refused("slice_sise = \"1MiB\"", "typo.toml");
     assert!(e.to_string().contains("slice_sise"), "{e}");
     assert!(e.to_string().contains("typo.toml"), "{e}");
 }
@@ -103,17 +105,7 @@ fn each_table_in_plugins_toml_names_exactly_the_keys_its_backend_takes() {
 
 #[test]
 fn a_table_that_parses_but_cannot_work_is_refused_without_creating_the_backend() {
-    let config = Config::from_toml(
-        "[engine]\nbackend = \"tcp\"\n[backends.rdma]\nqps_per_path = 0\n",
-        "zero.toml",
-        Path::new("."),
-    )
-    .unwrap();
-    let entry = Registry::discover(&[]).get("rdma").unwrap().clone();
-    let e = entry
-        .check_table(&config.backend_context("rdma"))
-        .expect("rdma registers by type")
-        .unwrap_err();
+    let e = rdma_table_refused("qps_per_path = 0", "zero.toml");
     assert_eq!(e.kind(), te::ErrorKind::ConfigInvalid, "{e}");
     assert!(e.to_string().contains("qps_per_path"), "{e}");
     assert!(e.to_string().contains("zero.toml"), "{e}");

@@ -26,13 +26,15 @@ def pair(request):
 
 
 class Proc:
-    """A Python peer process: runs `code`, reads its stdout lines, writes its stdin."""
+    """A Python peer process: runs `code` (or the script and arguments `argv`, with
+    `env` added to the environment), reads its stdout lines, writes its stdin."""
 
-    def __init__(self, code):
+    def __init__(self, code=None, argv=None, env=None):
+        args = ["-c", textwrap.dedent(code)] if argv is None else [str(a) for a in argv]
         self.p = subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(code)],
+            [sys.executable, *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
         )
 
     def read(self):

@@ -11,12 +11,13 @@ NIXL's package is required: without it these tests fail, they do not skip
 """
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+
+from conftest import Proc
 
 CLIENT = pathlib.Path(__file__).parent / "nixl_clients" / "kv_pull.py"
 
@@ -24,15 +25,11 @@ CLIENT = pathlib.Path(__file__).parent / "nixl_clients" / "kv_pull.py"
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 
 
-class Client:
+class Client(Proc):
     """One role of kv_pull.py in its own process, spoken to line by line."""
 
     def __init__(self, role, impl):
-        self.p = subprocess.Popen(
-            [sys.executable, str(CLIENT), role, impl],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", **UCX_ENV),
-        )
+        super().__init__(argv=[CLIENT, role, impl], env=UCX_ENV)
 
     def read(self):
         """The next JSON line the client printed (other lines are NIXL's logging)."""
@@ -42,15 +39,6 @@ class Client:
                 raise AssertionError(f"the {self.p.args[2]} client exited ({self.p.wait()})")
             if line.startswith(("{", "[")):
                 return json.loads(line)
-
-    def send(self, line):
-        self.p.stdin.write(line + "\n")
-        self.p.stdin.flush()
-
-    def close(self):
-        if self.p.poll() is None:
-            self.p.kill()
-        self.p.wait()
 
 
 def run(impl):

@@ -11,22 +11,7 @@ Same calls, argument shapes, return values and exception classes as NIXL's
 ``docs/nixl.md``.
 """
 
-from ._api import (
-    DEFAULT_COMM_PORT,
-    nixl_agent,
-    nixl_agent_config,
-    nixl_backend_handle,
-    nixl_prepped_dlist_handle,
-    nixl_thread_sync_t,
-    nixl_xfer_handle,
-)
+from . import _api
+from ._api import *  # noqa: F401,F403 (the names _api.__all__ lists)
 
-__all__ = [
-    "DEFAULT_COMM_PORT",
-    "nixl_agent",
-    "nixl_agent_config",
-    "nixl_backend_handle",
-    "nixl_prepped_dlist_handle",
-    "nixl_thread_sync_t",
-    "nixl_xfer_handle",
-]
+__all__ = list(_api.__all__)
