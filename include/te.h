@@ -195,6 +195,16 @@ void te_engine_free(te_engine *engine);
  */
 int te_engine_address(const te_engine *engine, char *buf, size_t len);
 
+/**
+ * Writes what the engine has done — batches and their outcomes, bytes and requests per
+ * direction and per peer, the latency histogram, registered memory, notifications —
+ * as one JSON object (the keys of docs/metrics.md), NUL-terminated, into `buf` of
+ * `len` bytes, and the bytes that takes (NUL included) into `*needed` unless NULL. A
+ * buffer too small is TE_ERR_INVALID_REQUEST, with `*needed` set: call again with one
+ * that large.
+ */
+int te_engine_metrics(const te_engine *engine, char *buf, size_t len, size_t *needed);
+
 /* ---- memory ---------------------------------------------------------------------- */
 
 /**

@@ -183,6 +183,15 @@ static void null_and_bad_arguments_are_errors(void) {
     FAILS(TE_ERR_INVALID_REQUEST, te_engine_register(e, "x", buf, 0, NULL, 0, &id));
     FAILS(TE_ERR_UNSUPPORTED, te_engine_register(e, "x", buf, sizeof buf, "nodev:0", 0, &id));
     FAILS(TE_ERR_NOT_REGISTERED, te_engine_deregister(e, 12345));
+    /* The metrics as JSON: a small buffer says how large a buffer they need. */
+    size_t needed = 0;
+    char small[8];
+    FAILS(TE_ERR_INVALID_REQUEST, te_engine_metrics(e, small, sizeof small, &needed));
+    if (needed < 64) FAIL("the metrics need %zu bytes?", needed);
+    char *json = malloc(needed);
+    OK(te_engine_metrics(e, json, needed, NULL));
+    if (!strstr(json, "\"batches_submitted\":0")) FAIL("metrics: %s", json);
+    free(json);
     /* "auto" asks the device runtimes; host memory stays host memory. */
     OK(te_engine_register(e, "auto", buf, sizeof buf, "auto", 0, &id));
     OK(te_engine_deregister(e, id));

@@ -144,26 +144,66 @@ pub unsafe extern "C" fn te_engine_address(
         // SAFETY: te.h asks for a live engine.
         let engine = unsafe { obj(engine, OP, "engine") }?;
         let address = engine.engine.address().to_string();
-        if buf.is_null() {
-            return Err(bad_argument(OP, "`buf` is NULL"));
-        }
-        if len < address.len() + 1 {
-            return Err(bad_argument(
-                OP,
-                format!(
-                    "`buf` holds {len} bytes; the address `{address}` needs {}",
-                    address.len() + 1
-                ),
-            ));
-        }
-        // SAFETY: `buf` is valid for `len` bytes (te.h), and `len` exceeds the address's
-        // length, so the copy and its NUL fit; a Rust string cannot overlap C's buffer.
-        unsafe {
-            std::ptr::copy_nonoverlapping(address.as_ptr(), buf.cast::<u8>(), address.len());
-            buf.add(address.len()).write(0);
-        }
-        Ok(TE_OK)
+        // SAFETY: te.h asks for `buf` valid for `len` bytes of writes.
+        unsafe { write_c_string(OP, "the address", &address, buf, len) }
     })
+}
+
+/// `int te_engine_metrics(const te_engine *, char *buf, size_t len, size_t *needed)`.
+///
+/// # Safety
+/// `engine` a live engine; `buf` valid for `len` bytes of writes; `needed` NULL or
+/// valid for one write.
+#[no_mangle]
+pub unsafe extern "C" fn te_engine_metrics(
+    engine: *const TeEngine,
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> c_int {
+    const OP: &str = "te_engine_metrics";
+    guard(OP, || {
+        // SAFETY: te.h asks for a live engine.
+        let engine = unsafe { obj(engine, OP, "engine") }?;
+        let json = serde_json::to_string(&engine.engine.metrics())
+            .map_err(|e| bad_argument(OP, format!("the metrics do not encode: {e}")))?;
+        if !needed.is_null() {
+            // SAFETY: te.h asks for `needed` NULL or valid for one write.
+            unsafe { needed.write(json.len() + 1) };
+        }
+        // SAFETY: te.h asks for `buf` valid for `len` bytes of writes.
+        unsafe { write_c_string(OP, "the metrics", &json, buf, len) }
+    })
+}
+
+/// Copies `s` and a NUL into `buf`, or refuses a buffer too small for them.
+///
+/// # Safety
+/// `buf` is NULL or valid for `len` bytes of writes.
+unsafe fn write_c_string(
+    op: &'static str,
+    what: &str,
+    s: &str,
+    buf: *mut c_char,
+    len: usize,
+) -> Result<c_int> {
+    if buf.is_null() {
+        return Err(bad_argument(op, "`buf` is NULL"));
+    }
+    if len < s.len() + 1 {
+        return Err(bad_argument(
+            op,
+            format!("`buf` holds {len} bytes; {what} needs {}", s.len() + 1),
+        ));
+    }
+    // SAFETY: `buf` is valid for `len` bytes (the caller's promise), and `len` exceeds
+    // the string's length, so the copy and its NUL fit; a Rust string cannot overlap
+    // C's buffer.
+    unsafe {
+        std::ptr::copy_nonoverlapping(s.as_ptr(), buf.cast::<u8>(), s.len());
+        buf.add(s.len()).write(0);
+    }
+    Ok(TE_OK)
 }
 
 fn access_of(bits: u32, operation: &'static str) -> Result<Access> {

@@ -19,7 +19,7 @@ mod inbox;
 
 pub use batch::{te_batch_cancel, te_batch_eventfd, te_batch_free, te_batch_on_complete};
 pub use batch::{te_batch_status, te_batch_wait, TeBatch};
-pub use engine::{te_engine_address, te_engine_connect, te_engine_deregister};
+pub use engine::{te_engine_address, te_engine_connect, te_engine_deregister, te_engine_metrics};
 pub use engine::{te_engine_deregister_layout, te_engine_free, te_engine_from_file};
 pub use engine::{te_engine_new, te_engine_pull_blocks, te_engine_push_blocks};
 pub use engine::{te_engine_register, te_engine_register_layout, te_engine_transfer};
