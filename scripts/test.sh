@@ -13,8 +13,10 @@ cd "$(dirname "$0")/.."
 # the network-namespace tests, and nftables drops packets for them where the kernel
 # has no netem. python3 and python3-venv build and test the Python package.
 packages=(qperf libibverbs-dev etcd-server iproute2 nftables python3 python3-venv)
-# g++ compiles the C++ test of the C ABI (tests/capi/run.sh).
-packages+=(g++)
+# g++ compiles the C++ test of the C ABI (tests/capi/run.sh) and, with gcc, the
+# stand-in libcuda.so.1 of the Mooncake differential tests; Mooncake's wheel links
+# libibverbs, libmlx5 (ibverbs-providers), libnuma and libcurl, which it does not ship.
+packages+=(g++ gcc libibverbs1 ibverbs-providers libnuma1 libcurl4)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -52,6 +54,9 @@ venv="$PWD/target/venv"
 # NIXL's own package, the oracle of te.nixl's differential tests (UCX inside the wheel;
 # --no-deps keeps out torch and the CUDA wheels it declares but does not import).
 "$venv/bin/pip" install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+# Mooncake's own wheel, the oracle of te.mooncake's differential tests, with the CUDA
+# runtime it loads (the tests give it a stand-in libcuda.so.1 that reports no device).
+"$venv/bin/pip" install -q mooncake-transfer-engine==0.3.13.post1 nvidia-cuda-runtime-cu12==12.9.79
 (cd crates/te-python && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop --locked)
 "$venv/bin/python" -m pytest -q -rs crates/te-python/tests
 

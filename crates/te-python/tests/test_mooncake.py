@@ -1,12 +1,21 @@
-"""te.mooncake: Mooncake's TransferEngine calls, across two processes over tcp."""
+"""te.mooncake: Mooncake's TransferEngine calls, across two processes.
+
+What te.mooncake shares with Mooncake is checked against Mooncake's wheel in
+test_mooncake_differential.py; these tests need only te: the rdma protocol on a host
+without RDMA, memory registered without a location (host and fakedev device memory),
+the environment variables Mooncake reads, and te's own checks."""
 
 import hashlib
+import logging
 import time
 
 import numpy as np
 import pytest
 
-from te.mooncake import TransferEngine, TransferOpcode
+import te
+from te import mooncake
+from te.mooncake import TransferEngine, TransferNotify, TransferOpcode
+from te.testing import FakeDeviceBuffer
 
 TARGET = """
     import hashlib, sys
@@ -79,7 +88,7 @@ def test_async_batches_report_through_get_batch_transfer_status(engines):
     ids = [
         local.batch_transfer_async_read(session, [dst.ctypes.data], [addr], [half]),
         local.batch_transfer_async(
-            session, [dst.ctypes.data + half], [addr + half], [half], TransferOpcode.READ
+            session, [dst.ctypes.data + half], [addr + half], [half], TransferOpcode.Read
         ),
     ]
     assert all(i > 0 for i in ids) and ids[0] != ids[1]
@@ -105,20 +114,24 @@ def test_addresses_outside_every_region_fail_and_write_nothing(engines):
     assert local.transfer_sync_write(session, src.ctypes.data, addr + (1 << 20), 16) < 0
     assert local.transfer_sync_write(session, src.ctypes.data, addr + (1 << 20) - 8, 16) < 0
     assert local.transfer_sync_write(session, src.ctypes.data, addr - 4096, 16) < 0
-    # Addresses at the top of the address space, and past it.
+    # Addresses at the top of the address space; past it, pybind11's TypeError.
     assert local.transfer_sync_write(session, src.ctypes.data, 2**64 - 8, 16) < 0
     assert local.transfer_sync_write(session, 2**64 - 8, addr, 16) < 0
-    assert local.transfer_sync_write(session, src.ctypes.data, 2**64, 16) < 0
-    assert local.transfer_sync_write(session, src.ctypes.data, addr, -1) < 0
-    # Local memory never registered.
+    with pytest.raises(TypeError):
+        local.transfer_sync_write(session, src.ctypes.data, 2**64, 16)
+    with pytest.raises(TypeError):
+        local.transfer_sync_write(session, src.ctypes.data, addr, -1)
+    with pytest.raises(TypeError):
+        local.transfer_sync_write(session, "buffer", addr, 16)
+    # Local memory never registered (Mooncake's TCP transport would read it anyway).
     other = np.zeros(64, np.uint8)
     assert local.transfer_sync_write(session, other.ctypes.data, addr, 64) < 0
     assert local.batch_transfer_async_write(session, [other.ctypes.data], [addr], [64]) == 0
-    # Mismatched lists, bad types, unknown batches, unknown peers.
+    assert local.transfer_submit_write(session, other.ctypes.data, addr, 64) == 0
+    # Mismatched lists, unknown batches, unknown peers.
     assert local.batch_transfer_sync_write(session, [src.ctypes.data], [addr, addr], [1]) < 0
-    assert local.transfer_sync_write(session, "buffer", addr, 16) < 0
     assert local.get_batch_transfer_status([123456]) < 0
-    assert local.unregister_memory(other.ctypes.data) < 0
+    assert local.unregister_memory(other.ctypes.data) == mooncake.ERR_ADDRESS_NOT_REGISTERED
     assert local.transfer_sync_write("127.0.0.1:1", src.ctypes.data, addr, 16) < 0
     target.send("hash")
     assert target.read() == before
@@ -141,10 +154,12 @@ def test_a_dead_peer_fails_the_call_and_the_interpreter_survives(engines):
     src = np.zeros(4096, np.uint8)
     assert local.register_memory(src.ctypes.data, src.nbytes) == 0
     assert local.transfer_sync_write(session, src.ctypes.data, addr, 16) == 0
+    assert local.send_probe(session) == 0
     target.close()
     assert local.transfer_sync_write(session, src.ctypes.data, addr, 16) < 0
     b = local.batch_transfer_async_write(session, [src.ctypes.data], [addr], [16])
     assert b == 0 or local.get_batch_transfer_status([b]) < 0
+    assert local.send_probe(session) == mooncake.ERR_SOCKET
 
 
 def test_managed_buffers_and_byte_copies(engines):
@@ -154,6 +169,7 @@ def test_managed_buffers_and_byte_copies(engines):
     assert local.write_bytes_to_buffer(buf, b"hello te", 8) == 0
     assert local.read_bytes_from_buffer(buf, 8) == b"hello te"
     assert local.write_bytes_to_buffer(buf + 4090, b"too long", 8) < 0
+    assert local.register_memory(buf + 1024, 16) == mooncake.ERR_ADDRESS_OVERLAPPED
     assert local.transfer_sync_write(session, buf, addr, 4096) == 0
     assert local.get_first_buffer_address(session) == addr
     assert local.transfer_sync_read(session, buf, addr + 4096, 8) == 0
@@ -166,7 +182,145 @@ def test_calls_before_initialize_fail_cleanly():
     assert e.get_rpc_port() < 0
     assert e.register_memory(4096, 16) < 0
     assert e.transfer_sync_write("127.0.0.1:1", 4096, 4096, 16) < 0
+    assert e.batch_transfer_async_write("127.0.0.1:1", [4096], [4096], [16]) == 0
+    assert e.send_probe("127.0.0.1:1") < 0
+    assert e.get_notifies() == []
     assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "no-such-backend", "") < 0
+    assert e.initialize("127.0.0.1", "redis://127.0.0.1:6379", "tcp", "") < 0
+
+
+# The rdma protocol on a host without RDMA devices, memory registered without a
+# location: host memory and fakedev device memory (addresses the host cannot read).
+RDMA_TARGET = """
+    import hashlib, sys
+    import numpy as np
+    from te.mooncake import TransferEngine
+    from te.testing import FakeDeviceBuffer
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0
+    dev = FakeDeviceBuffer(1 << 20)
+    dev.write(np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8))
+    host = np.zeros(1 << 20, np.uint8)
+    assert e.batch_register_memory([dev.ptr, host.ctypes.data], [dev.nbytes, host.nbytes]) == 0
+    print(f"127.0.0.1:{e.get_rpc_port()} {dev.ptr} {host.ctypes.data} {e.get_engine().backend}")
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "hash":
+            print(hashlib.sha256(dev.read()).hexdigest(), hashlib.sha256(host).hexdigest())
+"""
+
+
+def test_rdma_falls_back_to_tcp_without_devices_and_moves_device_memory(proc, caplog):
+    target = proc(RDMA_TARGET)
+    session, dev_addr, host_addr, backend = target.read().split()
+    dev_addr, host_addr = int(dev_addr), int(host_addr)
+    caplog.set_level(logging.WARNING, logger="te.mooncake")
+    local = TransferEngine()
+    assert local.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0
+    # On a host with RDMA devices both sides use them; on others both fall back.
+    assert backend == local.get_engine().backend
+    assert (backend == "tcp") == ("falling back to tcp" in caplog.text)
+    assert backend in ("tcp", "rdma")
+
+    # No location: te finds that the target's first region is fakedev memory.
+    regions = local.get_engine().connect(session).regions()
+    assert sorted(r["device"] for r in regions) == ["fakedev:0", "host"]
+
+    n = 1 << 20
+    mine = FakeDeviceBuffer(n)
+    staging = np.zeros(n, np.uint8)
+    assert local.batch_register_memory([mine.ptr, staging.ctypes.data], [n, n]) == 0
+    # The target's device memory into ours (device to device), 64 blocks in reverse
+    # order; then ours into the target's host memory.
+    blk = n // 64
+    assert local.batch_transfer_sync_read(
+        session, [mine.ptr + i * blk for i in range(64)],
+        [dev_addr + (63 - i) * blk for i in range(64)], [blk] * 64) == 0
+    expected = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8)
+    got = np.frombuffer(mine.read(), np.uint8)
+    assert np.array_equal(got.reshape(64, blk), expected.reshape(64, blk)[::-1])
+    assert local.transfer_sync_write(session, mine.ptr, host_addr, n) == 0
+    target.send("hash")
+    assert target.read().split() == [sha(expected), sha(got)]
+    assert local.batch_unregister_memory([mine.ptr, staging.ctypes.data]) == 0
+    mine.free()
+
+
+def test_mc_force_tcp_forces_the_tcp_backend(monkeypatch, caplog):
+    monkeypatch.setenv("MC_FORCE_TCP", "1")
+    caplog.set_level(logging.WARNING, logger="te.mooncake")
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "stub", "") == 0
+    assert e.get_engine().backend == "tcp"
+    assert "MC_FORCE_TCP" in caplog.text
+
+
+@pytest.mark.parametrize("value,seconds", [
+    (None, 30), ("12", 12), ("1", 5), ("0", 5), ("-3", 5), ("abc", 5), ("7s", 7),
+])
+def test_mc_transfer_timeout_is_read_once_and_at_least_five_seconds(monkeypatch, value, seconds):
+    if value is None:
+        monkeypatch.delenv("MC_TRANSFER_TIMEOUT", raising=False)
+    else:
+        monkeypatch.setenv("MC_TRANSFER_TIMEOUT", value)
+    e = TransferEngine()
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "99")  # too late: read at construction
+    assert e._timeout == seconds
+
+
+def test_locations_name_host_device_or_auto():
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    host = np.zeros(3 * 4096, np.uint8)
+    a = host.ctypes.data
+    assert e.register_memory(a, 4096, "cpu:0") == 0
+    assert e.register_memory(a + 4096, 4096) == 0  # "*": te finds it is host memory
+    assert e.register_memory(a + 8192, 4096, "fakedev:0") == mooncake.FAILED  # not its owner
+    with FakeDeviceBuffer(4096) as dev:
+        assert e.register_memory(dev.ptr, 4096, "cpu:1") == mooncake.FAILED  # not host memory
+        assert e.batch_register_memory([dev.ptr], [4096], location="*") == 0
+        devices = {addr: reg.device for addr, reg in e._regs.items()}
+        assert devices == {a: "host", a + 4096: "host", dev.ptr: "fakedev:0"}
+        assert e.unregister_memory(dev.ptr) == 0
+
+
+def test_notifications_from_te_s_own_api_carry_the_sender_s_name():
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    with te.Engine({"engine": {"backend": "tcp", "listen": "127.0.0.1:0"}}) as native:
+        peer = native.connect(f"127.0.0.1:{e.get_rpc_port()}", timeout=10)
+        assert native.notify(peer, b"plain").wait(10)
+        got = []
+        end = time.monotonic() + 10
+        while not got and time.monotonic() < end:
+            got = e.get_notifies()
+            time.sleep(0.01)
+        assert [(n.name, n.msg) for n in got] == [(native.name, "plain")]
+    assert repr(TransferNotify("a", "b")) == "TransferNotify(name='a', msg='b')"
+
+
+def test_a_second_initialize_starts_a_new_engine():
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    old = f"127.0.0.1:{e.get_rpc_port()}"
+    buf = np.zeros(4096, np.uint8)
+    assert e.register_memory(buf.ctypes.data, 4096) == 0
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert f"127.0.0.1:{e.get_rpc_port()}" != old
+    assert e.send_probe(old) == mooncake.ERR_SOCKET  # the first engine is gone
+    assert e.unregister_memory(buf.ctypes.data) == mooncake.ERR_ADDRESS_NOT_REGISTERED
+    assert e.register_memory(buf.ctypes.data, 4096) == 0
+
+
+def test_calls_te_cannot_offer_exist_and_fail_as_mooncake_does(caplog):
+    caplog.set_level(logging.INFO, logger="te.mooncake")
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    with pytest.raises(RuntimeError, match="CUDA stream"):
+        e.batch_transfer_write_on_cuda(f"127.0.0.1:{e.get_rpc_port()}", [1], [1], [1], 0)
+    assert e.get_engine_ptr() == 0
+    assert e.warmup_efa_segment("127.0.0.1:1") == 0
+    assert "no Mooncake C++ engine" in caplog.text and "no EFA transport" in caplog.text
 
 
 PREFILL = """
@@ -186,8 +340,6 @@ PREFILL = """
 
 
 def test_nixl_style_pull_with_a_notification_across_processes(proc):
-    import te
-
     prefill = proc(PREFILL)
     addr, name = prefill.read().split()
     layers, blocks, blk = 4, 16, 4096

@@ -11,16 +11,15 @@ Differences from NIXL are listed in ``docs/nixl.md``.
 
 import logging
 import os
-import pathlib
 import sys
 import threading
 import time
-import tomllib
 
 import numpy as np
 
 import te
 
+from .._config import base_config
 from . import _metadata
 from ._bindings import (
     BLK_SEG,
@@ -75,25 +74,10 @@ def _te_device(mem, dev_id):
     return "auto"
 
 
-def _base_config():
-    """The file named by ``$TE_CONFIG`` as a dict, its relative plugin directories made
-    absolute; empty without it. (As ``te.mooncake`` reads it.)"""
-    path = os.environ.get("TE_CONFIG")
-    if not path:
-        return {}
-    with open(path, "rb") as f:
-        cfg = tomllib.load(f)
-    dirs = cfg.get("engine", {}).get("plugin_dirs")
-    if dirs:
-        base = pathlib.Path(path).parent
-        cfg["engine"]["plugin_dirs"] = [str(base / d) for d in dirs]
-    return cfg
-
-
 def _engine_config(agent_name):
     """te's configuration for an agent: ``$TE_CONFIG``'s tables, the agent's name as the
     engine's, and by default the tcp backend listening on loopback."""
-    cfg = _base_config()
+    cfg = base_config()
     engine = cfg.setdefault("engine", {})
     engine["name"] = agent_name
     engine.setdefault("backend", "tcp")
