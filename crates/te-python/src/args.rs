@@ -133,6 +133,15 @@ fn non_negative<T: TryInto<u64> + Copy + std::fmt::Display>(v: Vec<T>) -> PyResu
 /// int32 or uint32 (numpy), a contiguous int64 CPU tensor (by `data_ptr()`), or any
 /// sequence of ints.
 fn integers(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(Vec<u64>, Vec<usize>)> {
+    // A list of plain non-negative ints (Mooncake's callers pass lists) is read item by
+    // item; anything else in it falls through to the checks below and their errors.
+    if let Ok(list) = obj.downcast::<PyList>() {
+        let v: Option<Vec<u64>> = list.iter().map(|x| x.extract::<u64>().ok()).collect();
+        if let Some(v) = v {
+            let n = v.len();
+            return Ok((v, vec![n]));
+        }
+    }
     if let Some(r) = from_buffer::<i64>(obj) {
         let (v, s) = r?;
         return Ok((non_negative(v)?, s));

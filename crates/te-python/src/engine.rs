@@ -272,8 +272,9 @@ impl PyEngine {
         let options = Self::options(notify, timeout)?;
         let peer = &peer.peer;
         let mut requests = Vec::with_capacity(buffers.len());
+        let map = self.addrs.read();
         for (i, ((&local, &len), &addr)) in buffers.iter().zip(&lengths).zip(&remote).enumerate() {
-            let (local, local_offset) = local_region(&self.addrs, local, len).ok_or_else(|| {
+            let (local, local_offset) = local_region(&map, local, len).ok_or_else(|| {
                 te_err(
                     ErrorKind::NotRegistered,
                     "transfer",
@@ -291,6 +292,7 @@ impl PyEngine {
                 len,
             });
         }
+        drop(map);
         py.allow_threads(|| {
             // One deadline covers a descriptor refresh and the batch, as in te-core.
             let started = Instant::now();
