@@ -2,6 +2,8 @@
 //! and per peer, latency, registered memory, notifications; and what a handle tells
 //! of its batch. docs/metrics.md lists every field (checked here).
 
+mod common;
+
 use std::time::Duration;
 
 use te::{Access, Config, Engine, ErrorKind, Metrics, PeerMetrics, TransferRequest};
@@ -77,6 +79,7 @@ fn batches_bytes_latency_registrations_and_notifications_are_counted() {
 
     let t = target.metrics();
     assert_eq!((t.notifications_received, t.notifications_refused), (1, 0));
+    assert_eq!((t.peers_connected, m.peers_connected), (1, 1));
     assert_eq!(t.batches_submitted, 0);
     drop(dst);
     assert!(target.metrics().registrations.iter().all(|r| r.count == 0));
@@ -98,4 +101,55 @@ fn docs_metrics_md_explains_every_field() {
         );
     }
     assert!(fields[0].contains(&"batches_failed"));
+}
+
+/// Waits (at most 5 s) until `f` holds of `e`'s metrics.
+fn eventually(e: &Engine, f: impl Fn(&Metrics) -> bool) -> Metrics {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let m = e.metrics();
+        if f(&m) || std::time::Instant::now() > deadline {
+            return m;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn peers_that_leave_and_refused_connections_are_counted() {
+    let mut c = Config::defaults();
+    c.engine.auth_token = Some("s3cret".into());
+    let target = Engine::from_config(&c).unwrap();
+    let addr = target.address().to_string();
+    // A te peer with a wrong token hangs up (it cannot verify this engine's proof); a
+    // raw peer that skips its proof is refused; so is a first frame that is no hello.
+    let mut wrong = c.clone();
+    wrong.engine.auth_token = Some("guess".into());
+    let e = Engine::from_config(&wrong).unwrap();
+    assert!(e.connect_with(&addr, Duration::from_secs(5)).is_err());
+    let mut s = common::raw(&addr);
+    let hello = common::frame(common::kind::HELLO, 0, &common::hello((2, 2), "x", 1));
+    std::io::Write::write_all(&mut s, &hello).unwrap();
+    let segment = common::frame(common::kind::GET_SEGMENT, 1, &[]);
+    std::io::Write::write_all(&mut s, &segment).unwrap();
+    common::frames_until_closed(&mut s);
+    let mut s = common::raw(&addr);
+    std::io::Write::write_all(&mut s, b"GET / HTTP/1.1\r\n").unwrap();
+    common::frames_until_closed(&mut s);
+    let m = eventually(&target, |m| m.control_refusals.len() == 3);
+    let by = |r: &str| (r.to_string(), 1);
+    assert_eq!(
+        m.control_refusals,
+        vec![by("auth"), by("protocol"), by("closed")]
+    );
+    // A peer with the token connects, then leaves with a goodbye.
+    let peer = Engine::from_config(&c).unwrap();
+    peer.connect(&addr).unwrap();
+    assert_eq!(
+        eventually(&target, |m| m.peers_connected == 1).peers_connected,
+        1
+    );
+    drop(peer);
+    let m = eventually(&target, |m| m.peers_left == 1);
+    assert_eq!((m.peers_connected, m.peers_left, m.peers_lost), (0, 1, 0));
 }

@@ -119,6 +119,11 @@ impl BatchState {
         let _ = self.meter.set(meter);
     }
 
+    /// The batch's trace span, once it is measured.
+    pub(crate) fn span(&self) -> Option<&tracing::Span> {
+        self.meter.get().map(BatchMeter::span)
+    }
+
     /// Notes that the backend has taken the batch.
     pub(crate) fn posted(&self) {
         if let Some(m) = self.meter.get() {

@@ -133,6 +133,7 @@ impl Counters {
             notifications_received: self.notifications_received.load(Relaxed),
             notifications_refused: self.notifications_refused.load(Relaxed),
             peers,
+            ..Metrics::default()
         }
     }
 }
@@ -153,6 +154,54 @@ impl PeerCounters {
     }
 }
 
+/// Why the control plane refused a connection, as counted.
+pub(crate) const REFUSALS: [&str; 6] = [
+    "auth", "protocol", "limits", "deadline", "closed", "evicted",
+];
+
+/// The control plane's counters: peers and refusals.
+#[derive(Default)]
+pub(crate) struct ControlCounters {
+    /// Peer lives with a session or connection up now.
+    pub(crate) peers: AtomicU64,
+    pub(crate) lost: AtomicU64,
+    pub(crate) restarted: AtomicU64,
+    pub(crate) left: AtomicU64,
+    refused: [AtomicU64; REFUSALS.len()],
+}
+
+impl ControlCounters {
+    /// A connection refused before it became a session, for `error` (`None`: evicted
+    /// to make room).
+    pub(crate) fn refused(&self, error: Option<&crate::error::Error>) {
+        let reason = match error.map(crate::error::Error::kind) {
+            None => "evicted",
+            Some(ErrorKind::Unauthorized) => "auth",
+            Some(ErrorKind::Busy) => "limits",
+            Some(ErrorKind::Timeout) => "deadline",
+            Some(ErrorKind::PeerUnreachable | ErrorKind::Io) => "closed",
+            Some(_) => "protocol",
+        };
+        if let Some(i) = REFUSALS.iter().position(|r| *r == reason) {
+            self.refused[i].fetch_add(1, Relaxed);
+        }
+    }
+
+    /// Writes these counters into `m`.
+    pub(crate) fn fill(&self, m: &mut Metrics) {
+        m.peers_connected = self.peers.load(Relaxed);
+        m.peers_lost = self.lost.load(Relaxed);
+        m.peers_restarted = self.restarted.load(Relaxed);
+        m.peers_left = self.left.load(Relaxed);
+        m.control_refusals = REFUSALS
+            .iter()
+            .zip(&self.refused)
+            .map(|(r, n)| (r.to_string(), n.load(Relaxed)))
+            .filter(|(_, n)| *n > 0)
+            .collect();
+    }
+}
+
 /// One batch's measure: what it moves, when it started, when the backend took it and
 /// when it ended; counted into the engine's and its peer's counters once, at its end.
 pub(crate) struct BatchMeter {
@@ -165,6 +214,8 @@ pub(crate) struct BatchMeter {
     started_at: SystemTime,
     posted: OnceLock<Duration>,
     ended: OnceLock<Duration>,
+    /// The batch's trace span (disabled, and free, unless a subscriber wants it).
+    span: tracing::Span,
 }
 
 impl BatchMeter {
@@ -173,6 +224,7 @@ impl BatchMeter {
         engine: Arc<Counters>,
         peer: Arc<PeerCounters>,
         requests: &[TransferRequest],
+        span: tracing::Span,
     ) -> BatchMeter {
         let (mut bytes, mut count) = ([0u64; 2], [0u64; 2]);
         for r in requests {
@@ -193,7 +245,13 @@ impl BatchMeter {
             started_at: SystemTime::now(),
             posted: OnceLock::new(),
             ended: OnceLock::new(),
+            span,
         }
+    }
+
+    /// The batch's trace span, for what runs on its behalf.
+    pub(crate) fn span(&self) -> &tracing::Span {
+        &self.span
     }
 
     /// The backend has taken the batch.
@@ -207,6 +265,12 @@ impl BatchMeter {
         if self.ended.set(took).is_err() {
             return;
         }
+        self.span.in_scope(|| match result {
+            Ok(()) => tracing::debug!(duration_us = took.as_micros() as u64, "batch completed"),
+            Err(e) => {
+                tracing::debug!(duration_us = took.as_micros() as u64, error = %e, "batch failed")
+            }
+        });
         let (e, p) = (&self.engine, &self.peer);
         e.in_flight.fetch_sub(1, Relaxed);
         e.in_flight_bytes
@@ -298,6 +362,18 @@ pub struct Metrics {
     pub notifications_refused: u64,
     /// Per connected peer.
     pub peers: Vec<PeerMetrics>,
+    /// Peer engines with a control-plane session or connection up now.
+    pub peers_connected: u64,
+    /// Peers lost: a session broke without a goodbye, or went silent.
+    pub peers_lost: u64,
+    /// Peers that came back with a new epoch (restarted).
+    pub peers_restarted: u64,
+    /// Peers that said goodbye.
+    pub peers_left: u64,
+    /// Control-plane connections refused before they became sessions, by reason
+    /// (`auth`, `protocol`, `limits`, `deadline`, `closed`, `evicted`), only reasons that
+    /// occurred.
+    pub control_refusals: Vec<(String, u64)>,
 }
 
 /// Durations in fixed buckets.

@@ -111,6 +111,8 @@ pub(crate) struct Shared {
     closed: AtomicBool,
     tasks: Mutex<usize>,
     tasks_done: Condvar,
+    /// Peers up, lost, restarted, left; refusals.
+    pub(crate) counters: crate::metrics::ControlCounters,
 }
 
 impl Shared {
@@ -129,8 +131,15 @@ impl Shared {
             .or_insert((peer.epoch, 0));
         if entry.0 != peer.epoch {
             let previous = entry.0;
+            if entry.1 > 0 {
+                self.counters.peers.fetch_sub(1, Ordering::Relaxed);
+            }
             *entry = (peer.epoch, 0);
+            self.counters.restarted.fetch_add(1, Ordering::Relaxed);
             self.event(PeerEventKind::Restarted, peer, Some(previous));
+        }
+        if entry.1 == 0 {
+            self.counters.peers.fetch_add(1, Ordering::Relaxed);
         }
         entry.1 += 1;
     }
@@ -145,12 +154,16 @@ impl Shared {
             return;
         }
         entry.1 -= 1;
+        if entry.1 == 0 {
+            self.counters.peers.fetch_sub(1, Ordering::Relaxed);
+        }
         if entry.1 == 0 && !self.closed.load(Ordering::Acquire) {
-            let kind = if graceful {
-                PeerEventKind::Left
+            let (kind, counter) = if graceful {
+                (PeerEventKind::Left, &self.counters.left)
             } else {
-                PeerEventKind::Lost
+                (PeerEventKind::Lost, &self.counters.lost)
             };
+            counter.fetch_add(1, Ordering::Relaxed);
             self.event(kind, peer, None);
         }
     }
@@ -321,6 +334,7 @@ impl ControlPlane {
             closed: AtomicBool::new(false),
             tasks: Mutex::new(0),
             tasks_done: Condvar::new(),
+            counters: Default::default(),
         });
         let listener = {
             let _guard = rt.enter();

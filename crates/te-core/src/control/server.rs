@@ -144,13 +144,17 @@ async fn serve(mut ticket: Ticket, stream: TcpStream, addr: SocketAddr) {
     let Some(slot) = &ticket.pending else { return };
     let handshake = tokio::select! {
         r = within(deadline, "the control-plane handshake", handshake(&shared, &mut reader, &mut writer)) => r,
-        _ = slot.evicted() => return,
+        _ = slot.evicted() => {
+            shared.counters.refused(None);
+            return;
+        }
         _ = closed(&mut closing) => return,
     };
     let peer = match handshake.and_then(|peer| ticket.promote().map(|()| peer)) {
         Ok(peer) => peer,
         Err(e) => {
             tracing::debug!(%addr, error = %e, "control plane: refused a connection");
+            shared.counters.refused(Some(&e));
             let f = wire::frame(Kind::Error, 0, &wire::error_payload(&e));
             let _ = tokio::time::timeout(Duration::from_secs(1), writer.write_all(&f)).await;
             return;

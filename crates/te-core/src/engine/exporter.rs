@@ -334,6 +334,35 @@ pub(crate) fn encode(m: &Metrics) -> String {
         }
     }
     r.register(
+        "peers_connected",
+        "Peer engines with a session up",
+        gauge(m.peers_connected),
+    );
+    let events = Family::<Labels, Counter<u64>>::default();
+    for (kind, n) in [
+        ("lost", m.peers_lost),
+        ("restarted", m.peers_restarted),
+        ("left", m.peers_left),
+    ] {
+        events.get_or_create(&labels(&[("kind", kind)])).inc_by(n);
+    }
+    r.register(
+        "peer_events",
+        "Peers lost, restarted or gone, by kind",
+        events,
+    );
+    let refused = Family::<Labels, Counter<u64>>::default();
+    for (reason, n) in &m.control_refusals {
+        refused
+            .get_or_create(&labels(&[("reason", reason)]))
+            .inc_by(*n);
+    }
+    r.register(
+        "control_refusals",
+        "Control-plane connections refused, by reason",
+        refused,
+    );
+    r.register(
         "peer_batches_completed",
         "Batches to a peer completed",
         done,

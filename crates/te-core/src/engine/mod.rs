@@ -531,7 +531,9 @@ impl Inner {
                 p.inner.metrics.snapshot(&p.inner.addr, &name)
             })
             .collect();
-        self.metrics.snapshot(peers)
+        let mut m = self.metrics.snapshot(peers);
+        self.control.counters.fill(&mut m);
+        m
     }
 }
 

@@ -121,7 +121,20 @@ impl Inner {
         let pins = self.check(&peer, requests, &state)?;
         // Measured from here: a batch the checks refused is an error of the call.
         let metrics = peer.inner.metrics.clone();
-        state.meter(BatchMeter::start(self.metrics.clone(), metrics, requests));
+        let bytes: u64 = requests.iter().map(|r| r.len).sum();
+        let span = tracing::debug_span!(
+            "batch",
+            id = state.id().0,
+            peer = %peer.inner.addr,
+            requests = requests.len(),
+            bytes,
+        );
+        state.meter(BatchMeter::start(
+            self.metrics.clone(),
+            metrics,
+            requests,
+            span,
+        ));
         self.timer.add(&state);
         let handle = TransferHandle::new(state.clone());
         let finisher = Finisher {
@@ -166,7 +179,10 @@ impl Inner {
             }),
         );
         let backend_id = peer.inner.backend_id;
-        let submitted = self.backend.submit(backend_id, requests, done);
+        let submitted = {
+            let _entered = state.span().map(tracing::Span::enter);
+            self.backend.submit(backend_id, requests, done)
+        };
         state.posted();
         let ok = submitted.is_ok();
         Join::arrive(
