@@ -167,3 +167,30 @@ fn te_serve_serves_its_metrics_and_te_stats_prints_them_live() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("metrics_listen"), "{err}");
 }
+
+#[test]
+fn te_bench_serves_the_initiators_metrics_when_asked() {
+    let out = common::te()
+        .args([
+            "bench",
+            "--backend",
+            "tcp",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ])
+        .args([
+            "--duration",
+            "200ms",
+            "--warmup",
+            "50ms",
+            "--block-size",
+            "4KiB",
+            "--batch",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("metrics at http://127.0.0.1:"), "{err}");
+}

@@ -132,8 +132,17 @@ pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
             .map_err(|e: te::Error| bad(format!("--mem {m}: {}", e.message())))?,
         None => te::MemoryKind::Host,
     };
+    let mut own = config.clone();
+    if let Some(m) = &args.metrics_listen {
+        own.engine.metrics_listen = Some(m.clone());
+    }
+    // One endpoint per address: the target in this process serves none.
+    config.engine.metrics_listen = None;
     let target = Engine::from_config(&config)?;
-    let initiator = Engine::from_config(&config)?;
+    let initiator = Engine::from_config(&own)?;
+    if let Some(m) = initiator.metrics_address() {
+        eprintln!("metrics at http://{m}/metrics (`te stats {m}` shows them live)");
+    }
     let remote = target.alloc_on(&mem, "kv", side as usize, Access::REMOTE_READ_WRITE)?;
     let local = initiator.alloc_on(&mem, "kv", side as usize, Access::REMOTE_READ_WRITE)?;
     target.register_layout(layout(&model, remote.id(), blocks))?;

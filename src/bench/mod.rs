@@ -30,6 +30,10 @@ pub(crate) struct BenchArgs {
     /// Backend name, overriding the configuration (`te info` lists them).
     #[arg(long, value_name = "NAME")]
     pub(crate) backend: Option<String>,
+    /// Serve the initiator engine's metrics on this address (`GET /metrics`) while the
+    /// bench runs; `te stats ADDR` shows them live. The in-process target serves none.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub(crate) metrics_listen: Option<String>,
     /// Operation: `write` pushes local blocks to the target, `read` pulls them [default: write].
     #[arg(long, value_name = "write|read")]
     pub(crate) op: Option<String>,

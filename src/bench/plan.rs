@@ -37,6 +37,8 @@ pub(crate) struct Plan {
     pub(crate) config: Option<PathBuf>,
     /// Backend name overriding the configuration.
     pub(crate) backend: Option<String>,
+    /// Where the initiator serves its metrics, overriding the configuration.
+    pub(crate) metrics_listen: Option<String>,
     /// READ or WRITE.
     pub(crate) op: Op,
     /// Block sizes to measure, in bytes.
@@ -131,6 +133,7 @@ impl Plan {
         let plan = Plan {
             config: a.config.clone(),
             backend,
+            metrics_listen: a.metrics_listen.clone(),
             op: a.op.as_deref().unwrap_or("write").parse()?,
             block_sizes,
             batch_sizes,

@@ -122,7 +122,16 @@ impl<'p> Bench<'p> {
             config.engine.backend = b.clone();
         }
         let registry = Registry::discover(&config.engine.plugin_dirs);
-        let initiator = Engine::with_registry(&config, &registry)?;
+        let mut own = config.clone();
+        if let Some(m) = &plan.metrics_listen {
+            own.engine.metrics_listen = Some(m.clone());
+        }
+        let initiator = Engine::with_registry(&own, &registry)?;
+        if let Some(m) = initiator.metrics_address() {
+            eprintln!("metrics at http://{m}/metrics (`te stats {m}` shows them live)");
+        }
+        // One endpoint per address: the target in this process serves none.
+        config.engine.metrics_listen = None;
         let (target, target_buffer, addr) = match &plan.target {
             Some(addr) => (None, None, addr.clone()),
             None => {
