@@ -562,18 +562,7 @@ mod tests {
                 })
                 .unwrap()
         };
-        let mut back = vec![0u8; 64 << 10];
-        // SAFETY: `back` is borrowed until the copy completes.
-        unsafe {
-            (&*rt as &dyn DeviceRuntime)
-                .copy_sync(DeviceCopy::ToHost {
-                    ordinal: 1,
-                    device: other,
-                    host: back.as_mut_ptr(),
-                    len: back.len(),
-                })
-                .unwrap()
-        };
+        let back = read_back(&rt, 1, other, 64 << 10);
         assert_eq!(back, src);
     }
 
@@ -605,6 +594,20 @@ mod tests {
         rx.recv().unwrap().unwrap();
         assert_eq!(rt.syncs() - before, 9, "a group of 8 synchronised once");
         assert_eq!(rt.stats().calls, 9, "and launched once");
+    }
+
+    /// `len` bytes of device `ordinal`'s memory at `dev`, copied to the host.
+    fn read_back(rt: &Arc<FakeDev>, ordinal: u32, dev: u64, len: usize) -> Vec<u8> {
+        let mut back = vec![0u8; len];
+        let copy = DeviceCopy::ToHost {
+            ordinal,
+            device: dev,
+            host: back.as_mut_ptr(),
+            len,
+        };
+        // SAFETY: `back` is borrowed until the copy completes (`copy_sync` waits).
+        unsafe { (&**rt as &dyn DeviceRuntime).copy_sync(copy).unwrap() };
+        back
     }
 
     /// 16 copies of 4 KiB from `src` to scattered places of device 0's `dev`.
@@ -640,18 +643,7 @@ mod tests {
             );
             assert_eq!(s.bytes, 16 * 4096);
             assert_eq!(rt.device_stats(1), CopyStats::default());
-            let mut back = vec![0u8; 16 * 4096];
-            // SAFETY: `back` is borrowed until the copy completes.
-            unsafe {
-                (&*rt as &dyn DeviceRuntime)
-                    .copy_sync(DeviceCopy::ToHost {
-                        ordinal: 0,
-                        device: dev,
-                        host: back.as_mut_ptr(),
-                        len: back.len(),
-                    })
-                    .unwrap()
-            };
+            let back = read_back(&rt, 0, dev, 16 * 4096);
             for i in 0..16usize {
                 let at = (i * 7 % 16) * 4096;
                 assert!(
@@ -678,18 +670,7 @@ mod tests {
         let e = rx.recv().unwrap().unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Backend);
         assert!(e.to_string().contains("injected"), "{e}");
-        let mut back = vec![1u8; 16 * 4096];
-        // SAFETY: `back` is borrowed until the copy completes.
-        unsafe {
-            (&*rt as &dyn DeviceRuntime)
-                .copy_sync(DeviceCopy::ToHost {
-                    ordinal: 0,
-                    device: dev,
-                    host: back.as_mut_ptr(),
-                    len: back.len(),
-                })
-                .unwrap()
-        };
+        let back = read_back(&rt, 0, dev, 16 * 4096);
         assert!(
             back.iter().all(|&b| b == 0),
             "the failed group wrote nothing"

@@ -32,9 +32,9 @@ struct Sessions {
 struct Ticket {
     shared: Arc<Shared>,
     sessions: Arc<Mutex<Sessions>>,
+    /// `None` once the connection is a session.
     pending: Option<PendingSlot>,
     ip: IpAddr,
-    promoted: bool,
 }
 
 impl Ticket {
@@ -55,15 +55,14 @@ impl Ticket {
         a.total += 1;
         *a.per_source.entry(self.ip).or_insert(0) += 1;
         self.pending = None;
-        self.promoted = true;
         Ok(())
     }
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        if !self.promoted {
-            return;
+        if self.pending.is_some() {
+            return; // Never a session; its slot gives itself back.
         }
         let mut a = self.sessions.lock();
         a.total -= 1;
@@ -108,7 +107,6 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
                     sessions: sessions.clone(),
                     pending: Some(slot),
                     ip: peer.ip(),
-                    promoted: false,
                 };
                 let guard = shared.task();
                 shared.rt.spawn(async move {

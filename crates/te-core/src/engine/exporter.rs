@@ -49,21 +49,18 @@ impl Exporter {
     /// # Errors
     /// `Io` if the address cannot be bound or the thread cannot start.
     pub(super) fn start(listen: &str, snapshot: Snapshot) -> Result<Exporter> {
-        let (listener, address) = crate::net::bind("[engine] metrics_listen", listen, None)
-            .or_else(|_| {
-                // An unspecified address needs no advertised one here: nobody is told it.
-                let l = std::net::TcpListener::bind(listen).map_err(|e| {
-                    Error::io(
-                        "start metrics endpoint",
-                        format!("cannot listen on {listen}"),
-                        e,
-                    )
-                })?;
-                let a = l.local_addr().map_err(|e| {
-                    Error::io("start metrics endpoint", "the listener has no address", e)
-                })?;
-                Ok::<_, Error>((l, a))
-            })?;
+        // Nobody is told this address, so unlike the other listeners it needs no
+        // advertised one: bound as given.
+        let listener = std::net::TcpListener::bind(listen).map_err(|e| {
+            Error::io(
+                "start metrics endpoint",
+                format!("cannot listen on {listen}"),
+                e,
+            )
+        })?;
+        let address = listener
+            .local_addr()
+            .map_err(|e| Error::io("start metrics endpoint", "the listener has no address", e))?;
         listener
             .set_nonblocking(true)
             .map_err(|e| Error::io("start metrics endpoint", "cannot configure the listener", e))?;

@@ -21,7 +21,11 @@ impl Inner {
         }
         // What the memory is, as its owner says: `auto` becomes it, and `host` for a
         // device's memory is refused here rather than faulting at the first transfer.
-        let owner = crate::device::owner(desc.addr);
+        let owner = match desc.kind {
+            MemoryKind::Auto | MemoryKind::Host => crate::device::owner(desc.addr),
+            // The named runtime is asked below, with the range.
+            MemoryKind::Device { .. } => None,
+        };
         match (&desc.kind, owner) {
             (MemoryKind::Auto, Some((runtime, info))) => {
                 desc.kind = MemoryKind::Device {

@@ -121,13 +121,13 @@ impl Inner {
         let pins = self.check(&peer, requests, &state)?;
         // Measured from here: a batch the checks refused is an error of the call.
         let metrics = peer.inner.metrics.clone();
-        let bytes: u64 = requests.iter().map(|r| r.len).sum();
+        // The fields are computed only when a subscriber wants the span.
         let span = tracing::debug_span!(
             "batch",
             id = state.id().0,
             peer = %peer.inner.addr,
             requests = requests.len(),
-            bytes,
+            bytes = requests.iter().map(|r| r.len).sum::<u64>(),
         );
         state.meter(BatchMeter::start(
             self.metrics.clone(),
@@ -141,7 +141,7 @@ impl Inner {
             state: state.clone(),
             pins,
             peer: peer.clone(),
-            sent: self.metrics.clone(),
+            metrics: self.metrics.clone(),
             notify: notify.map(|message| {
                 (
                     self.control.clone(),
@@ -249,7 +249,7 @@ pub(super) struct Finisher {
     pub(super) peer: Peer,
     pub(super) notify: Option<(Arc<control::Shared>, wire::Notice)>,
     /// The engine's count of notifications the peer accepted.
-    pub(super) sent: Arc<Counters>,
+    pub(super) metrics: Arc<Counters>,
 }
 
 impl Finisher {
@@ -278,7 +278,7 @@ impl Finisher {
                 // Queued on the peer's session, pipelined with others; its answer (or
                 // the batch's deadline, whichever comes first) ends the batch.
                 let state = self.state.clone();
-                let counters = self.sent.clone();
+                let counters = self.metrics.clone();
                 control.send(
                     &self.peer.inner.addr,
                     Kind::Notify,
