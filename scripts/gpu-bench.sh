@@ -15,13 +15,14 @@
 #
 # Needs: an NVIDIA driver, python3, and the prebuilt binary (cargo build --release).
 # Usage: scripts/gpu-bench.sh [path/to/te] [seconds per point]   (default:
-# target/release/te, 2). TE_GPU_MEM=fakedev:0 runs the same table on the fake device,
+# target/release/te, 2). TE_GPU_REPS sets how often each point is alternated (3). TE_GPU_MEM=fakedev:0 runs the same table on the fake device,
 # to check the script on a machine without a GPU (its numbers say nothing of a GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 te=${1:-target/release/te}
 secs=${2:-2}
 mem=${TE_GPU_MEM:-cuda:0}
+reps=${TE_GPU_REPS:-3}
 work=$(mktemp -d)
 pids=()
 cleanup() {
@@ -58,7 +59,7 @@ results="$work/results.jsonl"
 for shape in "32KiB 128" "64KiB 128" "1MiB 64" "4KiB 1"; do
   set -- $shape
   for op in write read; do
-    for _ in 1 2 3; do
+    for _ in $(seq "$reps"); do
       for kind in host "$mem"; do
         target=$host_target
         [ "$kind" = host ] || target=$cuda_target
@@ -75,7 +76,7 @@ for op in read write; do
 done
 
 echo
-echo "== $mem against host memory, target in another process (best of 3, ${secs}s each)"
+echo "== $mem against host memory, target in another process (best of $reps, ${secs}s each)"
 python3 - "$results" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
@@ -110,7 +111,8 @@ for op in ["read", "write"]:
         good = ratio >= 0.8
         ok &= good
         calls = kv["random"].get("device_calls_per_batch")
-        print(f"{'kv random/contig':<17}{op:<7}{kv['contiguous']['gb_per_s']:>10.2f}{kv['random']['gb_per_s']:>10.2f}{ratio:>8.2f}  >= 0.80 {'ok' if good else 'MISSED'}  random: {calls:.1f} calls/batch")
+        calls = "-" if calls is None else f"{calls:.1f}"
+        print(f"{'kv random/contig':<17}{op:<7}{kv['contiguous']['gb_per_s']:>10.2f}{kv['random']['gb_per_s']:>10.2f}{ratio:>8.2f}  >= 0.80 {'ok' if good else 'MISSED'}  random: {calls} calls/batch")
     else:
         ok = False
         print(f"kv {op}: no result")

@@ -267,11 +267,13 @@ mod tests {
                     return;
                 }
             };
-            assert!(
-                out.status.success(),
-                "ptxas --gpu-name {arch}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+            let err = String::from_utf8_lossy(&out.stderr);
+            if !out.status.success() && err.contains("Unsupported gpu architecture") {
+                // CUDA 13's ptxas no longer assembles for Maxwell; drivers still JIT it.
+                eprintln!("skipped {arch}: this ptxas does not know it ({err})");
+                continue;
+            }
+            assert!(out.status.success(), "ptxas --gpu-name {arch}: {err}");
         }
         let _ = std::fs::remove_dir_all(&dir);
     }

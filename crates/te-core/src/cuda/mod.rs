@@ -142,7 +142,16 @@ struct Device {
     kernel: Option<Kernel>,
     /// Device buffers for gathered device → host (index 1) and scattered host → device
     /// (index 0) groups; each used only on its direction's stream, so in stream order.
-    scratch: [Option<u64>; 2],
+    scratch: [Option<Scratch>; 2],
+}
+
+/// A gather buffer and the lock that keeps a group's two calls on it together: the
+/// stream runs them in the order they were enqueued, so two threads enqueueing groups
+/// at once must not interleave (one group's copy would move the other's bytes).
+#[derive(Debug)]
+struct Scratch {
+    buf: u64,
+    enqueue: Mutex<()>,
 }
 
 /// The CUDA runtime.
@@ -221,7 +230,12 @@ impl Device {
                         result::malloc_sync(GATHER_BYTES)
                     })
                 }) {
-                    Ok(p) => *s = Some(p),
+                    Ok(buf) => {
+                        *s = Some(Scratch {
+                            buf,
+                            enqueue: Mutex::new(()),
+                        })
+                    }
                     Err(e) => {
                         tracing::warn!(cuda = ordinal, error = %e, "no gather buffer: packed staging uses the batched call");
                     }
@@ -524,13 +538,14 @@ impl Cuda {
                 let r = unsafe { k.launch(&ranges, stream.0) };
                 return self.launched(r, copies, stream);
             }
-            let scratch = dev.scratch[dir];
-            if let Some(buf) =
-                scratch.filter(|_| total <= GATHER_BYTES && packed(&ranges, dir == 1))
+            let scratch = dev.scratch[dir].as_ref();
+            if let Some(s) = scratch.filter(|_| total <= GATHER_BYTES && packed(&ranges, dir == 1))
             {
-                // SAFETY: forwarded from the caller; `buf` is this direction's gather
-                // buffer, used in this stream's order only.
-                return unsafe { self.gathered(k, buf, dir, &ranges, total, stream) };
+                let _together = s.enqueue.lock();
+                // SAFETY: forwarded from the caller; `s.buf` is this direction's gather
+                // buffer, used on this stream only, and the lock keeps this group's
+                // calls on it next to each other in the stream's order.
+                return unsafe { self.gathered(k, s.buf, dir, &ranges, total, stream) };
             }
         }
         if let Some(b) = self.batched() {

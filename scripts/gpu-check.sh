@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Everything te checks on an NVIDIA GPU, in one command: the GPU tests (tests/gpu.rs,
+# every byte of staged, device-to-device, mixed and KV transfers verified on cuda:0),
+# the list-copy kernel assembled by ptxas for three GPU generations where the toolkit
+# is installed, then scripts/gpu-bench.sh's table. With an older te beside the new
+# one (`te-before`), its table follows, measured in the same sitting.
+#
+# Usage: scripts/gpu-check.sh [DIR] [seconds per point]
+#   DIR holds prebuilt binaries: `te` (release), `gpu` (the tests/gpu.rs test binary),
+#   optionally `te-core` (te-core's unit tests) and `te-before`. Without DIR they are
+#   built here with cargo (release). Exits 1 if a test failed or a target was missed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+dir=${1:-}
+secs=${2:-2}
+if [ -z "$dir" ]; then
+  dir=target/release/gpu-check
+  mkdir -p "$dir"
+  cargo build --release --bin te && cp target/release/te "$dir/te" || exit 1
+  for t in "--test gpu:gpu" "-p te-core --lib --features cuda:te-core"; do
+    bin=$(cargo test --release ${t%%:*} --no-run --message-format=json 2>/dev/null |
+      python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("profile", {}).get("test") and m.get("executable"): print(m["executable"])' | tail -n1)
+    [ -n "$bin" ] && cp "$bin" "$dir/${t##*:}"
+  done
+fi
+fail=0
+echo "== GPU"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || fail=1
+
+echo "== tests/gpu.rs"
+timeout 300 "$dir/gpu" --ignored --test-threads=1 || fail=1
+
+ptxas=$(command -v ptxas || ls /usr/local/cuda/bin/ptxas 2>/dev/null || true)
+if [ -x "$dir/te-core" ] && [ -n "$ptxas" ]; then
+  echo "== the list-copy kernel through $ptxas"
+  TE_PTXAS=$ptxas timeout 120 "$dir/te-core" ptxas_accepts --nocapture || fail=1
+fi
+
+echo "== te bench: this te"
+scripts/gpu-bench.sh "$dir/te" "$secs" || fail=1
+if [ -x "$dir/te-before" ]; then
+  echo "== te bench: te-before (the same table, one point each, for comparison)"
+  TE_GPU_REPS=1 scripts/gpu-bench.sh "$dir/te-before" "$secs" || true
+fi
+exit $fail
