@@ -175,6 +175,23 @@ impl CopyCounters {
     }
 }
 
+/// Device memory exported for another process of this host ([`DeviceRuntime::ipc_export`]).
+#[derive(Debug)]
+pub struct IpcExport {
+    /// The runtime's handle, as bytes that travel to the peer (CUDA: the 64-byte IPC
+    /// memory handle); empty where the handle is the descriptor alone.
+    pub handle: Vec<u8>,
+    /// A descriptor to pass to the peer over a Unix socket (fakedev: the memfd), where
+    /// the runtime's handles are descriptors.
+    pub fd: Option<std::os::fd::OwnedFd>,
+    /// The device the allocation is on.
+    pub ordinal: u32,
+    /// The allocation's base address in this process.
+    pub base: u64,
+    /// The allocation's length: what the peer may map.
+    pub len: u64,
+}
+
 /// One accelerator runtime.
 pub trait DeviceRuntime: Send + Sync + fmt::Debug + 'static {
     /// The runtime's name (`cuda`, `mlu`, `fakedev`).
@@ -287,6 +304,63 @@ pub trait DeviceRuntime: Send + Sync + fmt::Debug + 'static {
             )?
         };
         rx.recv().unwrap_or_else(|_| Err(dropped()))
+    }
+
+    /// Exports the allocation that holds `addr` so that another process of this host
+    /// can map it ([`DeviceRuntime::ipc_import`]): CUDA's IPC memory handle, fakedev's
+    /// memfd. The export names the whole allocation (its base and length here).
+    ///
+    /// # Errors
+    /// `Unsupported` where the runtime cannot share memory between processes (the
+    /// default), `InvalidRequest` if `addr` is not this runtime's device memory, or the
+    /// runtime's error (memory from an allocator whose memory cannot be exported).
+    fn ipc_export(&self, addr: u64) -> Result<IpcExport> {
+        let _ = addr;
+        Err(Error::new(
+            ErrorKind::Unsupported,
+            format!(
+                "the {} runtime cannot share memory with another process",
+                self.name()
+            ),
+        ))
+    }
+
+    /// Maps, on this process's device `ordinal`, an allocation another process of this
+    /// host exported, and returns its base address here (valid for the export's `len`
+    /// bytes) until [`DeviceRuntime::ipc_close`]. `fd` is the descriptor that came with
+    /// the export, where the runtime's handles are descriptors.
+    ///
+    /// # Errors
+    /// `Unsupported` (the default), `InvalidRequest` for a malformed handle, or the
+    /// runtime's error (the exporter is gone, or the handle is not for this device).
+    fn ipc_import(
+        &self,
+        ordinal: u32,
+        handle: &[u8],
+        fd: Option<std::os::fd::OwnedFd>,
+        len: u64,
+    ) -> Result<u64> {
+        let _ = (ordinal, handle, fd, len);
+        Err(Error::new(
+            ErrorKind::Unsupported,
+            format!(
+                "the {} runtime cannot map another process's memory",
+                self.name()
+            ),
+        ))
+    }
+
+    /// Unmaps what [`DeviceRuntime::ipc_import`] returned. Copies into or out of it must
+    /// have completed.
+    ///
+    /// # Errors
+    /// `InvalidRequest` if `addr` is not an imported base; the runtime's error.
+    fn ipc_close(&self, addr: u64) -> Result<()> {
+        let _ = addr;
+        Err(Error::new(
+            ErrorKind::Unsupported,
+            format!("the {} runtime imports no memory", self.name()),
+        ))
     }
 
     /// What the runtime's copies have cost its devices so far ([`CopyStats`]); zeros

@@ -27,11 +27,23 @@
 //! device calls a transfer took; and it fails groups on request
 //! ([`FakeDev::fail_next`]), so a failed copy's path is tested.
 //!
+//! Its memory is shareable between processes, as CUDA's is through IPC memory handles:
+//! each allocation is a memfd mapped shared, [`DeviceRuntime::ipc_export`] hands out a
+//! duplicate of the descriptor (to pass over a Unix socket), and
+//! [`DeviceRuntime::ipc_import`] maps one at a fresh fake address of this process, so
+//! bytes one process copies in are the bytes the other copies out. Nothing orders two
+//! processes' copies to the same bytes: as on a GPU, the transfer protocol must.
+//!
 //! What it cannot prove: DMA behaviour, a real driver's alignment or pinning rules,
-//! copy bandwidth, or anything about GPUDirect.
+//! copy bandwidth, or anything about GPUDirect; nor a real driver's IPC rules — that
+//! only `cudaMalloc`-style allocations have handles (not VMM or pool memory), that a
+//! process opens a handle once (and never its own), or peer access between devices.
+//! fakedev exports every allocation and imports anything, its own exports included.
 
 use crate::sync::Mutex;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::{Deref, DerefMut};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, OnceLock};
@@ -40,7 +52,7 @@ use std::time::{Duration, Instant};
 use serde::Deserialize;
 
 use crate::device::{
-    CopyCounters, CopyDone, CopyStats, DeviceCopy, DeviceRuntime, Group, PointerInfo,
+    CopyCounters, CopyDone, CopyStats, DeviceCopy, DeviceRuntime, Group, IpcExport, PointerInfo,
 };
 use crate::error::{Error, ErrorKind, Result};
 
@@ -52,6 +64,11 @@ const BASE: u64 = 0x7e00_0000_0000_0000;
 
 fn device_base(ordinal: u32) -> u64 {
     BASE + (u64::from(ordinal) << 44)
+}
+
+/// The device of an allocation's base.
+fn ordinal_of(base: u64) -> u32 {
+    ((base - BASE) >> 44) as u32
 }
 
 /// The `[runtimes.fakedev]` table.
@@ -80,7 +97,131 @@ impl Default for FakeDevConfig {
     }
 }
 
-type Arena = Arc<Mutex<Vec<u8>>>;
+/// One allocation's bytes: a memfd mapped shared, so that another process can map
+/// the same bytes. Unmapped, and the descriptor closed, when dropped.
+struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+    fd: OwnedFd,
+}
+
+// SAFETY: the mapping belongs to this value alone (no other handle to it exists in
+// this process), and it is read and written only through `&`/`&mut` borrows of it.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; a shared borrow only reads.
+unsafe impl Sync for Mapping {}
+
+impl std::fmt::Debug for Mapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mapping")
+            .field("len", &self.len)
+            .field("fd", &self.fd)
+            .finish()
+    }
+}
+
+/// The error of the libc call `what`, from `errno`.
+fn os_error(what: &str) -> Error {
+    Error::new(ErrorKind::Io, format!("fakedev: {what} failed"))
+        .with_source(std::io::Error::last_os_error())
+}
+
+impl Mapping {
+    /// `len` (non-zero) zeroed bytes in a new memfd.
+    fn create(len: usize) -> Result<Mapping> {
+        let size = libc::off_t::try_from(len).map_err(|_| {
+            Error::new(
+                ErrorKind::InvalidRequest,
+                format!("cannot allocate {len} bytes"),
+            )
+        })?;
+        // SAFETY: the name is a valid C string; the call only creates a descriptor.
+        let raw = unsafe { libc::memfd_create(c"te-fakedev".as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(os_error("memfd_create"));
+        }
+        // SAFETY: `raw` is a descriptor just opened and owned by nothing else.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: `fd` is an open memfd; a new one reads as zeros up to `size`.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
+            return Err(os_error("ftruncate of a memfd"));
+        }
+        Mapping::map(fd, len)
+    }
+
+    /// The first `len` (non-zero) bytes of `fd` mapped shared, read and write.
+    fn map(fd: OwnedFd, len: usize) -> Result<Mapping> {
+        // SAFETY: a new mapping chosen by the kernel, so nothing of this process is
+        // replaced; the result is checked before use.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(os_error("mmap of a memfd"));
+        }
+        Ok(Mapping {
+            ptr: ptr.cast(),
+            len,
+            fd,
+        })
+    }
+}
+
+impl Deref for Mapping {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `ptr` maps `len` readable bytes until `self` is dropped.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl DerefMut for Mapping {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` maps `len` writable bytes until `self` is dropped, and `&mut
+        // self` makes this the only borrow of them in this process.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map`, unmapped once, here; no borrow of it
+        // outlives `self`. The descriptor closes when `fd` drops.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+type Arena = Arc<Mutex<Mapping>>;
+
+/// The allocations, by base address.
+#[derive(Debug)]
+struct Allocs {
+    arenas: BTreeMap<u64, Arena>,
+    /// Per device: the next free address.
+    next: [u64; DEVICES as usize],
+    /// The bases of arenas mapped by `ipc_import` (closed with `ipc_close`, not freed).
+    imported: BTreeSet<u64>,
+}
+
+impl Allocs {
+    /// Places `arena` at a fresh address of device `ordinal`.
+    fn place(&mut self, ordinal: u32, arena: Mapping) -> u64 {
+        let len = arena.len as u64;
+        let next = &mut self.next[ordinal as usize];
+        let addr = *next;
+        *next = addr + len.next_multiple_of(4096);
+        self.arenas.insert(addr, Arc::new(Mutex::new(arena)));
+        addr
+    }
+}
 
 /// One copy with its arena resolved.
 struct Planned {
@@ -110,7 +251,7 @@ struct Job {
 /// The fake runtime.
 #[derive(Debug)]
 pub struct FakeDev {
-    allocs: Mutex<(BTreeMap<u64, Arena>, [u64; DEVICES as usize])>,
+    allocs: Mutex<Allocs>,
     /// A queue per device and direction.
     queues: Vec<Mutex<Sender<Job>>>,
     config: FakeDevConfig,
@@ -174,8 +315,8 @@ fn execute(p: &Planned) {
         // SAFETY: the submitter guarantees the host range (the `copy` contract); the
         // arena range was checked when the copy was planned.
         (DeviceCopy::ToDevice { host, .. }, _, Some((arena, off))) => unsafe {
-            let a = arena.lock();
-            std::ptr::copy_nonoverlapping(host, a.as_ptr().add(*off) as *mut u8, len)
+            let mut a = arena.lock();
+            std::ptr::copy_nonoverlapping(host, a.as_mut_ptr().add(*off), len)
         },
         // SAFETY: as above.
         (DeviceCopy::ToHost { host, .. }, Some((arena, off)), _) => unsafe {
@@ -187,8 +328,15 @@ fn execute(p: &Planned) {
                 let mut a = sa.lock();
                 a.copy_within(*so..*so + len, *doff);
             } else {
-                let s = sa.lock();
-                let mut d = da.lock();
+                // Two arenas are locked in address order, so copies in opposite
+                // directions between the same two cannot deadlock.
+                let (s, mut d) = if Arc::as_ptr(sa) < Arc::as_ptr(da) {
+                    let s = sa.lock();
+                    (s, da.lock())
+                } else {
+                    let d = da.lock();
+                    (sa.lock(), d)
+                };
                 d[*doff..*doff + len].copy_from_slice(&s[*so..*so + len]);
             }
         }
@@ -241,7 +389,11 @@ impl FakeDev {
         }
         let next = std::array::from_fn(|i| device_base(i as u32));
         Ok(Arc::new(FakeDev {
-            allocs: Mutex::new((BTreeMap::new(), next)),
+            allocs: Mutex::new(Allocs {
+                arenas: BTreeMap::new(),
+                next,
+                imported: BTreeSet::new(),
+            }),
             queues,
             config,
             counters,
@@ -318,7 +470,7 @@ crate::register_runtime!(
 impl FakeDev {
     fn find(&self, addr: u64) -> Option<(u64, Arena)> {
         let allocs = self.allocs.lock();
-        let (&base, arena) = allocs.0.range(..=addr).next_back()?;
+        let (&base, arena) = allocs.arenas.range(..=addr).next_back()?;
         let len = arena.lock().len() as u64;
         (addr < base + len).then(|| (base, arena.clone()))
     }
@@ -356,12 +508,7 @@ impl FakeDev {
 
     fn queue(&self, copy: &DeviceCopy) -> Result<&Mutex<Sender<Job>>> {
         let (ordinal, dir) = copy.queue();
-        if ordinal >= DEVICES {
-            return Err(Error::new(
-                ErrorKind::InvalidRequest,
-                format!("fakedev has devices 0..{DEVICES}, not {ordinal}"),
-            ));
-        }
+        no_such_device(ordinal)?;
         Ok(&self.queues[ordinal as usize * 3 + dir])
     }
 
@@ -376,8 +523,19 @@ impl FakeDev {
 fn not_device(addr: u64) -> Error {
     Error::new(
         ErrorKind::InvalidRequest,
-        format!("{addr:#x} is not fakedev device memory (allocate it with the fakedev runtime)"),
+        format!("{addr:#x} is not fakedev device memory (allocate it with the fakedev runtime; freed or closed memory is gone)"),
     )
+}
+
+/// Refuses an ordinal fakedev does not have.
+fn no_such_device(ordinal: u32) -> Result<()> {
+    if ordinal >= DEVICES {
+        return Err(Error::new(
+            ErrorKind::InvalidRequest,
+            format!("fakedev has devices 0..{DEVICES}, not {ordinal}"),
+        ));
+    }
+    Ok(())
 }
 
 impl DeviceRuntime for FakeDev {
@@ -393,39 +551,111 @@ impl DeviceRuntime for FakeDev {
         let (base, arena) = self.find(addr).ok_or_else(|| not_device(addr))?;
         let len = arena.lock().len() as u64;
         Ok(PointerInfo {
-            ordinal: ((base - BASE) >> 44) as u32,
+            ordinal: ordinal_of(base),
             base,
             len,
         })
     }
 
     fn alloc(&self, ordinal: u32, len: usize) -> Result<u64> {
-        if ordinal >= DEVICES {
-            return Err(Error::new(
-                ErrorKind::InvalidRequest,
-                format!("fakedev has devices 0..{DEVICES}, not {ordinal}"),
-            ));
-        }
+        no_such_device(ordinal)?;
         if len == 0 {
             return Err(Error::new(
                 ErrorKind::InvalidRequest,
                 "cannot allocate zero bytes",
             ));
         }
-        let mut allocs = self.allocs.lock();
-        let addr = allocs.1[ordinal as usize];
-        allocs.1[ordinal as usize] = addr + (len as u64).next_multiple_of(4096);
-        allocs.0.insert(addr, Arc::new(Mutex::new(vec![0; len])));
-        Ok(addr)
+        let arena = Mapping::create(len)?;
+        Ok(self.allocs.lock().place(ordinal, arena))
     }
 
     fn free(&self, _ordinal: u32, addr: u64) -> Result<()> {
         let mut allocs = self.allocs.lock();
+        // An imported base is closed with `ipc_close`, as CUDA's must be.
+        if allocs.imported.contains(&addr) {
+            return Err(Error::new(
+                ErrorKind::InvalidRequest,
+                format!("{addr:#x} is fakedev memory imported from another process: close it with ipc_close, not free"),
+            ));
+        }
         allocs
-            .0
+            .arenas
             .remove(&addr)
             .map(|_| ())
             .ok_or_else(|| not_device(addr))
+    }
+
+    fn ipc_export(&self, addr: u64) -> Result<IpcExport> {
+        let (base, arena) = self.find(addr).ok_or_else(|| not_device(addr))?;
+        let a = arena.lock();
+        let fd = a.fd.try_clone().map_err(|e| {
+            Error::new(ErrorKind::Io, "fakedev: cannot duplicate a memfd").with_source(e)
+        })?;
+        Ok(IpcExport {
+            handle: Vec::new(),
+            fd: Some(fd),
+            ordinal: ordinal_of(base),
+            base,
+            len: a.len as u64,
+        })
+    }
+
+    fn ipc_import(
+        &self,
+        ordinal: u32,
+        _handle: &[u8],
+        fd: Option<OwnedFd>,
+        len: u64,
+    ) -> Result<u64> {
+        no_such_device(ordinal)?;
+        let fd = fd.ok_or_else(|| {
+            Error::new(
+                ErrorKind::InvalidRequest,
+                "fakedev imports memory through its memfd, and none came with the handle",
+            )
+        })?;
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|&l| l > 0)
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::InvalidRequest,
+                    format!("cannot import {len} bytes of fakedev memory"),
+                )
+            })?;
+        // SAFETY: an all-zero `stat` is a valid value for the out-parameter.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `fd` is an open descriptor and `st` a valid out-parameter.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(os_error("fstat of an imported descriptor"));
+        }
+        if (st.st_size as u64) < len as u64 {
+            return Err(Error::new(
+                ErrorKind::InvalidRequest,
+                format!(
+                    "cannot import {len} bytes of fakedev memory: the exported allocation has {} bytes",
+                    st.st_size
+                ),
+            ));
+        }
+        let arena = Mapping::map(fd, len)?;
+        let mut allocs = self.allocs.lock();
+        let addr = allocs.place(ordinal, arena);
+        allocs.imported.insert(addr);
+        Ok(addr)
+    }
+
+    fn ipc_close(&self, addr: u64) -> Result<()> {
+        let mut allocs = self.allocs.lock();
+        if !allocs.imported.remove(&addr) {
+            return Err(Error::new(
+                ErrorKind::InvalidRequest,
+                format!("{addr:#x} is not fakedev memory imported with ipc_import"),
+            ));
+        }
+        // Unmapped once no copy in flight holds the arena any more.
+        allocs.arenas.remove(&addr);
+        Ok(())
     }
 
     fn alloc_pinned(&self, len: usize) -> Result<*mut u8> {
@@ -684,6 +914,95 @@ mod tests {
             .unwrap()
         };
         rx.recv().unwrap().expect("the next group is not failed");
+    }
+
+    /// Copies `bytes` to device `ordinal`'s memory at `dev`.
+    fn write(rt: &Arc<FakeDev>, ordinal: u32, dev: u64, bytes: &[u8]) -> Result<()> {
+        let copy = DeviceCopy::ToDevice {
+            ordinal,
+            device: dev,
+            host: bytes.as_ptr(),
+            len: bytes.len(),
+        };
+        // SAFETY: `bytes` is borrowed until the copy completes (`copy_sync` waits).
+        unsafe { (&**rt as &dyn DeviceRuntime).copy_sync(copy) }
+    }
+
+    #[test]
+    fn an_imported_export_is_the_same_memory_at_another_address() {
+        let rt = fresh();
+        let len = 3 * 4096 + 100;
+        let dev = rt.alloc(0, len).unwrap();
+        let export = rt.ipc_export(dev + 4096).unwrap();
+        assert_eq!(
+            (export.ordinal, export.base, export.len),
+            (0, dev, len as u64)
+        );
+        assert!(export.handle.is_empty());
+        let imported = rt
+            .ipc_import(1, &export.handle, export.fd, export.len)
+            .unwrap();
+        assert_ne!(imported, dev);
+        let info = rt.pointer_info(imported + 10).unwrap();
+        assert_eq!(
+            (info.ordinal, info.base, info.len),
+            (1, imported, len as u64)
+        );
+
+        let ours: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        write(&rt, 0, dev, &ours).unwrap();
+        assert_eq!(read_back(&rt, 1, imported, len), ours);
+        write(&rt, 1, imported + 4096, &[7; 64]).unwrap();
+        assert_eq!(read_back(&rt, 0, dev + 4096, 64), vec![7; 64]);
+
+        // The exporter freeing its allocation leaves the importer's mapping whole.
+        rt.free(0, dev).unwrap();
+        assert_eq!(read_back(&rt, 1, imported, 100), ours[..100]);
+        rt.ipc_close(imported).unwrap();
+    }
+
+    #[test]
+    fn a_closed_import_is_gone_and_only_imports_are_closed() {
+        let rt = fresh();
+        let dev = rt.alloc(0, 4096).unwrap();
+        let export = rt.ipc_export(dev).unwrap();
+        let imported = rt.ipc_import(0, &[], export.fd, 4096).unwrap();
+        let e = rt.free(0, imported).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidRequest);
+        assert!(e.to_string().contains("ipc_close"), "{e}");
+        let e = rt.ipc_close(dev).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidRequest);
+
+        rt.ipc_close(imported).unwrap();
+        let e = write(&rt, 0, imported, &[1; 16]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidRequest);
+        assert!(e.to_string().contains("not fakedev device memory"), "{e}");
+        assert!(rt.pointer_info(imported).is_err());
+        assert_eq!(
+            rt.ipc_close(imported).unwrap_err().kind(),
+            ErrorKind::InvalidRequest
+        );
+        // The allocation itself is untouched.
+        write(&rt, 0, dev, &[1; 16]).unwrap();
+    }
+
+    #[test]
+    fn an_import_longer_than_the_export_or_without_its_memfd_is_refused() {
+        let rt = fresh();
+        let dev = rt.alloc(0, 4096).unwrap();
+        let export = rt.ipc_export(dev).unwrap();
+        let e = rt.ipc_import(0, &[], export.fd, 4097).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidRequest);
+        assert!(e.to_string().contains("4096 bytes"), "{e}");
+        let e = rt.ipc_import(0, &[], None, 4096).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidRequest);
+        let fd = rt.ipc_export(dev).unwrap().fd;
+        assert_eq!(
+            rt.ipc_import(DEVICES, &[], fd, 4096).unwrap_err().kind(),
+            ErrorKind::InvalidRequest
+        );
+        let e = rt.ipc_export(0x1000).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidRequest);
     }
 
     #[test]

@@ -45,6 +45,7 @@ pub mod fakedev;
 pub mod hook;
 mod inbox;
 pub mod kv;
+pub mod local;
 pub mod metadata;
 mod metrics;
 pub mod net;

@@ -6,8 +6,9 @@
 //! call, so any driver that exports the few te uses (`cuInit`, `cuDeviceGet*`,
 //! `cuDevicePrimaryCtxRetain`, `cuCtxPushCurrent`, `cuMemAlloc_v2`, `cuMemFree_v2`,
 //! `cuMemHostAlloc`, `cuMemFreeHost`, `cuMemcpy*Async`, `cuModuleLoadData`,
-//! `cuLaunchKernel`, `cuPointerGetAttribute`, `cuMemGetAddressRange_v2`) works: CUDA 12
-//! drivers do. `cuMemcpyBatchAsync` (CUDA 12.8) is looked up by te itself when the
+//! `cuLaunchKernel`, `cuPointerGetAttribute`, `cuMemGetAddressRange_v2`, and for
+//! sharing memory `cuIpcGetMemHandle`, `cuIpcOpenMemHandle_v2`, `cuIpcCloseMemHandle`)
+//! works: CUDA 12 drivers do. `cuMemcpyBatchAsync` (CUDA 12.8) is looked up by te itself when the
 //! runtime starts, so an older driver falls back instead of failing (`te info` says
 //! which).
 //!
@@ -44,6 +45,18 @@
 //! calling thread's current context — a framework's own — is the same after the call
 //! as before.
 //!
+//! Sharing with another process of the host: [`DeviceRuntime::ipc_export`] gives the
+//! legacy IPC memory handle (`cuIpcGetMemHandle`, 64 bytes) of the allocation around an
+//! address, and [`DeviceRuntime::ipc_import`] opens one in a device's primary context
+//! (`cuIpcOpenMemHandle_v2`, peer access enabled lazily) until
+//! [`DeviceRuntime::ipc_close`]. The driver's rules hold: only `cuMemAlloc`-style
+//! allocations have such handles (VMM allocations from `cuMemCreate` and memory-pool
+//! memory do not, and VMM shareable handles are not supported yet); a process cannot
+//! open its own handles; opening a handle twice in one context gives the same address
+//! (te counts the opens, and each needs its close); and the exporter must not free the
+//! memory before the importer has closed it. Imported memory is device memory of the
+//! importing device like any other: the copy paths take its address as they are.
+//!
 //! Options (`[runtimes.cuda]`): `batch_call = true` (false: a loop of single copies even
 //! where the driver has the batched call), `kernel = true` (false: no list-copy kernel,
 //! so device-to-device groups go through the batched call and nothing is gathered),
@@ -51,6 +64,8 @@
 //! switches exist to compare the paths on a GPU (`scripts/gpu-bench.sh`).
 
 use crate::sync::Mutex;
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Sender};
@@ -60,7 +75,7 @@ use cudarc::driver::{result, sys};
 use serde::Deserialize;
 
 use crate::device::{
-    CopyCounters, CopyDone, CopyStats, DeviceCopy, DeviceRuntime, Group, PointerInfo,
+    CopyCounters, CopyDone, CopyStats, DeviceCopy, DeviceRuntime, Group, IpcExport, PointerInfo,
 };
 use crate::error::{Error, ErrorKind, Result};
 
@@ -166,6 +181,9 @@ pub struct Cuda {
     /// Why the kernel did not load on a device, if it did not.
     kernel_problem: Mutex<Option<String>>,
     counters: CopyCounters,
+    /// Memory opened with `ipc_import`: its address, its device, and how many opens
+    /// are not closed yet (the driver gives the same address to a second open).
+    imports: Mutex<HashMap<u64, (u32, usize)>>,
 }
 
 /// Runs `f` with `ctx` current on this thread, and restores what was current before.
@@ -368,7 +386,13 @@ fn create(table: &toml::Table) -> Result<Arc<dyn DeviceRuntime>> {
         batch_refused: AtomicBool::new(false),
         kernel_problem: Mutex::new(None),
         counters: CopyCounters::default(),
+        imports: Mutex::new(HashMap::new()),
     }))
+}
+
+/// The error of driver call `what` that returned `code`.
+fn failed(what: &str, code: sys::CUresult) -> Error {
+    Error::new(ErrorKind::Backend, format!("CUDA {what} failed: {code:?}"))
 }
 
 /// A 32-bit pointer attribute of `addr` (memory type, managed flag, device ordinal),
@@ -807,6 +831,12 @@ impl DeviceRuntime for Cuda {
     }
 
     fn free(&self, ordinal: u32, addr: u64) -> Result<()> {
+        if self.imports.lock().contains_key(&addr) {
+            return Err(Error::new(
+                ErrorKind::InvalidRequest,
+                format!("{addr:#x} is CUDA memory imported from another process: close it with ipc_close, not free"),
+            ));
+        }
         // SAFETY: the caller passes an address from `alloc`.
         self.with(ordinal, || {
             driver("free", || unsafe { result::free_sync(addr) })
@@ -834,6 +864,116 @@ impl DeviceRuntime for Cuda {
         if let Err(e) = r {
             tracing::warn!(error = %e, "freeing pinned memory failed");
         }
+    }
+
+    fn ipc_export(&self, addr: u64) -> Result<IpcExport> {
+        let info = self.pointer_info(addr)?;
+        let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: `handle` is a valid out-parameter; `info.base` is the start of a
+        // device allocation (the driver checks that it can be exported).
+        let code = self.with(info.ordinal, || {
+            driver("get an IPC memory handle", || unsafe {
+                Ok(sys::cuIpcGetMemHandle(&mut handle, info.base))
+            })
+        })?;
+        use sys::CUresult as R;
+        match code {
+            R::CUDA_SUCCESS => {}
+            R::CUDA_ERROR_INVALID_VALUE | R::CUDA_ERROR_NOT_SUPPORTED => {
+                return Err(Error::new(
+                    ErrorKind::Unsupported,
+                    format!("the allocation at {:#x} ({} bytes on cuda:{}) cannot be shared by legacy CUDA IPC (cuIpcGetMemHandle: {code:?}): only cuMemAlloc/cudaMalloc memory has IPC handles; VMM (cuMemCreate) and memory-pool allocations need shareable handles, which te does not support yet", info.base, info.len, info.ordinal),
+                ));
+            }
+            _ => return Err(failed("cuIpcGetMemHandle", code)),
+        }
+        Ok(IpcExport {
+            handle: handle.reserved.iter().map(|&b| b as u8).collect(),
+            fd: None,
+            ordinal: info.ordinal,
+            base: info.base,
+            len: info.len,
+        })
+    }
+
+    fn ipc_import(
+        &self,
+        ordinal: u32,
+        handle: &[u8],
+        _fd: Option<OwnedFd>,
+        len: u64,
+    ) -> Result<u64> {
+        let bytes: &[u8; 64] = handle.try_into().map_err(|_| {
+            Error::new(
+                ErrorKind::InvalidRequest,
+                format!(
+                    "a CUDA IPC memory handle has 64 bytes, not {}",
+                    handle.len()
+                ),
+            )
+        })?;
+        let handle = sys::CUipcMemHandle {
+            reserved: bytes.map(|b| b as std::ffi::c_char),
+        };
+        let mut addr: sys::CUdeviceptr = 0;
+        // SAFETY: `addr` is a valid out-parameter; the handle is passed by value and
+        // the driver checks it. 1 = CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS.
+        let code = self.with(ordinal, || {
+            driver("open an IPC memory handle", || unsafe {
+                Ok(sys::cuIpcOpenMemHandle_v2(&mut addr, handle, 1))
+            })
+        })?;
+        use sys::CUresult as R;
+        match code {
+            R::CUDA_SUCCESS => {}
+            R::CUDA_ERROR_INVALID_CONTEXT => {
+                return Err(Error::new(
+                    ErrorKind::Backend,
+                    format!("CUDA cannot open this IPC memory handle on cuda:{ordinal} ({code:?}): the usual cause is a handle exported by this same process, which CUDA refuses (use the memory directly)"),
+                ));
+            }
+            _ => return Err(failed("cuIpcOpenMemHandle", code)),
+        }
+        let mut imports = self.imports.lock();
+        imports.entry(addr).or_insert((ordinal, 0)).1 += 1;
+        drop(imports);
+        // The mapping is the whole exported allocation: refuse a length past it.
+        if let Ok(info) = self.pointer_info(addr) {
+            if info.len < len {
+                let _ = self.ipc_close(addr);
+                return Err(Error::new(
+                    ErrorKind::InvalidRequest,
+                    format!(
+                        "cannot import {len} bytes: the exported allocation has {}",
+                        info.len
+                    ),
+                ));
+            }
+        }
+        Ok(addr)
+    }
+
+    fn ipc_close(&self, addr: u64) -> Result<()> {
+        let mut imports = self.imports.lock();
+        let Some(&(ordinal, opens)) = imports.get(&addr) else {
+            return Err(Error::new(
+                ErrorKind::InvalidRequest,
+                format!("{addr:#x} is not CUDA memory opened with ipc_import"),
+            ));
+        };
+        // SAFETY: `addr` came from `cuIpcOpenMemHandle_v2` in this device's context
+        // and is open (counted above); the caller's copies on it have completed.
+        self.with(ordinal, || {
+            driver("close an IPC memory handle", || unsafe {
+                sys::cuIpcCloseMemHandle(addr).result()
+            })
+        })?;
+        if opens > 1 {
+            imports.insert(addr, (ordinal, opens - 1));
+        } else {
+            imports.remove(&addr);
+        }
+        Ok(())
     }
 
     unsafe fn copy(&self, copy: DeviceCopy, done: CopyDone) -> Result<()> {
@@ -958,6 +1098,41 @@ mod tests {
         assert!(!packed(&[r(0x100, 10, 16), r(0x900, 27, 8)], true));
         assert!(packed(&[r(10, 0x100, 16), r(26, 0x10, 8)], false));
         assert!(!packed(&[r(10, 0x100, 16), r(26, 0x10, 8)], true));
+    }
+
+    /// A runtime with no devices, built without the driver: for the checks that come
+    /// before any driver call.
+    fn without_devices() -> Cuda {
+        Cuda {
+            devices: Vec::new(),
+            config: CudaConfig::default(),
+            batch: None,
+            batch_refused: AtomicBool::new(false),
+            kernel_problem: Mutex::new(None),
+            counters: CopyCounters::default(),
+            imports: Mutex::new(HashMap::new()),
+        }
+    }
+
+    #[test]
+    fn an_ipc_handle_that_is_not_64_bytes_is_refused_before_the_driver() {
+        let rt = without_devices();
+        for len in [0, 63, 65] {
+            let e = rt.ipc_import(0, &vec![0; len], None, 4096).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidRequest);
+            assert!(e.to_string().contains("64 bytes"), "{e}");
+        }
+    }
+
+    #[test]
+    fn only_imported_memory_is_closed_and_it_is_not_freed() {
+        let rt = without_devices();
+        let e = rt.ipc_close(0x7000_0000).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidRequest);
+        rt.imports.lock().insert(0x7000_0000, (0, 1));
+        let e = rt.free(0, 0x7000_0000).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidRequest);
+        assert!(e.to_string().contains("ipc_close"), "{e}");
     }
 
     #[test]
