@@ -27,9 +27,13 @@ fn plugin_dir() -> PathBuf {
         .to_path_buf()
 }
 
-/// The data address and instance in te-tcp's endpoint bytes (version 1, IPv4).
+/// The data address and instance in te-tcp's endpoint bytes (IPv4; version 2 adds the
+/// host's boot id after them).
 fn endpoint(b: &[u8]) -> (SocketAddr, u64) {
-    assert_eq!(&b[..2], &[1, 4], "a version-1 IPv4 endpoint");
+    assert!(
+        matches!(&b[..2], [1 | 2, 4]),
+        "a version-1 or version-2 IPv4 endpoint"
+    );
     let port = u16::from_le_bytes([b[2], b[3]]);
     let ip = std::net::Ipv4Addr::new(b[4], b[5], b[6], b[7]);
     let instance = u64::from_le_bytes(b[8..16].try_into().expect("8 bytes"));

@@ -19,6 +19,7 @@ use crate::conn::Conn;
 use crate::endpoint::{decode_endpoint, encode_endpoint};
 use crate::plan::plan;
 use crate::regions::{Pin, Regions};
+use crate::samehost::{Channel, Frame, Range};
 use crate::slice::Slice;
 use crate::stage::Dev;
 
@@ -49,6 +50,8 @@ pub(crate) struct Shared {
     pub(crate) tasks: Arc<crate::io::Tasks>,
     /// The deadlines of batches in flight.
     pub(crate) watch: Arc<crate::watch::Watch>,
+    /// Challenge nonces of accepted data connections, for same-host channels.
+    pub(crate) nonces: crate::samehost::Nonces,
 }
 
 /// One peer: where its data listener is, which instance it is, and the connections.
@@ -62,6 +65,31 @@ struct PeerConns {
     slice: AtomicU64,
     /// The peer itself, when it is a tcp backend of this process (see `local`).
     local: Option<std::sync::Weak<Shared>>,
+    /// The peer's regions' memory: `None` for host memory, else the runtime's name.
+    kinds: RwLock<HashMap<RegionId, Option<String>>>,
+    /// The same-host channels to the peer, where it is a process of this host: one per
+    /// data connection, each served by a thread of the target's. Device frames take
+    /// the first (so the target maps each allocation once); host frames spread over all.
+    channels: Mutex<Vec<Arc<Channel>>>,
+    /// The peer advertises this host's boot id: a channel is worth trying.
+    same_boot: bool,
+}
+
+/// How frames to a peer travel ([`TcpBackend::peer_path`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerPath {
+    /// Over the data connections.
+    Socket,
+    /// A tcp backend of this process: device frames are device copies
+    /// (`local_copies`), the rest goes over the data connections.
+    InProcess,
+    /// A process of this host, through the same-host channel: device memory of one
+    /// runtime as device copies, host memory with one cross-memory-attach copy where
+    /// `cross_memory_attach` (else over the data connections), the rest over them.
+    SameHost {
+        /// The kernel lets the peer copy this process's host memory.
+        cross_memory_attach: bool,
+    },
 }
 
 /// The TCP backend.
@@ -72,6 +100,10 @@ pub struct TcpBackend {
     endpoint: Vec<u8>,
     peers: PeerTable<Arc<PeerConns>>,
     by_endpoint: Mutex<HashMap<Vec<u8>, PeerId>>,
+    /// This host's boot id, where same-host peers are taken (`local_ipc`).
+    boot_id: Option<[u8; 16]>,
+    /// The listener for same-host peers' channels.
+    samehost: Option<crate::samehost::Server>,
 }
 
 fn config_error(m: String) -> Error {
@@ -163,6 +195,7 @@ impl TcpBackend {
             hook: ctx.hook.clone(),
             tasks: Arc::default(),
             watch: Arc::default(),
+            nonces: Default::default(),
         });
         let watch = shared.watch.clone();
         shared.tasks.spawn(async move { watch.run().await })?;
@@ -173,7 +206,24 @@ impl TcpBackend {
             shared.watch.close();
             return Err(e);
         }
-        let endpoint = encode_endpoint(advertised, instance);
+        // Same-host peers: a target that holds its requests (`debug_delay`, for tests)
+        // serves every frame over the socket.
+        let mut boot_id = None;
+        let mut samehost = None;
+        if shared.config.local_ipc && shared.config.debug_delay.is_zero() {
+            match (
+                te_core::local::boot_id(),
+                crate::samehost::Server::start(&shared),
+            ) {
+                (Some(id), Ok(server)) => {
+                    boot_id = Some(id);
+                    samehost = Some(server);
+                }
+                (None, _) => tracing::info!("no boot id: peers on this host use the socket"),
+                (_, Err(e)) => tracing::warn!(error = %e, "peers on this host use the socket"),
+            }
+        }
+        let endpoint = encode_endpoint(advertised, instance, boot_id);
         crate::local::publish(&shared, &endpoint);
         Ok(TcpBackend {
             info: BackendInfo {
@@ -195,13 +245,33 @@ impl TcpBackend {
             shared,
             peers: PeerTable::new(crate::NAME),
             by_endpoint: Mutex::new(HashMap::new()),
+            boot_id,
+            samehost,
+        })
+    }
+
+    /// How frames to `peer` travel.
+    ///
+    /// # Errors
+    /// `NotConnected` for an unknown peer.
+    pub fn peer_path(&self, peer: PeerId) -> Result<PeerPath> {
+        let pc = self.peers.get(peer)?;
+        if pc.local.is_some() {
+            return Ok(PeerPath::InProcess);
+        }
+        let ch = pc.channels.lock().first().cloned().filter(|c| c.is_alive());
+        Ok(match ch {
+            Some(c) => PeerPath::SameHost {
+                cross_memory_attach: c.cma,
+            },
+            None => PeerPath::Socket,
         })
     }
 
     /// The address peers connect their data connections to.
     pub fn data_addr(&self) -> SocketAddr {
         decode_endpoint(&self.endpoint)
-            .map(|(a, _)| a)
+            .map(|e| e.addr)
             .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)))
     }
 
@@ -267,6 +337,43 @@ impl TcpBackend {
         }
     }
 
+    /// Opens same-host channels to `peer`, one per data connection, if it advertises
+    /// this host: presenting a nonce from a data connection's handshake proves it is the
+    /// process we authenticated. Where that fails, the peer is served over the socket,
+    /// as any peer. A broken channel closes them all (the first one's mappings go with
+    /// it) and fresh ones open with the nonces of fresh connections.
+    fn open_channel(&self, peer: &PeerConns, deadline: Deadline) {
+        if !peer.same_boot {
+            return;
+        }
+        let mut chs = peer.channels.lock();
+        if chs.iter().any(|c| !c.is_alive()) {
+            chs.clear();
+        }
+        let limit = deadline
+            .left("connect")
+            .map_or(self.shared.config.connect_timeout, |l| {
+                l.min(self.shared.config.connect_timeout)
+            });
+        let want = peer.conns.read().len();
+        while chs.len() < want {
+            let nonce = peer.conns.read().iter().find_map(|c| c.take_challenge());
+            let Some(nonce) = nonce else { return };
+            match Channel::open(peer.instance, nonce, limit) {
+                Ok(c) => {
+                    if chs.is_empty() {
+                        tracing::info!(peer = %peer.addr, cross_memory_attach = c.cma, "same-host peer: frames move without the socket");
+                    }
+                    chs.push(c);
+                }
+                Err(e) => {
+                    tracing::info!(peer = %peer.addr, error = %e, "the peer advertises this host but opened no channel; frames go over the socket");
+                    return;
+                }
+            }
+        }
+    }
+
     fn pin_locals(&self, batch: &[TransferRequest]) -> Result<Vec<Pin>> {
         let mut pins: Vec<Pin> = Vec::new();
         for r in batch {
@@ -325,27 +432,42 @@ impl TransferBackend for TcpBackend {
     }
 
     fn connect(&self, peer: &SegmentDesc, deadline: Deadline) -> Result<PeerId> {
-        let (addr, instance) = decode_endpoint(&peer.endpoint)?;
+        let ep = decode_endpoint(&peer.endpoint)?;
+        let kinds: HashMap<RegionId, Option<String>> = peer
+            .regions
+            .iter()
+            .map(|r| {
+                let kind = match &r.kind {
+                    te_core::MemoryKind::Device { runtime, .. } => Some(runtime.clone()),
+                    _ => None,
+                };
+                (r.id, kind)
+            })
+            .collect();
         let existing = self.by_endpoint.lock().get(&peer.endpoint).copied();
         if let Some(id) = existing {
             if let Ok(pc) = self.peers.get(id) {
                 self.fill_pool(&pc, deadline)?;
+                *pc.kinds.write() = kinds;
+                self.open_channel(&pc, deadline);
                 return Ok(id);
             }
         }
+        // A backend of this process is never reached through a channel: its device
+        // frames are device copies (`local_copies`) or go over the socket.
+        let in_process = crate::local::find(&peer.endpoint);
         let pc = Arc::new(PeerConns {
-            addr,
-            instance,
+            addr: ep.addr,
+            instance: ep.instance,
             conns: RwLock::new(Vec::new()),
             slice: AtomicU64::new(self.shared.config.slice_size),
-            local: self
-                .shared
-                .config
-                .local_copies
-                .then(|| crate::local::find(&peer.endpoint))
-                .flatten(),
+            same_boot: self.boot_id.is_some() && ep.boot_id == self.boot_id && in_process.is_none(),
+            local: in_process.filter(|_| self.shared.config.local_copies),
+            kinds: RwLock::new(kinds),
+            channels: Mutex::new(Vec::new()),
         });
         self.fill_pool(&pc, deadline)?;
+        self.open_channel(&pc, deadline);
         let mut by = self.by_endpoint.lock();
         let mut peers = self.peers.write();
         if let Some(&id) = by.get(&peer.endpoint) {
@@ -426,6 +548,20 @@ impl TransferBackend for TcpBackend {
             .filter(|t| t.is_open() && t.config.debug_delay.is_zero());
         let mut i = 0;
         let mut copies = crate::local::Local::default();
+        let channels: Vec<Arc<Channel>> = {
+            let chs = pc.channels.lock();
+            if chs.iter().all(|c| c.is_alive()) {
+                chs.clone()
+            } else {
+                Vec::new()
+            }
+        };
+        let channel = channels.first();
+        // Device frames on the first channel, as one request; host frames spread.
+        let mut on_channel: Vec<Frame> = Vec::new();
+        let mut host_frames: Vec<Vec<Frame>> = channels.iter().map(|_| Vec::new()).collect();
+        let mut next_host = 0usize;
+        let mut keys: HashMap<RegionId, Option<u64>> = HashMap::new();
         for f in frames {
             let mut slice = f.into_slice(&b);
             if let Some(target) = local.as_deref().filter(|_| slice.device.is_some()) {
@@ -434,11 +570,36 @@ impl TransferBackend for TcpBackend {
                     Err(s) => slice = s,
                 }
             }
+            if let Some(ch) = channel {
+                let host = slice.device.is_none();
+                match channel_frame(ch, &pc, batch, &b, &mut keys, slice) {
+                    Ok(frame) if host => {
+                        host_frames[next_host % channels.len()].push(frame);
+                        next_host += 1;
+                        continue;
+                    }
+                    Ok(frame) => {
+                        on_channel.push(frame);
+                        continue;
+                    }
+                    Err(s) => slice = s,
+                }
+            }
             per_conn[start.wrapping_add(i) % n].push(slice);
             i += 1;
         }
         // Every local frame of the batch in one group per runtime.
         copies.start();
+        if let Some(ch) = channel {
+            if !on_channel.is_empty() {
+                ch.submit(on_channel);
+            }
+        }
+        for (ch, frames) in channels.iter().zip(host_frames) {
+            if !frames.is_empty() {
+                ch.submit(frames);
+            }
+        }
         let mut budget = self.shared.config.inline_send as usize;
         // Frame `i` goes to connection `start + i` modulo `n`; the first frame's
         // connection goes first.
@@ -460,6 +621,8 @@ impl TransferBackend for TcpBackend {
 
 impl Drop for TcpBackend {
     fn drop(&mut self) {
+        // Its listener is one of the tasks waited for below.
+        drop(self.samehost.take());
         self.shared.closed.store(true, Ordering::Release);
         self.shared.watch.close();
         self.shared.closing.notify_one();
@@ -488,4 +651,74 @@ impl Drop for TcpBackend {
             }
         }
     }
+}
+
+/// `slice` as a frame for the same-host channel `ch`, where both its memory and the
+/// peer region's can be copied there (host memory with cross-memory attach, device
+/// memory of one runtime shared with the peer); `Err(slice)` sends it over the socket.
+fn channel_frame(
+    ch: &Channel,
+    peer: &PeerConns,
+    requests: &[TransferRequest],
+    batch: &Arc<Batch>,
+    keys: &mut HashMap<RegionId, Option<u64>>,
+    slice: crate::slice::Slice,
+) -> std::result::Result<Frame, crate::slice::Slice> {
+    let remote = peer.kinds.read().get(&slice.remote).cloned();
+    let key = match (&slice.device, remote) {
+        (None, Some(None)) if ch.cma => 0,
+        (Some((rt, _)), Some(Some(name))) if name == rt.name() => {
+            // The local region the slice's bytes are in: its allocation is shared once.
+            let Some(region) = requests
+                .iter()
+                .find(|r| {
+                    batch.hold().is_some_and(|pins| {
+                        pins.iter().any(|p| {
+                            let reg = p.region();
+                            reg.id == r.local
+                                && (slice.local as u64) >= reg.addr
+                                && (slice.local as u64) < reg.addr + reg.len
+                        })
+                    })
+                })
+                .map(|r| r.local)
+            else {
+                return Err(slice);
+            };
+            let key = *keys
+                .entry(region)
+                .or_insert_with(|| ch.key(rt, region, slice.local as u64));
+            match key {
+                Some(k) => k,
+                None => return Err(slice),
+            }
+        }
+        _ => return Err(slice),
+    };
+    let ranges = if slice.parts.is_empty() {
+        vec![Range {
+            region: slice.remote.0,
+            offset: slice.remote_offset,
+            len: slice.len,
+            key,
+            addr: slice.local as u64,
+        }]
+    } else {
+        slice
+            .parts
+            .iter()
+            .map(|p| Range {
+                region: slice.remote.0,
+                offset: p.remote_offset,
+                len: p.len,
+                key,
+                addr: p.local as u64,
+            })
+            .collect()
+    };
+    Ok(Frame {
+        op: slice.op,
+        ranges,
+        batch: slice.batch.clone(),
+    })
 }

@@ -72,6 +72,11 @@ pub struct TcpConfig {
     /// staging and the socket; `false` stages them as for any peer. A target with a
     /// `debug_delay` gets every frame over the socket.
     pub local_copies: bool,
+    /// Peers in another process of this host, proven to be (see `samehost`), move
+    /// without the socket: host memory with one cross-memory-attach copy, device memory
+    /// through the runtime's IPC handles as device copies; `false` sends every frame
+    /// over the socket. A target with a `debug_delay` gets every frame over the socket.
+    pub local_ipc: bool,
     /// For tests only: the target holds every request this long before serving it.
     #[serde(deserialize_with = "te_core::config::de::duration")]
     pub debug_delay: Duration,
@@ -96,6 +101,7 @@ impl Default for TcpConfig {
             max_connections: 4096,
             idle_timeout: Duration::ZERO,
             local_copies: true,
+            local_ipc: true,
             debug_delay: Duration::ZERO,
         }
     }
@@ -123,6 +129,7 @@ impl fmt::Debug for TcpConfig {
             .field("max_connections", &self.max_connections)
             .field("idle_timeout", &self.idle_timeout)
             .field("local_copies", &self.local_copies)
+            .field("local_ipc", &self.local_ipc)
             .field("debug_delay", &self.debug_delay)
             .finish()
     }

@@ -91,6 +91,10 @@ pub(crate) struct Conn {
     recv_pools: Pools,
     /// The longest payload the target accepts in one frame (from its terms).
     max_payload: u64,
+    /// The target's challenge nonce from the handshake, which opens its same-host
+    /// channel (`samehost`).
+    challenge: [u8; crate::wire::NONCE_LEN],
+    challenge_taken: AtomicBool,
 }
 
 impl std::fmt::Debug for Conn {
@@ -133,7 +137,7 @@ impl Conn {
             .map_err(|e| unreachable(&label, "cannot connect", e))?;
         sock::tune(&s, config).map_err(|e| unreachable(&label, "cannot set options", e))?;
         sock::timeouts(&s, limit).map_err(|e| unreachable(&label, "cannot set timeouts", e))?;
-        let terms = handshake(
+        let (terms, challenge) = handshake(
             &mut s,
             &label,
             instance,
@@ -163,6 +167,8 @@ impl Conn {
             send_pools: Pools::new(config.slice_size),
             recv_pools: Pools::new(config.slice_size),
             max_payload: terms.max_payload,
+            challenge,
+            challenge_taken: AtomicBool::new(false),
         });
         let (c1, c2) = (conn.clone(), conn.clone());
         let started = tasks
@@ -178,6 +184,12 @@ impl Conn {
     /// The longest payload the target accepts in one frame, as it announced.
     pub(crate) fn max_payload(&self) -> u64 {
         self.max_payload
+    }
+
+    /// The target's challenge nonce from this connection's handshake, once: the
+    /// target accepts each on one same-host channel only.
+    pub(crate) fn take_challenge(&self) -> Option<[u8; crate::wire::NONCE_LEN]> {
+        (!self.challenge_taken.swap(true, Ordering::AcqRel)).then_some(self.challenge)
     }
 
     pub(crate) fn is_dead(&self) -> bool {

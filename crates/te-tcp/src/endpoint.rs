@@ -1,20 +1,32 @@
 //! The bytes a peer needs to reach this backend's data listener: its address and the
 //! backend's instance id, as they travel in the segment descriptor's endpoint.
 //!
-//! `version u8 = 1 · family u8 (4 or 6) · port u16 · IP (4 or 16 bytes) · instance
-//! u64`, little-endian, decoded strictly: a wrong version or family, or short or
-//! trailing bytes, are a `Protocol` error.
+//! `version u8 · family u8 (4 or 6) · port u16 · IP (4 or 16 bytes) · instance u64`,
+//! then for version 2 the host's boot id \[16\] (a backend with `local_ipc`, see
+//! `samehost`); little-endian, decoded strictly: a wrong version or family, or short or
+//! trailing bytes, are a `Protocol` error. Version 1 (no boot id) is still read.
 
 use std::net::{IpAddr, SocketAddr};
 
 use te_core::{Error, ErrorKind, Result};
 
-/// The endpoint format's version (its first byte).
-const ENDPOINT_VERSION: u8 = 1;
+/// A data endpoint, decoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Endpoint {
+    pub(crate) addr: SocketAddr,
+    pub(crate) instance: u64,
+    /// The host's boot id, where the backend takes same-host peers (`local_ipc`).
+    pub(crate) boot_id: Option<[u8; 16]>,
+}
 
-/// Encodes a data endpoint: version, address family, port, IP, instance; little-endian.
-pub(crate) fn encode_endpoint(addr: SocketAddr, instance: u64) -> Vec<u8> {
-    let mut v = vec![ENDPOINT_VERSION];
+/// Encodes a data endpoint: version, address family, port, IP, instance, and the boot
+/// id where there is one; little-endian.
+pub(crate) fn encode_endpoint(
+    addr: SocketAddr,
+    instance: u64,
+    boot_id: Option<[u8; 16]>,
+) -> Vec<u8> {
+    let mut v = vec![if boot_id.is_some() { 2 } else { 1 }];
     match addr.ip() {
         IpAddr::V4(ip) => {
             v.push(4);
@@ -28,6 +40,9 @@ pub(crate) fn encode_endpoint(addr: SocketAddr, instance: u64) -> Vec<u8> {
         }
     }
     v.extend_from_slice(&instance.to_le_bytes());
+    if let Some(id) = boot_id {
+        v.extend_from_slice(&id);
+    }
     v
 }
 
@@ -35,7 +50,7 @@ pub(crate) fn encode_endpoint(addr: SocketAddr, instance: u64) -> Vec<u8> {
 ///
 /// # Errors
 /// `Protocol` for anything else.
-pub(crate) fn decode_endpoint(b: &[u8]) -> Result<(SocketAddr, u64)> {
+pub(crate) fn decode_endpoint(b: &[u8]) -> Result<Endpoint> {
     let bad = || {
         Error::new(
             ErrorKind::Protocol,
@@ -46,7 +61,7 @@ pub(crate) fn decode_endpoint(b: &[u8]) -> Result<(SocketAddr, u64)> {
         )
     };
     let (&[version, family, p0, p1], rest) = b.split_first_chunk::<4>().ok_or_else(bad)?;
-    if version != ENDPOINT_VERSION {
+    if version != 1 && version != 2 {
         return Err(bad());
     }
     let port = u16::from_le_bytes([p0, p1]);
@@ -61,6 +76,17 @@ pub(crate) fn decode_endpoint(b: &[u8]) -> Result<(SocketAddr, u64)> {
         }
         _ => return Err(bad()),
     };
-    let instance: [u8; 8] = rest.try_into().map_err(|_| bad())?;
-    Ok((SocketAddr::new(ip, port), u64::from_le_bytes(instance)))
+    let (instance, rest) = rest.split_first_chunk::<8>().ok_or_else(bad)?;
+    let boot_id = match version {
+        1 => None,
+        _ => Some(<[u8; 16]>::try_from(&rest[..rest.len().min(16)]).map_err(|_| bad())?),
+    };
+    if rest.len() != if boot_id.is_some() { 16 } else { 0 } {
+        return Err(bad());
+    }
+    Ok(Endpoint {
+        addr: SocketAddr::new(ip, port),
+        instance: u64::from_le_bytes(*instance),
+        boot_id,
+    })
 }

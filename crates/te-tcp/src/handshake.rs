@@ -13,13 +13,13 @@ use crate::serve::{io_err, protocol};
 use crate::wire::{self, Challenge, Hello, Proof, Status, Terms, Welcome};
 
 /// Runs the initiator's side of the handshake on a fresh stream; returns the target's
-/// terms.
+/// terms and its challenge nonce (which a same-host channel presents, see `samehost`).
 pub(crate) fn handshake(
     s: &mut TcpStream,
     label: &str,
     instance: u64,
     token: Option<&[u8]>,
-) -> Result<Terms> {
+) -> Result<(Terms, [u8; wire::NONCE_LEN])> {
     let io = |what: &str| {
         let what = what.to_string();
         move |e: std::io::Error| unreachable(label, &what, e)
@@ -112,7 +112,7 @@ pub(crate) fn handshake(
             ));
         }
     }
-    Ok(terms)
+    Ok((terms, ch.nonce))
 }
 
 /// The target's side of the handshake. `Ok(false)`: refused (already answered).
@@ -177,5 +177,8 @@ pub(crate) async fn answer(shared: &Shared, s: &Sock, peer: &str) -> Result<bool
         tracing::warn!(peer = %peer, "refused a data connection: it did not prove the auth_token");
         return Ok(false);
     }
+    // The initiator may present this nonce on our same-host channel: only a peer of
+    // this connection knows it.
+    shared.nonces.record(nonce);
     Ok(true)
 }

@@ -119,6 +119,7 @@ mod local;
 mod plan;
 mod regions;
 mod respond;
+mod samehost;
 mod serve;
 mod slice;
 mod sock;
@@ -128,7 +129,7 @@ mod tests;
 mod watch;
 mod wire;
 
-pub use backend::TcpBackend;
+pub use backend::{PeerPath, TcpBackend};
 pub use config::TcpConfig;
 
 /// The TCP backend's registry name.

@@ -88,7 +88,8 @@ fn a_version_2_peer_is_refused_with_a_version_mismatch_on_both_sides() {
     // A version-2 initiator at a version-3 target: the challenge says `Version`, and
     // nothing else follows (no terms), so the old peer reports the mismatch.
     let target = backend(|_| {});
-    let (addr, instance) = decode_endpoint(&target.endpoint()).unwrap();
+    let crate::endpoint::Endpoint { addr, instance, .. } =
+        decode_endpoint(&target.endpoint()).unwrap();
     let mut s = TcpStream::connect(addr).unwrap();
     let hello = Hello {
         version: 2,

@@ -106,9 +106,10 @@ fn a_frame_longer_than_the_agreed_limit_is_refused_and_the_target_keeps_serving(
     let mut host = vec![0u8; 1 << 20];
     register(&target, 2, &mut host, Access::REMOTE_READ_WRITE);
     // The limit is announced in the handshake.
-    let (addr, instance) = decode_endpoint(&target.endpoint()).unwrap();
+    let crate::endpoint::Endpoint { addr, instance, .. } =
+        decode_endpoint(&target.endpoint()).unwrap();
     let mut s = TcpStream::connect(addr).unwrap();
-    let terms = crate::handshake::handshake(&mut s, "raw", instance, None).unwrap();
+    let (terms, _) = crate::handshake::handshake(&mut s, "raw", instance, None).unwrap();
     assert_eq!(terms.max_payload, 64 << 10);
     drop(s);
     // A hostile peer ignores it: an oversized WRITE into device memory (whose staging

@@ -34,7 +34,7 @@ fn closed_after(s: &mut TcpStream, limit: Duration) -> Option<Duration> {
 #[test]
 fn a_peer_that_trickles_its_handshake_is_cut_at_the_handshake_timeout() {
     let target = backend(|c| c.handshake_timeout = Duration::from_millis(300));
-    let (addr, _) = decode_endpoint(&target.endpoint()).unwrap();
+    let addr = decode_endpoint(&target.endpoint()).unwrap().addr;
     let mut s = TcpStream::connect(addr).unwrap();
     // Without the timeout the connection would stay open: the upper bound only
     // leaves room for a loaded machine.
@@ -56,7 +56,7 @@ fn a_new_connection_evicts_the_oldest_pending_one_and_connections_are_capped() {
         // Far above the bounds below, so "closed at once" cannot be the timeout.
         c.handshake_timeout = Duration::from_secs(20);
     });
-    let (addr, _) = decode_endpoint(&target.endpoint()).unwrap();
+    let addr = decode_endpoint(&target.endpoint()).unwrap().addr;
     let mut idle: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
     eventually("two pending handshakes", Duration::from_secs(5), || {
         target.shared().pending.len() == 2
@@ -125,7 +125,7 @@ fn the_listener_survives_running_out_of_file_descriptors() {
     let init = backend(|c| c.connections_per_peer = 1);
     let mut src = vec![9u8; 4096];
     register(&init, 1, &mut src, Access::LOCAL);
-    let (addr, _) = decode_endpoint(&target.endpoint()).unwrap();
+    let addr = decode_endpoint(&target.endpoint()).unwrap().addr;
     let open = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64;
     let mut old = libc::rlimit {
         rlim_cur: 0,
@@ -201,7 +201,7 @@ fn without_a_listen_key_the_data_listener_follows_the_engines_listen_and_adverti
     };
     // Every interface, advertised as loopback: the endpoint names the advertised host.
     let b = TcpBackend::new(TcpConfig::default(), &ctx("0.0.0.0", Some("127.0.0.1"))).unwrap();
-    let (addr, _) = decode_endpoint(&b.endpoint()).unwrap();
+    let addr = decode_endpoint(&b.endpoint()).unwrap().addr;
     assert_eq!(addr.ip().to_string(), "127.0.0.1");
     assert_ne!(addr.port(), 0);
     TcpStream::connect(addr).expect("the data listener is reachable where advertised");
@@ -210,6 +210,6 @@ fn without_a_listen_key_the_data_listener_follows_the_engines_listen_and_adverti
     assert!(e.to_string().contains("advertise"), "{e}");
     // An explicit listen wins over the engine's host.
     let b = backend(|c| c.listen = Some("127.0.0.1:0".into()));
-    let (addr, _) = decode_endpoint(&b.endpoint()).unwrap();
+    let addr = decode_endpoint(&b.endpoint()).unwrap().addr;
     assert!(addr.ip().is_loopback());
 }

@@ -20,6 +20,7 @@ mod failures;
 mod handshake;
 mod hostile;
 mod listener;
+mod samehost;
 mod transfer;
 
 fn soon() -> te_core::Deadline {
@@ -82,7 +83,8 @@ fn connected(
 
 /// A raw data connection that passed the handshake.
 fn raw(target: &TcpBackend) -> TcpStream {
-    let (addr, instance) = decode_endpoint(&target.endpoint()).unwrap();
+    let crate::endpoint::Endpoint { addr, instance, .. } =
+        decode_endpoint(&target.endpoint()).unwrap();
     let mut s = TcpStream::connect(addr).unwrap();
     crate::handshake::handshake(&mut s, "raw", instance, None).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();

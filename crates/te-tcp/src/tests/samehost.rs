@@ -1,0 +1,166 @@
+//! The same-host channel driven directly against a target of this process: the target
+//! copies host memory with cross-memory attach into and out of this process, checks
+//! every request as a served frame is checked, and opens a channel only for the nonce
+//! of a data connection it accepted, once.
+
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+use te_core::{Access, Completion, ErrorKind, Op, Result, TransferBackend};
+
+use super::{backend, register};
+use crate::completion::Batch;
+use crate::endpoint::decode_endpoint;
+use crate::samehost::{Channel, Frame, Range};
+use crate::TcpBackend;
+
+/// A nonce the target recorded: the challenge of a data connection it accepted.
+fn nonce(target: &TcpBackend) -> [u8; 32] {
+    let ep = decode_endpoint(&target.endpoint()).unwrap();
+    let mut s = std::net::TcpStream::connect(ep.addr).unwrap();
+    let (_, nonce) = crate::handshake::handshake(&mut s, "test", ep.instance, None).unwrap();
+    // The target records it once the handshake is over on its side.
+    std::thread::sleep(Duration::from_millis(50));
+    nonce
+}
+
+fn channel(target: &TcpBackend) -> Arc<Channel> {
+    let instance = decode_endpoint(&target.endpoint()).unwrap().instance;
+    Channel::open(instance, nonce(target), Duration::from_secs(5)).expect("channel opens")
+}
+
+/// One request of `ranges` on `ch`, waited for.
+fn request(ch: &Channel, op: Op, ranges: Vec<Range>) -> Result<()> {
+    let (tx, rx) = mpsc::channel();
+    let done = Completion::new(Duration::from_secs(10), move |r, _| {
+        let _ = tx.send(r);
+    });
+    let batch = Arc::new(Batch::new(1, done, Vec::new()));
+    ch.submit(vec![Frame { op, ranges, batch }]);
+    rx.recv_timeout(Duration::from_secs(10)).expect("answered")
+}
+
+fn host(region: u64, offset: u64, len: u64, addr: *const u8) -> Range {
+    Range {
+        region,
+        offset,
+        len,
+        key: 0,
+        addr: addr as u64,
+    }
+}
+
+#[test]
+fn host_memory_moves_both_ways_in_scattered_ranges_with_one_copy() {
+    let target = backend(|_| {});
+    let mut remote = vec![0u8; 64 << 10];
+    register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
+    let ch = channel(&target);
+    assert!(ch.cma, "a process may reach its own memory");
+    let data: Vec<u8> = (0..64u32 << 10).map(|i| (i * 7 % 251) as u8).collect();
+    // Block i of `data` to block (i * 5 mod 16) of the region, 4 KiB each.
+    let write: Vec<Range> = (0..16u64)
+        .map(|i| {
+            host(
+                1,
+                (i * 5 % 16) << 12,
+                4096,
+                data[(i as usize) << 12..].as_ptr(),
+            )
+        })
+        .collect();
+    request(&ch, Op::Write, write).unwrap();
+    for i in 0..16usize {
+        let at = (i * 5 % 16) << 12;
+        assert!(
+            remote[at..at + 4096] == data[i << 12..(i + 1) << 12],
+            "block {i}"
+        );
+    }
+    let mut back = vec![0u8; 64 << 10];
+    let read = vec![host(1, 0, 64 << 10, back.as_mut_ptr())];
+    request(&ch, Op::Read, read).unwrap();
+    assert!(back == remote);
+}
+
+#[test]
+fn the_target_refuses_unregistered_out_of_bounds_and_unpermitted_ranges_and_goes_on() {
+    let target = backend(|_| {});
+    let mut writable = vec![0u8; 8192];
+    let mut readable = vec![7u8; 8192];
+    register(&target, 1, &mut writable, Access::REMOTE_READ_WRITE);
+    register(&target, 2, &mut readable, Access::REMOTE_READ);
+    let ch = channel(&target);
+    let src = vec![0xabu8; 8192];
+    let e = request(&ch, Op::Write, vec![host(9, 0, 16, src.as_ptr())]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotRegistered, "{e}");
+    // One range inside and one past the end: nothing of the request lands.
+    let e = request(
+        &ch,
+        Op::Write,
+        vec![
+            host(1, 0, 16, src.as_ptr()),
+            host(1, 8190, 16, src.as_ptr()),
+        ],
+    )
+    .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::OutOfBounds, "{e}");
+    assert!(writable.iter().all(|&b| b == 0), "nothing landed");
+    let e = request(&ch, Op::Write, vec![host(2, 0, 16, src.as_ptr())]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidRequest, "{e}");
+    assert!(e.to_string().contains("not remotely writable"), "{e}");
+    assert!(readable.iter().all(|&b| b == 7));
+    // The channel still serves good requests.
+    request(&ch, Op::Write, vec![host(1, 100, 16, src.as_ptr())]).unwrap();
+    assert_eq!(&writable[100..116], &src[..16]);
+    assert!(ch.is_alive());
+}
+
+#[test]
+fn a_channel_opens_only_with_a_nonce_the_target_gave_and_only_once() {
+    let target = backend(|_| {});
+    let instance = decode_endpoint(&target.endpoint()).unwrap().instance;
+    let forged: [u8; 32] = rand::random();
+    let e = Channel::open(instance, forged, Duration::from_secs(5)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::PeerUnreachable, "{e}");
+    let n = nonce(&target);
+    Channel::open(instance, n, Duration::from_secs(5)).expect("a fresh nonce opens one");
+    let e = Channel::open(instance, n, Duration::from_secs(5)).unwrap_err();
+    assert!(
+        e.to_string().contains("refused"),
+        "a nonce is good once: {e}"
+    );
+    // An instance nobody on this host serves: refused at once, not waited for.
+    let e = Channel::open(instance ^ 1, n, Duration::from_secs(5)).unwrap_err();
+    assert!(e.to_string().contains("no same-host listener"), "{e}");
+}
+
+#[test]
+fn without_local_ipc_or_with_a_debug_delay_no_boot_id_is_advertised() {
+    for b in [
+        backend(|c| c.local_ipc = false),
+        backend(|c| c.debug_delay = Duration::from_millis(1)),
+    ] {
+        assert_eq!(decode_endpoint(&b.endpoint()).unwrap().boot_id, None);
+    }
+    let b = backend(|_| {});
+    assert_eq!(
+        decode_endpoint(&b.endpoint()).unwrap().boot_id,
+        te_core::local::boot_id()
+    );
+}
+
+#[test]
+fn a_peer_in_this_process_never_gets_a_channel() {
+    let (target, init) = (backend(|_| {}), backend(|c| c.local_copies = false));
+    let (mut remote, mut local) = (vec![0u8; 4096], vec![1u8; 4096]);
+    let peer = super::connected(&target, &mut remote, &init, &mut local);
+    assert_eq!(init.peer_path(peer).unwrap(), crate::PeerPath::Socket);
+    let init2 = backend(|_| {});
+    let mut local2 = vec![1u8; 4096];
+    register(&init2, 1, &mut local2, Access::LOCAL);
+    let peer2 = init2
+        .connect(&super::segment(&target), super::soon())
+        .unwrap();
+    assert_eq!(init2.peer_path(peer2).unwrap(), crate::PeerPath::InProcess);
+}

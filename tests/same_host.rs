@@ -1,0 +1,214 @@
+//! Two processes of this host on the tcp backend: `te serve` as the target, this test as
+//! the initiator. A proven same-host peer gets the channel (`PeerPath::SameHost`): host
+//! memory moves with one cross-memory-attach copy, fakedev memory through its memfd
+//! mapped by the target, every byte checked both ways; the target's checks hold on
+//! that path; `local_ipc = false` keeps every frame on the socket.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use te::{Access, Config, Engine, ErrorKind, Peer, TransferRequest};
+use te_core::device::DeviceRuntime;
+use te_core::{Completion, TransferBackend};
+use te_tcp::{PeerPath, TcpBackend, TcpConfig};
+
+/// A `te serve` process, killed when dropped.
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `te serve` on the tcp backend with a `size` buffer named `buffer` in `mem`; `wrap`
+/// is a command it runs under (e.g. `setpriv …`), if any.
+fn serve(mem: &str, size: &str, wrap: &[&str]) -> Server {
+    let te = env!("CARGO_BIN_EXE_te");
+    let mut args: Vec<&str> = wrap.to_vec();
+    args.extend([
+        te,
+        "serve",
+        "--backend",
+        "tcp",
+        "--buffer-size",
+        size,
+        "--mem",
+        mem,
+    ]);
+    let mut child = Command::new(args[0])
+        .args(&args[1..])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("te serve starts");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("te serve prints its address");
+    let addr = line.trim().to_string();
+    assert!(!addr.is_empty(), "te serve printed no address");
+    Server { child, addr }
+}
+
+fn engine(local_ipc: bool) -> Engine {
+    let text = format!(
+        "[engine]\nbackend = \"tcp\"\ndefault_timeout = \"30s\"\n[backends.tcp]\nlocal_ipc = {local_ipc}\n"
+    );
+    let c = Config::from_toml(&text, "same_host.toml", std::path::Path::new(".")).unwrap();
+    Engine::from_config(&c).expect("engine")
+}
+
+/// How a tcp backend of this process reaches `peer`'s target.
+fn path(peer: &Peer, local_ipc: bool) -> PeerPath {
+    let mut config = TcpConfig::default();
+    config.local_ipc = local_ipc;
+    let b = TcpBackend::new(config, &te_core::BackendContext::default()).unwrap();
+    let id = b
+        .connect(
+            &peer.segment(),
+            te_core::Deadline::after(Duration::from_secs(10)),
+        )
+        .unwrap();
+    b.peer_path(id).unwrap()
+}
+
+fn pattern(len: usize, seed: usize) -> Vec<u8> {
+    (0..len).map(|i| ((i * 13 + seed) % 251) as u8).collect()
+}
+
+/// Writes `src`'s blocks scattered into the target's buffer (block i to block i * 37
+/// mod n), reads them back into `back` in order, and checks both; returns what this
+/// process's fakedev copied during the two transfers.
+fn round_trip(
+    e: &Engine,
+    peer: &Peer,
+    src: &te::Buffer,
+    back: &te::Buffer,
+    block: u64,
+    n: u64,
+) -> te_core::device::CopyStats {
+    let remote = peer.region("buffer").unwrap().id;
+    let data = pattern((block * n) as usize, block as usize);
+    src.write(0, &data).unwrap();
+    let writes: Vec<_> = (0..n)
+        .map(|i| TransferRequest::write(src.id(), i * block, remote, (i * 37 % n) * block, block))
+        .collect();
+    let reads: Vec<_> = (0..n)
+        .map(|i| TransferRequest::read(back.id(), i * block, remote, (i * 37 % n) * block, block))
+        .collect();
+    let dev = te_core::fakedev::process();
+    let before = dev.as_ref().map(|d| d.stats()).unwrap_or_default();
+    e.transfer(peer, &writes).unwrap().wait().unwrap();
+    e.transfer(peer, &reads).unwrap().wait().unwrap();
+    let moved = dev
+        .as_ref()
+        .map(|d| d.stats().since(&before))
+        .unwrap_or_default();
+    assert!(
+        back.to_vec().unwrap()[..data.len()] == data[..],
+        "bytes read back differ"
+    );
+    moved
+}
+
+#[test]
+fn host_memory_moves_between_processes_through_the_channel_both_ways() {
+    let server = serve("host", "8MiB", &[]);
+    for local_ipc in [true, false] {
+        let e = engine(local_ipc);
+        let (src, back) = (
+            e.alloc("src", 8 << 20, Access::LOCAL).unwrap(),
+            e.alloc("back", 8 << 20, Access::LOCAL).unwrap(),
+        );
+        let peer = e.connect(&server.addr).unwrap();
+        let want = if local_ipc {
+            PeerPath::SameHost {
+                cross_memory_attach: true,
+            }
+        } else {
+            PeerPath::Socket
+        };
+        assert_eq!(path(&peer, local_ipc), want);
+        round_trip(&e, &peer, &src, &back, 64 << 10, 128);
+        round_trip(&e, &peer, &src, &back, 4096, 1024);
+    }
+}
+
+#[test]
+fn fakedev_memory_moves_between_processes_as_device_copies_in_the_target() {
+    let server = serve("fakedev:0", "8MiB", &[]);
+    let e = engine(true);
+    let kind: te::MemoryKind = "fakedev:0".parse().unwrap();
+    let src = e.alloc_on(&kind, "src", 8 << 20, Access::LOCAL).unwrap();
+    let back = e.alloc_on(&kind, "back", 8 << 20, Access::LOCAL).unwrap();
+    let peer = e.connect(&server.addr).unwrap();
+    assert!(matches!(path(&peer, true), PeerPath::SameHost { .. }));
+    // The target maps our memory and copies on its side: this process copies nothing.
+    let moved = round_trip(&e, &peer, &src, &back, 32 << 10, 256);
+    assert_eq!(
+        moved.copies, 0,
+        "the initiator copied device memory itself: {moved:?}"
+    );
+    let moved = round_trip(&e, &peer, &src, &back, 1 << 20, 8);
+    assert_eq!(moved.copies, 0, "{moved:?}");
+}
+
+#[test]
+fn the_target_checks_every_request_on_the_channel() {
+    let server = serve("host", "64KiB", &[]);
+    let e = engine(true);
+    let peer = e.connect(&server.addr).unwrap();
+    let remote = peer.region("buffer").unwrap();
+    // A backend that skips the engine's own checks, as a hostile initiator would.
+    let b = TcpBackend::new(TcpConfig::default(), &te_core::BackendContext::default()).unwrap();
+    let id = b
+        .connect(
+            &peer.segment(),
+            te_core::Deadline::after(Duration::from_secs(10)),
+        )
+        .unwrap();
+    assert!(matches!(
+        b.peer_path(id).unwrap(),
+        PeerPath::SameHost { .. }
+    ));
+    let mut raw = vec![0xeeu8; 64];
+    let mem = te::MemoryDesc {
+        name: "raw".into(),
+        addr: raw.as_mut_ptr() as u64,
+        len: raw.len() as u64,
+        kind: te::MemoryKind::Host,
+        access: Access::LOCAL,
+    };
+    b.register(te::RegionId(1), &mem).unwrap();
+    let run = |req: TransferRequest| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let done = Completion::new(Duration::from_secs(10), move |r, _| {
+            let _ = tx.send(r);
+        });
+        b.submit(id, &[req], done).unwrap();
+        rx.recv_timeout(Duration::from_secs(10)).unwrap()
+    };
+    let past = TransferRequest::write(te::RegionId(1), 0, remote.id, (64 << 10) - 16, 32);
+    let err = run(past).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::OutOfBounds, "{err}");
+    assert!(
+        err.to_string().contains("same-host"),
+        "refused on the channel: {err}"
+    );
+    let unknown = TransferRequest::write(te::RegionId(1), 0, te::RegionId(999), 0, 16);
+    let err = run(unknown).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotRegistered, "{err}");
+    // The channel and the peer still work.
+    let ok = TransferRequest::write(te::RegionId(1), 0, remote.id, 0, 64);
+    run(ok).unwrap();
+    let check = e.alloc("check", 64, Access::LOCAL).unwrap();
+    let req = TransferRequest::read(check.id(), 0, remote.id, 0, 64);
+    e.transfer(&peer, &[req]).unwrap().wait().unwrap();
+    assert_eq!(check.to_vec().unwrap(), vec![0xee; 64]);
+}
