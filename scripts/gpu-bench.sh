@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Device memory against host memory on an NVIDIA GPU, in one command: the table of
 # issue 29's GPU targets. The target runs in a second process (`te serve`), as a
-# prefill and a decode instance would, so device memory is staged through pinned host
-# memory and the socket on both sides (no in-process device copies). For each shape,
+# prefill and a decode instance on two hosts would, so device memory is staged through
+# pinned host memory and the socket on both sides (`local_ipc = false`: no same-host
+# channel; scripts/same-host-bench.sh measures that). For each shape,
 # host and cuda:0 are alternated three times and the best of each is compared:
 #
 #   cuda ÷ host  >= 0.9   at 32 KiB x 128, 64 KiB x 128 and 1 MiB x 64, write and read
@@ -30,28 +31,39 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
+# Two processes of one host would take the same-host channel: this table is the
+# staged path between hosts.
+config="$work/staged.toml"
+if [ -n "${TE_GPU_OLD:-}" ]; then
+  # A te from before the same-host channel knows no `local_ipc` (and needs none).
+  printf '[engine]\nbackend = "tcp"\n' >"$config"
+else
+  printf '[engine]\nbackend = "tcp"\n[backends.tcp]\nlocal_ipc = false\n' >"$config"
+fi
 
 echo "== te info (device runtimes and how their copies are submitted)"
 "$te" info | sed -n '/device runtimes:/,$p'
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 
-# A target per memory kind, each in its own process.
+# A target per memory kind, each in its own process (started here, not in a command
+# substitution's subshell, so that the exit trap knows and kills it).
 serve() { # kind
   local out="$work/serve-${1//:/_}"
-  "$te" serve --backend tcp --mem "$1" --buffer-size 1GiB >"$out" 2>"$out.err" &
+  "$te" serve --config "$config" --mem "$1" --buffer-size 1GiB >"$out" 2>"$out.err" &
   pids+=($!)
   for _ in $(seq 100); do
     [ -s "$out" ] && break
     sleep 0.1
   done
   [ -s "$out" ] || { echo "te serve --mem $1 did not start:" >&2; cat "$out.err" >&2; exit 1; }
-  head -n1 "$out"
 }
-host_target=$(serve host)
-cuda_target=$(serve "$mem")
+serve host
+serve "$mem"
+host_target=$(head -n1 "$work/serve-host")
+cuda_target=$(head -n1 "$work/serve-${mem//:/_}")
 
 point() { # kind target op block batch
-  "$te" bench --backend tcp --target "$2" --mem "$1" --op "$3" --block-size "$4" \
+  "$te" bench --config "$config" --target "$2" --mem "$1" --op "$3" --block-size "$4" \
     --batch "$5" --duration "${secs}s" --warmup 500ms --json 2>/dev/null | head -n1
 }
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Everything te checks on an NVIDIA GPU, in one command: the GPU tests (tests/gpu.rs,
-# every byte of staged, device-to-device, mixed and KV transfers verified on cuda:0),
-# the list-copy kernel assembled by ptxas for three GPU generations where the toolkit
-# is installed, then scripts/gpu-bench.sh's table. With an older te beside the new
-# one (`te-before`), its table follows, measured in the same sitting.
+# every byte of staged, device-to-device, mixed, KV and two-process transfers verified
+# on cuda:0), the list-copy kernel assembled by ptxas for three GPU generations where
+# the toolkit is installed, then scripts/gpu-bench.sh's table (staged, as between
+# hosts) and scripts/same-host-bench.sh's (two processes of this host). With an older
+# te beside the new one (`te-before`), its staged table follows, measured in the same
+# sitting.
 #
 # Usage: scripts/gpu-check.sh [DIR] [seconds per point]
 #   DIR holds prebuilt binaries: `te` (release), `gpu` (the tests/gpu.rs test binary),
@@ -31,7 +33,7 @@ echo "== GPU"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || fail=1
 
 echo "== tests/gpu.rs"
-timeout 300 "$dir/gpu" --ignored --test-threads=1 || fail=1
+TE_BIN="$dir/te" timeout 300 "$dir/gpu" --ignored --test-threads=1 || fail=1
 
 ptxas=$(command -v ptxas || ls /usr/local/cuda/bin/ptxas 2>/dev/null || true)
 if [ -x "$dir/te-core" ] && [ -n "$ptxas" ]; then
@@ -39,10 +41,12 @@ if [ -x "$dir/te-core" ] && [ -n "$ptxas" ]; then
   TE_PTXAS=$ptxas timeout 120 "$dir/te-core" ptxas_accepts --nocapture || fail=1
 fi
 
-echo "== te bench: this te"
+echo "== te bench: this te, staged as between hosts"
 scripts/gpu-bench.sh "$dir/te" "$secs" || fail=1
+echo "== te bench: two processes of this host, channel against socket"
+TE_REPS=2 scripts/same-host-bench.sh "$dir/te" "${TE_GPU_MEM:-cuda:0}" "$secs" || fail=1
 if [ -x "$dir/te-before" ]; then
   echo "== te bench: te-before (the same table, one point each, for comparison)"
-  TE_GPU_REPS=1 scripts/gpu-bench.sh "$dir/te-before" "$secs" || true
+  TE_GPU_OLD=1 TE_GPU_REPS=1 scripts/gpu-bench.sh "$dir/te-before" "$secs" || true
 fi
 exit $fail

@@ -353,3 +353,77 @@ fn random_kv_blocks_on_the_device_move_intact() {
         }
     }
 }
+
+/// Two processes of this host with `cuda:0` memory on both sides: the target (`te
+/// serve`) maps the initiator's allocation through its CUDA IPC handle and copies on
+/// the GPU; every byte of scattered writes and reads checked.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn cuda_memory_moves_between_two_processes_through_ipc() {
+    use std::io::BufRead;
+    use te_core::TransferBackend;
+    let te = std::env::var("TE_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_te").into());
+    let mem = std::env::var("TE_GPU_MEM").unwrap_or_else(|_| "cuda:0".into());
+    let mut child = std::process::Command::new(te)
+        .args([
+            "serve",
+            "--backend",
+            "tcp",
+            "--buffer-size",
+            "64MiB",
+            "--mem",
+            &mem,
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("te serve starts");
+    let mut addr = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut addr)
+        .unwrap();
+    let e = tcp_engine(true);
+    let peer = e.connect(addr.trim()).unwrap();
+    let b = te_tcp::TcpBackend::new(
+        te_tcp::TcpConfig::default(),
+        &te_core::BackendContext::default(),
+    )
+    .unwrap();
+    let id = b
+        .connect(
+            &peer.segment(),
+            te_core::Deadline::after(std::time::Duration::from_secs(10)),
+        )
+        .unwrap();
+    let path = b.peer_path(id).unwrap();
+    let remote = peer.region("buffer").unwrap().id;
+    for block in [32u64 << 10, 1 << 20] {
+        let n = (64 << 20) / block;
+        let len = (64 << 20) as usize;
+        let src = e.alloc_on(&gpu_mem(), "src", len, Access::LOCAL).unwrap();
+        let back = e.alloc_on(&gpu_mem(), "back", len, Access::LOCAL).unwrap();
+        let data = pattern(len, block as usize);
+        src.write(0, &data).unwrap();
+        let writes: Vec<_> = (0..n)
+            .map(|i| {
+                TransferRequest::write(src.id(), i * block, remote, (i * 37 % n) * block, block)
+            })
+            .collect();
+        e.transfer(&peer, &writes).unwrap().wait().unwrap();
+        let reads: Vec<_> = (0..n)
+            .map(|i| {
+                TransferRequest::read(back.id(), i * block, remote, (i * 37 % n) * block, block)
+            })
+            .collect();
+        e.transfer(&peer, &reads).unwrap().wait().unwrap();
+        assert!(
+            back.to_vec().unwrap() == data,
+            "{block}-byte blocks differ after a write and read between processes"
+        );
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        matches!(path, te_tcp::PeerPath::SameHost { .. }),
+        "the peer took {path:?}, not the same-host channel"
+    );
+}

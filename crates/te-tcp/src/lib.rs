@@ -62,6 +62,13 @@
 //! regions stay pinned until the copies end. Everything else still goes over its
 //! connections.
 //!
+//! A peer in another process of this host, proven so by a channel on an abstract Unix
+//! socket that only the process behind its authenticated data connection can open,
+//! gets its frames through that channel (`local_ipc`): the target admits each request
+//! as a served frame and copies it itself — host memory with cross-memory attach,
+//! device memory of one runtime through the runtime's IPC handles as one device group.
+//! [`TcpBackend::peer_path`] says which path a peer takes; see `samehost.rs`.
+//!
 //! # Options (`[backends.tcp]`)
 //!
 //! The keys are the fields of [`TcpConfig`], each documented there, with their
