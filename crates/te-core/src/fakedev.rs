@@ -401,6 +401,12 @@ impl FakeDev {
         }))
     }
 
+    /// Allocations of other processes mapped here now ([`DeviceRuntime::ipc_import`]
+    /// and not yet closed).
+    pub fn imported(&self) -> usize {
+        self.allocs.lock().imported.len()
+    }
+
     /// Synchronisations paid so far on every device (one per group per queue, one per
     /// single copy).
     pub fn syncs(&self) -> u64 {
