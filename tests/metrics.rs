@@ -86,6 +86,38 @@ fn batches_bytes_latency_registrations_and_notifications_are_counted() {
 }
 
 #[test]
+fn with_metrics_off_batches_move_uncounted_and_handles_tell_nothing() {
+    let target = stub("");
+    let dst = target
+        .alloc("dst", 4096, Access::REMOTE_READ_WRITE)
+        .unwrap();
+    let mut c = Config::from_toml(
+        "[engine]\nbackend = \"stub\"\nmetrics = false\n",
+        "metrics off",
+        std::path::Path::new("."),
+    )
+    .unwrap();
+    c.engine.default_timeout = Duration::from_secs(10);
+    let me = Engine::from_config(&c).unwrap();
+    let src = me.alloc("src", 4096, Access::LOCAL).unwrap();
+    src.write(0, &[7; 4096]).unwrap();
+    let peer = me.connect(&target.address().to_string()).unwrap();
+    let rid = peer.region("dst").unwrap().id;
+    let h = me
+        .transfer(&peer, &[TransferRequest::write(src.id(), 0, rid, 0, 4096)])
+        .unwrap();
+    h.wait().unwrap();
+    assert_eq!(
+        dst.to_vec().unwrap(),
+        vec![7; 4096],
+        "the batch moved its bytes"
+    );
+    assert!(h.telemetry().is_none());
+    let m = me.metrics();
+    assert_eq!((m.batches_submitted, m.batches_completed), (0, 0), "{m:?}");
+}
+
+#[test]
 fn docs_metrics_md_explains_every_field() {
     let doc = std::fs::read_to_string("docs/metrics.md").expect("docs/metrics.md");
     let fields = [

@@ -84,6 +84,11 @@ pub struct EngineConfig {
     /// Where the metrics endpoint listens (`HOST:PORT`): `GET /metrics` answers the
     /// engine's metrics in the OpenMetrics text format. Unset: no endpoint.
     pub metrics_listen: Option<String>,
+    /// Count each batch (bytes, requests, outcome, latency, per engine and per peer)
+    /// and keep its telemetry for the handle; `false` skips that per-batch work, so the
+    /// snapshot shows no batches and handles no telemetry (what `scripts/metrics-cost.sh`
+    /// compares against).
+    pub metrics: bool,
 }
 
 impl Default for EngineConfig {
@@ -108,6 +113,7 @@ impl Default for EngineConfig {
             max_sessions: 4096,
             max_sessions_per_source: 1024,
             metrics_listen: None,
+            metrics: true,
         }
     }
 }

@@ -129,12 +129,14 @@ impl Inner {
             requests = requests.len(),
             bytes = requests.iter().map(|r| r.len).sum::<u64>(),
         );
-        state.meter(BatchMeter::start(
-            self.metrics.clone(),
-            metrics,
-            requests,
-            span,
-        ));
+        if self.config.metrics {
+            state.meter(BatchMeter::start(
+                self.metrics.clone(),
+                metrics,
+                requests,
+                span,
+            ));
+        }
         self.timer.add(&state);
         let handle = TransferHandle::new(state.clone());
         let finisher = Finisher {
