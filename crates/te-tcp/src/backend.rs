@@ -562,6 +562,8 @@ impl TransferBackend for TcpBackend {
         let mut host_frames: Vec<Vec<Frame>> = channels.iter().map(|_| Vec::new()).collect();
         let mut next_host = 0usize;
         let mut keys: HashMap<RegionId, Option<u64>> = HashMap::new();
+        // The batch's local regions, to find each device frame's allocation.
+        let held = b.hold().unwrap_or_default();
         for f in frames {
             let mut slice = f.into_slice(&b);
             if let Some(target) = local.as_deref().filter(|_| slice.device.is_some()) {
@@ -572,7 +574,7 @@ impl TransferBackend for TcpBackend {
             }
             if let Some(ch) = channel {
                 let host = slice.device.is_none();
-                match channel_frame(ch, &pc, batch, &b, &mut keys, slice) {
+                match channel_frame(ch, &pc, &held, &mut keys, slice) {
                     Ok(frame) if host => {
                         host_frames[next_host % channels.len()].push(frame);
                         next_host += 1;
@@ -659,8 +661,7 @@ impl Drop for TcpBackend {
 fn channel_frame(
     ch: &Channel,
     peer: &PeerConns,
-    requests: &[TransferRequest],
-    batch: &Arc<Batch>,
+    pins: &[Pin],
     keys: &mut HashMap<RegionId, Option<u64>>,
     slice: crate::slice::Slice,
 ) -> std::result::Result<Frame, crate::slice::Slice> {
@@ -669,25 +670,16 @@ fn channel_frame(
         (None, Some(None)) if ch.cma => 0,
         (Some((rt, _)), Some(Some(name))) if name == rt.name() => {
             // The local region the slice's bytes are in: its allocation is shared once.
-            let Some(region) = requests
+            let at = slice.local as u64;
+            let Some(region) = pins
                 .iter()
-                .find(|r| {
-                    batch.hold().is_some_and(|pins| {
-                        pins.iter().any(|p| {
-                            let reg = p.region();
-                            reg.id == r.local
-                                && (slice.local as u64) >= reg.addr
-                                && (slice.local as u64) < reg.addr + reg.len
-                        })
-                    })
-                })
-                .map(|r| r.local)
+                .map(Pin::region)
+                .find(|r| at >= r.addr && at - r.addr < r.len)
+                .map(|r| r.id)
             else {
                 return Err(slice);
             };
-            let key = *keys
-                .entry(region)
-                .or_insert_with(|| ch.key(rt, region, slice.local as u64));
+            let key = *keys.entry(region).or_insert_with(|| ch.key(rt, region, at));
             match key {
                 Some(k) => k,
                 None => return Err(slice),
