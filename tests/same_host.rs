@@ -212,3 +212,38 @@ fn the_target_checks_every_request_on_the_channel() {
     e.transfer(&peer, &[req]).unwrap().wait().unwrap();
     assert_eq!(check.to_vec().unwrap(), vec![0xee; 64]);
 }
+
+#[test]
+fn a_stopped_same_host_target_fails_the_batch_at_its_deadline() {
+    let server = serve("host", "4MiB", &[]);
+    let e = engine(true);
+    let src = e.alloc("src", 4 << 20, Access::LOCAL).unwrap();
+    let peer = e.connect(&server.addr).unwrap();
+    assert!(matches!(path(&peer, true), PeerPath::SameHost { .. }));
+    let remote = peer.region("buffer").unwrap().id;
+    let pid = server.child.id() as i32;
+    // SAFETY: signals a child this test started and still owns.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let start = std::time::Instant::now();
+    let opts = te::TransferOptions {
+        timeout: Some(Duration::from_secs(1)),
+        ..Default::default()
+    };
+    let r = e
+        .transfer_with(
+            &peer,
+            &[TransferRequest::read(src.id(), 0, remote, 0, 4 << 20)],
+            &opts,
+        )
+        .unwrap()
+        .wait();
+    let took = start.elapsed();
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    let err = r.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(3),
+        "the batch ended after {took:?}"
+    );
+}

@@ -535,7 +535,7 @@ impl TransferBackend for TcpBackend {
         let n = conns.len();
         let frames = plan(batch, &bases, slice);
         let b = Arc::new(Batch::new(frames.len(), done, pins));
-        self.shared.watch.add(&b, &conns);
+
         // Start on the least loaded connection, the lowest on a tie: a lone small batch
         // then always finds the same warm connection and threads, while concurrent
         // batches and the frames of a large one still spread over the whole pool.
@@ -556,6 +556,7 @@ impl TransferBackend for TcpBackend {
                 Vec::new()
             }
         };
+        self.shared.watch.add(&b, &conns, &channels);
         let channel = channels.first();
         // Device frames on the first channel, as one request; host frames spread.
         let mut on_channel: Vec<Frame> = Vec::new();

@@ -26,11 +26,11 @@
 //!
 //! Everything else (host on one side and device on the other, another runtime) goes over
 //! the socket. The initiator's memory is touched only while its batch waits for the
-//! answer: the batch's pins hold its regions, and a batch ends only when every request
-//! on a channel is answered or the channel is gone. A target refuses a request whose
-//! deadline has passed before it starts copying, so the wait past a deadline is at most
-//! one request's copies. What the target mapped is unmapped when the channel closes
-//! (the peer disconnected, exited or was killed).
+//! answer: the batch's pins hold its regions. A request carries its batch's deadline on
+//! the host's monotonic clock, and the target refuses one it reads after it; at the
+//! deadline the watcher (`watch`) closes a channel that answered nothing for a grace,
+//! as it closes a stalled data connection. What the target mapped is unmapped when the
+//! channel closes (the peer disconnected, exited or was killed).
 //!
 //! Channel messages (little-endian): the initiator's `Hello` (56 bytes: magic `TELC`,
 //! version u16, flags u16, the target instance u64, the challenge nonce \[32\], the
@@ -42,7 +42,7 @@
 //! | kind | direction | code | id | a | b | c | then |
 //! |---|---|---|---|---|---|---|---|
 //! | 1 share | → target | handle bytes | key | base | length | ordinal << 32 · runtime name bytes | handle, runtime name; a descriptor attached where the runtime's handles are descriptors |
-//! | 2 write, 3 read | → target | entries n | request id | µs left (0: none) | bytes in all | 0 | n × (region, offset, length, key, address), u64 each; key 0 is host memory |
+//! | 2 write, 3 read | → target | entries n | request id | deadline, µs on the host's monotonic clock (0: none) | bytes in all | 0 | n × (region, offset, length, key, address), u64 each; key 0 is host memory |
 //! | 4 done | → initiator | 0 | request id | 0 | 0 | 0 | — |
 //! | 5 error | → initiator | error kind | request id | 0 | message bytes | 0 | the message |
 //!
@@ -168,6 +168,18 @@ pub(crate) struct Range {
     pub(crate) len: u64,
     pub(crate) key: u64,
     pub(crate) addr: u64,
+}
+
+/// Microseconds on this host's monotonic clock, which every process of the host shares
+/// (a channel's peers share the boot): requests carry their deadline on it.
+fn monotonic_us() -> u64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `t` is a valid out-parameter; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
+    (t.tv_sec as u64) * 1_000_000 + (t.tv_nsec as u64) / 1_000
 }
 
 fn io_error(what: &str, e: std::io::Error) -> Error {
@@ -457,8 +469,7 @@ fn serve(shared: &Shared, s: &UnixStream) -> Result<()> {
                     ));
                 }
                 let op = if m.kind == WRITE { Op::Write } else { Op::Read };
-                let deadline = (m.a > 0).then(|| Instant::now() + Duration::from_micros(m.a));
-                let r = run(shared, pid, cma, &imports, op, &entries, deadline);
+                let r = run(shared, pid, cma, &imports, op, &entries, m.a);
                 let reply = match r {
                     Ok(()) => Msg {
                         kind: DONE,
@@ -513,7 +524,7 @@ fn run(
     imports: &HashMap<u64, std::result::Result<Arc<Import>, Error>>,
     op: Op,
     entries: &[Range],
-    deadline: Option<Instant>,
+    deadline_us: u64,
 ) -> Result<()> {
     let mut by_region: BTreeMap<u64, Vec<Entry>> = BTreeMap::new();
     for e in entries {
@@ -593,7 +604,9 @@ fn run(
             }
         }
     }
-    if deadline.is_some_and(|d| Instant::now() >= d) {
+    // On the clock both processes share: a request read late (this process was busy or
+    // stopped) is refused, never copied after its batch was handed back.
+    if deadline_us != 0 && monotonic_us() >= deadline_us {
         return Err(Error::new(
             ErrorKind::Timeout,
             "the batch's deadline passed before its copies started",
@@ -650,6 +663,8 @@ pub(crate) struct Channel {
     /// The target can copy host memory with this process (cross-memory attach).
     pub(crate) cma: bool,
     dead: AtomicBool,
+    /// Answers received: unchanged between two looks means the channel stalled.
+    progress: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Channel {
@@ -718,6 +733,7 @@ impl Channel {
             }),
             cma,
             dead: AtomicBool::new(false),
+            progress: std::sync::atomic::AtomicU64::new(0),
         });
         let weak = Arc::downgrade(&ch);
         std::thread::Builder::new()
@@ -835,7 +851,7 @@ impl Channel {
                 kind: if op == Op::Write { WRITE } else { READ },
                 code: n as u32,
                 id,
-                a: (left.as_micros() as u64).max(1),
+                a: monotonic_us().saturating_add(left.as_micros() as u64),
                 b: total,
                 c: 0,
             }
@@ -853,6 +869,30 @@ impl Channel {
         if let Err(e) = sent {
             self.fail(io_error("send failed", e));
         }
+    }
+
+    /// At `batch`'s deadline (`seen`: `None` the first time, then what this returned):
+    /// `None` once none of its requests waits here; else the progress count to look at
+    /// again after a grace. A channel on which nothing was answered since the last look
+    /// is closed, failing what waits on it, as a stalled data connection is: the
+    /// target refuses what it reads after the deadline, so no copy of ours starts then.
+    pub(crate) fn cut(&self, batch: &Arc<Batch>, seen: Option<u64>) -> Option<u64> {
+        let waits = {
+            let st = self.state.lock();
+            st.waiting.values().flatten().any(|b| Arc::ptr_eq(b, batch))
+        };
+        if !waits {
+            return None;
+        }
+        let now = self.progress.load(Ordering::Acquire);
+        if seen == Some(now) {
+            self.fail(Error::new(
+                ErrorKind::Timeout,
+                "the same-host peer answered nothing past the batch's deadline; the channel was closed",
+            ));
+            return None;
+        }
+        Some(now)
     }
 
     /// Marks the channel dead and fails every request waiting on it.
@@ -900,6 +940,7 @@ fn receive(s: &UnixStream, ch: &Weak<Channel>) {
             _ => break protocol("an answer of an unknown kind"),
         };
         let Some(ch) = ch.upgrade() else { return };
+        ch.progress.fetch_add(1, Ordering::AcqRel);
         let waiting = ch.state.lock().waiting.remove(&m.id);
         match waiting {
             Some(batches) => {

@@ -20,6 +20,7 @@ use tokio::sync::Notify;
 
 use crate::completion::Batch;
 use crate::conn::Conn;
+use crate::samehost::Channel;
 
 /// How long a connection that carries an expired batch may go without any answer or
 /// send before it is closed.
@@ -33,6 +34,9 @@ struct Timed {
     conns: Vec<Weak<Conn>>,
     /// Each connection's progress count at the last look after the deadline.
     seen: Vec<Option<u64>>,
+    /// Same-host channels the batch's requests may wait on, and theirs.
+    channels: Vec<Weak<Channel>>,
+    channels_seen: Vec<Option<u64>>,
 }
 
 impl PartialEq for Timed {
@@ -78,8 +82,8 @@ impl std::fmt::Debug for Watch {
 }
 
 impl Watch {
-    /// Watches `batch`, whose slices travel on `conns`.
-    pub(crate) fn add(&self, batch: &Arc<Batch>, conns: &[Arc<Conn>]) {
+    /// Watches `batch`, whose slices travel on `conns` and `channels`.
+    pub(crate) fn add(&self, batch: &Arc<Batch>, conns: &[Arc<Conn>], channels: &[Arc<Channel>]) {
         let mut s = self.state.lock();
         // Finished batches are dropped lazily: at most about twice the live ones stay.
         if s.heap.len() > 2 * s.pruned + 1024 {
@@ -93,6 +97,8 @@ impl Watch {
             batch: Arc::downgrade(batch),
             conns: conns.iter().map(Arc::downgrade).collect(),
             seen: vec![None; conns.len()],
+            channels: channels.iter().map(Arc::downgrade).collect(),
+            channels_seen: vec![None; channels.len()],
         });
     }
 
@@ -117,7 +123,11 @@ impl Watch {
         let mut all = std::mem::take(&mut s.heap).into_vec();
         let mut found = false;
         for t in &mut all {
-            if t.0.seen.iter().all(Option::is_none)
+            if t.0
+                .seen
+                .iter()
+                .chain(&t.0.channels_seen)
+                .all(Option::is_none)
                 && t.0.batch.upgrade().is_some_and(|b| b.id() == id)
             {
                 t.0.at = t.0.at.min(now);
@@ -177,6 +187,10 @@ impl Watch {
                 }
                 let mut again = false;
                 for (c, seen) in t.conns.iter().zip(t.seen.iter_mut()) {
+                    *seen = c.upgrade().and_then(|c| c.cut(&batch, *seen));
+                    again |= seen.is_some();
+                }
+                for (c, seen) in t.channels.iter().zip(t.channels_seen.iter_mut()) {
                     *seen = c.upgrade().and_then(|c| c.cut(&batch, *seen));
                     again |= seen.is_some();
                 }
