@@ -80,6 +80,9 @@ const MAX_NAME: usize = 32;
 const MAX_MESSAGE: usize = 4096;
 /// Channels one target serves at once; more are closed at once.
 const MAX_CHANNELS: usize = 256;
+/// Channels still in their hello at once; a newer one closes the oldest, so sockets
+/// that connect and say nothing cannot keep a good peer out.
+const MAX_PENDING: usize = 16;
 /// Allocations one channel maps at most.
 const MAX_IMPORTS: usize = 4096;
 /// Handshake nonces a target remembers for channels to present.
@@ -264,6 +267,7 @@ async fn accept_loop(
         }
     };
     let open = Arc::new(AtomicUsize::new(0));
+    let pending: Arc<Mutex<VecDeque<u64>>> = Arc::default();
     let mut next = 0u64;
     loop {
         let accepted = tokio::select! {
@@ -303,20 +307,34 @@ async fn accept_loop(
         next += 1;
         let key = next;
         channels.lock().insert(key, clone);
+        let evicted = {
+            let mut p = pending.lock();
+            p.push_back(key);
+            (p.len() > MAX_PENDING).then(|| p.pop_front()).flatten()
+        };
+        if let Some(old) = evicted {
+            if let Some(old) = channels.lock().get(&old) {
+                tracing::debug!("closing a same-host channel still in its hello to make room");
+                let _ = old.shutdown(std::net::Shutdown::Both);
+            }
+        }
         open.fetch_add(1, Ordering::AcqRel);
-        let (count, all) = (open.clone(), channels.clone());
+        let (count, all, waiting) = (open.clone(), channels.clone(), pending.clone());
         let started = std::thread::Builder::new()
             .name("te-tcp-channel".into())
             .spawn(move || {
-                if let Err(e) = serve(&s, &stream) {
+                let opened = || waiting.lock().retain(|k| *k != key);
+                if let Err(e) = serve(&s, &stream, &opened) {
                     tracing::debug!(error = %e, "same-host channel ended");
                 }
+                opened();
                 let _ = stream.shutdown(std::net::Shutdown::Both);
                 all.lock().remove(&key);
                 count.fetch_sub(1, Ordering::AcqRel);
             });
         if started.is_err() {
             channels.lock().remove(&key);
+            pending.lock().retain(|k| *k != key);
             open.fetch_sub(1, Ordering::AcqRel);
         }
     }
@@ -344,7 +362,7 @@ impl Drop for Import {
 /// The channel's handshake, then its messages until it closes. Requests are served one
 /// at a time, so when this returns no copy of the channel's runs and its imports can
 /// be unmapped.
-fn serve(shared: &Shared, s: &UnixStream) -> Result<()> {
+fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
     let limit = shared.config.handshake_timeout;
     s.set_read_timeout(Some(limit))
         .and_then(|()| s.set_write_timeout(Some(shared.config.io_timeout)))
@@ -354,6 +372,7 @@ fn serve(shared: &Shared, s: &UnixStream) -> Result<()> {
     (&mut &*s)
         .read_exact(&mut hello)
         .map_err(|e| io_error("reading the hello", e))?;
+    opened();
     let instance = u64::from_le_bytes(hello[8..16].try_into().unwrap_or_default());
     let nonce: [u8; NONCE_LEN] = hello[16..48].try_into().unwrap_or_default();
     let probe = u64::from_le_bytes(hello[48..56].try_into().unwrap_or_default());

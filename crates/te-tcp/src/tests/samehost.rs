@@ -164,3 +164,91 @@ fn a_peer_in_this_process_never_gets_a_channel() {
         .unwrap();
     assert_eq!(init2.peer_path(peer2).unwrap(), crate::PeerPath::InProcess);
 }
+
+/// A raw connection to `target`'s channel listener.
+fn raw(target: &TcpBackend) -> std::os::unix::net::UnixStream {
+    let instance = decode_endpoint(&target.endpoint()).unwrap().instance;
+    te_core::local::connect(
+        &crate::samehost::socket_name(instance),
+        Duration::from_secs(5),
+    )
+    .unwrap()
+}
+
+/// A proven channel's raw stream: the hello with a nonce the target gave, welcome read.
+fn proven_raw(target: &TcpBackend) -> std::os::unix::net::UnixStream {
+    use std::io::{Read, Write};
+    let instance = decode_endpoint(&target.endpoint()).unwrap().instance;
+    let n = nonce(target);
+    let mut s = raw(target);
+    let mut hello = [0u8; 56];
+    hello[..4].copy_from_slice(b"TELC");
+    hello[4..6].copy_from_slice(&1u16.to_le_bytes());
+    hello[8..16].copy_from_slice(&instance.to_le_bytes());
+    hello[16..48].copy_from_slice(&n);
+    s.write_all(&hello).unwrap();
+    let mut w = [0u8; 8];
+    s.read_exact(&mut w).unwrap();
+    assert_eq!(&w[4..6], &[0, 0], "welcomed");
+    s
+}
+
+/// Whether the target closed `s` (read returns end of file or an error).
+fn closed(s: &mut std::os::unix::net::UnixStream) -> bool {
+    use std::io::Read;
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut b = [0u8; 64];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) | Err(_) => return true,
+            Ok(_) => continue,
+        }
+    }
+}
+
+#[test]
+fn hostile_channels_are_closed_and_the_listener_keeps_serving_good_peers() {
+    use std::io::Write;
+    let target = backend(|_| {});
+    let mut remote = vec![0u8; 4096];
+    register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
+
+    // Sockets that connect and say nothing: the oldest are closed to make room.
+    let idle: Vec<_> = (0..40).map(|_| raw(&target)).collect();
+    let ch = channel(&target);
+    let src = [5u8; 16];
+    request(&ch, Op::Write, vec![host(1, 0, 16, src.as_ptr())]).unwrap();
+    let mut first = idle.into_iter().next().unwrap();
+    assert!(closed(&mut first), "the oldest idle socket was closed");
+
+    // A hello that is not one: refused.
+    let mut s = raw(&target);
+    s.write_all(&[0x55; 56]).unwrap();
+    assert!(closed(&mut s));
+
+    // A proven channel that sends a message of no kind, or a request of too many
+    // entries: closed before anything more is read.
+    for header in [
+        {
+            let mut h = [0u8; 40];
+            h[0] = 99;
+            h
+        },
+        {
+            let mut h = [0u8; 40];
+            h[0] = 2;
+            h[4..8].copy_from_slice(&((crate::samehost::MAX_ENTRIES as u32) + 1).to_le_bytes());
+            h
+        },
+    ] {
+        let mut s = proven_raw(&target);
+        s.write_all(&header).unwrap();
+        assert!(closed(&mut s), "kind {}", header[0]);
+    }
+
+    // Good peers are still served, on the old channel and on a new one.
+    request(&ch, Op::Write, vec![host(1, 16, 16, src.as_ptr())]).unwrap();
+    let ch2 = channel(&target);
+    request(&ch2, Op::Write, vec![host(1, 32, 16, src.as_ptr())]).unwrap();
+    assert_eq!(&remote[..48], &[5u8; 48][..]);
+}
