@@ -224,6 +224,18 @@ fn a_stopped_same_host_target_fails_the_batch_at_its_deadline() {
     let pid = server.child.id() as i32;
     // SAFETY: signals a child this test started and still owns.
     unsafe { libc::kill(pid, libc::SIGSTOP) };
+    // The signal is delivered asynchronously: wait until the kernel shows it stopped.
+    let stopped = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit(") ").next().map(|r| r.starts_with('T')))
+            .unwrap_or(false)
+    };
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    while !stopped() {
+        assert!(std::time::Instant::now() < until, "te serve did not stop");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let start = std::time::Instant::now();
     let opts = te::TransferOptions {
         timeout: Some(Duration::from_secs(1)),
