@@ -72,6 +72,10 @@ fn a_killed_initiators_memory_is_unmapped_and_a_deregistration_waits_for_copies(
     wait_for("copies on the channel", Duration::from_secs(10), || {
         dev.stats().copies > copies
     });
+    // Four threads keep batches on several of the peer's channels at once; its one
+    // allocation is mapped here once, shared by them.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(dev.imported(), 1, "one mapping per allocation of the peer");
     child.kill().unwrap();
     child.wait().unwrap();
     wait_for("its mappings released", Duration::from_secs(10), || {

@@ -52,6 +52,8 @@ pub(crate) struct Shared {
     pub(crate) watch: Arc<crate::watch::Watch>,
     /// Challenge nonces of accepted data connections, for same-host channels.
     pub(crate) nonces: crate::samehost::Nonces,
+    /// What same-host peers' channels mapped here, shared between a peer's channels.
+    pub(crate) imports: crate::samehost::Imports,
 }
 
 /// One peer: where its data listener is, which instance it is, and the connections.
@@ -68,9 +70,11 @@ struct PeerConns {
     /// The peer's regions' memory: `None` for host memory, else the runtime's name.
     kinds: RwLock<HashMap<RegionId, Option<String>>>,
     /// The same-host channels to the peer, where it is a process of this host: one per
-    /// data connection, each served by a thread of the target's. Device frames take
-    /// the first (so the target maps each allocation once); host frames spread over all.
+    /// data connection, each served by a thread of the target's. A batch's device frames
+    /// are one request on the least busy channel; host frames spread over all.
     channels: Mutex<Vec<Arc<Channel>>>,
+    /// What this backend exported to the peer, for all its channels.
+    exports: Arc<Mutex<crate::samehost::Exports>>,
     /// The peer advertises this host's boot id: a channel is worth trying.
     same_boot: bool,
 }
@@ -196,6 +200,7 @@ impl TcpBackend {
             tasks: Arc::default(),
             watch: Arc::default(),
             nonces: Default::default(),
+            imports: Default::default(),
         });
         let watch = shared.watch.clone();
         shared.tasks.spawn(async move { watch.run().await })?;
@@ -359,7 +364,7 @@ impl TcpBackend {
         while chs.len() < want {
             let nonce = peer.conns.read().iter().find_map(|c| c.take_challenge());
             let Some(nonce) = nonce else { return };
-            match Channel::open(peer.instance, nonce, limit) {
+            match Channel::open(peer.instance, nonce, limit, &peer.exports) {
                 Ok(c) => {
                     if chs.is_empty() {
                         tracing::info!(peer = %peer.addr, cross_memory_attach = c.cma, "same-host peer: frames move without the socket");
@@ -465,6 +470,7 @@ impl TransferBackend for TcpBackend {
             local: in_process.filter(|_| self.shared.config.local_copies),
             kinds: RwLock::new(kinds),
             channels: Mutex::new(Vec::new()),
+            exports: Arc::default(),
         });
         self.fill_pool(&pc, deadline)?;
         self.open_channel(&pc, deadline);
@@ -557,7 +563,10 @@ impl TransferBackend for TcpBackend {
             }
         };
         self.shared.watch.add(&b, &conns, &channels);
-        let channel = channels.first();
+        // The batch's device request goes to the least busy channel, the lowest on a tie:
+        // a lone stream of batches keeps one warm channel (and target thread), while
+        // concurrent batches spread over the target's threads.
+        let channel = channels.iter().min_by_key(|c| c.waiting());
         // Device frames on the first channel, as one request; host frames spread.
         let mut on_channel: Vec<Frame> = Vec::new();
         let mut host_frames: Vec<Vec<Frame>> = channels.iter().map(|_| Vec::new()).collect();

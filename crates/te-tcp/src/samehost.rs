@@ -32,9 +32,10 @@
 //! as it closes a stalled data connection. What the target mapped is unmapped when the
 //! channel closes (the peer disconnected, exited or was killed).
 //!
-//! Channel messages (little-endian): the initiator's `Hello` (56 bytes: magic `TELC`,
+//! Channel messages (little-endian): the initiator's `Hello` (64 bytes: magic `TELC`,
 //! version u16, flags u16, the target instance u64, the challenge nonce \[32\], the
-//! address u64 of a copy of the nonce in the initiator's memory) and the target's
+//! address u64 of a copy of the nonce in the initiator's memory, the initiator's
+//! random id u64, which with its pid names its allocation keys) and the target's
 //! `Welcome` (8 bytes: magic, status u16 (0 = open), flags u16 (1 = cross-memory
 //! attach works)); then 40-byte headers (kind u8, 3 zero bytes, code u32, id u64, and
 //! three u64 fields `a`, `b`, `c`):
@@ -68,8 +69,8 @@ use crate::regions::Pin;
 use crate::wire::{Entry, Header, Kind, NONCE_LEN};
 
 const MAGIC: [u8; 4] = *b"TELC";
-const VERSION: u16 = 1;
-const HELLO_LEN: usize = 56;
+const VERSION: u16 = 2;
+const HELLO_LEN: usize = 64;
 const WELCOME_LEN: usize = 8;
 const HEADER_LEN: usize = 40;
 const ENTRY_LEN: usize = 40;
@@ -340,6 +341,18 @@ async fn accept_loop(
     }
 }
 
+/// What a target mapped of its same-host peers, by (pid, initiator id, key): a
+/// peer's channels share one mapping of each allocation, which goes when the last
+/// channel that uses it closes.
+#[derive(Default)]
+pub(crate) struct Imports(Mutex<HashMap<(i32, u64, u64), Weak<Import>>>);
+
+impl std::fmt::Debug for Imports {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("samehost::Imports")
+    }
+}
+
 /// An allocation of the initiator's mapped here.
 struct Import {
     rt: Arc<dyn DeviceRuntime>,
@@ -376,6 +389,7 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
     let instance = u64::from_le_bytes(hello[8..16].try_into().unwrap_or_default());
     let nonce: [u8; NONCE_LEN] = hello[16..48].try_into().unwrap_or_default();
     let probe = u64::from_le_bytes(hello[48..56].try_into().unwrap_or_default());
+    let initiator = u64::from_le_bytes(hello[56..64].try_into().unwrap_or_default());
     let refused = if hello[..4] != MAGIC || u16::from_le_bytes([hello[4], hello[5]]) != VERSION {
         Some("not a te-tcp same-host hello")
     } else if uid != local::my_uid() {
@@ -440,16 +454,30 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
                 let name = std::str::from_utf8(&b[hl..])
                     .map_err(|_| protocol("a runtime name that is not UTF-8"))?;
                 let ordinal = (m.c >> 32) as u32;
-                let import = te_core::device::runtime(name).and_then(|rt| {
-                    let addr = rt.ipc_import(ordinal, &b[..hl], fd, m.b)?;
-                    Ok(Arc::new(Import {
-                        rt,
-                        addr,
-                        base: m.a,
-                        len: m.b,
-                        ordinal,
-                    }))
+                let id = (pid, initiator, m.id);
+                // Another channel of the same peer may have mapped it: share that one
+                // (the handle or descriptor sent again is not opened twice).
+                let mut all = shared.imports.0.lock();
+                let known = all.get(&id).and_then(Weak::upgrade).filter(|i| {
+                    i.base == m.a && i.len == m.b && i.ordinal == ordinal && i.rt.name() == name
                 });
+                let import = match known {
+                    Some(i) => Ok(i),
+                    None => te_core::device::runtime(name).and_then(|rt| {
+                        let addr = rt.ipc_import(ordinal, &b[..hl], fd, m.b)?;
+                        let i = Arc::new(Import {
+                            rt,
+                            addr,
+                            base: m.a,
+                            len: m.b,
+                            ordinal,
+                        });
+                        all.retain(|_, w| w.strong_count() > 0);
+                        all.insert(id, Arc::downgrade(&i));
+                        Ok(i)
+                    }),
+                };
+                drop(all);
                 if let Err(e) = &import {
                     tracing::warn!(runtime = name, error = %e, "same-host channel: the peer's memory could not be mapped");
                 }
@@ -666,19 +694,49 @@ type Waiting = Vec<Arc<Batch>>;
 
 struct ChannelState {
     next_id: u64,
-    next_key: u64,
     waiting: HashMap<u64, Waiting>,
-    /// Allocations shared on this channel: (runtime, local region, base) → key.
-    shared: HashMap<(String, RegionId, u64), u64>,
+    /// Keys of the allocations shared on this channel.
+    sent: std::collections::HashSet<u64>,
+    dead: Option<Error>,
+}
+
+/// What an initiator exported to one peer, for all of its channels: each allocation
+/// once, under one key, sent on every channel that uses it.
+pub(crate) struct Exports {
+    /// Names this initiator to the target, with its pid, so that keys of two backends
+    /// of one process never meet.
+    id: u64,
+    next_key: u64,
+    /// (runtime, local region, base) → key and export.
+    by: HashMap<(String, RegionId, u64), (u64, Arc<te_core::device::IpcExport>)>,
     /// Runtimes whose memory cannot be shared from here.
     unshareable: Vec<String>,
-    dead: Option<Error>,
+}
+
+impl std::fmt::Debug for Exports {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Exports")
+            .field("allocations", &self.by.len())
+            .finish()
+    }
+}
+
+impl Default for Exports {
+    fn default() -> Self {
+        Exports {
+            id: rand::random(),
+            next_key: 1,
+            by: HashMap::new(),
+            unshareable: Vec::new(),
+        }
+    }
 }
 
 /// An initiator's channel to one same-host target.
 pub(crate) struct Channel {
     stream: UnixStream,
     state: Mutex<ChannelState>,
+    exports: Arc<Mutex<Exports>>,
     /// The target can copy host memory with this process (cross-memory attach).
     pub(crate) cma: bool,
     dead: AtomicBool,
@@ -710,6 +768,7 @@ impl Channel {
         instance: u64,
         nonce: [u8; NONCE_LEN],
         timeout: Duration,
+        exports: &Arc<Mutex<Exports>>,
     ) -> Result<Arc<Channel>> {
         let s = local::connect(&socket_name(instance), timeout)
             .map_err(|e| io_error("no same-host listener for the peer", e))?;
@@ -722,6 +781,7 @@ impl Channel {
         hello[8..16].copy_from_slice(&instance.to_le_bytes());
         hello[16..48].copy_from_slice(&nonce);
         hello[48..56].copy_from_slice(&(probe.as_ptr() as u64).to_le_bytes());
+        hello[56..64].copy_from_slice(&exports.lock().id.to_le_bytes());
         (&mut &s)
             .write_all(&hello)
             .map_err(|e| io_error("sending the hello", e))?;
@@ -744,12 +804,11 @@ impl Channel {
             stream: s,
             state: Mutex::new(ChannelState {
                 next_id: 1,
-                next_key: 1,
                 waiting: HashMap::new(),
-                shared: HashMap::new(),
-                unshareable: Vec::new(),
+                sent: Default::default(),
                 dead: None,
             }),
+            exports: exports.clone(),
             cma,
             dead: AtomicBool::new(false),
             progress: std::sync::atomic::AtomicU64::new(0),
@@ -762,6 +821,11 @@ impl Channel {
                 Error::new(ErrorKind::Io, format!("cannot start a channel thread: {e}"))
             })?;
         Ok(ch)
+    }
+
+    /// Requests waiting for their answers on this channel.
+    pub(crate) fn waiting(&self) -> usize {
+        self.state.lock().waiting.len()
     }
 
     /// Whether the channel still works.
@@ -779,24 +843,37 @@ impl Channel {
         addr: u64,
     ) -> Option<u64> {
         let base = rt.pointer_info(addr).ok()?.base;
-        let mut st = self.state.lock();
-        let id = (rt.name().to_string(), region, base);
-        if let Some(&k) = st.shared.get(&id) {
-            return Some(k);
-        }
-        if st.unshareable.iter().any(|n| n == rt.name()) || st.dead.is_some() {
-            return None;
-        }
-        let export = match rt.ipc_export(addr) {
-            Ok(x) => x,
-            Err(e) => {
-                tracing::info!(runtime = rt.name(), error = %e, "device memory cannot be shared with a same-host peer; it goes over the socket");
-                st.unshareable.push(rt.name().to_string());
-                return None;
+        let (key, export) = {
+            let mut ex = self.exports.lock();
+            let id = (rt.name().to_string(), region, base);
+            match ex.by.get(&id) {
+                Some((k, x)) => (*k, x.clone()),
+                None => {
+                    if ex.unshareable.iter().any(|n| n == rt.name()) {
+                        return None;
+                    }
+                    let export = match rt.ipc_export(addr) {
+                        Ok(x) => Arc::new(x),
+                        Err(e) => {
+                            tracing::info!(runtime = rt.name(), error = %e, "device memory cannot be shared with a same-host peer; it goes over the socket");
+                            ex.unshareable.push(rt.name().to_string());
+                            return None;
+                        }
+                    };
+                    let key = ex.next_key;
+                    ex.next_key += 1;
+                    ex.by.insert(id, (key, export.clone()));
+                    (key, export)
+                }
             }
         };
-        let key = st.next_key;
-        st.next_key += 1;
+        let mut st = self.state.lock();
+        if st.sent.contains(&key) {
+            return Some(key);
+        }
+        if st.dead.is_some() {
+            return None;
+        }
         let name = rt.name().as_bytes();
         let mut msg = Msg {
             kind: SHARE,
@@ -816,7 +893,7 @@ impl Channel {
             self.fail(io_error("send failed", e));
             return None;
         }
-        st.shared.insert(id, key);
+        st.sent.insert(key);
         Some(key)
     }
 

@@ -26,7 +26,13 @@ fn nonce(target: &TcpBackend) -> [u8; 32] {
 
 fn channel(target: &TcpBackend) -> Arc<Channel> {
     let instance = decode_endpoint(&target.endpoint()).unwrap().instance;
-    Channel::open(instance, nonce(target), Duration::from_secs(5)).expect("channel opens")
+    Channel::open(
+        instance,
+        nonce(target),
+        Duration::from_secs(5),
+        &Default::default(),
+    )
+    .expect("channel opens")
 }
 
 /// One request of `ranges` on `ch`, waited for.
@@ -121,17 +127,25 @@ fn a_channel_opens_only_with_a_nonce_the_target_gave_and_only_once() {
     let target = backend(|_| {});
     let instance = decode_endpoint(&target.endpoint()).unwrap().instance;
     let forged: [u8; 32] = rand::random();
-    let e = Channel::open(instance, forged, Duration::from_secs(5)).unwrap_err();
+    let e = Channel::open(
+        instance,
+        forged,
+        Duration::from_secs(5),
+        &Default::default(),
+    )
+    .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::PeerUnreachable, "{e}");
     let n = nonce(&target);
-    Channel::open(instance, n, Duration::from_secs(5)).expect("a fresh nonce opens one");
-    let e = Channel::open(instance, n, Duration::from_secs(5)).unwrap_err();
+    Channel::open(instance, n, Duration::from_secs(5), &Default::default())
+        .expect("a fresh nonce opens one");
+    let e = Channel::open(instance, n, Duration::from_secs(5), &Default::default()).unwrap_err();
     assert!(
         e.to_string().contains("refused"),
         "a nonce is good once: {e}"
     );
     // An instance nobody on this host serves: refused at once, not waited for.
-    let e = Channel::open(instance ^ 1, n, Duration::from_secs(5)).unwrap_err();
+    let e =
+        Channel::open(instance ^ 1, n, Duration::from_secs(5), &Default::default()).unwrap_err();
     assert!(e.to_string().contains("no same-host listener"), "{e}");
 }
 
@@ -181,9 +195,9 @@ fn proven_raw(target: &TcpBackend) -> std::os::unix::net::UnixStream {
     let instance = decode_endpoint(&target.endpoint()).unwrap().instance;
     let n = nonce(target);
     let mut s = raw(target);
-    let mut hello = [0u8; 56];
+    let mut hello = [0u8; 64];
     hello[..4].copy_from_slice(b"TELC");
-    hello[4..6].copy_from_slice(&1u16.to_le_bytes());
+    hello[4..6].copy_from_slice(&2u16.to_le_bytes());
     hello[8..16].copy_from_slice(&instance.to_le_bytes());
     hello[16..48].copy_from_slice(&n);
     s.write_all(&hello).unwrap();
@@ -223,7 +237,7 @@ fn hostile_channels_are_closed_and_the_listener_keeps_serving_good_peers() {
 
     // A hello that is not one: refused.
     let mut s = raw(&target);
-    s.write_all(&[0x55; 56]).unwrap();
+    s.write_all(&[0x55; 64]).unwrap();
     assert!(closed(&mut s));
 
     // A proven channel that sends a message of no kind, or a request of too many
