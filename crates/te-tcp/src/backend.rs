@@ -433,7 +433,20 @@ impl TransferBackend for TcpBackend {
     }
 
     fn deregister(&self, id: RegionId, deadline: Deadline) -> Result<()> {
-        self.shared.regions.remove(id, deadline)
+        self.shared.regions.remove(id, deadline)?;
+        // No batch uses it any more: same-host peers that mapped it unmap it.
+        for pc in self.peers.all() {
+            let keys = pc.exports.lock().forget(id);
+            if keys.is_empty() {
+                continue;
+            }
+            for ch in pc.channels.lock().iter() {
+                for &k in &keys {
+                    ch.unshare(k);
+                }
+            }
+        }
+        Ok(())
     }
 
     fn connect(&self, peer: &SegmentDesc, deadline: Deadline) -> Result<PeerId> {

@@ -46,6 +46,7 @@
 //! | 2 write, 3 read | → target | entries n | request id | deadline, µs on the host's monotonic clock (0: none) | bytes in all | 0 | n × (region, offset, length, key, address), u64 each; key 0 is host memory |
 //! | 4 done | → initiator | 0 | request id | 0 | 0 | 0 | — |
 //! | 5 error | → initiator | error kind | request id | 0 | message bytes | 0 | the message |
+//! | 6 unshare | → target | 0 | key | 0 | 0 | 0 | — (the initiator deregistered it: unmap) |
 //!
 //! A malformed message closes the channel; a request the target refuses is answered
 //! with an error and the channel goes on.
@@ -94,6 +95,7 @@ const WRITE: u8 = 2;
 const READ: u8 = 3;
 const DONE: u8 = 4;
 const FAIL: u8 = 5;
+const UNSHARE: u8 = 6;
 
 /// The abstract socket name of backend instance `instance`'s channel listener.
 pub(crate) fn socket_name(instance: u64) -> String {
@@ -549,6 +551,13 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
                     .write_all(&reply)
                     .map_err(|e| io_error("send failed", e))?;
             }
+            UNSHARE => {
+                if fd.is_some() {
+                    return Err(protocol("a descriptor with an unshare"));
+                }
+                // Unmapped once no other channel of the peer holds it.
+                imports.remove(&m.id);
+            }
             k => return Err(protocol(format!("a message of kind {k}"))),
         }
     }
@@ -713,6 +722,21 @@ pub(crate) struct Exports {
     unshareable: Vec<String>,
 }
 
+impl Exports {
+    /// Forgets what was exported of local region `region`; returns its keys.
+    pub(crate) fn forget(&mut self, region: RegionId) -> Vec<u64> {
+        let mut keys = Vec::new();
+        self.by.retain(|(_, r, _), (k, _)| {
+            let gone = *r == region;
+            if gone {
+                keys.push(*k);
+            }
+            !gone
+        });
+        keys
+    }
+}
+
 impl std::fmt::Debug for Exports {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Exports")
@@ -821,6 +845,30 @@ impl Channel {
                 Error::new(ErrorKind::Io, format!("cannot start a channel thread: {e}"))
             })?;
         Ok(ch)
+    }
+
+    /// Tells the target that the allocation shared under `key` is gone (its region was
+    /// deregistered here, so no request names it any more): the target unmaps it once
+    /// none of this peer's channels holds it.
+    pub(crate) fn unshare(&self, key: u64) {
+        let mut st = self.state.lock();
+        if !st.sent.remove(&key) || st.dead.is_some() {
+            return;
+        }
+        let msg = Msg {
+            kind: UNSHARE,
+            code: 0,
+            id: key,
+            a: 0,
+            b: 0,
+            c: 0,
+        }
+        .encode();
+        let sent = (&mut &self.stream).write_all(&msg);
+        drop(st);
+        if let Err(e) = sent {
+            self.fail(io_error("send failed", e));
+        }
     }
 
     /// Requests waiting for their answers on this channel.

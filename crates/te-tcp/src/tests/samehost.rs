@@ -266,3 +266,78 @@ fn hostile_channels_are_closed_and_the_listener_keeps_serving_good_peers() {
     request(&ch2, Op::Write, vec![host(1, 32, 16, src.as_ptr())]).unwrap();
     assert_eq!(&remote[..48], &[5u8; 48][..]);
 }
+
+#[test]
+fn a_peers_allocation_is_mapped_once_for_its_channels_and_unmapped_when_unshared() {
+    use te_core::device::DeviceCopy;
+    use te_core::{MemoryDesc, RegionId};
+    let rt = te_core::device::runtime("fakedev").expect("fakedev");
+    let dev = te_core::fakedev::process().expect("fakedev runs");
+    let target = backend(|_| {});
+    let theirs = rt.alloc(0, 8192).unwrap();
+    let mem = MemoryDesc {
+        name: "d".into(),
+        addr: theirs,
+        len: 8192,
+        kind: "fakedev:0".parse().unwrap(),
+        access: Access::REMOTE_READ_WRITE,
+    };
+    target.register(RegionId(1), &mem).unwrap();
+    let mine = rt.alloc(0, 8192).unwrap();
+    let data: Vec<u8> = (0..8192u32).map(|i| (i % 241) as u8).collect();
+    let fill = DeviceCopy::ToDevice {
+        ordinal: 0,
+        device: mine,
+        host: data.as_ptr(),
+        len: 8192,
+    };
+    // SAFETY: `data` outlives the call, which waits for the copy.
+    unsafe { rt.copy_group_wait(&[fill]) }.unwrap();
+
+    let exports = Arc::default();
+    let instance = decode_endpoint(&target.endpoint()).unwrap().instance;
+    let open =
+        || Channel::open(instance, nonce(&target), Duration::from_secs(5), &exports).unwrap();
+    let (a, b) = (open(), open());
+    let before = dev.imported();
+    let k = a
+        .key(&rt, RegionId(9), mine)
+        .expect("fakedev memory is shared");
+    assert_eq!(
+        b.key(&rt, RegionId(9), mine),
+        Some(k),
+        "one key for the peer"
+    );
+    let dev_range = |offset: u64| Range {
+        region: 1,
+        offset,
+        len: 4096,
+        key: k,
+        addr: mine + offset,
+    };
+    request(&a, Op::Write, vec![dev_range(0)]).unwrap();
+    request(&b, Op::Write, vec![dev_range(4096)]).unwrap();
+    assert_eq!(dev.imported(), before + 1, "both channels use one mapping");
+    let mut got = vec![0u8; 8192];
+    let back = DeviceCopy::ToHost {
+        ordinal: 0,
+        device: theirs,
+        host: got.as_mut_ptr(),
+        len: 8192,
+    };
+    // SAFETY: `got` outlives the call, which waits for the copy.
+    unsafe { rt.copy_group_wait(&[back]) }.unwrap();
+    assert!(
+        got == data,
+        "the target copied the bytes through its mapping"
+    );
+
+    a.unshare(k);
+    b.unshare(k);
+    let end = std::time::Instant::now() + Duration::from_secs(5);
+    while dev.imported() != before {
+        assert!(std::time::Instant::now() < end, "unshared, it is unmapped");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    target.deregister(RegionId(1), super::soon()).unwrap();
+}
