@@ -93,10 +93,10 @@ pub fn peer_cred(s: &UnixStream) -> io::Result<(i32, u32)> {
     Ok((cred.pid, cred.uid))
 }
 
-/// This process's user id.
+/// This process's effective user id: what [`peer_cred`] tells a peer of it.
 pub fn my_uid() -> u32 {
-    // SAFETY: getuid cannot fail and has no preconditions.
-    unsafe { libc::getuid() }
+    // SAFETY: geteuid cannot fail and has no preconditions.
+    unsafe { libc::geteuid() }
 }
 
 /// Sends all of `bytes` on `s`, with `fd` (if any) attached to the first byte.

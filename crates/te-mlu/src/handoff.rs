@@ -10,12 +10,12 @@
 //! namespaces. Only processes of the owner's user are served.
 
 use std::io::{self, ErrorKind as IoKind};
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use te_core::local;
 use te_core::{Error, ErrorKind, Result};
 
 /// The socket name (abstract namespace) of instance `instance`'s table.
@@ -42,9 +42,7 @@ impl Server {
     /// `Io` if the socket, the stop event or the thread cannot be created.
     pub(crate) fn start(instance: u64, table: BorrowedFd<'_>) -> Result<Server> {
         let name = socket_name(instance);
-        let addr = SocketAddr::from_abstract_name(name.as_bytes())
-            .map_err(|e| io_error("cannot name the mlu region table's socket", e))?;
-        let listener = UnixListener::bind_addr(&addr).map_err(|e| {
+        let listener = local::listen(&name).map_err(|e| {
             io_error(
                 &format!("cannot listen on the abstract socket @{name} for the mlu region table"),
                 e,
@@ -136,34 +134,9 @@ fn serve(listener: &UnixListener, stop: RawFd, table: &OwnedFd, instance: u64) {
     }
 }
 
-/// The effective user id of the process at the other end of `s`.
-fn peer_uid(s: &UnixStream) -> io::Result<u32> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: `cred` and `len` are valid out-parameters of the sizes passed.
-    let r = unsafe {
-        libc::getsockopt(
-            s.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if r != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(cred.uid)
-}
-
 fn hand_over(peer: &UnixStream, table: &OwnedFd, instance: u64) -> io::Result<()> {
-    // SAFETY: plain call.
-    let me = unsafe { libc::geteuid() };
-    let uid = peer_uid(peer)?;
+    let me = local::my_uid();
+    let (_, uid) = local::peer_cred(peer)?;
     if uid != me {
         return Err(io::Error::new(
             IoKind::PermissionDenied,
@@ -172,34 +145,7 @@ fn hand_over(peer: &UnixStream, table: &OwnedFd, instance: u64) -> io::Result<()
     }
     peer.set_nonblocking(false)?;
     peer.set_write_timeout(Some(Duration::from_secs(1)))?;
-    let payload = instance.to_le_bytes();
-    let mut iov = libc::iovec {
-        iov_base: payload.as_ptr() as *mut libc::c_void,
-        iov_len: payload.len(),
-    };
-    let mut space = [0u64; 4];
-    // SAFETY: a zeroed msghdr is valid; the fields are set below.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = space.as_mut_ptr().cast();
-    // SAFETY: plain arithmetic on the size of one descriptor.
-    msg.msg_controllen = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as _;
-    // SAFETY: `msg` points at `space`, large enough for one cmsghdr with one fd
-    // (CMSG_SPACE(4) is 24 bytes on LP64; `space` has 32), aligned for cmsghdr.
-    unsafe {
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), table.as_raw_fd());
-    }
-    // SAFETY: `msg` and everything it points to are valid for the call.
-    let n = unsafe { libc::sendmsg(peer.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-    if n != payload.len() as isize {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    local::send_with_fd(peer, &instance.to_le_bytes(), Some(table.as_fd()))
 }
 
 /// Receives instance `instance`'s table descriptor from the socket `name`, waiting at
@@ -210,9 +156,7 @@ fn hand_over(peer: &UnixStream, table: &OwnedFd, instance: u64) -> io::Result<()
 /// network namespace), `PeerRestarted` if another instance answers, `Io`/`Protocol`
 /// for a broken exchange.
 pub(crate) fn fetch(name: &str, instance: u64, timeout: Duration) -> Result<OwnedFd> {
-    let addr = SocketAddr::from_abstract_name(name.as_bytes())
-        .map_err(|e| io_error("cannot name the peer's mlu table socket", e))?;
-    let s = UnixStream::connect_addr(&addr).map_err(|e| {
+    let s = local::connect(name, timeout).map_err(|e| {
         Error::new(
             ErrorKind::PeerUnreachable,
             format!(
@@ -221,48 +165,23 @@ pub(crate) fn fetch(name: &str, instance: u64, timeout: Duration) -> Result<Owne
         )
         .with_source(e)
     })?;
-    s.set_read_timeout(Some(timeout))
-        .map_err(|e| io_error("cannot configure the mlu table socket", e))?;
     let mut payload = [0u8; 8];
-    let mut iov = libc::iovec {
-        iov_base: payload.as_mut_ptr().cast(),
-        iov_len: payload.len(),
-    };
-    let mut space = [0u64; 4];
-    // SAFETY: a zeroed msghdr is valid; the fields are set below.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = space.as_mut_ptr().cast();
-    msg.msg_controllen = std::mem::size_of_val(&space) as _;
-    // SAFETY: `msg` and everything it points to are valid for the call.
-    let n = unsafe { libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-    if n < 0 {
-        let e = io::Error::last_os_error();
-        return Err(Error::new(
-            ErrorKind::PeerUnreachable,
-            format!("the peer's mlu table server at @{name} did not answer: {e}"),
-        )
-        .with_source(e));
-    }
-    // SAFETY: `msg` was filled by recvmsg; CMSG_FIRSTHDR checks the control length.
-    let c = unsafe { libc::CMSG_FIRSTHDR(&msg) };
-    // SAFETY: a non-null header lies inside `space`.
-    let fd = if !c.is_null()
-        && unsafe { (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS }
-    {
-        // SAFETY: an SCM_RIGHTS message carries at least one descriptor, now ours.
-        let raw = unsafe { std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<RawFd>()) };
-        // SAFETY: the kernel installed `raw` in this process for us.
-        Some(unsafe { OwnedFd::from_raw_fd(raw) })
-    } else {
-        None
-    };
-    let (Some(fd), 8) = (fd, n) else {
-        return Err(Error::new(
+    let no_table = || {
+        Error::new(
             ErrorKind::Protocol,
             format!("the peer's mlu table server at @{name} sent no region table (a process of another user?)"),
-        ));
+        )
+    };
+    let fd = match local::recv_with_fd(&s, &mut payload) {
+        Ok(fd) => fd.ok_or_else(no_table)?,
+        Err(e) if e.kind() == IoKind::UnexpectedEof => return Err(no_table()),
+        Err(e) => {
+            return Err(Error::new(
+                ErrorKind::PeerUnreachable,
+                format!("the peer's mlu table server at @{name} did not answer: {e}"),
+            )
+            .with_source(e))
+        }
     };
     if u64::from_le_bytes(payload) != instance {
         return Err(Error::new(

@@ -709,6 +709,9 @@ struct ChannelState {
     dead: Option<Error>,
 }
 
+/// The allocations exported from one local region: each one's key and export.
+type Exported = Vec<(u64, Arc<te_core::device::IpcExport>)>;
+
 /// What an initiator exported to one peer, for all of its channels: each allocation
 /// once, under one key, sent on every channel that uses it.
 pub(crate) struct Exports {
@@ -717,7 +720,10 @@ pub(crate) struct Exports {
     id: u64,
     next_key: u64,
     /// (runtime, local region, base) → key and export.
-    by: HashMap<(String, RegionId, u64), (u64, Arc<te_core::device::IpcExport>)>,
+    /// (runtime, local region) → the allocations exported from it: key and export
+    /// (whose base and length say which addresses it covers, so a batch finds its key
+    /// without asking the runtime).
+    by: HashMap<(String, RegionId), Exported>,
     /// Runtimes whose memory cannot be shared from here.
     unshareable: Vec<String>,
 }
@@ -726,10 +732,10 @@ impl Exports {
     /// Forgets what was exported of local region `region`; returns its keys.
     pub(crate) fn forget(&mut self, region: RegionId) -> Vec<u64> {
         let mut keys = Vec::new();
-        self.by.retain(|(_, r, _), (k, _)| {
+        self.by.retain(|(_, r), exported| {
             let gone = *r == region;
             if gone {
-                keys.push(*k);
+                keys.extend(exported.iter().map(|(k, _)| *k));
             }
             !gone
         });
@@ -740,7 +746,7 @@ impl Exports {
 impl std::fmt::Debug for Exports {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Exports")
-            .field("allocations", &self.by.len())
+            .field("regions", &self.by.len())
             .finish()
     }
 }
@@ -890,12 +896,16 @@ impl Channel {
         region: RegionId,
         addr: u64,
     ) -> Option<u64> {
-        let base = rt.pointer_info(addr).ok()?.base;
         let (key, export) = {
             let mut ex = self.exports.lock();
-            let id = (rt.name().to_string(), region, base);
-            match ex.by.get(&id) {
-                Some((k, x)) => (*k, x.clone()),
+            let id = (rt.name().to_string(), region);
+            let known = ex.by.get(&id).and_then(|v| {
+                v.iter()
+                    .find(|(_, x)| addr >= x.base && addr - x.base < x.len)
+                    .map(|(k, x)| (*k, x.clone()))
+            });
+            match known {
+                Some(found) => found,
                 None => {
                     if ex.unshareable.iter().any(|n| n == rt.name()) {
                         return None;
@@ -910,7 +920,7 @@ impl Channel {
                     };
                     let key = ex.next_key;
                     ex.next_key += 1;
-                    ex.by.insert(id, (key, export.clone()));
+                    ex.by.entry(id).or_default().push((key, export.clone()));
                     (key, export)
                 }
             }
