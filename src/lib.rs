@@ -48,8 +48,9 @@ pub mod config {
 pub mod backend {
     /// Device runtimes: the seam between te and an accelerator's memory.
     pub use te_core::device;
-    /// The network plumbing every listener shares.
-    pub use te_core::net;
+    /// The mechanisms every backend shares: region table and pins, countdown
+    /// completion, range checks, listener and address plumbing.
+    pub use te_core::kit;
     pub use te_core::{
         hook::{ControlHook, MessageHandler, PeerInfo},
         peer_table, plugin, register_backend, register_runtime,

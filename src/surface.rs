@@ -20,7 +20,7 @@
 //! use te::codec::encode;
 //! ```
 //!
-//! `te::net::bind` (listener plumbing: te::backend::net):
+//! `te::net::bind` (listener plumbing: te::backend::kit::net):
 //! ```compile_fail
 //! use te::net::bind;
 //! ```

@@ -353,7 +353,7 @@ fn idle_connections_holding_the_data_listeners_pending_slots_cannot_lock_a_genui
         .alloc("dst", 64 << 10, Access::REMOTE_READ_WRITE)
         .unwrap();
     let desc = target.segment();
-    let (data, _) = te_core::net::decode_addr(&desc.endpoint[1..]).expect("a tcp endpoint");
+    let (data, _) = te_core::kit::net::decode_addr(&desc.endpoint[1..]).expect("a tcp endpoint");
     // The attacker keeps up to HELD idle connections to the data listener, never
     // handshaking, and reopens whatever the listener closed, at most 100 a second.
     let stop = Arc::new(AtomicBool::new(false));

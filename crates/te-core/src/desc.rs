@@ -110,6 +110,14 @@ impl Access {
         remote_read: true,
         remote_write: true,
     };
+
+    /// Whether a peer may do `op` to the region: READ from it, or WRITE into it.
+    pub fn allows(&self, op: Op) -> bool {
+        match op {
+            Op::Read => self.remote_read,
+            Op::Write => self.remote_write,
+        }
+    }
 }
 
 impl fmt::Display for Access {

@@ -7,20 +7,22 @@
 //! asks the backend to forget the region: so no batch in flight ever finds its memory
 //! deregistered, let alone freed, under it.
 
-use crate::sync::{Condvar, Mutex};
+use crate::sync::Mutex;
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::backend::BatchId;
 use crate::batch::BatchState;
 use crate::desc::RegionDesc;
+use crate::kit::Gate;
 
 /// One registered region.
 pub(crate) struct Region {
     pub(crate) desc: RegionDesc,
+    /// The batches pinning the region, to abort them if deregistration must.
     pins: Mutex<HashMap<BatchId, Weak<BatchState>>>,
-    unpinned: Condvar,
+    gate: Gate,
 }
 
 impl Region {
@@ -28,7 +30,7 @@ impl Region {
         Arc::new(Region {
             desc,
             pins: Mutex::new(HashMap::new()),
-            unpinned: Condvar::new(),
+            gate: Gate::new(),
         })
     }
 
@@ -44,30 +46,12 @@ impl Region {
     /// Waits until no batch pins the region, until `until` (or for good with `None`).
     /// Returns whether none does.
     pub(crate) fn wait_unpinned(&self, until: Option<Instant>) -> bool {
-        let mut pins = self.pins.lock();
-        while !pins.is_empty() {
-            pins = match until {
-                None => self.unpinned.wait(pins),
-                Some(end) => {
-                    let left = end.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return false;
-                    }
-                    self.unpinned
-                        .wait_timeout(pins, left.min(Duration::from_secs(3600)))
-                        .0
-                }
-            };
-        }
-        true
+        self.gate.wait_empty(until) == 0
     }
 
     fn unpin(&self, batch: BatchId) {
-        let mut pins = self.pins.lock();
-        pins.remove(&batch);
-        if pins.is_empty() {
-            self.unpinned.notify_all();
-        }
+        self.pins.lock().remove(&batch);
+        self.gate.leave();
     }
 }
 
@@ -82,6 +66,9 @@ impl Pins {
     pub(crate) fn new(state: &Arc<BatchState>, regions: Vec<Arc<Region>>) -> Pins {
         for r in &regions {
             r.pins.lock().insert(state.id(), Arc::downgrade(state));
+            // The engine's table, not the gate, refuses batches on a region being
+            // deregistered: it is out of the table before its gate is waited on.
+            r.gate.enter_again();
         }
         Pins {
             batch: state.id(),
@@ -98,16 +85,12 @@ impl Drop for Pins {
     }
 }
 
-/// Whether `offset + len` fits in `region_len`, without overflow.
-pub(crate) fn fits(offset: u64, len: u64, region_len: u64) -> bool {
-    offset.checked_add(len).is_some_and(|end| end <= region_len)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::desc::{Access, MemoryKind, RegionId};
     use crate::time::Deadline;
+    use std::time::Duration;
 
     fn region() -> Arc<Region> {
         Region::new(RegionDesc {

@@ -100,7 +100,7 @@ impl FlagcxBackend {
             memory = %memory.join(","),
             "FlagCX shim loaded"
         );
-        let poster = Arc::new(Poster::new(Arc::new(Regions::default()), max_desc));
+        let poster = Arc::new(Poster::new(Arc::new(Regions::new("FlagCX")), max_desc));
         Ok(FlagcxBackend {
             info: BackendInfo {
                 name: crate::NAME.to_string(),
@@ -196,9 +196,9 @@ impl FlagcxBackend {
     /// stay allocated: call again later); the shim's error if FlagCX refuses.
     pub fn deregister_within(&self, id: RegionId, deadline: Instant) -> Result<()> {
         match self.poster.regions.retire(id, deadline)? {
-            Some(mr) => self
+            Some(region) => self
                 .engine
-                .deregister(mr)
+                .deregister(region.data)
                 .map_err(|e| Error::from(e).with_context("region", id)),
             None => Ok(()),
         }
@@ -227,7 +227,9 @@ impl TransferBackend for FlagcxBackend {
             .engine
             .register(mem.addr, mem.len, &mem.kind.to_string())
             .map_err(|e| Error::from(e).with_context("region", id))?;
-        self.poster.regions.insert(id, mr, mem.addr, mem.len);
+        self.poster
+            .regions
+            .insert(id, mem.addr, mem.len, mem.access, mr);
         // FlagCX resolves remote keys from the region table it exchanges at connect
         // time, so a peer needs no key bytes from the descriptor.
         Ok(Vec::new())

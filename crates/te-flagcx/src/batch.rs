@@ -7,11 +7,12 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use te_core::sync::Mutex;
 
+use te_core::kit::fits;
 use te_core::{Completion, Error, ErrorKind, Op, Result, TransferRequest};
 
 use crate::ffi::{Desc, E_STALE, E_UNREACHABLE, OP_READ, OP_WRITE};
 use crate::peer::Link;
-use crate::regions::{Region, Regions};
+use crate::regions::{Pin, Regions};
 
 /// Descriptors a scratch buffer holds before it has to grow.
 const SCRATCH_DESCS: usize = 256;
@@ -21,7 +22,7 @@ const SCRATCH_DESCS: usize = 256;
 pub(crate) struct Scratch {
     writes: Vec<Desc>,
     reads: Vec<Desc>,
-    held: Vec<Arc<Region>>,
+    held: Vec<Pin>,
 }
 
 impl Scratch {
@@ -94,11 +95,9 @@ impl Poster {
         self.pool.lock().pop().unwrap_or_else(Scratch::new)
     }
 
-    /// Counts the batch out of its regions and keeps its buffers for the next one.
+    /// Unpins the batch's regions and keeps its buffers for the next one.
     fn put(&self, mut s: Scratch) {
-        for r in s.held.drain(..) {
-            self.regions.leave(&r);
-        }
+        s.held.clear();
         s.writes.clear();
         s.reads.clear();
         self.pool.lock().push(s);
@@ -179,59 +178,56 @@ impl Poster {
     /// Fills `scratch` with the batch's descriptors, split at the shim's limit, and
     /// counts the batch in on each local region it uses.
     fn plan(&self, link: &Link, batch: &[TransferRequest], scratch: &mut Scratch) -> Result<()> {
-        self.regions.with(|live| {
-            for (i, r) in batch.iter().enumerate() {
-                let fail = |kind, m: String| Err(Error::new(kind, m).with_context("request", i));
-                let local = match scratch.held.iter().find(|h| h.id == r.local) {
-                    Some(h) => h.clone(),
-                    None => {
-                        let h = live.enter(r.local).map_err(|e| e.with_context("request", i))?;
-                        scratch.held.push(h.clone());
-                        h
-                    }
-                };
-                let Some(&(remote_addr, remote_len)) = link.remote.get(&r.remote) else {
-                    link.stale.store(true, Ordering::Release);
-                    return fail(
-                        ErrorKind::NotRegistered,
-                        format!(
-                            "the peer's region {} is not in the connection's region table; the connection will be renewed",
-                            r.remote
-                        ),
-                    );
-                };
-                if !fits(r.local_offset, r.len, local.len)
-                    || !fits(r.remote_offset, r.len, remote_len)
-                    || r.len == 0
-                {
-                    return fail(
-                        ErrorKind::OutOfBounds,
-                        format!(
-                            "{} of {} bytes at local {}+{} / remote {}+{} does not fit its regions",
-                            r.op, r.len, r.local, r.local_offset, r.remote, r.remote_offset
-                        ),
-                    );
+        for (i, r) in batch.iter().enumerate() {
+            let fail = |kind, m: String| Err(Error::new(kind, m).with_context("request", i));
+            // The engine checked the request against the local region; pinned once.
+            let (mr, addr) = match scratch.held.iter().find(|h| h.id == r.local) {
+                Some(h) => (h.data, h.addr),
+                None => {
+                    let h = self
+                        .regions
+                        .pin(r.local)
+                        .map_err(|e| e.with_context("request", i))?;
+                    let at = (h.data, h.addr);
+                    scratch.held.push(h);
+                    at
                 }
-                let out = match r.op {
-                    Op::Write => &mut scratch.writes,
-                    Op::Read => &mut scratch.reads,
-                };
-                split(
-                    out,
-                    local.mr,
-                    local.addr + r.local_offset,
-                    remote_addr + r.remote_offset,
-                    r.len,
-                    self.max_desc,
+            };
+            // FlagCX's own table of the peer's regions, which the engine does not see.
+            let Some(&(remote_addr, remote_len)) = link.remote.get(&r.remote) else {
+                link.stale.store(true, Ordering::Release);
+                return fail(
+                    ErrorKind::NotRegistered,
+                    format!(
+                        "the peer's region {} is not in the connection's region table; the connection will be renewed",
+                        r.remote
+                    ),
+                );
+            };
+            if !fits(r.remote_offset, r.len, remote_len) {
+                return fail(
+                    ErrorKind::OutOfBounds,
+                    format!(
+                        "{} of {} bytes at remote {}+{} does not fit the peer's region in FlagCX's table",
+                        r.op, r.len, r.remote, r.remote_offset
+                    ),
                 );
             }
-            Ok(())
-        })
+            let out = match r.op {
+                Op::Write => &mut scratch.writes,
+                Op::Read => &mut scratch.reads,
+            };
+            split(
+                out,
+                mr,
+                addr + r.local_offset,
+                remote_addr + r.remote_offset,
+                r.len,
+                self.max_desc,
+            );
+        }
+        Ok(())
     }
-}
-
-fn fits(offset: u64, len: u64, region_len: u64) -> bool {
-    offset.checked_add(len).is_some_and(|end| end <= region_len)
 }
 
 /// Appends descriptors covering `len` bytes, none longer than `max`.

@@ -29,6 +29,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::thread::{JoinHandle, ThreadId};
 use std::time::Instant;
+use te_core::kit::fits;
 use te_core::peer_table::PeerTable;
 use te_core::sync::RwLock;
 use te_core::worker::DueQueue;
@@ -59,7 +60,6 @@ pub(crate) enum Mem {
 #[derive(Debug)]
 struct Local {
     addr: u64,
-    len: u64,
     mem: Mem,
     slot: u32,
 }
@@ -220,7 +220,6 @@ impl TransferBackend for MluBackend {
             id,
             Local {
                 addr: mem.addr,
-                len: mem.len,
                 mem: kind,
                 slot,
             },
@@ -278,33 +277,8 @@ impl TransferBackend for MluBackend {
                         format!("region {} is not in the peer's descriptor as this backend knows it (connect again)", r.remote),
                     )
                 })?;
-                for (side, id, off, size) in [
-                    ("local", r.local, r.local_offset, l.len),
-                    ("remote", r.remote, r.remote_offset, rm.len),
-                ] {
-                    if off.checked_add(r.len).is_none_or(|end| end > size) || r.len == 0 {
-                        return Err(region_error(
-                            ErrorKind::OutOfBounds,
-                            format!(
-                                "{side} range {off}+{} is outside region {id} of {size} bytes",
-                                r.len
-                            ),
-                        ));
-                    }
-                }
-                let allowed = match r.op {
-                    Op::Read => rm.access.remote_read,
-                    Op::Write => rm.access.remote_write,
-                };
-                if !allowed {
-                    return Err(region_error(
-                        ErrorKind::InvalidRequest,
-                        format!(
-                            "the peer's region {} does not allow remote {}s",
-                            r.remote, r.op
-                        ),
-                    ));
-                }
+                // The engine checked the request against both regions (bounds,
+                // rights); the peer's own table is checked below, when it is entered.
                 let raddr = rm.addr.clone()?;
                 if let Some(m) = &rm.mapping {
                     maps.push(m.clone());
@@ -390,10 +364,7 @@ impl TransferBackend for MluBackend {
                         format!("the descriptor of the peer's region {} disagrees with the peer's own region table (a stale or forged descriptor): connect again", r.remote),
                     ));
                 }
-                if r.remote_offset
-                    .checked_add(r.len)
-                    .is_none_or(|end| end > ext.len)
-                {
+                if !fits(r.remote_offset, r.len, ext.len) {
                     return Err(region_error(
                         ErrorKind::OutOfBounds,
                         format!(

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 use te_core::sync::{Mutex, RwLock};
 
-use te_core::{Access, Error, ErrorKind, MemoryKind, PeerId, RegionId, Result, SegmentDesc};
+use te_core::{Error, ErrorKind, MemoryKind, PeerId, RegionId, Result, SegmentDesc};
 
 use crate::backend::{Mem, MluBackend};
 use crate::config::IpcMode;
@@ -42,9 +42,7 @@ pub(crate) struct Remote {
     /// The address usable here, or why the region cannot be reached from here.
     pub(crate) addr: std::result::Result<u64, Error>,
     pub(crate) mapping: Option<Arc<Mapping>>,
-    pub(crate) len: u64,
     pub(crate) mem: Mem,
-    pub(crate) access: Access,
     pub(crate) slot: u32,
     /// The descriptor's address and the key's offset in the allocation, which must
     /// agree with the peer's own region table.
@@ -154,9 +152,7 @@ impl MluBackend {
         let mut remote = Remote {
             addr: Ok(r.addr),
             mapping: None,
-            len: r.len,
             mem: Mem::Host,
-            access: r.access,
             slot: key.slot,
             origin: (r.addr, key.handle.map_or(0, |(_, off)| off)),
         };

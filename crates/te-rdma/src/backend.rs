@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 use te_core::peer_table::PeerTable;
-use te_core::sync::{Condvar, Mutex, RwLock};
+use te_core::sync::{Condvar, Mutex};
 
 use te_core::{
     BackendInfo, BatchId, Capabilities, Completion, ControlHook, Deadline, Error, ErrorKind,
@@ -30,7 +30,7 @@ use crate::connect::{self, Served};
 use crate::device::{self, Device};
 use crate::endpoint::{self, DeviceInfo, Endpoint};
 use crate::ffi;
-use crate::path::{self, Job, LocalRegion, Peer, Pin, RemoteRegion};
+use crate::path::{self, Job, Peer, Pin, Regions, RemoteRegion};
 use crate::plan;
 use crate::topology::{self, Place};
 
@@ -41,10 +41,7 @@ pub(crate) struct Shared {
     pub(crate) devices: Vec<Arc<Device>>,
     /// Where each device sits on the PCIe tree.
     pub(crate) nic_places: Vec<Place>,
-    pub(crate) regions: RwLock<HashMap<RegionId, Arc<LocalRegion>>>,
-    /// Regions out of the table whose deregistration has not finished: work still
-    /// pinned them at the caller's deadline.
-    pub(crate) closing: Mutex<HashMap<RegionId, Arc<LocalRegion>>>,
+    pub(crate) regions: Regions,
     /// The batches in flight, for the engine's abort.
     in_flight: Arc<InFlight>,
     pub(crate) peers: PeerTable<Arc<Peer>>,
@@ -203,8 +200,7 @@ impl RdmaBackend {
             instance,
             devices,
             nic_places,
-            regions: RwLock::new(HashMap::new()),
-            closing: Mutex::new(HashMap::new()),
+            regions: Regions::new("rdma"),
             in_flight: Arc::new(InFlight::default()),
             peers: PeerTable::new(crate::NAME),
             by_instance: Mutex::new(HashMap::new()),
@@ -306,7 +302,6 @@ impl TransferBackend for RdmaBackend {
                     r.id,
                     Arc::new(RemoteRegion {
                         addr: r.addr,
-                        len: r.len,
                         rkeys,
                     }),
                 ))
@@ -378,17 +373,24 @@ impl TransferBackend for RdmaBackend {
                 },
             ));
         }
-        let local_regions = self.shared.regions.read();
+        // The engine checked each request against these regions (bounds, rights); here
+        // each distinct local region is pinned once, and each slice holds a clone.
         let remote_regions = peer.regions.read();
+        let mut pinned: Vec<Pin> = Vec::new();
         let mut resolved = Vec::with_capacity(batch.len());
         for (i, r) in batch.iter().enumerate() {
-            let local = local_regions.get(&r.local).ok_or_else(|| {
-                Error::new(
-                    ErrorKind::NotRegistered,
-                    format!("local region {} is not registered", r.local),
-                )
-                .with_context("request", i)
-            })?;
+            let local = match pinned.iter().find(|p| p.id == r.local) {
+                Some(p) => p.clone(),
+                None => {
+                    let p = self
+                        .shared
+                        .regions
+                        .pin(r.local)
+                        .map_err(|e| e.with_context("request", i))?;
+                    pinned.push(p.clone());
+                    p
+                }
+            };
             let remote = remote_regions.get(&r.remote).ok_or_else(|| {
                 Error::new(
                     ErrorKind::NotRegistered,
@@ -396,20 +398,12 @@ impl TransferBackend for RdmaBackend {
                 )
                 .with_context("request", i)
             })?;
-            let fits = |off: u64, len: u64| off.checked_add(r.len).is_some_and(|end| end <= len);
-            if !fits(r.local_offset, local.len) || !fits(r.remote_offset, remote.len) {
-                return Err(
-                    Error::new(ErrorKind::OutOfBounds, "request outside its region")
-                        .with_context("request", i),
-                );
-            }
             resolved.push((local, remote.clone()));
         }
         drop(remote_regions);
         let slice = self.shared.config.slice_size.min(MAX_SLICE);
         let count = plan::slice_count(batch.iter().map(|r| r.len), slice);
         if count == 0 {
-            drop(local_regions);
             done.complete(Ok(()));
             return Ok(());
         }
@@ -420,7 +414,7 @@ impl TransferBackend for RdmaBackend {
             let near: Vec<&Arc<path::Path>> = usable
                 .iter()
                 .copied()
-                .filter(|p| local.nics.is_empty() || local.nics.contains(&p.device.index))
+                .filter(|p| local.data.nics.is_empty() || local.data.nics.contains(&p.device.index))
                 .collect();
             let paths = if near.is_empty() { &usable } else { &near };
             let n = plan::slice_count([r.len], slice);
@@ -434,7 +428,7 @@ impl TransferBackend for RdmaBackend {
                     .push(Job {
                         batch: state.clone(),
                         op: r.op,
-                        local: Pin::new(local),
+                        local: local.clone(),
                         local_addr: local.addr + r.local_offset + s.offset,
                         remote: remote.clone(),
                         remote_addr: remote.addr + r.remote_offset + s.offset,
@@ -443,9 +437,9 @@ impl TransferBackend for RdmaBackend {
                     });
             }
         }
-        // The slices are pinned under the table's lock: a deregistration either came
-        // first (and the check above failed) or waits for them.
-        drop(local_regions);
+        // Each slice holds its own pin now; a deregistration either came first (and
+        // the pin above failed) or waits for them.
+        drop((pinned, resolved));
         for (_, (path, jobs)) in per_path {
             path::post(&path, jobs);
         }
@@ -511,7 +505,6 @@ impl Drop for RdmaBackend {
         }
         // The MRs go before the devices that made them: `Shared` drops its devices
         // first, and closing a device does not deregister what it still holds.
-        self.shared.regions.write().clear();
-        self.shared.closing.lock().clear();
+        self.shared.regions.clear();
     }
 }

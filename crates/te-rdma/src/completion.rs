@@ -14,25 +14,22 @@
 //! - [`retryable`] says which completion errors another path may cure.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use te_core::sync::Mutex;
 
+use te_core::kit::Countdown;
 use te_core::{BatchId, Completion, Error, Result};
 
 use crate::verbs;
 
-/// One batch in flight: its slices not yet accounted for, its first error, and its
-/// completion.
+/// One batch in flight: the kit's [`Countdown`] over its slices, whether it stopped,
+/// and the table that finds it by the engine's id.
 #[derive(Debug)]
 pub(crate) struct BatchState {
-    remaining: AtomicUsize,
+    count: Countdown,
     /// A slice failed or the batch was aborted: post none of its slices any more.
     stopped: AtomicBool,
-    error: Mutex<Option<Error>>,
-    done: Mutex<Option<Completion>>,
-    /// The engine's id for the batch, and the table that finds it by that id.
-    id: BatchId,
     table: Weak<InFlight>,
 }
 
@@ -45,11 +42,8 @@ impl BatchState {
 
     fn in_table(slices: usize, done: Completion, table: Weak<InFlight>) -> BatchState {
         BatchState {
-            remaining: AtomicUsize::new(slices),
+            count: Countdown::new(slices, done, ()),
             stopped: AtomicBool::new(false),
-            error: Mutex::new(None),
-            id: done.batch(),
-            done: Mutex::new(Some(done)),
             table,
         }
     }
@@ -57,24 +51,16 @@ impl BatchState {
     /// Accounts one slice; the last one takes the batch out of its table and completes
     /// it.
     fn account(&self) {
-        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+        self.count.finish_then(Ok(()), || {
             if let Some(table) = self.table.upgrade() {
-                table.remove(self.id, self);
+                table.remove(self.count.batch(), self);
             }
-            let error = self.error.lock().take();
-            let done = self.done.lock().take();
-            if let Some(done) = done {
-                done.complete(error.map_or(Ok(()), Err));
-            }
-        }
+        });
     }
 
     /// Records `error` as the batch's if it is the first, and stops the batch.
     fn stop(&self, error: Error) {
-        let mut first = self.error.lock();
-        if first.is_none() {
-            *first = Some(error);
-        }
+        self.count.fail(error);
         self.stopped.store(true, Ordering::Release);
     }
 
@@ -102,10 +88,7 @@ impl BatchState {
     /// Whether the engine asked for this batch to be aborted (its completion's flag);
     /// false once the batch completed.
     fn abort_requested(&self) -> bool {
-        self.done
-            .lock()
-            .as_ref()
-            .is_some_and(Completion::is_aborted)
+        self.count.abort_requested()
     }
 
     /// Whether the batch takes no more work: a slice failed, or it was aborted.
@@ -116,7 +99,7 @@ impl BatchState {
     /// Slices not yet accounted for.
     #[cfg(test)]
     pub(crate) fn remaining(&self) -> usize {
-        self.remaining.load(Ordering::Acquire)
+        self.count.remaining()
     }
 }
 
@@ -355,11 +338,11 @@ mod tests {
         let (b1, b2) = (table.start(3, d1), table.start(1, d2));
         assert_eq!(table.len(), 2);
         assert!(
-            table.abort(b1.id, cancelled).is_empty(),
+            table.abort(b1.count.batch(), cancelled).is_empty(),
             "no flag, no abort"
         );
         aborter.abort();
-        let hit = table.abort(b1.id, cancelled);
+        let hit = table.abort(b1.count.batch(), cancelled);
         assert_eq!(hit.len(), 1);
         assert!(Arc::ptr_eq(&hit[0], &b1));
         assert!(b1.is_stopped() && !b2.is_stopped());
@@ -376,7 +359,7 @@ mod tests {
         assert!(matches!(rx.recv().unwrap(), (2, Ok(()))));
         assert_eq!(table.len(), 0);
         assert!(
-            table.abort(b1.id, cancelled).is_empty(),
+            table.abort(b1.count.batch(), cancelled).is_empty(),
             "a completed batch is not found"
         );
     }

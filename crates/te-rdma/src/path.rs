@@ -32,10 +32,9 @@ use crate::qp;
 use crate::verbs;
 use crate::wr::{WorkItem, WrChain};
 
-/// A registered local region: one MR per device.
+/// What the backend keeps for a registered local region (the kit's table holds its
+/// address, length and pins): one MR per device.
 pub(crate) struct LocalRegion {
-    pub(crate) addr: u64,
-    pub(crate) len: u64,
     /// Each MR's local key, by device: what slices post with. Kept apart from the MRs
     /// so that reading one never touches an MR that `deregister` destroyed.
     pub(crate) lkeys: Vec<u32>,
@@ -44,50 +43,33 @@ pub(crate) struct LocalRegion {
     /// The local devices that should move this region's bytes (nearest to its memory);
     /// empty: any.
     pub(crate) nics: Vec<usize>,
-    pins: Mutex<u64>,
-    unpinned: Condvar,
     /// The DMA-BUF the MRs were made from; closed after them (field order).
     _dmabuf: Option<OwnedFd>,
 }
 
+impl std::fmt::Debug for LocalRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalRegion")
+            .field("lkeys", &self.lkeys)
+            .field("nics", &self.nics)
+            .finish_non_exhaustive()
+    }
+}
+
 impl LocalRegion {
-    /// A region of `len` bytes at `addr` over `mrs` (one per device).
-    pub(crate) fn new(
-        addr: u64,
-        len: u64,
-        mrs: Vec<Mr>,
-        nics: Vec<usize>,
-        dmabuf: Option<OwnedFd>,
-    ) -> LocalRegion {
+    /// A region's MRs (one per device), and the devices that should move it.
+    pub(crate) fn new(mrs: Vec<Mr>, nics: Vec<usize>, dmabuf: Option<OwnedFd>) -> LocalRegion {
         LocalRegion {
-            addr,
-            len,
             lkeys: mrs.iter().map(Mr::lkey).collect(),
             mrs: Mutex::new(mrs),
             nics,
-            pins: Mutex::new(0),
-            unpinned: Condvar::new(),
             _dmabuf: dmabuf,
         }
     }
 
-    /// Waits until no slice pins the region, or `deadline`; returns the slices still
-    /// pinning it (0: none).
-    pub(crate) fn wait_unpinned(&self, deadline: Instant) -> u64 {
-        let mut pins = self.pins.lock();
-        while *pins > 0 {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            pins = self.unpinned.wait_timeout(pins, left).0;
-        }
-        *pins
-    }
-
     /// Destroys the MRs: from here on the NICs refuse every key of the region, local
     /// and remote, so nothing of this backend or its peers reaches the memory. Called
-    /// only when no slice pins the region and none can any more (it left the table).
+    /// only when no slice pins the region and none can any more (it was retired).
     pub(crate) fn release(&self) {
         self.mrs.lock().clear();
     }
@@ -98,33 +80,16 @@ impl LocalRegion {
     }
 }
 
-/// Keeps a region registered while a slice uses it. Made only under the region
-/// table's lock, so `deregister`, which takes the region out of the table first, sees
-/// every pin there will ever be.
-pub(crate) struct Pin(pub(crate) Arc<LocalRegion>);
+/// The backend's registered regions, in the kit's table.
+pub(crate) type Regions = te_core::kit::Regions<LocalRegion>;
 
-impl Pin {
-    pub(crate) fn new(r: &Arc<LocalRegion>) -> Pin {
-        *r.pins.lock() += 1;
-        Pin(r.clone())
-    }
-}
-
-impl Drop for Pin {
-    fn drop(&mut self) {
-        let mut n = self.0.pins.lock();
-        *n -= 1;
-        if *n == 0 {
-            self.0.unpinned.notify_all();
-        }
-    }
-}
+/// Keeps a region registered while a slice uses it (each slice has its own).
+pub(crate) type Pin = te_core::kit::Pin<LocalRegion>;
 
 /// A peer's region: address and one rkey per peer device.
 #[derive(Debug)]
 pub(crate) struct RemoteRegion {
     pub(crate) addr: u64,
-    pub(crate) len: u64,
     pub(crate) rkeys: Vec<u32>,
 }
 
@@ -336,7 +301,7 @@ fn pump(path: &Path, st: &mut PathState, back: &mut Vec<(Job, Failure)>) {
                 wr_id: 0,
                 signaled: false,
                 local_addr: job.local_addr,
-                lkey: job.local.0.lkeys[dev],
+                lkey: job.local.data.lkeys[dev],
                 remote_addr: job.remote_addr,
                 rkey: job.remote.rkeys[path.remote_device],
                 len: job.len,
@@ -502,8 +467,8 @@ pub(crate) fn settle(from: &Path, mut job: Job, failure: Failure) {
                     let prefer: Vec<_> = healthy
                         .iter()
                         .filter(|h| {
-                            job.local.0.nics.is_empty()
-                                || job.local.0.nics.contains(&h.device.index)
+                            job.local.data.nics.is_empty()
+                                || job.local.data.nics.contains(&h.device.index)
                         })
                         .collect();
                     let pick = p.next.fetch_add(1, Ordering::Relaxed);

@@ -1,10 +1,10 @@
 //! The RDMA backend's registrations: a region gets an MR on every device (for CUDA
 //! memory through DMA-BUF, else nvidia-peermem), and the NICs that should move it.
 //!
-//! A slice pins its local region, and pins are taken under the region table's lock.
-//! `deregister` takes the region out of the table (new batches are refused), waits for
-//! the pins until the caller's deadline, and only then destroys the MRs, so that `Ok`
-//! means the NICs refuse every key of the region.
+//! A slice pins its local region in the kit's table (`te_core::kit::Regions`).
+//! `deregister` retires the region there (new batches are refused), waits for the pins
+//! until the caller's deadline, and only then destroys the MRs, so that `Ok` means the
+//! NICs refuse every key of the region.
 
 #[cfg(feature = "cuda")]
 use std::os::fd::AsRawFd;
@@ -49,51 +49,26 @@ impl RdmaBackend {
         // A region peers may not touch publishes no key: its MRs carry no remote
         // right anyway, and its rkeys are nobody's business.
         let remote = mem.access.remote_read || mem.access.remote_write;
-        let region = Arc::new(LocalRegion::new(
-            mem.addr,
-            mem.len,
-            mrs,
-            self.nics_for(&mem.kind),
-            dmabuf,
-        ));
+        let region = LocalRegion::new(mrs, self.nics_for(&mem.kind), dmabuf);
         let key = if remote {
             endpoint::encode_key(&region.rkeys())
         } else {
             Vec::new()
         };
-        self.shared.regions.write().insert(id, region);
+        self.shared
+            .regions
+            .insert(id, mem.addr, mem.len, mem.access, region);
         Ok(key)
     }
 
     /// `TransferBackend::deregister`: out of the table, then the MRs destroyed once no
     /// slice pins the region, or `Timeout` at `deadline` with the region kept refused.
     pub(crate) fn deregister_region(&self, id: RegionId, deadline: Deadline) -> Result<()> {
-        let region = {
-            let mut regions = self.shared.regions.write();
-            let mut closing = self.shared.closing.lock();
-            // Out of the table, no new slice can pin it; one whose deregistration
-            // timed out before is waited for again.
-            match regions.remove(&id) {
-                Some(r) => closing.entry(id).or_insert(r).clone(),
-                None => closing.get(&id).cloned().ok_or_else(|| {
-                    Error::new(
-                        ErrorKind::NotRegistered,
-                        format!("region {id} is not registered with the rdma backend"),
-                    )
-                })?,
-            }
-        };
-        let pinned = region.wait_unpinned(deadline.instant());
-        if pinned > 0 {
-            return Err(Error::new(
-                ErrorKind::Timeout,
-                format!(
-                    "region {id}: {pinned} RDMA work requests still used it at the deadline; new batches are refused, and its MRs stay until they complete: deregister it again, and free the memory only once that returns Ok"
-                ),
-            ));
+        // A region whose wait timed out before stays in the table, refused, and is
+        // waited for again.
+        if let Some(region) = self.shared.regions.retire(id, deadline.instant())? {
+            region.data.release();
         }
-        region.release();
-        self.shared.closing.lock().remove(&id);
         Ok(())
     }
 

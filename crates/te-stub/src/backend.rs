@@ -284,7 +284,7 @@ pub(crate) fn region(
             ),
         )
     })?;
-    if offset.checked_add(len).is_none_or(|end| end > r.len) {
+    if !te_core::kit::fits(offset, len, r.len) {
         return Err(Error::new(
             ErrorKind::OutOfBounds,
             format!(

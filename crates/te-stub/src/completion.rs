@@ -81,11 +81,7 @@ pub(crate) fn execute(
         // The target's own check, against its own registrations.
         let l = region(&local_regions, r.local, r.local_offset, r.len, "local")?;
         let p = region(remote_regions, r.remote, r.remote_offset, r.len, "remote")?;
-        let allowed = match r.op {
-            Op::Read => p.access.remote_read,
-            Op::Write => p.access.remote_write,
-        };
-        if !allowed {
+        if !p.access.allows(r.op) {
             return Err(Error::new(
                 ErrorKind::InvalidRequest,
                 format!(

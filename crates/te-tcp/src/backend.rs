@@ -38,7 +38,7 @@ pub(crate) struct Shared {
     pub(crate) next_serving: AtomicU64,
     /// Accepted connections still in their handshake; the oldest is closed to make
     /// room for a new one.
-    pub(crate) pending: Arc<te_core::net::PendingSlots>,
+    pub(crate) pending: Arc<te_core::kit::net::PendingSlots>,
     /// Times `accept` failed (out of descriptors, memory, …) and the listener backed off.
     pub(crate) accept_errors: AtomicU64,
     /// WRITEs into host memory whose payload stopped part way (a torn range).
@@ -188,7 +188,7 @@ impl TcpBackend {
         let shared = Arc::new(Shared {
             config,
             instance,
-            regions: Regions::default(),
+            regions: Regions::new("tcp"),
             closed: AtomicBool::new(false),
             closing: tokio::sync::Notify::new(),
             serving: Mutex::new(HashMap::new()),
@@ -379,31 +379,13 @@ impl TcpBackend {
         }
     }
 
+    /// Pins each local region of `batch` once. The engine checked every request
+    /// against the same regions (range, zero length); this only holds them open.
     fn pin_locals(&self, batch: &[TransferRequest]) -> Result<Vec<Pin>> {
         let mut pins: Vec<Pin> = Vec::new();
         for r in batch {
-            if r.len == 0 {
-                return Err(Error::new(ErrorKind::InvalidRequest, "zero-length request"));
-            }
-            match pins.iter().find(|p| p.region().id == r.local) {
-                Some(p) => {
-                    if r.local_offset
-                        .checked_add(r.len)
-                        .is_none_or(|end| end > p.region().len)
-                    {
-                        return Err(Error::new(
-                            ErrorKind::OutOfBounds,
-                            format!(
-                                "local range {}+{} is outside region {} of {} bytes",
-                                r.local_offset,
-                                r.len,
-                                r.local,
-                                p.region().len
-                            ),
-                        ));
-                    }
-                }
-                None => pins.push(self.shared.regions.pin(r.local, r.local_offset, r.len)?),
+            if !pins.iter().any(|p| p.id == r.local) {
+                pins.push(self.shared.regions.pin(r.local)?);
             }
         }
         Ok(pins)
@@ -428,12 +410,14 @@ impl TransferBackend for TcpBackend {
                 "the region does not fit in this process's address space",
             ));
         }
-        self.shared.regions.insert(id, mem, device);
+        self.shared
+            .regions
+            .insert(id, mem.addr, mem.len, mem.access, device);
         Ok(Vec::new())
     }
 
     fn deregister(&self, id: RegionId, deadline: Deadline) -> Result<()> {
-        self.shared.regions.remove(id, deadline)?;
+        let _ = self.shared.regions.retire(id, deadline.instant())?;
         // No batch uses it any more: same-host peers that mapped it unmap it.
         for pc in self.peers.all() {
             let keys = pc.exports.lock().forget(id);
@@ -547,7 +531,7 @@ impl TransferBackend for TcpBackend {
                 pins.iter()
                     .find(|p| p.region().id == r.local)
                     .map_or((0, None), |p| {
-                        (p.region().addr as usize, p.region().device.clone())
+                        (p.region().addr as usize, p.region().data.clone())
                     })
             })
             .collect();

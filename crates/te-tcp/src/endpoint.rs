@@ -6,8 +6,9 @@
 //! `samehost`); little-endian, decoded strictly: a wrong version or family, or short or
 //! trailing bytes, are a `Protocol` error. Version 1 (no boot id) is still read.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 
+use te_core::kit::net;
 use te_core::{Error, ErrorKind, Result};
 
 /// A data endpoint, decoded.
@@ -19,26 +20,15 @@ pub(crate) struct Endpoint {
     pub(crate) boot_id: Option<[u8; 16]>,
 }
 
-/// Encodes a data endpoint: version, address family, port, IP, instance, and the boot
-/// id where there is one; little-endian.
+/// Encodes a data endpoint: version, the address ([`net::encode_addr`]), instance, and
+/// the boot id where there is one; little-endian.
 pub(crate) fn encode_endpoint(
     addr: SocketAddr,
     instance: u64,
     boot_id: Option<[u8; 16]>,
 ) -> Vec<u8> {
     let mut v = vec![if boot_id.is_some() { 2 } else { 1 }];
-    match addr.ip() {
-        IpAddr::V4(ip) => {
-            v.push(4);
-            v.extend_from_slice(&addr.port().to_le_bytes());
-            v.extend_from_slice(&ip.octets());
-        }
-        IpAddr::V6(ip) => {
-            v.push(6);
-            v.extend_from_slice(&addr.port().to_le_bytes());
-            v.extend_from_slice(&ip.octets());
-        }
-    }
+    net::encode_addr(addr, &mut v);
     v.extend_from_slice(&instance.to_le_bytes());
     if let Some(id) = boot_id {
         v.extend_from_slice(&id);
@@ -60,32 +50,16 @@ pub(crate) fn decode_endpoint(b: &[u8]) -> Result<Endpoint> {
             ),
         )
     };
-    let (&[version, family, p0, p1], rest) = b.split_first_chunk::<4>().ok_or_else(bad)?;
-    if version != 1 && version != 2 {
-        return Err(bad());
-    }
-    let port = u16::from_le_bytes([p0, p1]);
-    let (ip, rest): (IpAddr, &[u8]) = match family {
-        4 => {
-            let (ip, rest) = rest.split_first_chunk::<4>().ok_or_else(bad)?;
-            ((*ip).into(), rest)
-        }
-        6 => {
-            let (ip, rest) = rest.split_first_chunk::<16>().ok_or_else(bad)?;
-            ((*ip).into(), rest)
-        }
+    let (&version, rest) = b.split_first().ok_or_else(bad)?;
+    let (addr, rest) = net::decode_addr(rest).ok_or_else(bad)?;
+    let (instance, rest) = rest.split_first_chunk::<8>().ok_or_else(bad)?;
+    let boot_id = match (version, rest.len()) {
+        (1, 0) => None,
+        (2, 16) => Some(<[u8; 16]>::try_from(rest).map_err(|_| bad())?),
         _ => return Err(bad()),
     };
-    let (instance, rest) = rest.split_first_chunk::<8>().ok_or_else(bad)?;
-    let boot_id = match version {
-        1 => None,
-        _ => Some(<[u8; 16]>::try_from(&rest[..rest.len().min(16)]).map_err(|_| bad())?),
-    };
-    if rest.len() != if boot_id.is_some() { 16 } else { 0 } {
-        return Err(bad());
-    }
     Ok(Endpoint {
-        addr: SocketAddr::new(ip, port),
+        addr,
         instance: u64::from_le_bytes(*instance),
         boot_id,
     })

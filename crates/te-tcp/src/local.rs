@@ -110,7 +110,7 @@ impl Local {
         };
         let region = pin.region();
         let same = region
-            .device
+            .data
             .as_ref()
             .is_some_and(|(r, o)| r.name() == rt.name() && *o == ordinal);
         // Both ends in one allocation, overlapping (an engine moving a region into

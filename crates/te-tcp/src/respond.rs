@@ -325,7 +325,7 @@ pub(crate) async fn write_staged(
     pin: Pin,
     peer: &str,
 ) -> Result<()> {
-    let Some((rt, ordinal)) = pin.region().device.clone() else {
+    let Some((rt, ordinal)) = pin.region().data.clone() else {
         return Err(protocol(peer, "a staged write to host memory"));
     };
     let mut on_timeout = |mid: bool| !mid;
@@ -433,7 +433,7 @@ pub(crate) async fn read_staged(
     entries: &[Entry],
     pin: Pin,
 ) -> Result<()> {
-    let Some((rt, ordinal)) = pin.region().device.clone() else {
+    let Some((rt, ordinal)) = pin.region().data.clone() else {
         return Err(Error::new(
             ErrorKind::Protocol,
             "a staged read of host memory",

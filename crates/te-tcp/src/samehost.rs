@@ -60,6 +60,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use te_core::device::{DeviceCopy, DeviceRuntime};
+use te_core::kit::fits;
 use te_core::local;
 use te_core::sync::Mutex;
 use te_core::{Error, ErrorKind, Op, RegionId, Result};
@@ -608,7 +609,7 @@ fn run(
     for e in entries {
         let region = pins[&e.region].region();
         let here = region.addr + e.offset;
-        match (&region.device, e.key) {
+        match (&region.data, e.key) {
             (None, 0) if cma => {
                 host_here.push((here as usize, e.len as usize));
                 host_there.push((e.addr, e.len as usize));
@@ -625,10 +626,8 @@ fn run(
                         format!("region {} is {} memory and the initiator's is {}: send it over the socket", e.region, rt.name(), import.rt.name()),
                     ));
                 }
-                let inside = e.addr >= import.base
-                    && (e.addr - import.base)
-                        .checked_add(e.len)
-                        .is_some_and(|end| end <= import.len);
+                let inside =
+                    e.addr >= import.base && fits(e.addr - import.base, e.len, import.len);
                 if !inside {
                     return Err(Error::new(
                         ErrorKind::OutOfBounds,

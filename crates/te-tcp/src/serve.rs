@@ -14,7 +14,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::unix::AsyncFd;
 
-use te_core::{Error, ErrorKind, RegionId, Result};
+use te_core::kit::fits;
+use te_core::{Error, ErrorKind, Op, RegionId, Result};
 
 use crate::backend::Shared;
 use crate::io::Sock;
@@ -213,7 +214,7 @@ async fn serve(
     shared: &Shared,
     s: std::net::TcpStream,
     peer: &str,
-    pending: te_core::net::PendingSlot,
+    pending: te_core::kit::net::PendingSlot,
 ) -> Result<()> {
     let c = &shared.config;
     sock::tune(&s, c).map_err(|e| io_err(peer, "cannot set options", e))?;
@@ -300,7 +301,7 @@ async fn serve(
         match h.kind {
             Kind::Write | Kind::WriteV => {
                 match admit(shared, &h, &entries, peer) {
-                    Ok(pin) if pin.region().device.is_some() => {
+                    Ok(pin) if pin.region().data.is_some() => {
                         let r = responder_for(&mut responder, &s, peer, shared, &mut out).await?;
                         write_staged(&recv_pools, &r, &mut inb, &h, &entries, pin, peer).await?;
                     }
@@ -333,7 +334,7 @@ async fn serve(
                 }
             }
             Kind::Read | Kind::ReadV => match admit(shared, &h, &entries, peer) {
-                Ok(pin) if pin.region().device.is_some() => {
+                Ok(pin) if pin.region().data.is_some() => {
                     let r = responder_for(&mut responder, &s, peer, shared, &mut out).await?;
                     read_staged(&send_pools, &r, &h, &entries, pin).await?;
                 }
@@ -423,15 +424,13 @@ pub(crate) fn admit(shared: &Shared, h: &Header, entries: &[Entry], peer: &str) 
     });
     let result = shared
         .regions
-        .pin(RegionId(h.region), first.offset, first.len)
+        .pin_range(RegionId(h.region), first.offset, first.len)
         .and_then(|pin| {
-            let (ok, right) = match h.kind {
-                Kind::Write | Kind::WriteV => {
-                    (pin.region().access.remote_write, "remotely writable")
-                }
-                _ => (pin.region().access.remote_read, "remotely readable"),
+            let (op, right) = match h.kind {
+                Kind::Write | Kind::WriteV => (Op::Write, "remotely writable"),
+                _ => (Op::Read, "remotely readable"),
             };
-            if !ok {
+            if !pin.access.allows(op) {
                 return Err(Error::new(
                     ErrorKind::InvalidRequest,
                     format!("region {} is not {right}", h.region),
@@ -441,7 +440,7 @@ pub(crate) fn admit(shared: &Shared, h: &Header, entries: &[Entry], peer: &str) 
             let outside = entries
                 .iter()
                 .enumerate()
-                .find(|(_, e)| e.offset.checked_add(e.len).is_none_or(|end| end > size));
+                .find(|(_, e)| !fits(e.offset, e.len, size));
             if let Some((i, e)) = outside {
                 return Err(Error::new(
                     ErrorKind::OutOfBounds,

@@ -309,7 +309,7 @@ impl ControlPlane {
         advertise: Option<&str>,
         hook: Arc<HookSlot>,
     ) -> Result<ControlPlane> {
-        let (listener, address) = crate::net::bind("[engine]", listen, advertise)
+        let (listener, address) = crate::kit::net::bind("[engine]", listen, advertise)
             .map_err(|e| e.with_operation("start control plane"))?;
         listener
             .set_nonblocking(true)

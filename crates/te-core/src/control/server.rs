@@ -17,7 +17,7 @@ use super::wire::{self, BackendMsg, Hello, Identity, Kind, Notice, Proof, Welcom
 use super::{closed, Shared};
 use crate::auth;
 use crate::error::{Error, ErrorKind, Result};
-use crate::net::{PendingSlot, PendingSlots};
+use crate::kit::net::{PendingSlot, PendingSlots};
 use crate::time::Deadline;
 
 /// Authenticated sessions, in all and per source.
@@ -115,7 +115,7 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
                 });
             }
             Err(e) => {
-                let scarce = crate::net::out_of_resources(&e);
+                let scarce = crate::kit::net::out_of_resources(&e);
                 if failures == 0 {
                     tracing::warn!(error = %e, "control plane: accept failed; backing off");
                 }

@@ -6,7 +6,7 @@
 //! hostile peers like every listener of te: a request must arrive whole, at most
 //! [`MAX_REQUEST`] bytes, within [`REQUEST_TIMEOUT`]; at most [`MAX_PENDING`]
 //! connections wait for theirs, and a new one closes the oldest
-//! ([`PendingSlots`](crate::net::PendingSlots)), so idle sockets cannot keep a scraper
+//! ([`PendingSlots`](crate::kit::net::PendingSlots)), so idle sockets cannot keep a scraper
 //! out; anything but `GET /metrics` is answered with an error status and closed.
 
 use std::net::SocketAddr;
@@ -23,8 +23,8 @@ use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::error::{Error, Result};
+use crate::kit::net::PendingSlots;
 use crate::metrics::{Histogram, Metrics};
-use crate::net::PendingSlots;
 
 /// The longest request head accepted.
 const MAX_REQUEST: usize = 8 << 10;

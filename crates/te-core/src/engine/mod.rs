@@ -24,10 +24,11 @@ use crate::desc::{
 use crate::error::{Error, ErrorKind, Result};
 use crate::hook::ControlHook;
 use crate::inbox::{Mailbox, Next, Notification, PeerEvent};
+use crate::kit::fits;
 use crate::kv::{self, KvLayout, KvSelection};
 use crate::metadata::{self, EngineEntry, MetadataStore};
 use crate::metrics::{BatchMeter, Counters, Metrics, PeerCounters};
-use crate::region::{fits, Pins, Region};
+use crate::region::{Pins, Region};
 use crate::registry::{Origin, Registry};
 use crate::time::Deadline;
 

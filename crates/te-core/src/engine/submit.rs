@@ -75,11 +75,7 @@ impl Inner {
                     ),
                 );
             };
-            let ok = match r.op {
-                Op::Read => rem.access.remote_read,
-                Op::Write => rem.access.remote_write,
-            };
-            if !ok {
+            if !rem.access.allows(r.op) {
                 return fail(
                     ErrorKind::InvalidRequest,
                     format!(

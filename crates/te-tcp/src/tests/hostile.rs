@@ -294,7 +294,13 @@ fn a_peer_that_floods_requests_and_reads_nothing_is_bounded_and_cut_off() {
     // The target queues at most MAX_QUEUED responses, then stops reading; after
     // io_timeout without the peer reading it closes the connection and releases the
     // pins, so the region can be deregistered.
-    let pins = || target.shared().regions.users(RegionId(2));
+    let pins = || {
+        target
+            .shared()
+            .regions
+            .get(RegionId(2))
+            .map_or(0, |r| r.pins())
+    };
     eventually("the flood holding pins", Duration::from_secs(5), || {
         pins() >= crate::respond::MAX_QUEUED - 1
     });
