@@ -1,5 +1,5 @@
 //! The FlagCX `TransferBackend`: registrations (see `regions`), one shim connection
-//! per peer established off the submit path (see `peer`), and batches split into
+//! per peer established off the submit path (see `peers`), and batches split into
 //! descriptors the shim accepts (see `batch`), completed by the completion thread
 //! (see `progress`).
 
@@ -13,10 +13,10 @@ use te_core::{
 };
 
 use crate::batch::Poster;
-use crate::completion::{Parked, Progress};
 use crate::config::FlagcxConfig;
 use crate::ffi::{self, E_INVALID};
-use crate::peer::{PeerState, Table};
+use crate::peers::{PeerState, Table};
+use crate::progress::{Parked, Progress};
 use crate::regions::Regions;
 
 /// How long `connect` and `deregister` wait when called through [`TransferBackend`],

@@ -11,7 +11,7 @@ use te_core::kit::fits;
 use te_core::{Completion, Error, ErrorKind, Op, Result, TransferRequest};
 
 use crate::ffi::{Desc, E_STALE, E_UNREACHABLE, OP_READ, OP_WRITE};
-use crate::peer::Link;
+use crate::peers::Link;
 use crate::regions::{Pin, Regions};
 
 /// Descriptors a scratch buffer holds before it has to grow.

@@ -34,10 +34,10 @@ use te_core::{BackendContext, BackendType, Error, ErrorKind, Result};
 
 mod backend;
 mod batch;
-mod completion;
 mod config;
 mod ffi;
-mod peer;
+mod peers;
+mod progress;
 mod regions;
 
 pub use backend::{FlagcxBackend, DEFAULT_WAIT};

@@ -9,7 +9,7 @@
 //! - `register`: a remotely accessible `mlu:N` region's key carries the IPC handle of
 //!   its allocation (`cnrtAcquireMemHandle`) and the region's offset in it, plus its
 //!   slot in the region table.
-//! - `connect` (module `peer`): refuses peers on other hosts; receives the peer's region
+//! - `connect` (module `peers`): refuses peers on other hosts; receives the peer's region
 //!   table over its socket (`SCM_RIGHTS`); maps each of the peer's regions into this
 //!   process (`cnrtMapMemHandle`, once per allocation) or, for a peer in this process,
 //!   uses its addresses as they are.
@@ -40,14 +40,14 @@ use te_core::{
     TransferRequest,
 };
 
-use crate::completion::{worker, Copy, Guard, Job, Kind};
 use crate::config::MluConfig;
 use crate::endpoint::{host_identity, process_id, Endpoint, Key};
 use crate::ffi::dir;
 use crate::handoff::{self, Server};
-use crate::peer::PeerState;
+use crate::peers::PeerState;
 use crate::runtime::{self, MluRuntime, RUNTIME};
 use crate::shm::{Extent, Table};
+use crate::worker::{worker, Copy, Guard, Job, Kind};
 
 /// Where a region's bytes are, as this process addresses them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

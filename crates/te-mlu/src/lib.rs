@@ -34,14 +34,14 @@
 use te_core::{BackendContext, BackendType, Result};
 
 mod backend;
-mod completion;
 mod config;
 mod endpoint;
 mod ffi;
 mod handoff;
-mod peer;
+mod peers;
 mod runtime;
 mod shm;
+mod worker;
 
 pub use backend::MluBackend;
 pub use config::{IpcMode, MluConfig};

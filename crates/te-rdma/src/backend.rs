@@ -27,38 +27,15 @@ use te_core::{
 use crate::completion::InFlight;
 use crate::config::{RdmaConfig, MAX_SLICE};
 use crate::connect::{self, Served};
-use crate::device::{self, Device};
+use crate::device;
 use crate::endpoint::{self, DeviceInfo, Endpoint};
+use crate::errors::config_error;
 use crate::ffi;
-use crate::path::{self, Job, Peer, Pin, Regions, RemoteRegion};
+use crate::path::{self, Job};
 use crate::plan;
-use crate::topology::{self, Place};
-
-/// What the backend's threads share.
-pub(crate) struct Shared {
-    pub(crate) config: RdmaConfig,
-    pub(crate) instance: u64,
-    pub(crate) devices: Vec<Arc<Device>>,
-    /// Where each device sits on the PCIe tree.
-    pub(crate) nic_places: Vec<Place>,
-    pub(crate) regions: Regions,
-    /// The batches in flight, for the engine's abort.
-    in_flight: Arc<InFlight>,
-    pub(crate) peers: PeerTable<Arc<Peer>>,
-    by_instance: Mutex<HashMap<u64, PeerId>>,
-    pub(crate) next_tag: AtomicU64,
-    pub(crate) closed: AtomicBool,
-    /// The engine's control plane: the exchange's requests go through it.
-    pub(crate) hook: ControlHook,
-    /// The next QP set id this backend asks a target for.
-    pub(crate) next_set: AtomicU64,
-    /// The QP sets this backend holds as the target, per initiator address.
-    pub(crate) served: Mutex<HashMap<String, Served>>,
-    pub(crate) threads: Mutex<Vec<JoinHandle<()>>>,
-    /// Peers whose paths the repair thread should rebuild.
-    pub(crate) repairs: Mutex<VecDeque<PeerId>>,
-    pub(crate) repair_wake: Condvar,
-}
+use crate::regions::{Pin, Regions, RemoteRegion};
+use crate::state::Shared;
+use crate::topology;
 
 /// The RDMA backend.
 pub struct RdmaBackend {
@@ -79,11 +56,6 @@ impl std::fmt::Debug for RdmaBackend {
             .field("instance", &self.shared.instance)
             .finish_non_exhaustive()
     }
-}
-
-pub(crate) fn config_error(m: String) -> Error {
-    Error::new(ErrorKind::ConfigInvalid, format!("[backends.rdma] {m}"))
-        .with_operation("create backend")
 }
 
 pub(crate) fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {

@@ -18,13 +18,14 @@ use te_core::sync::{Condvar, Mutex, RwLock};
 
 use te_core::{Deadline, Error, ErrorKind, MessageHandler, PeerId, PeerInfo, Result};
 
-use crate::backend::Shared;
 use crate::device::Device;
 use crate::endpoint::Endpoint;
 use crate::exchange::{self, GidType, Message};
-use crate::path::{self, Path, PathState, Peer};
+use crate::path::{self, Path, PathState};
+use crate::peers::Peer;
 use crate::plan;
 use crate::qp;
+use crate::state::Shared;
 
 /// The most QP sets a target holds for one initiator: the one in use and the one a
 /// repair is building to replace it.

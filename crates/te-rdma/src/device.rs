@@ -11,14 +11,15 @@ use te_core::sync::RwLock;
 
 use te_core::{Error, ErrorKind, Result};
 
-use crate::backend::{config_error, Shared};
 use crate::config::RdmaConfig;
 use crate::context::Context;
 use crate::endpoint::{self, LinkLayer, ROCE_V1, ROCE_V2};
+use crate::errors::config_error;
 use crate::exchange::{GidType, PathInfo};
 use crate::ffi::{self, Verbs};
 use crate::path::{self, Path};
 use crate::qp::{self, QpParams};
+use crate::state::Shared;
 use crate::verbs;
 
 /// One opened device and what a QP on it needs.

@@ -72,6 +72,14 @@
 //! keeps the two in step).
 //!
 //! See `docs/rdma.md` for requirements, two-host commands and what was verified.
+//!
+//! # Layout
+//! Named by role, as in every te backend: `backend` (the `TransferBackend`), `state`
+//! (what its threads share), `peers`, `completion` (how a batch completes, a QP's work
+//! requests in order), `errors`, `endpoint`, `config`, `regions` (MRs in the kit's
+//! table). The data path is `path` (posting, settling, retrying, retiring a peer's QPs)
+//! over `plan`, `wr` and `qp`; `connect` and `exchange` set up QP sets over the
+//! engine's control plane; `context`, `device`, `verbs` and `ffi` wrap libibverbs.
 
 #![warn(missing_debug_implementations, missing_docs, unreachable_pub)]
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
@@ -87,13 +95,16 @@ mod context;
 mod cuda;
 mod device;
 mod endpoint;
+mod errors;
 mod exchange;
 mod ffi;
 mod path;
+mod peers;
 mod plan;
 mod qp;
 mod reader;
 mod regions;
+mod state;
 mod topology;
 mod verbs;
 mod wr;

@@ -12,86 +12,25 @@
 //! dropped; the ones posted complete as the NIC completes them, and the batch's
 //! completion runs when the last is accounted for.
 
-use std::collections::{HashMap, VecDeque};
-use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Instant;
-use te_core::sync::{Condvar, Mutex, RwLock};
+use te_core::sync::{Condvar, Mutex};
 
-use te_core::{Error, ErrorKind, Op, PeerId, RegionId};
+use te_core::{Error, ErrorKind, Op, PeerId};
 
-use crate::backend::Shared;
 use crate::completion::{self, BatchState, Outcome, SendQueue};
-use crate::context::{Cq, Mr, Qp};
+use crate::context::{Cq, Qp};
 use crate::device::Device;
-use crate::endpoint::Endpoint;
 use crate::exchange::GidType;
 use crate::ffi;
+use crate::peers::Peer;
 use crate::qp;
+use crate::regions::{Pin, RemoteRegion};
+use crate::state::Shared;
 use crate::verbs;
 use crate::wr::{WorkItem, WrChain};
-
-/// What the backend keeps for a registered local region (the kit's table holds its
-/// address, length and pins): one MR per device.
-pub(crate) struct LocalRegion {
-    /// Each MR's local key, by device: what slices post with. Kept apart from the MRs
-    /// so that reading one never touches an MR that `deregister` destroyed.
-    pub(crate) lkeys: Vec<u32>,
-    /// The MRs, destroyed by [`LocalRegion::release`] (or when the region is dropped).
-    mrs: Mutex<Vec<Mr>>,
-    /// The local devices that should move this region's bytes (nearest to its memory);
-    /// empty: any.
-    pub(crate) nics: Vec<usize>,
-    /// The DMA-BUF the MRs were made from; closed after them (field order).
-    _dmabuf: Option<OwnedFd>,
-}
-
-impl std::fmt::Debug for LocalRegion {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LocalRegion")
-            .field("lkeys", &self.lkeys)
-            .field("nics", &self.nics)
-            .finish_non_exhaustive()
-    }
-}
-
-impl LocalRegion {
-    /// A region's MRs (one per device), and the devices that should move it.
-    pub(crate) fn new(mrs: Vec<Mr>, nics: Vec<usize>, dmabuf: Option<OwnedFd>) -> LocalRegion {
-        LocalRegion {
-            lkeys: mrs.iter().map(Mr::lkey).collect(),
-            mrs: Mutex::new(mrs),
-            nics,
-            _dmabuf: dmabuf,
-        }
-    }
-
-    /// Destroys the MRs: from here on the NICs refuse every key of the region, local
-    /// and remote, so nothing of this backend or its peers reaches the memory. Called
-    /// only when no slice pins the region and none can any more (it was retired).
-    pub(crate) fn release(&self) {
-        self.mrs.lock().clear();
-    }
-
-    /// The remote key of each MR, by device.
-    pub(crate) fn rkeys(&self) -> Vec<u32> {
-        self.mrs.lock().iter().map(Mr::rkey).collect()
-    }
-}
-
-/// The backend's registered regions, in the kit's table.
-pub(crate) type Regions = te_core::kit::Regions<LocalRegion>;
-
-/// Keeps a region registered while a slice uses it (each slice has its own).
-pub(crate) type Pin = te_core::kit::Pin<LocalRegion>;
-
-/// A peer's region: address and one rkey per peer device.
-#[derive(Debug)]
-pub(crate) struct RemoteRegion {
-    pub(crate) addr: u64,
-    pub(crate) rkeys: Vec<u32>,
-}
 
 /// One slice on its way.
 pub(crate) struct Job {
@@ -202,41 +141,6 @@ impl Path {
             st = self.idle.wait_timeout(st, left).0;
         }
         true
-    }
-}
-
-/// A connected peer: its regions and paths (one QP set, which its target holds until
-/// it is released).
-pub(crate) struct Peer {
-    pub(crate) id: PeerId,
-    pub(crate) endpoint: Endpoint,
-    /// The peer engine's control-plane address, where the exchange goes.
-    pub(crate) address: String,
-    /// The id of the QP set the target holds for these paths.
-    pub(crate) set: u64,
-    pub(crate) regions: RwLock<HashMap<RegionId, Arc<RemoteRegion>>>,
-    pub(crate) paths: Vec<Arc<Path>>,
-    pub(crate) next: AtomicUsize,
-    /// The peer is gone (disconnected, replaced, backend closing): its work
-    /// fails instead of moving to another path.
-    pub(crate) dead: AtomicBool,
-    /// Why the peer is dead, for the batches that fail because of it.
-    pub(crate) why: Mutex<String>,
-}
-
-impl Peer {
-    /// Marks the peer dead with the reason batches will fail with.
-    pub(crate) fn kill(&self, why: String) {
-        *self.why.lock() = why;
-        self.dead.store(true, Ordering::Release);
-    }
-
-    /// The healthy paths.
-    pub(crate) fn healthy(&self) -> Vec<&Arc<Path>> {
-        self.paths
-            .iter()
-            .filter(|p| !p.broken.load(Ordering::Acquire))
-            .collect()
     }
 }
 

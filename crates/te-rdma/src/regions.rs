@@ -10,6 +10,7 @@
 use std::os::fd::AsRawFd;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
+use te_core::sync::Mutex;
 
 use te_core::{Deadline, Error, ErrorKind, MemoryDesc, MemoryKind, RegionId, Result};
 
@@ -17,8 +18,68 @@ use crate::backend::RdmaBackend;
 use crate::context::Mr;
 use crate::device::Device;
 use crate::endpoint;
-use crate::path::LocalRegion;
 use crate::topology;
+
+/// What the backend keeps for a registered local region (the kit's table holds its
+/// address, length and pins): one MR per device.
+pub(crate) struct LocalRegion {
+    /// Each MR's local key, by device: what slices post with. Kept apart from the MRs
+    /// so that reading one never touches an MR that `deregister` destroyed.
+    pub(crate) lkeys: Vec<u32>,
+    /// The MRs, destroyed by [`LocalRegion::release`] (or when the region is dropped).
+    mrs: Mutex<Vec<Mr>>,
+    /// The local devices that should move this region's bytes (nearest to its memory);
+    /// empty: any.
+    pub(crate) nics: Vec<usize>,
+    /// The DMA-BUF the MRs were made from; closed after them (field order).
+    _dmabuf: Option<OwnedFd>,
+}
+
+impl std::fmt::Debug for LocalRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalRegion")
+            .field("lkeys", &self.lkeys)
+            .field("nics", &self.nics)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LocalRegion {
+    /// A region's MRs (one per device), and the devices that should move it.
+    pub(crate) fn new(mrs: Vec<Mr>, nics: Vec<usize>, dmabuf: Option<OwnedFd>) -> LocalRegion {
+        LocalRegion {
+            lkeys: mrs.iter().map(Mr::lkey).collect(),
+            mrs: Mutex::new(mrs),
+            nics,
+            _dmabuf: dmabuf,
+        }
+    }
+
+    /// Destroys the MRs: from here on the NICs refuse every key of the region, local
+    /// and remote, so nothing of this backend or its peers reaches the memory. Called
+    /// only when no slice pins the region and none can any more (it was retired).
+    pub(crate) fn release(&self) {
+        self.mrs.lock().clear();
+    }
+
+    /// The remote key of each MR, by device.
+    pub(crate) fn rkeys(&self) -> Vec<u32> {
+        self.mrs.lock().iter().map(Mr::rkey).collect()
+    }
+}
+
+/// The backend's registered regions, in the kit's table.
+pub(crate) type Regions = te_core::kit::Regions<LocalRegion>;
+
+/// Keeps a region registered while a slice uses it (each slice has its own).
+pub(crate) type Pin = te_core::kit::Pin<LocalRegion>;
+
+/// A peer's region: address and one rkey per peer device.
+#[derive(Debug)]
+pub(crate) struct RemoteRegion {
+    pub(crate) addr: u64,
+    pub(crate) rkeys: Vec<u32>,
+}
 
 impl RdmaBackend {
     /// `TransferBackend::register`: MRs for the region on every device, and its key

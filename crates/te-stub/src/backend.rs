@@ -1,5 +1,5 @@
 //! The stub's `TransferBackend`: a process-wide endpoint table, and one worker thread
-//! per backend instance (see `completion`) that performs the copies.
+//! per backend instance (see `worker`) that performs the copies.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,8 +16,8 @@ use te_core::{
     ErrorKind, MemoryDesc, PeerId, RegionId, Result, SegmentDesc, TransferBackend, TransferRequest,
 };
 
-use crate::completion::run;
 use crate::config::StubConfig;
+use crate::worker::run;
 
 #[derive(Debug, Clone)]
 pub(crate) struct Region {

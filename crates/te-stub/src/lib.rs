@@ -32,8 +32,8 @@
 use te_core::{BackendContext, BackendType, Result};
 
 mod backend;
-mod completion;
 mod config;
+mod worker;
 
 pub use backend::StubBackend;
 pub use config::{Mode, StubConfig};

@@ -15,86 +15,16 @@ use te_core::{
 
 use crate::completion::Batch;
 use crate::config::TcpConfig;
-use crate::conn::Conn;
 use crate::endpoint::{decode_endpoint, encode_endpoint};
-use crate::plan::plan;
+use crate::errors::config_error;
+use crate::initiator::conn::Conn;
+use crate::initiator::plan::plan;
+use crate::initiator::slice::Slice;
+use crate::peers::{PeerConns, PeerPath};
 use crate::regions::{Pin, Regions};
 use crate::samehost::{Channel, Frame, Range};
-use crate::slice::Slice;
 use crate::stage::Dev;
-
-/// What the backend's tasks share.
-#[derive(Debug)]
-pub(crate) struct Shared {
-    pub(crate) config: TcpConfig,
-    /// Random per backend instance: peers name it in the handshake, so a restarted
-    /// process (or another one on the same port) refuses what was meant for this one.
-    pub(crate) instance: u64,
-    pub(crate) regions: Regions,
-    pub(crate) closed: AtomicBool,
-    /// Ends the accept task.
-    pub(crate) closing: tokio::sync::Notify,
-    pub(crate) serving: Mutex<HashMap<u64, std::net::TcpStream>>,
-    pub(crate) next_serving: AtomicU64,
-    /// Accepted connections still in their handshake; the oldest is closed to make
-    /// room for a new one.
-    pub(crate) pending: Arc<te_core::kit::net::PendingSlots>,
-    /// Times `accept` failed (out of descriptors, memory, …) and the listener backed off.
-    pub(crate) accept_errors: AtomicU64,
-    /// WRITEs into host memory whose payload stopped part way (a torn range).
-    pub(crate) torn_writes: AtomicU64,
-    /// The engine's control plane, where torn writes are posted as peer events.
-    pub(crate) hook: te_core::ControlHook,
-    /// The backend's tasks on te-tcp's I/O threads: accepting, watching deadlines, and
-    /// serving and driving connections.
-    pub(crate) tasks: Arc<crate::io::Tasks>,
-    /// The deadlines of batches in flight.
-    pub(crate) watch: Arc<crate::watch::Watch>,
-    /// Challenge nonces of accepted data connections, for same-host channels.
-    pub(crate) nonces: crate::samehost::Nonces,
-    /// What same-host peers' channels mapped here, shared between a peer's channels.
-    pub(crate) imports: crate::samehost::Imports,
-}
-
-/// One peer: where its data listener is, which instance it is, and the connections.
-#[derive(Debug)]
-struct PeerConns {
-    addr: SocketAddr,
-    instance: u64,
-    conns: RwLock<Vec<Arc<Conn>>>,
-    /// The slice size agreed with this peer: the smaller of our `slice_size` and the
-    /// frame limit its connections announced.
-    slice: AtomicU64,
-    /// The peer itself, when it is a tcp backend of this process (see `local`).
-    local: Option<std::sync::Weak<Shared>>,
-    /// The peer's regions' memory: `None` for host memory, else the runtime's name.
-    kinds: RwLock<HashMap<RegionId, Option<String>>>,
-    /// The same-host channels to the peer, where it is a process of this host: one per
-    /// data connection, each served by a thread of the target's. A batch's device frames
-    /// are one request on the least busy channel; host frames spread over all.
-    channels: Mutex<Vec<Arc<Channel>>>,
-    /// What this backend exported to the peer, for all its channels.
-    exports: Arc<Mutex<crate::samehost::Exports>>,
-    /// The peer advertises this host's boot id: a channel is worth trying.
-    same_boot: bool,
-}
-
-/// How frames to a peer travel ([`TcpBackend::peer_path`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PeerPath {
-    /// Over the data connections.
-    Socket,
-    /// A tcp backend of this process: device frames are device copies
-    /// (`local_copies`), the rest goes over the data connections.
-    InProcess,
-    /// A process of this host, through the same-host channel: device memory of one
-    /// runtime as device copies, host memory with one cross-memory-attach copy where
-    /// `cross_memory_attach` (else over the data connections), the rest over them.
-    SameHost {
-        /// The kernel lets the peer copy this process's host memory.
-        cross_memory_attach: bool,
-    },
-}
+use crate::state::Shared;
 
 /// The TCP backend.
 #[derive(Debug)]
@@ -108,18 +38,6 @@ pub struct TcpBackend {
     boot_id: Option<[u8; 16]>,
     /// The listener for same-host peers' channels.
     samehost: Option<crate::samehost::Server>,
-}
-
-fn config_error(m: String) -> Error {
-    Error::new(ErrorKind::ConfigInvalid, format!("[backends.tcp] {m}"))
-        .with_operation("create backend")
-}
-
-impl Shared {
-    /// Whether the backend is still open (not dropped).
-    pub(crate) fn is_open(&self) -> bool {
-        !self.closed.load(Ordering::Acquire)
-    }
 }
 
 impl TcpBackend {
@@ -206,7 +124,7 @@ impl TcpBackend {
         shared.tasks.spawn(async move { watch.run().await })?;
         if let Err(e) = shared
             .tasks
-            .spawn(crate::serve::accept_loop(shared.clone(), listener))
+            .spawn(crate::target::serve::accept_loop(shared.clone(), listener))
         {
             shared.watch.close();
             return Err(e);
@@ -229,7 +147,7 @@ impl TcpBackend {
             }
         }
         let endpoint = encode_endpoint(advertised, instance, boot_id);
-        crate::local::publish(&shared, &endpoint);
+        crate::initiator::local::publish(&shared, &endpoint);
         Ok(TcpBackend {
             info: BackendInfo {
                 name: crate::NAME.to_string(),
@@ -457,7 +375,7 @@ impl TransferBackend for TcpBackend {
         }
         // A backend of this process is never reached through a channel: its device
         // frames are device copies (`local_copies`) or go over the socket.
-        let in_process = crate::local::find(&peer.endpoint);
+        let in_process = crate::initiator::local::find(&peer.endpoint);
         let pc = Arc::new(PeerConns {
             addr: ep.addr,
             instance: ep.instance,
@@ -550,7 +468,7 @@ impl TransferBackend for TcpBackend {
             .and_then(std::sync::Weak::upgrade)
             .filter(|t| t.is_open() && t.config.debug_delay.is_zero());
         let mut i = 0;
-        let mut copies = crate::local::Local::default();
+        let mut copies = crate::initiator::local::Local::default();
         let channels: Vec<Arc<Channel>> = {
             let chs = pc.channels.lock();
             if chs.iter().all(|c| c.is_alive()) {
@@ -650,7 +568,7 @@ impl Drop for TcpBackend {
         // Every socket is shut down: the tasks end at their next step. Dropped on an
         // I/O thread (a completion that let go of the engine), waiting could hold up
         // the very tasks waited for; they end on their own then.
-        if !crate::io::on_io_thread() {
+        if !crate::runtime::on_io_thread() {
             let left = self.shared.tasks.wait(self.shared.config.io_timeout);
             if left > 0 {
                 tracing::warn!(
@@ -670,8 +588,8 @@ fn channel_frame(
     peer: &PeerConns,
     pins: &[Pin],
     keys: &mut HashMap<RegionId, Option<u64>>,
-    slice: crate::slice::Slice,
-) -> std::result::Result<Frame, crate::slice::Slice> {
+    slice: crate::initiator::slice::Slice,
+) -> std::result::Result<Frame, crate::initiator::slice::Slice> {
     let remote = peer.kinds.read().get(&slice.remote).cloned();
     let key = match (&slice.device, remote) {
         (None, Some(None)) if ch.cma => 0,

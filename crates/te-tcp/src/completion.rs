@@ -9,7 +9,7 @@ use std::time::Instant;
 use te_core::kit::Countdown;
 use te_core::{Completion, Result};
 
-use crate::conn::timeout_error;
+use crate::errors::timeout_error;
 use crate::regions::Pin;
 
 /// One batch: its countdown, which holds the pins on its local regions, and its

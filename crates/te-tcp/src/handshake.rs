@@ -6,10 +6,10 @@ use std::net::TcpStream;
 
 use te_core::{Error, ErrorKind, Result};
 
-use crate::backend::Shared;
-use crate::conn::unreachable;
-use crate::io::Sock;
-use crate::serve::{io_err, protocol};
+use crate::errors::unreachable;
+use crate::errors::{io_err, protocol};
+use crate::sock::Sock;
+use crate::state::Shared;
 use crate::wire::{self, Challenge, Hello, Proof, Status, Terms, Welcome};
 
 /// Runs the initiator's side of the handshake on a fresh stream; returns the target's

@@ -108,6 +108,15 @@
 //! A target that vanishes without a reset (a host that loses power)
 //! is found by the `io_timeout` or TCP keepalive, not at once; the batch's own deadline
 //! still ends the wait for its caller.
+//!
+//! # Layout
+//! Named by role, as in every te backend: `backend` (the `TransferBackend`), `state`
+//! (what its tasks share), `peers`, `completion` (how a batch completes), `errors`,
+//! `endpoint`, `config`, `regions` (the kit's table). Then the two sides apart:
+//! `initiator` (planning, data connections, the deadline watcher, in-process copies)
+//! and `target` (the listener and its responder); `samehost` has both sides of the
+//! same-host channel. Beneath them: `handshake`, `wire`, `sock` (a connection's socket),
+//! `runtime` (the I/O threads) and `stage` (pinned staging memory).
 
 #![warn(missing_debug_implementations, missing_docs, unreachable_pub)]
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
@@ -115,29 +124,27 @@
 use te_core::{BackendContext, BackendType, Result};
 
 mod backend;
-mod carry;
 mod completion;
 mod config;
-mod conn;
 mod endpoint;
+mod errors;
 mod handshake;
-mod io;
-mod local;
-mod plan;
+mod initiator;
+mod peers;
 mod regions;
-mod respond;
+mod runtime;
 mod samehost;
-mod serve;
-mod slice;
 mod sock;
 mod stage;
+mod state;
+mod target;
 #[cfg(test)]
 mod tests;
-mod watch;
 mod wire;
 
-pub use backend::{PeerPath, TcpBackend};
+pub use backend::TcpBackend;
 pub use config::TcpConfig;
+pub use peers::PeerPath;
 
 /// The TCP backend's registry name.
 pub const NAME: &str = "tcp";

@@ -302,12 +302,12 @@ fn a_peer_that_floods_requests_and_reads_nothing_is_bounded_and_cut_off() {
             .map_or(0, |r| r.pins())
     };
     eventually("the flood holding pins", Duration::from_secs(5), || {
-        pins() >= crate::respond::MAX_QUEUED - 1
+        pins() >= crate::target::respond::MAX_QUEUED - 1
     });
     std::thread::sleep(Duration::from_millis(100));
     let held = pins();
     assert!(
-        held <= crate::respond::MAX_QUEUED + 2,
+        held <= crate::target::respond::MAX_QUEUED + 2,
         "{held} pins: one per queued response, the one being sent, the one waiting for room"
     );
     let start = Instant::now();
@@ -322,10 +322,10 @@ fn a_peer_that_floods_requests_and_reads_nothing_is_bounded_and_cut_off() {
         "released after {:?}",
         start.elapsed()
     );
-    let high = crate::respond::HIGH_WATER.load(std::sync::atomic::Ordering::Relaxed);
+    let high = crate::target::respond::HIGH_WATER.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(
         high,
-        crate::respond::MAX_QUEUED,
+        crate::target::respond::MAX_QUEUED,
         "the queue filled to its bound"
     );
     let _s = writer.join().unwrap();

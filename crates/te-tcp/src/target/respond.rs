@@ -13,12 +13,13 @@ use tokio::sync::Notify;
 use te_core::device::DeviceCopy;
 use te_core::{Error, ErrorKind, Result};
 
-use crate::backend::Shared;
-use crate::io::Sock;
+use crate::errors::{io_err, protocol};
 use crate::regions::Pin;
-use crate::serve::{io_err, protocol, refuse};
 use crate::sock::Inbound;
+use crate::sock::Sock;
 use crate::stage::{self, Pools, StageBuf};
+use crate::state::Shared;
+use crate::target::serve::refuse;
 use crate::wire::{Entry, Header, Kind, HEADER_LEN};
 
 /// A response the responder task sends, in request order.
@@ -481,7 +482,7 @@ mod tests {
 
     #[test]
     fn a_full_responder_queue_refuses_more_after_its_limit_and_a_closed_one_at_once() {
-        let rt = crate::io::runtime().expect("runtime");
+        let rt = crate::runtime::runtime().expect("runtime");
         let r = Responder::new("peer", Duration::from_millis(100));
         for _ in 0..MAX_QUEUED {
             rt.block_on(r.push(Item::Bytes(vec![0; 8]))).expect("room");

@@ -20,7 +20,7 @@ use te_core::{Completion, Error, ErrorKind, Result, TransferRequest};
 
 use crate::batch::{InFlight, Poster};
 use crate::ffi;
-use crate::peer::{PeerState, State};
+use crate::peers::{PeerState, State};
 
 /// The longest single wait in the shim while batches are in flight (a bound, not a
 /// polling period: the wait ends as soon as a transfer finishes).

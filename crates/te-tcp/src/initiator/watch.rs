@@ -19,7 +19,7 @@ use te_core::sync::Mutex;
 use tokio::sync::Notify;
 
 use crate::completion::Batch;
-use crate::conn::Conn;
+use crate::initiator::conn::Conn;
 use crate::samehost::Channel;
 
 /// How long a connection that carries an expired batch may go without any answer or

@@ -17,12 +17,13 @@ use tokio::io::unix::AsyncFd;
 use te_core::kit::fits;
 use te_core::{Error, ErrorKind, Op, RegionId, Result};
 
-use crate::backend::Shared;
-use crate::io::Sock;
+use crate::errors::{io_err, protocol};
 use crate::regions::Pin;
-use crate::respond::{read_staged, responder_for, write_staged, Item, ResponderGuard};
+use crate::sock::Sock;
 use crate::sock::{self, Inbound};
 use crate::stage::Pools;
+use crate::state::Shared;
+use crate::target::respond::{read_staged, responder_for, write_staged, Item, ResponderGuard};
 use crate::wire::{self, Entry, Header, Kind, HEADER_LEN};
 
 /// The longest pause after a failed `accept`; short, so closing the backend is quick.
@@ -139,14 +140,6 @@ async fn back_off(shared: &Shared, backoff: &mut Duration, e: &std::io::Error) {
     tokio::time::sleep(*backoff).await;
 }
 
-pub(crate) fn io_err(peer: &str, what: &str, e: std::io::Error) -> Error {
-    Error::new(
-        ErrorKind::PeerUnreachable,
-        format!("data connection from {peer}: {what}"),
-    )
-    .with_source(e)
-}
-
 /// A WRITE's payload stopped arriving part way: the range may hold old and new bytes.
 /// Said at the target (a warning naming region and range, and a counter) because the
 /// initiator, whose batch fails, may be the side that died. For a scatter-gather frame
@@ -201,13 +194,6 @@ fn span(entries: &[Entry]) -> (u64, u64) {
         .max()
         .unwrap_or(0);
     (start, end)
-}
-
-pub(crate) fn protocol(peer: &str, e: impl std::fmt::Display) -> Error {
-    Error::new(
-        ErrorKind::Protocol,
-        format!("{peer} broke the te-tcp protocol ({e}); the connection was closed"),
-    )
 }
 
 async fn serve(

@@ -25,12 +25,12 @@ use te_core::device::DeviceCopy;
 use te_core::sync::Mutex;
 use te_core::{Op, Result};
 
-use crate::backend::Shared;
 use crate::completion::Batch;
-use crate::conn::timeout_error;
+use crate::errors::timeout_error;
+use crate::initiator::slice::{Part, Slice};
 use crate::regions::Pin;
-use crate::slice::{Part, Slice};
 use crate::stage;
+use crate::state::Shared;
 use crate::wire::{Entry, Header, Kind};
 
 /// Backends of this process, by endpoint.
@@ -101,7 +101,7 @@ impl Local {
         };
         let h = Header::request(kind, 0, slice.remote.0, 0, slice.len);
         let batch: &Arc<Batch> = &slice.batch;
-        let pin = match crate::serve::admit(target, &h, &entries, "this process") {
+        let pin = match crate::target::serve::admit(target, &h, &entries, "this process") {
             Ok(pin) => pin,
             Err(e) => {
                 batch.finish_slice(Err(e));

@@ -14,9 +14,10 @@ use te_core::sync::Mutex;
 use te_core::device::DeviceCopy;
 use te_core::Result;
 
-use super::{timeout_error, unreachable, Conn};
+use super::Conn;
+use crate::errors::{timeout_error, unreachable};
+use crate::initiator::slice::Stage;
 use crate::regions::Pin;
-use crate::slice::Stage;
 use crate::sock;
 use crate::stage::{self, StageBuf};
 

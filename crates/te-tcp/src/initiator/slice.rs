@@ -11,7 +11,7 @@ use crate::completion::Batch;
 use crate::stage::{Dev, StageBuf};
 use crate::wire::{self, Header, Kind, HEADER_LEN};
 
-use crate::carry::Carry;
+use crate::initiator::carry::Carry;
 
 /// A piece of one request, at most `slice_size` bytes, travelling as one frame; or
 /// pieces of several requests to one remote region, gathered into one frame.

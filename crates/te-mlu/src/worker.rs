@@ -9,7 +9,7 @@ use te_core::worker::DueQueue;
 use te_core::{Completion, Error, ErrorKind, Result};
 
 use crate::ffi::{Cnrt, Queue};
-use crate::peer::Mapping;
+use crate::peers::Mapping;
 use crate::shm::Table;
 
 /// A batch's claim on one region: counted out again when dropped.

@@ -15,8 +15,8 @@ use te_core::sync::{Condvar, Mutex, MutexGuard};
 
 use te_core::{Error, ErrorKind, RegionId, Result, TransferRequest};
 
-use crate::completion::Handle;
 use crate::ffi;
+use crate::progress::Handle;
 
 /// A peer's regions as a connection's snapshot holds them: address and length by id.
 pub(crate) type Table = Arc<HashMap<RegionId, (u64, u64)>>;

@@ -9,8 +9,9 @@ use std::sync::Arc;
 use te_core::device::DeviceCopy;
 use te_core::{Error, ErrorKind, Op, Result};
 
-use super::{timeout_error, unreachable, Conn};
-use crate::slice::Slice;
+use super::Conn;
+use crate::errors::{timeout_error, unreachable};
+use crate::initiator::slice::Slice;
 use crate::sock::Inbound;
 use crate::stage;
 use crate::wire::{Header, Kind, HEADER_LEN, MAX_MESSAGE};

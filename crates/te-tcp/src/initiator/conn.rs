@@ -18,13 +18,15 @@ use tokio::sync::Notify;
 
 use te_core::{Deadline, Error, ErrorKind, Result};
 
-use crate::carry::Carry;
 use crate::completion::Batch;
 use crate::config::TcpConfig;
+use crate::errors::{timeout_error, unreachable};
 use crate::handshake::handshake;
-use crate::io::{Sock, Tasks};
-use crate::slice::{Slice, Stage};
+use crate::initiator::carry::Carry;
+use crate::initiator::slice::{Slice, Stage};
+use crate::runtime::Tasks;
 use crate::sock;
+use crate::sock::Sock;
 use crate::stage::{Dev, Pools};
 
 mod receive;
@@ -104,14 +106,6 @@ impl std::fmt::Debug for Conn {
             .field("dead", &self.is_dead())
             .finish()
     }
-}
-
-pub(crate) fn unreachable(label: &str, what: &str, e: std::io::Error) -> Error {
-    Error::new(
-        ErrorKind::PeerUnreachable,
-        format!("data connection to {label}: {what}"),
-    )
-    .with_source(e)
 }
 
 impl Conn {
@@ -346,11 +340,4 @@ impl Conn {
             ),
         )
     }
-}
-
-pub(crate) fn timeout_error() -> Error {
-    Error::new(
-        ErrorKind::Timeout,
-        "the batch was aborted (its deadline, a cancel or a deregistration) before this slice was done",
-    )
 }

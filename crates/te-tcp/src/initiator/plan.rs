@@ -7,7 +7,7 @@ use std::sync::Arc;
 use te_core::{RegionId, TransferRequest};
 
 use crate::completion::Batch;
-use crate::slice::{Part, Slice};
+use crate::initiator::slice::{Part, Slice};
 use crate::stage::Dev;
 use crate::wire;
 

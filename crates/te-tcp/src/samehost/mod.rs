@@ -1,0 +1,211 @@
+//! Peers in another process of this host: frames move without the socket.
+//!
+//! A backend with `local_ipc` advertises its host's boot id in its endpoint and listens
+//! on the abstract Unix socket `@te-tcp-<instance>`. An initiator whose peer advertises
+//! this host's boot id opens a **channel** there after its first data connection's
+//! handshake, and presents the target's challenge nonce from that handshake: only the
+//! process that answered that (authenticated) connection knows it, so a descriptor that
+//! claims this host — or another local engine's instance — gets no channel, and its
+//! frames go over the socket as for any peer. The target serves its own user only, and
+//! learns the initiator's pid from the kernel (`SO_PEERCRED`), not from the peer.
+//!
+//! On a channel the **target** does the copies, after the checks it makes for a served
+//! frame (`serve::admit`: region, rights, every entry's bounds, and a pin that makes its
+//! deregistration wait), so its registrations are enforced exactly as over the socket:
+//!
+//! - host memory on both sides: one cross-memory-attach copy (`process_vm_readv` for a
+//!   WRITE, `process_vm_writev` for a READ) between the initiator's ranges and the
+//!   region. The target tries it once when the channel opens, reading the nonce from
+//!   the initiator's memory; where the kernel refuses (another user, Yama), the channel
+//!   says so and the initiator sends host frames over the socket.
+//! - device memory of one runtime on both sides: the initiator exports each allocation
+//!   it sends from once per channel (`DeviceRuntime::ipc_export`: CUDA's IPC handle,
+//!   fakedev's memfd over `SCM_RIGHTS`), the target maps it once
+//!   (`ipc_import`), and a request's copies run as one device group — CUDA's list-copy
+//!   kernel on one GPU, not one driver call per block.
+//!
+//! Everything else (host on one side and device on the other, another runtime) goes over
+//! the socket. The initiator's memory is touched only while its batch waits for the
+//! answer: the batch's pins hold its regions. A request carries its batch's deadline on
+//! the host's monotonic clock, and the target refuses one it reads after it; at the
+//! deadline the watcher (`watch`) closes a channel that answered nothing for a grace,
+//! as it closes a stalled data connection. What the target mapped is unmapped when the
+//! channel closes (the peer disconnected, exited or was killed).
+//!
+//! Channel messages (little-endian): the initiator's `Hello` (64 bytes: magic `TELC`,
+//! version u16, flags u16, the target instance u64, the challenge nonce \[32\], the
+//! address u64 of a copy of the nonce in the initiator's memory, the initiator's
+//! random id u64, which with its pid names its allocation keys) and the target's
+//! `Welcome` (8 bytes: magic, status u16 (0 = open), flags u16 (1 = cross-memory
+//! attach works)); then 40-byte headers (kind u8, 3 zero bytes, code u32, id u64, and
+//! three u64 fields `a`, `b`, `c`):
+//!
+//! | kind | direction | code | id | a | b | c | then |
+//! |---|---|---|---|---|---|---|---|
+//! | 1 share | → target | handle bytes | key | base | length | ordinal << 32 · runtime name bytes | handle, runtime name; a descriptor attached where the runtime's handles are descriptors |
+//! | 2 write, 3 read | → target | entries n | request id | deadline, µs on the host's monotonic clock (0: none) | bytes in all | 0 | n × (region, offset, length, key, address), u64 each; key 0 is host memory |
+//! | 4 done | → initiator | 0 | request id | 0 | 0 | 0 | — |
+//! | 5 error | → initiator | error kind | request id | 0 | message bytes | 0 | the message |
+//! | 6 unshare | → target | 0 | key | 0 | 0 | 0 | — (the initiator deregistered it: unmap) |
+//!
+//! A malformed message closes the channel; a request the target refuses is answered
+//! with an error and the channel goes on.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::io::{Read, Write};
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use te_core::device::{DeviceCopy, DeviceRuntime};
+use te_core::kit::fits;
+use te_core::local;
+use te_core::sync::Mutex;
+use te_core::{Error, ErrorKind, Op, RegionId, Result};
+
+use crate::completion::Batch;
+use crate::regions::Pin;
+use crate::state::Shared;
+use crate::wire::{Entry, Header, Kind, NONCE_LEN};
+
+const MAGIC: [u8; 4] = *b"TELC";
+const VERSION: u16 = 2;
+const HELLO_LEN: usize = 64;
+const WELCOME_LEN: usize = 8;
+const HEADER_LEN: usize = 40;
+const ENTRY_LEN: usize = 40;
+/// The most entries one request carries (a batch of random KV blocks is one request).
+pub(crate) const MAX_ENTRIES: usize = 1 << 16;
+const MAX_HANDLE: usize = 256;
+const MAX_NAME: usize = 32;
+const MAX_MESSAGE: usize = 4096;
+/// Channels one target serves at once; more are closed at once.
+const MAX_CHANNELS: usize = 256;
+/// Channels still in their hello at once; a newer one closes the oldest, so sockets
+/// that connect and say nothing cannot keep a good peer out.
+const MAX_PENDING: usize = 16;
+/// Allocations one channel maps at most.
+const MAX_IMPORTS: usize = 4096;
+/// Handshake nonces a target remembers for channels to present.
+const MAX_NONCES: usize = 4096;
+
+const SHARE: u8 = 1;
+const WRITE: u8 = 2;
+const READ: u8 = 3;
+const DONE: u8 = 4;
+const FAIL: u8 = 5;
+const UNSHARE: u8 = 6;
+
+/// The abstract socket name of backend instance `instance`'s channel listener.
+pub(crate) fn socket_name(instance: u64) -> String {
+    format!("te-tcp-{instance:016x}")
+}
+
+/// The challenge nonces of the data connections this target accepted lately: a channel
+/// must present one, once.
+#[derive(Debug, Default)]
+pub(crate) struct Nonces(Mutex<VecDeque<[u8; NONCE_LEN]>>);
+
+impl Nonces {
+    pub(crate) fn record(&self, n: [u8; NONCE_LEN]) {
+        let mut q = self.0.lock();
+        if q.len() >= MAX_NONCES {
+            q.pop_front();
+        }
+        q.push_back(n);
+    }
+
+    fn take(&self, n: &[u8; NONCE_LEN]) -> bool {
+        let mut q = self.0.lock();
+        match q.iter().position(|k| k == n) {
+            Some(i) => {
+                q.remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// A 40-byte channel header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Msg {
+    kind: u8,
+    code: u32,
+    id: u64,
+    a: u64,
+    b: u64,
+    c: u64,
+}
+
+impl Msg {
+    fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0] = self.kind;
+        b[4..8].copy_from_slice(&self.code.to_le_bytes());
+        b[8..16].copy_from_slice(&self.id.to_le_bytes());
+        b[16..24].copy_from_slice(&self.a.to_le_bytes());
+        b[24..32].copy_from_slice(&self.b.to_le_bytes());
+        b[32..40].copy_from_slice(&self.c.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8; HEADER_LEN]) -> Msg {
+        let u = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
+        Msg {
+            kind: b[0],
+            code: u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
+            id: u(8),
+            a: u(16),
+            b: u(24),
+            c: u(32),
+        }
+    }
+}
+
+/// One range of a request: `len` bytes at `offset` of the target's `region`, and the
+/// initiator's bytes at `addr` (host memory where `key` is 0, else in the allocation
+/// the initiator shared under `key`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Range {
+    pub(crate) region: u64,
+    pub(crate) offset: u64,
+    pub(crate) len: u64,
+    pub(crate) key: u64,
+    pub(crate) addr: u64,
+}
+
+/// Microseconds on this host's monotonic clock, which every process of the host shares
+/// (a channel's peers share the boot): requests carry their deadline on it.
+fn monotonic_us() -> u64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `t` is a valid out-parameter; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
+    (t.tv_sec as u64) * 1_000_000 + (t.tv_nsec as u64) / 1_000
+}
+
+fn io_error(what: &str, e: std::io::Error) -> Error {
+    Error::new(
+        ErrorKind::PeerUnreachable,
+        format!("same-host channel: {what}: {e}"),
+    )
+    .with_source(e)
+}
+
+fn protocol(what: impl std::fmt::Display) -> Error {
+    Error::new(
+        ErrorKind::Protocol,
+        format!("same-host channel: {what}; closed"),
+    )
+}
+
+mod initiator;
+mod target;
+
+pub(crate) use initiator::{Channel, Exports, Frame};
+pub(crate) use target::{Imports, Server};
