@@ -124,7 +124,7 @@ fn tcp_engine(local_copies: bool) -> Engine {
 }
 
 fn pattern(len: usize, seed: usize) -> Vec<u8> {
-    (0..len).map(|i| ((i * 31 + seed) % 251) as u8).collect()
+    te_core::testkit::pattern(len, seed as u8)
 }
 
 /// 128 scattered blocks each way, every shape the copy groups take: staged over the

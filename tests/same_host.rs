@@ -79,7 +79,7 @@ fn path(peer: &Peer, local_ipc: bool) -> PeerPath {
 }
 
 fn pattern(len: usize, seed: usize) -> Vec<u8> {
-    (0..len).map(|i| ((i * 13 + seed) % 251) as u8).collect()
+    te_core::testkit::pattern(len, seed as u8)
 }
 
 /// Writes `src`'s blocks scattered into the target's buffer (block i to block i * 37

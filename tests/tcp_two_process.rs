@@ -103,11 +103,7 @@ fn initiator_with(table: &str) -> Engine {
     Engine::from_config(&c).expect("initiator engine")
 }
 
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed))
-        .collect()
-}
+use te_core::testkit::pattern;
 
 fn write_all(e: &Engine, peer: &Peer, src: &te::Buffer, len: u64) -> te::Result<()> {
     let remote = peer.region("buffer").expect("te serve registers `buffer`");

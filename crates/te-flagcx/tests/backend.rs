@@ -11,23 +11,18 @@ use std::sync::mpsc::{self, Receiver};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use libtest_mimic::{Arguments, Failed, Trial};
+use libtest_mimic::Failed;
+use te_core::testkit::{self, pattern};
 use te_core::{
     Access, Completion, ErrorKind, MemoryDesc, MemoryKind, PeerId, RegionDesc, RegionId,
     SegmentDesc, TransferBackend, TransferRequest,
 };
 use te_flagcx::{FlagcxBackend, FlagcxConfig};
 
-const LEN: usize = 64 << 10;
+mod common;
+use common::{counter, ensure, shim};
 
-fn shim() -> &'static str {
-    match option_env!("TE_FLAGCX_FAKE_SHIM_PATH") {
-        Some(p) => p,
-        None => {
-            panic!("the fake FlagCX shim was not built (no C compiler?); see the build warnings")
-        }
-    }
-}
+const LEN: usize = 64 << 10;
 
 /// Memory the fake's threads write into behind Rust's back, so it is reached only
 /// through raw pointers.
@@ -79,12 +74,6 @@ impl Drop for Mem {
     }
 }
 
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 9) as u8)
-        .collect()
-}
-
 fn backend(options: &str) -> Result<FlagcxBackend, Failed> {
     let mut config = FlagcxConfig::default();
     config.shim = Some(shim().into());
@@ -115,15 +104,12 @@ fn register(b: &FlagcxBackend, id: u64, mem: &Mem, access: Access) -> Result<Reg
 }
 
 fn segment(b: &FlagcxBackend, regions: &[RegionDesc]) -> SegmentDesc {
-    SegmentDesc {
-        engine: "target".into(),
-        epoch: 7,
-        address: String::new(),
-        backend: te_flagcx::NAME.into(),
-        endpoint: b.endpoint(),
-        regions: regions.to_vec(),
-        layouts: Vec::new(),
-    }
+    testkit::segment(
+        te_flagcx::NAME,
+        b.endpoint(),
+        String::new(),
+        regions.to_vec(),
+    )
 }
 
 type Done = Receiver<(te_core::Result<()>, Instant)>;
@@ -134,31 +120,6 @@ fn completion(timeout: Duration) -> (Completion, Done) {
         let _ = tx.send((r, Instant::now()));
     });
     (c, rx)
-}
-
-type FakeCounter = unsafe extern "C" fn(*const std::ffi::c_char) -> u64;
-
-/// A process-wide counter of the fake loaded in this process.
-fn counter(name: &str) -> u64 {
-    static LIB: std::sync::OnceLock<libloading::Library> = std::sync::OnceLock::new();
-    // SAFETY: the fake shim's initializers do nothing; it is the library the backend
-    // under test loads from the same path, so this shares its counters.
-    let lib =
-        LIB.get_or_init(|| unsafe { libloading::Library::new(shim()) }.expect("load the fake"));
-    // SAFETY: `te_flagcx_fake_counter` has this signature in fake/fake_shim.c.
-    let f = unsafe { lib.get::<FakeCounter>(b"te_flagcx_fake_counter\0") }
-        .expect("fake counter symbol");
-    let c = std::ffi::CString::new(name).expect("no NUL");
-    // SAFETY: `c` is a valid C string for the duration of the call.
-    unsafe { f(c.as_ptr()) }
-}
-
-macro_rules! ensure {
-    ($cond:expr, $($msg:tt)+) => {
-        if !$cond {
-            return Err(format!($($msg)+).into());
-        }
-    };
 }
 
 /// A target with one remotely readable and writable region (id 1) full of a pattern,
@@ -469,7 +430,7 @@ fn the_completion_thread_sleeps_while_idle_and_wakes_per_event_not_per_tick() ->
 }
 
 fn main() {
-    type Test = fn() -> Result<(), Failed>;
+    type Test = testkit::DirectTest;
     let tests: [(&str, Test); 6] = [
         (
             "deregister_waits_for_the_batches_in_flight_on_its_region",
@@ -496,11 +457,5 @@ fn main() {
             the_completion_thread_sleeps_while_idle_and_wakes_per_event_not_per_tick,
         ),
     ];
-    let trials = tests
-        .into_iter()
-        .map(|(name, f)| Trial::test(format!("flagcx_fake_backend::{name}"), f))
-        .collect();
-    let mut args = Arguments::from_args();
-    args.test_threads = Some(1);
-    libtest_mimic::run(&args, trials).exit()
+    testkit::run_tests("flagcx_fake_backend", tests.to_vec(), true)
 }

@@ -60,7 +60,7 @@ fn copies_alternating_between_mlus_each_run_with_their_own_mlu_current() -> Resu
     let b = e.alloc_on(&mlu(1), "b", len, Access::LOCAL).map_err(e2f)?;
     for (round, seed) in [(0, 1u8), (1, 2), (2, 3), (3, 4)] {
         let (buf, which) = if round % 2 == 0 { (&a, 0) } else { (&b, 1) };
-        let data: Vec<u8> = (0..len as u64).map(|i| byte(i, seed)).collect();
+        let data = te_core::testkit::pattern(len, seed);
         buf.write(0, &data)
             .map_err(|e| format!("round {round}: a copy to mlu:{which} failed: {e}"))?;
         ensure!(
@@ -113,7 +113,7 @@ fn copies_waiting_together_are_synchronized_together() -> Result<(), Failed> {
     let copies = 32usize;
     let dev = rt.alloc(0, len * copies).map_err(e2f)?;
     let host: Vec<Vec<u8>> = (0..copies)
-        .map(|i| (0..len as u64).map(|b| byte(b, i as u8)).collect())
+        .map(|i| te_core::testkit::pattern(len, i as u8))
         .collect();
     let (tx, rx) = mpsc::channel();
     let syncs = counter("syncs");
@@ -260,7 +260,7 @@ fn target_main() {
         let line = line.expect("stdin");
         if let Some(seed) = line.strip_prefix("CHECK ") {
             let seed: u8 = seed.trim().parse().expect("seed");
-            let want: Vec<u8> = (0..1u64 << 20).map(|i| byte(i, seed)).collect();
+            let want = te_core::testkit::pattern(1 << 20, seed);
             let ok = dst.to_vec().map(|v| v == want).unwrap_or(false);
             println!("{}", if ok { "OK" } else { "BAD" });
             std::io::stdout().flush().expect("stdout");

@@ -59,7 +59,7 @@ fn target_main() {
         let line = line.expect("stdin");
         if let Some(seed) = line.strip_prefix("CHECK ") {
             let seed: u8 = seed.trim().parse().expect("seed");
-            let want: Vec<u8> = (0..1u64 << 20).map(|i| byte(i, seed)).collect();
+            let want = te_core::testkit::pattern(1 << 20, seed);
             let ok = dst.to_vec().map(|v| v == want).unwrap_or(false);
             println!("{}", if ok { "OK" } else { "BAD" });
             std::io::stdout().flush().expect("stdout");

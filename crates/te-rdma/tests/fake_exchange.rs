@@ -3,11 +3,10 @@
 //! forged requests, each refused with what was wrong while the target keeps serving a
 //! genuine initiator. Runs on the FAKE verbs provider, on 127.0.0.1.
 
-use std::time::Duration;
-
 use libtest_mimic::{Arguments, Failed, Trial};
+use te_core::testkit::{self, soon};
 use te_core::StandaloneControl;
-use te_core::{Deadline, EngineConfig, ErrorKind, RegionDesc, SegmentDesc, TransferBackend};
+use te_core::{EngineConfig, ErrorKind, SegmentDesc, TransferBackend};
 use te_rdma::{RdmaBackend, RdmaConfig};
 
 /// A backend with the control plane its exchange runs on (dropped after it).
@@ -31,19 +30,12 @@ fn node(token: Option<&str>) -> Result<Node, Failed> {
 }
 
 fn segment(target: &Node) -> SegmentDesc {
-    SegmentDesc {
-        engine: "target".into(),
-        epoch: 1,
-        address: target.control.address().to_string(),
-        backend: "rdma".into(),
-        endpoint: target.backend.endpoint(),
-        regions: Vec::<RegionDesc>::new(),
-        layouts: Vec::new(),
-    }
-}
-
-fn soon() -> Deadline {
-    Deadline::after(Duration::from_secs(5))
+    testkit::segment(
+        te_rdma::NAME,
+        target.backend.endpoint(),
+        target.control.address().to_string(),
+        Vec::new(),
+    )
 }
 
 fn expect(

@@ -84,7 +84,7 @@ fn a_frame_of_128_device_slices_costs_each_side_at_most_two_device_calls() {
     let back = DevMem::new(0, 2 * total);
     src.register(&init, 1, Access::LOCAL);
     back.register(&init, 2, Access::LOCAL);
-    let data = pattern(2 * total);
+    let data = pattern(2 * total, 1);
     src.fill(&data);
     let peer = connect(&init, &target);
     let dev = te_core::fakedev::process().expect("the process's fakedev runtime is running");
@@ -131,7 +131,7 @@ fn a_frame_of_128_device_slices_costs_each_side_at_most_two_device_calls() {
 
     // Host and device memory in one batch, both ops: the host blocks go as host
     // frames, the device ones staged, every byte where it belongs.
-    let mut h = pattern(total).into_iter().rev().collect::<Vec<u8>>();
+    let mut h = pattern(total, 1).into_iter().rev().collect::<Vec<u8>>();
     let want = h.clone();
     host(&init, 3, &mut h, Access::LOCAL);
     let mut mixed = scattered(Op::Write, 1, 1, SLICES);

@@ -100,7 +100,7 @@ fn device_frames_to_a_peer_in_this_process_are_device_copies_checked_by_the_targ
     // (undefined for overlapping ranges), so what lands is what was there before.
     let own = DevMem::new(0, 4 * BLOCK as usize);
     own.register(&init, 5, Access::REMOTE_READ_WRITE);
-    let was = pattern(4 * BLOCK as usize);
+    let was = pattern(4 * BLOCK as usize, 1);
     own.fill(&was);
     let me = connect(&init, &init);
     let shift = [TransferRequest {

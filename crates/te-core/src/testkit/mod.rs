@@ -18,9 +18,11 @@
 //!
 //! The tests live by area: [`transfers`] (what must work), [`refusals`] (what must be
 //! refused, and where), [`deadlines`] (time and shutdown), [`memory`] (the caller's
-//! memory is the caller's again only when te says so).
+//! memory is the caller's again only when te says so). Tests that drive a backend
+//! directly, without an engine, share the helpers of `direct` ([`pattern`],
+//! [`soon`], [`segment`], [`run_batch`], [`HostPair`], [`run_tests`]).
 
-use libtest_mimic::{Arguments, Failed, Trial};
+use libtest_mimic::{Arguments, Failed};
 
 use crate::{Capabilities, ErrorKind, Registry};
 
@@ -34,13 +36,19 @@ macro_rules! ensure {
 }
 
 mod deadlines;
+mod direct;
 mod harness;
 mod memory;
 mod refusals;
 mod remote;
 mod transfers;
 
+pub use direct::{
+    byte, host_memory, host_region, pattern, run_batch, run_tests, segment, soon, AsBackend,
+    DirectTest, HostPair,
+};
 pub use harness::{built_plugin, engine_config, engine_toml, plugin_dir, Harness};
+pub use libtest_mimic::Trial;
 pub use remote::serve_target_if_asked;
 
 pub(crate) fn fail(m: impl Into<String>) -> Failed {
@@ -49,12 +57,6 @@ pub(crate) fn fail(m: impl Into<String>) -> Failed {
 
 pub(crate) fn e2f(e: crate::Error) -> Failed {
     fail(e.to_string())
-}
-
-pub(crate) fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect()
 }
 
 pub(crate) fn expect_kind(

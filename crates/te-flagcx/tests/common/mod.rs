@@ -11,7 +11,8 @@ use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
-use libtest_mimic::{Arguments, Failed, Trial};
+use libtest_mimic::Failed;
+pub use te_core::testkit::{self, pattern};
 use te_core::{Access, Buffer, Config, Engine, Peer, RegionId};
 
 use te_flagcx as _;
@@ -35,12 +36,6 @@ pub fn config(options: &str) -> Config {
         shim()
     );
     Config::from_toml(&text, "flagcx-two-process.toml", Path::new(".")).expect("valid config")
-}
-
-pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed) ^ (i >> 12) as u8)
-        .collect()
 }
 
 pub fn fnv(bytes: &[u8]) -> u64 {
@@ -212,7 +207,7 @@ macro_rules! ensure {
 }
 pub(crate) use ensure;
 
-pub type Test = fn() -> Result<(), Failed>;
+pub type Test = testkit::DirectTest;
 
 type FakeCounter = unsafe extern "C" fn(*const std::ffi::c_char) -> u64;
 
@@ -240,9 +235,5 @@ pub fn run_tests(tests: Vec<(&'static str, Test)>) {
     }
     // The probe cannot see the configuration; it finds the shim through the variable.
     std::env::set_var(te_flagcx::SHIM_ENV, shim());
-    let trials = tests
-        .into_iter()
-        .map(|(name, f)| Trial::test(format!("flagcx_fake_two_process::{name}"), f))
-        .collect();
-    libtest_mimic::run(&Arguments::from_args(), trials).exit();
+    testkit::run_tests("flagcx_fake_two_process", tests, false)
 }

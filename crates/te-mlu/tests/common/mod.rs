@@ -45,9 +45,7 @@ pub fn mlu(n: u32) -> MemoryKind {
 }
 
 /// The bytes every filled test buffer holds at index `i`.
-pub fn byte(i: u64, seed: u8) -> u8 {
-    (i as u8).wrapping_mul(29).wrapping_add(seed) ^ ((i >> 8) as u8)
-}
+pub use te_core::testkit::byte;
 
 /// A buffer of `kind` filled with `byte(i, seed)`.
 pub fn filled(
@@ -59,7 +57,7 @@ pub fn filled(
     seed: u8,
 ) -> Buffer {
     let b = e.alloc_on(kind, name, len as usize, access).expect("alloc");
-    let data: Vec<u8> = (0..len).map(|i| byte(i, seed)).collect();
+    let data = te_core::testkit::pattern(len as usize, seed);
     b.write(0, &data).expect("fill");
     b
 }

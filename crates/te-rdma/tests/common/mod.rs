@@ -8,11 +8,12 @@ use std::ffi::{c_char, c_int, c_void, CString};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use libtest_mimic::{Arguments, Failed, Trial};
+use libtest_mimic::Failed;
+pub use te_core::testkit::{self, host_memory as host, host_region as region, pattern, soon};
+use te_core::testkit::{AsBackend, HostPair};
 use te_core::StandaloneControl;
 use te_core::{
-    Access, Completion, Deadline, MemoryDesc, MemoryKind, PeerId, RegionDesc, RegionId,
-    SegmentDesc, TransferBackend, TransferRequest,
+    Completion, PeerId, RegionDesc, RegionId, SegmentDesc, TransferBackend, TransferRequest,
 };
 use te_rdma::{RdmaBackend, RdmaConfig};
 
@@ -137,16 +138,6 @@ pub fn backend_with(devices: &[&str], qps_per_path: usize) -> Node {
     node(c).expect("an rdma backend on the fake")
 }
 
-pub fn host(buf: &[u8], access: Access) -> MemoryDesc {
-    MemoryDesc {
-        name: String::new(),
-        addr: buf.as_ptr() as u64,
-        len: buf.len() as u64,
-        kind: MemoryKind::Host,
-        access,
-    }
-}
-
 /// `target`'s descriptor, with `regions`.
 pub fn segment(target: &Node, regions: Vec<RegionDesc>) -> SegmentDesc {
     segment_at(
@@ -157,27 +148,7 @@ pub fn segment(target: &Node, regions: Vec<RegionDesc>) -> SegmentDesc {
 }
 
 pub fn segment_at(endpoint: Vec<u8>, address: String, regions: Vec<RegionDesc>) -> SegmentDesc {
-    SegmentDesc {
-        engine: "target".into(),
-        epoch: 1,
-        address,
-        backend: "rdma".into(),
-        endpoint,
-        regions,
-        layouts: Vec::new(),
-    }
-}
-
-pub fn region(id: u64, buf: &[u8], key: Vec<u8>) -> RegionDesc {
-    RegionDesc {
-        id: RegionId(id),
-        name: String::new(),
-        addr: buf.as_ptr() as u64,
-        len: buf.len() as u64,
-        kind: MemoryKind::Host,
-        access: Access::REMOTE_READ_WRITE,
-        key,
-    }
+    testkit::segment(te_rdma::NAME, endpoint, address, regions)
 }
 
 /// Submits a batch and waits for its result; also returns how many work requests the
@@ -205,17 +176,6 @@ pub fn run(
         .expect("the batch completes")
 }
 
-/// A deadline for calls that should be quick.
-pub fn soon() -> Deadline {
-    Deadline::after(Duration::from_secs(5))
-}
-
-pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
-        .collect()
-}
-
 pub fn check(cond: bool, what: String) -> Result<(), Failed> {
     if cond {
         Ok(())
@@ -224,38 +184,29 @@ pub fn check(cond: bool, what: String) -> Result<(), Failed> {
     }
 }
 
-/// A target with one remotely writable 1 MiB region, an initiator with a 1 MiB source,
-/// both on fake0 and fake1 (two paths, one QP each), connected.
-pub struct Pair {
-    pub target: Node,
-    pub initiator: Node,
-    pub dst: Vec<u8>,
-    pub src: Vec<u8>,
-    pub peer: PeerId,
+impl AsBackend for Node {
+    fn backend(&self) -> &dyn TransferBackend {
+        &self.backend
+    }
 }
 
+/// A target with one remotely writable 1 MiB region, an initiator with a 1 MiB source,
+/// both on fake0 and fake1 (two paths, one QP each), connected.
+pub type Pair = HostPair<Node>;
+
 pub fn pair() -> Result<Pair, Failed> {
-    let target = backend(&["fake0", "fake1"]);
-    let dst = vec![0u8; 1 << 20];
-    let key = target.register(RegionId(1), &host(&dst, Access::REMOTE_READ_WRITE))?;
-    let initiator = backend(&["fake0", "fake1"]);
-    let src = pattern(1 << 20, 9);
-    initiator.register(RegionId(1), &host(&src, Access::LOCAL))?;
-    let peer = initiator.connect(&segment(&target, vec![region(1, &dst, key)]), soon())?;
-    Ok(Pair {
-        target,
-        initiator,
-        dst,
-        src,
-        peer,
-    })
+    Ok(HostPair::new(
+        1 << 20,
+        || backend(&["fake0", "fake1"]),
+        segment,
+    )?)
 }
 
 pub fn write_all(p: &Pair) -> TransferRequest {
     TransferRequest::write(RegionId(1), 0, RegionId(1), 0, p.src.len() as u64)
 }
 
-pub type Test = fn() -> Result<(), Failed>;
+pub type Test = testkit::DirectTest;
 
 /// Points te-rdma at the fake verbs library beside the test binary and names the fake's
 /// devices. Before any thread starts; a child started from the binary inherits both.
@@ -270,19 +221,12 @@ pub fn use_the_fake() {
     std::env::set_var("TE_FAKEVERBS_DEVICES", DEVICES);
 }
 
-/// Runs `tests`, after checking that the fake loads.
+/// Runs `tests` one at a time (the faults are injected per device and the outstanding
+/// count is the process's), after checking that the fake loads.
 pub fn run_tests(tests: Vec<(&'static str, Test)>) -> ! {
     if let Err(why) = te_rdma::probe() {
         eprintln!("the fake verbs provider does not load: {why}");
         std::process::exit(1);
     }
-    // The faults are injected per device and the outstanding count is the process's:
-    // the tests run one at a time.
-    let mut args = Arguments::from_args();
-    args.test_threads = Some(1);
-    let trials = tests
-        .into_iter()
-        .map(|(name, f)| Trial::test(name, f))
-        .collect();
-    libtest_mimic::run(&args, trials).exit();
+    testkit::run_tests("", tests, true)
 }

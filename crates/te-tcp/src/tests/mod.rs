@@ -23,9 +23,7 @@ mod listener;
 mod samehost;
 mod transfer;
 
-fn soon() -> te_core::Deadline {
-    te_core::Deadline::after(std::time::Duration::from_secs(10))
-}
+use te_core::testkit::{pattern, soon};
 
 fn backend(f: impl FnOnce(&mut TcpConfig)) -> TcpBackend {
     let mut c = TcpConfig::default();
@@ -34,15 +32,7 @@ fn backend(f: impl FnOnce(&mut TcpConfig)) -> TcpBackend {
 }
 
 fn segment(b: &TcpBackend) -> SegmentDesc {
-    SegmentDesc {
-        engine: "target".into(),
-        epoch: 1,
-        address: String::new(),
-        backend: crate::NAME.into(),
-        endpoint: b.endpoint(),
-        regions: Vec::new(),
-        layouts: Vec::new(),
-    }
+    te_core::testkit::segment(crate::NAME, b.endpoint(), String::new(), Vec::new())
 }
 
 /// Registers `v` as region `id`.
@@ -154,16 +144,6 @@ impl Drop for DevMem {
     fn drop(&mut self) {
         let _ = self.rt.free(0, self.addr);
     }
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| {
-            (i as u8)
-                .wrapping_mul(31)
-                .wrapping_add(seed ^ (i >> 12) as u8)
-        })
-        .collect()
 }
 
 /// Waits, bounded, until `f` holds.

@@ -3,14 +3,14 @@
 
 #![allow(dead_code)]
 
-use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
 use te_core::device::{DeviceCopy, DeviceRuntime};
+pub use te_core::testkit::{self, pattern, soon};
 use te_core::{
-    Access, BackendContext, Completion, Deadline, MemoryDesc, MemoryKind, Op, PeerId, RegionId,
-    SegmentDesc, TransferBackend, TransferRequest,
+    Access, BackendContext, MemoryDesc, MemoryKind, Op, PeerId, RegionId, SegmentDesc,
+    TransferBackend, TransferRequest,
 };
 use te_tcp::{TcpBackend, TcpConfig};
 
@@ -93,21 +93,12 @@ pub fn backend(local_copies: bool) -> TcpBackend {
 
 /// The descriptor an initiator connects to `target` with.
 pub fn segment(target: &TcpBackend) -> SegmentDesc {
-    SegmentDesc {
-        engine: "target".into(),
-        epoch: 1,
-        address: String::new(),
-        backend: te_tcp::NAME.into(),
-        endpoint: target.endpoint(),
-        regions: Vec::new(),
-        layouts: Vec::new(),
-    }
+    testkit::segment(te_tcp::NAME, target.endpoint(), String::new(), Vec::new())
 }
 
 /// Connects `init` to `target`.
 pub fn connect(init: &TcpBackend, target: &TcpBackend) -> PeerId {
-    init.connect(&segment(target), Deadline::after(Duration::from_secs(10)))
-        .expect("connect")
+    init.connect(&segment(target), soon()).expect("connect")
 }
 
 /// A target and an initiator in this process, connected, each `BLOCKS` blocks of
@@ -137,7 +128,7 @@ impl Pair {
         remote.register(&target, 1, Access::REMOTE_READ_WRITE);
         src.register(&init, 1, Access::LOCAL);
         back.register(&init, 2, Access::LOCAL);
-        let data = pattern(total);
+        let data = pattern(total, 1);
         src.fill(&data);
         let peer = connect(&init, &target);
         Pair {
@@ -154,13 +145,7 @@ impl Pair {
 
 /// Submits `reqs` and waits for the batch's result.
 pub fn run(b: &TcpBackend, peer: PeerId, reqs: &[TransferRequest]) -> te_core::Result<()> {
-    let (tx, rx) = mpsc::channel();
-    let done = Completion::new(Duration::from_secs(20), move |r, _| {
-        let _ = tx.send(r);
-    });
-    b.submit(peer, reqs, done)?;
-    rx.recv_timeout(Duration::from_secs(20))
-        .expect("the batch completed")
+    testkit::run_batch(b, peer, reqs, Duration::from_secs(20))
 }
 
 /// Block `i` of local region `local` goes to (or comes from) block `i * 37 mod 128` of
@@ -178,13 +163,6 @@ pub fn requests(op: Op, local: u64) -> Vec<TransferRequest> {
         .collect()
 }
 
-/// A recognisable pattern of `len` bytes.
-pub fn pattern(len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31) ^ (i >> 15) as u8)
-        .collect()
-}
-
 /// Asserts every block of `data` landed where `requests` sends it in `landed`.
 pub fn assert_scattered(landed: &[u8], data: &[u8]) {
     for i in 0..BLOCKS {
@@ -199,7 +177,6 @@ pub fn assert_scattered(landed: &[u8], data: &[u8]) {
 /// Deregisters `ids` of `b`.
 pub fn deregister(b: &TcpBackend, ids: &[u64]) {
     for &id in ids {
-        b.deregister(RegionId(id), Deadline::after(Duration::from_secs(10)))
-            .expect("deregister");
+        b.deregister(RegionId(id), soon()).expect("deregister");
     }
 }

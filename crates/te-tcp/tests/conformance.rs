@@ -5,8 +5,8 @@
 //! memory on both sides and mixed with host memory, it runs every staging path, and
 //! with both sides on one fake device in this process, the device-to-device path.
 
-use te::Config;
 use te_core::testkit::{self, engine_config, Harness};
+use te_core::Config;
 
 fn tcp_config(table: &str) -> Config {
     engine_config("tcp", table)
@@ -17,9 +17,9 @@ fn main() {
     // The slow configuration holds every request 200 ms at the target.
     let slow = "debug_delay = \"200ms\"";
     // Built in, in this process and with every target in a child process.
-    let builtin = Harness::for_backend("tcp", "", Some(slow)).labelled("tcp_builtin");
+    let builtin = Harness::for_backend(te_tcp::NAME, "", Some(slow)).labelled("tcp_builtin");
     let mut trials = testkit::trials_everywhere(&builtin);
-    let plugin = Harness::for_backend("tcp", "", Some(slow))
+    let plugin = Harness::for_backend(te_tcp::NAME, "", Some(slow))
         .labelled("tcp_plugin")
         .with_built_plugin("te_tcp");
     trials.extend(testkit::trials(&plugin));
