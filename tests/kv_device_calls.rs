@@ -58,7 +58,7 @@ fn measure(local_copies: bool) -> (u64, u64, u64) {
     // Scattered on both sides, no two adjacent on both: one request per block per slot.
     let remote_ids: Vec<u64> = (0..BATCH as u64).map(|i| i * 37 % BLOCKS).collect();
     let local_ids: Vec<u64> = (0..BATCH as u64).map(|i| i * 29 % BLOCKS).collect();
-    let dev = te_core::fakedev::process().expect("fakedev is running");
+    let dev = te_core::device::fakedev::process().expect("fakedev is running");
 
     let before = dev.stats();
     init.pull_blocks(

@@ -102,7 +102,7 @@ fn round_trip(
     let reads: Vec<_> = (0..n)
         .map(|i| TransferRequest::read(back.id(), i * block, remote, (i * 37 % n) * block, block))
         .collect();
-    let dev = te_core::fakedev::process();
+    let dev = te_core::device::fakedev::process();
     let before = dev.as_ref().map(|d| d.stats()).unwrap_or_default();
     e.transfer(peer, &writes).unwrap().wait().unwrap();
     e.transfer(peer, &reads).unwrap().wait().unwrap();

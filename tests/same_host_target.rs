@@ -59,7 +59,7 @@ fn a_killed_initiators_memory_is_unmapped_and_a_deregistration_waits_for_copies(
     let buffer = e
         .alloc_on(&kind, "buffer", 8 << 20, Access::REMOTE_READ_WRITE)
         .unwrap();
-    let dev = te_core::fakedev::process().expect("fakedev runs here");
+    let dev = te_core::device::fakedev::process().expect("fakedev runs here");
 
     // A peer killed mid-transfer: what this process mapped of it is released.
     let mut child = bench(&e);

@@ -35,13 +35,10 @@ mod buffer;
 pub mod codec;
 pub mod config;
 mod control;
-#[cfg(feature = "cuda")]
-pub mod cuda;
 mod desc;
 pub mod device;
 mod engine;
 mod error;
-pub mod fakedev;
 pub mod hook;
 mod inbox;
 pub mod kit;
@@ -59,6 +56,7 @@ pub mod sync;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 mod time;
+mod units;
 pub mod worker;
 
 pub use backend::{

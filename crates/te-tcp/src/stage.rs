@@ -382,7 +382,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_direction_waits_for_room_and_wakes_when_it_comes_back() {
-        let rt = te_core::device::runtime(te_core::fakedev::NAME).expect("fakedev");
+        let rt = te_core::device::runtime(te_core::device::fakedev::NAME).expect("fakedev");
         let pools = Pools::new(4096);
         let pool = pools.get(&rt).unwrap();
         let cap = pool.cap;

@@ -12,8 +12,8 @@ mod common;
 use std::sync::Arc;
 
 use common::{backend, connect, deregister, pattern, run, DevMem};
+use te_core::device::fakedev::FakeDev;
 use te_core::device::CopyStats;
-use te_core::fakedev::FakeDev;
 use te_core::{
     Access, ErrorKind, MemoryDesc, MemoryKind, Op, RegionId, TransferBackend, TransferRequest,
 };
@@ -87,7 +87,8 @@ fn a_frame_of_128_device_slices_costs_each_side_at_most_two_device_calls() {
     let data = pattern(2 * total, 1);
     src.fill(&data);
     let peer = connect(&init, &target);
-    let dev = te_core::fakedev::process().expect("the process's fakedev runtime is running");
+    let dev =
+        te_core::device::fakedev::process().expect("the process's fakedev runtime is running");
     let dev: Arc<FakeDev> = dev;
 
     // WRITE: one 512 KiB frame of 128 scattered entries. The initiator gathers it from

@@ -19,7 +19,8 @@ fn device_frames_to_a_peer_in_this_process_are_device_copies_checked_by_the_targ
         data,
         peer,
     } = Pair::new(true);
-    let dev = te_core::fakedev::process().expect("the process's fakedev runtime is running");
+    let dev =
+        te_core::device::fakedev::process().expect("the process's fakedev runtime is running");
     // 8 frames of 512 KiB. Staged, each costs a group at both ends (16 in all); device
     // to device, one group each.
     let frames = BLOCK * BLOCKS / SLICE;

@@ -21,7 +21,8 @@ fn a_batch_of_small_device_blocks_synchronises_once_per_frame_on_each_side_not_o
         data,
         peer,
     } = Pair::new(false);
-    let dev = te_core::fakedev::process().expect("the process's fakedev runtime is running");
+    let dev =
+        te_core::device::fakedev::process().expect("the process's fakedev runtime is running");
     // 4 MiB in frames of 512 KiB: 8 frames of 16 blocks. Each frame is staged by one
     // group of copies at the initiator and one at the target; one synchronisation per
     // block (each side) would be 256.

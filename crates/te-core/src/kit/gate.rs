@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use crate::sync::{Condvar, Mutex};
 
-/// Users counted in and out; see the [module docs](self).
+/// Users counted in and out: closed, it refuses newcomers, and its closer waits for
+/// the last user to leave.
 #[derive(Debug)]
 pub struct Gate {
     state: Mutex<State>,

@@ -150,7 +150,7 @@ mod tests {
 
     #[test]
     fn device_blocks_gather_into_frames_of_their_own_device_apart_from_host_ones() {
-        let rt = te_core::device::runtime(te_core::fakedev::NAME).unwrap();
+        let rt = te_core::device::runtime(te_core::device::fakedev::NAME).unwrap();
         // 128 blocks of 32 KiB from device 0, 4 from host memory, 4 from device 1, all
         // written to region 1.
         let mut batch: Vec<TransferRequest> = (0..128)

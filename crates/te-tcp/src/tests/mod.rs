@@ -96,7 +96,7 @@ struct DevMem {
 
 impl DevMem {
     fn new(len: usize) -> DevMem {
-        let rt = te_core::device::runtime(te_core::fakedev::NAME).expect("fakedev");
+        let rt = te_core::device::runtime(te_core::device::fakedev::NAME).expect("fakedev");
         let addr = rt.alloc(0, len).expect("alloc");
         DevMem { rt, addr, len }
     }
@@ -107,7 +107,7 @@ impl DevMem {
             addr: self.addr,
             len: self.len as u64,
             kind: MemoryKind::Device {
-                runtime: te_core::fakedev::NAME.into(),
+                runtime: te_core::device::fakedev::NAME.into(),
                 ordinal: 0,
             },
             access,

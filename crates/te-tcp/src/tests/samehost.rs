@@ -272,7 +272,7 @@ fn a_peers_allocation_is_mapped_once_for_its_channels_and_unmapped_when_unshared
     use te_core::device::DeviceCopy;
     use te_core::{MemoryDesc, RegionId};
     let rt = te_core::device::runtime("fakedev").expect("fakedev");
-    let dev = te_core::fakedev::process().expect("fakedev runs");
+    let dev = te_core::device::fakedev::process().expect("fakedev runs");
     let target = backend(|_| {});
     let theirs = rt.alloc(0, 8192).unwrap();
     let mem = MemoryDesc {

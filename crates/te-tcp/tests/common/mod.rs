@@ -28,7 +28,7 @@ pub struct DevMem {
 
 impl DevMem {
     pub fn new(ordinal: u32, len: usize) -> DevMem {
-        let rt = te_core::device::runtime(te_core::fakedev::NAME).expect("fakedev");
+        let rt = te_core::device::runtime(te_core::device::fakedev::NAME).expect("fakedev");
         let addr = rt.alloc(ordinal, len).expect("alloc");
         DevMem {
             rt,
@@ -44,7 +44,7 @@ impl DevMem {
             addr: self.addr,
             len: self.len as u64,
             kind: MemoryKind::Device {
-                runtime: te_core::fakedev::NAME.into(),
+                runtime: te_core::device::fakedev::NAME.into(),
                 ordinal: self.ordinal,
             },
             access,

@@ -19,6 +19,10 @@ use std::sync::{mpsc, Arc};
 use crate::desc::MemoryKind;
 use crate::error::{Error, ErrorKind, Result};
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod fakedev;
+
 /// Where a device address lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PointerInfo {

@@ -76,10 +76,10 @@ fn ordinal_of(base: u64) -> u32 {
 #[serde(deny_unknown_fields, default)]
 pub struct FakeDevConfig {
     /// Charged for every copy launched.
-    #[serde(deserialize_with = "crate::config::de::duration")]
+    #[serde(deserialize_with = "crate::units::de::duration")]
     pub launch_cost: Duration,
     /// Charged for every synchronisation: once per group, once per single copy.
-    #[serde(deserialize_with = "crate::config::de::duration")]
+    #[serde(deserialize_with = "crate::units::de::duration")]
     pub sync_cost: Duration,
     /// Whether a group's copies of one device and direction are one launch (as one
     /// batched driver call or one list-copy kernel is), or one launch each (as a loop
