@@ -36,7 +36,7 @@ pub(crate) struct PeerConns {
     pub(crate) same_boot: bool,
 }
 
-/// How frames to a peer travel ([`TcpBackend::peer_path`]).
+/// How frames to a peer travel ([`TcpBackend::peer_path`](crate::TcpBackend::peer_path)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PeerPath {
     /// Over the data connections.
