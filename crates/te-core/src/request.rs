@@ -113,3 +113,9 @@ impl TransferRequest {
         }
     }
 }
+
+/// Whether `offset..offset + len` lies inside a region of `region_len` bytes, without
+/// overflow: the range check of every request against its region (`kit::fits`).
+pub fn fits(offset: u64, len: u64, region_len: u64) -> bool {
+    offset.checked_add(len).is_some_and(|end| end <= region_len)
+}

@@ -21,10 +21,7 @@ pub(crate) fn local_region(
     map.range(..=addr).rev().find_map(|(start, regions)| {
         regions
             .iter()
-            .find(|(rlen, _)| {
-                addr.checked_add(len)
-                    .is_some_and(|end| end <= start.saturating_add(*rlen))
-            })
+            .find(|(rlen, _)| te::backend::kit::fits(addr - start, len, *rlen))
             .map(|(_, id)| (*id, addr - start))
     })
 }

@@ -491,7 +491,7 @@ impl FakeDev {
         let (base, arena) = self.find(device).ok_or_else(|| not_device(device))?;
         let offset = (device - base) as usize;
         let size = arena.lock().len();
-        if offset.checked_add(len).is_none_or(|end| end > size) {
+        if !crate::request::fits(offset as u64, len as u64, size as u64) {
             return Err(Error::new(
                 ErrorKind::OutOfBounds,
                 format!("a copy of {len} bytes at {device:#x} runs past its {size}-byte fakedev allocation"),

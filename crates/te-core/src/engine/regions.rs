@@ -59,10 +59,7 @@ impl Inner {
             let info = crate::device::runtime(runtime)
                 .and_then(|rt| rt.pointer_info(desc.addr))
                 .map_err(|e| e.with_operation("register"))?;
-            let inside = desc
-                .addr
-                .checked_add(desc.len)
-                .is_some_and(|end| end <= info.base + info.len);
+            let inside = desc.addr >= info.base && fits(desc.addr - info.base, desc.len, info.len);
             if info.ordinal != *ordinal || !inside {
                 return bad(format!(
                     "region `{}` ({:#x}+{}) is not inside one allocation of {}: the address belongs to {runtime}:{} ({:#x}+{}); register it as {runtime}:{} or as auto, within that allocation",

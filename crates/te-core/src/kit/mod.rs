@@ -24,11 +24,7 @@ pub use countdown::Countdown;
 pub use gate::Gate;
 pub use regions::{Pin, Region, Regions};
 
-/// Whether `offset..offset + len` lies inside a region of `region_len` bytes, without
-/// overflow.
-pub fn fits(offset: u64, len: u64, region_len: u64) -> bool {
-    offset.checked_add(len).is_some_and(|end| end <= region_len)
-}
+pub use crate::request::fits;
 
 #[cfg(test)]
 mod tests {
