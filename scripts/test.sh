@@ -11,8 +11,9 @@ cd "$(dirname "$0")/.."
 # (the build needs neither, and the machine needs no RDMA device); etcd-server is the
 # metadata store the name-resolution tests start; iproute2 builds the test hosts of
 # the network-namespace tests, and nftables drops packets for them where the kernel
-# has no netem. python3 and python3-venv build and test the Python package.
-packages=(qperf libibverbs-dev etcd-server iproute2 nftables python3 python3-venv)
+# has no netem. python3 and python3-venv build and test the Python package. prometheus
+# is the real scraper tests/prometheus.rs starts against an engine's metrics endpoint.
+packages=(qperf libibverbs-dev etcd-server iproute2 nftables python3 python3-venv prometheus)
 # g++ compiles the C++ test of the C ABI (tests/capi/run.sh) and, with gcc, the
 # stand-in libcuda.so.1 of the Mooncake differential tests; Mooncake's wheel links
 # libibverbs, libmlx5 (ibverbs-providers), libnuma and libcurl, which it does not ship.
@@ -35,7 +36,7 @@ fi
 # As root the packages above are installed, so the tests that need them must not skip
 # (TE_REQUIRE turns a test's "skipped: cannot run here" into a failure).
 if [ "$(id -u)" -eq 0 ]; then
-  export TE_REQUIRE="${TE_REQUIRE:+$TE_REQUIRE,}etcd"
+  export TE_REQUIRE="${TE_REQUIRE:+$TE_REQUIRE,}etcd,prometheus"
 fi
 
 echo "== cargo fmt --check"
