@@ -55,8 +55,8 @@ pub mod backend {
         hook::{ControlHook, MessageHandler, PeerInfo},
         peer_table, plugin, register_backend, register_runtime,
         registry::{self, BackendType, Registry},
-        worker, Aborter, BackendConfig, BackendContext, BatchId, Completion, Deadline, FfiError,
-        StandaloneControl, TransferBackend,
+        worker, Aborter, BackendConfig, BackendContext, BatchId, BatchStage, Completion, Deadline,
+        FfiError, StandaloneControl, TransferBackend,
     };
 }
 

@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::mem::ManuallyDrop;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -121,6 +121,13 @@ pub trait TransferBackend: Send + Sync + fmt::Debug + 'static {
     /// often enough on their own.
     fn abort(&self, peer: PeerId, batch: BatchId) {
         let _ = (peer, batch);
+    }
+
+    /// Gauges of the backend's own state, by name (`staging_bytes_in_use`), for the
+    /// engine's metrics; read when a snapshot is taken, so it may take a short lock but
+    /// must not block. The default reports none.
+    fn gauges(&self) -> Vec<(String, u64)> {
+        Vec::new()
     }
 }
 
@@ -244,6 +251,65 @@ impl fmt::Display for BatchId {
     }
 }
 
+/// A stage of a batch that a backend may time ([`Completion::stage_began`] and
+/// [`Completion::stage_ended`]); the engine reports each stage timed in the batch's
+/// telemetry, in the metrics' stage histograms and in its trace.
+#[repr(u8)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum BatchStage {
+    /// On the fabric: from the first byte of the batch sent or posted until the last
+    /// answer or work completion came back.
+    Wire = 0,
+    /// Device copies (staging, device to device): from the first submitted until the
+    /// last completed.
+    Device = 1,
+}
+
+impl BatchStage {
+    /// Every stage, in order.
+    pub const ALL: [BatchStage; 2] = [BatchStage::Wire, BatchStage::Device];
+
+    /// The stage's name in metrics and traces.
+    pub fn name(self) -> &'static str {
+        match self {
+            BatchStage::Wire => "wire",
+            BatchStage::Device => "device",
+        }
+    }
+}
+
+/// What the engine and the backend share of one batch besides its result: the abort
+/// flag, and the first and last instants (monotonic nanoseconds) of each stage the
+/// backend timed. Owned by the completion's context; C layout, so a plugin's copy of
+/// te-core reads and writes it the same way.
+#[repr(C)]
+#[derive(Debug, StableAbi)]
+pub(crate) struct Signals {
+    pub(crate) abort: AtomicU8,
+    first_ns: [AtomicU64; 2],
+    last_ns: [AtomicU64; 2],
+}
+
+impl Signals {
+    pub(crate) fn new() -> Signals {
+        Signals {
+            abort: AtomicU8::new(0),
+            first_ns: [AtomicU64::new(u64::MAX), AtomicU64::new(u64::MAX)],
+            last_ns: [AtomicU64::new(0), AtomicU64::new(0)],
+        }
+    }
+
+    /// Each stage the backend timed, with its first and last instants.
+    pub(crate) fn stages(&self) -> impl Iterator<Item = (BatchStage, u64, u64)> + '_ {
+        BatchStage::ALL.into_iter().filter_map(|s| {
+            let first = self.first_ns[s as usize].load(Ordering::Acquire);
+            let last = self.last_ns[s as usize].load(Ordering::Acquire);
+            (first != u64::MAX && last >= first).then_some((s, first, last))
+        })
+    }
+}
+
 /// The one-shot signal a backend completes when a batch is released.
 ///
 /// It must be completed exactly once; [`Completion::complete`] takes `self` by value,
@@ -256,24 +322,24 @@ impl fmt::Display for BatchId {
 pub struct Completion {
     ctx: *mut (),
     call: unsafe extern "C" fn(ctx: *mut (), result: RResult<(), FfiError>, dropped: bool),
-    /// Non-zero once the batch is to be aborted; owned by `ctx`, so valid while the
-    /// completion lives.
-    abort: *const AtomicU8,
+    /// The abort flag (non-zero once the batch is to be aborted) and the stage times;
+    /// owned by `ctx`, so valid while the completion lives.
+    signals: *const Signals,
     batch: BatchId,
     deadline: Deadline,
 }
 
 // SAFETY: the context is a boxed `FnOnce + Send` closure, called at most once, from
-// whichever thread completes; the abort flag is an atomic the context keeps alive.
+// whichever thread completes; the signals are atomics the context keeps alive.
 unsafe impl Send for Completion {}
-// SAFETY: `&Completion` only reads the atomic abort flag and plain data.
+// SAFETY: `&Completion` only touches the atomic signals and reads plain data.
 unsafe impl Sync for Completion {}
 
 type Callback = Box<dyn FnOnce(Result<()>, bool) + Send>;
 
 struct Context {
     f: Callback,
-    _abort: Arc<AtomicU8>,
+    _signals: Arc<Signals>,
 }
 
 unsafe extern "C" fn call_boxed(ctx: *mut (), result: RResult<(), FfiError>, dropped: bool) {
@@ -286,13 +352,14 @@ unsafe extern "C" fn call_boxed(ctx: *mut (), result: RResult<(), FfiError>, dro
 /// Aborts the [`Completion`] it was made with (for backends' own tests; the engine
 /// aborts through its batches).
 #[derive(Debug, Clone)]
-pub struct Aborter(Arc<AtomicU8>);
+pub struct Aborter(Arc<Signals>);
 
 impl Aborter {
     /// Sets the completion's abort flag.
     pub fn abort(&self) {
         let _ = self
             .0
+            .abort
             .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire);
     }
 }
@@ -309,24 +376,27 @@ impl Completion {
         deadline: Deadline,
         f: impl FnOnce(Result<()>, bool) + Send + 'static,
     ) -> (Completion, Aborter) {
-        let flag = Arc::new(AtomicU8::new(0));
+        let flag = Arc::new(Signals::new());
         let c = Completion::build(BatchId(0), deadline, flag.clone(), Box::new(f));
         (c, Aborter(flag))
     }
 
-    /// The engine's completion for batch `batch`, sharing `abort` with its state.
+    /// The engine's completion for batch `batch`, sharing `signals` with its state.
     pub(crate) fn build(
         batch: BatchId,
         deadline: Deadline,
-        abort: Arc<AtomicU8>,
+        signals: Arc<Signals>,
         f: Callback,
     ) -> Completion {
-        let flag = Arc::as_ptr(&abort);
-        let ctx = Box::new(Context { f, _abort: abort });
+        let ptr = Arc::as_ptr(&signals);
+        let ctx = Box::new(Context {
+            f,
+            _signals: signals,
+        });
         Completion {
             ctx: Box::into_raw(ctx) as *mut (),
             call: call_boxed,
-            abort: flag,
+            signals: ptr,
             batch,
             deadline,
         }
@@ -358,8 +428,26 @@ impl Completion {
     /// post nothing more of it, discard what arrives for it, and complete it once
     /// nothing of it touches local memory.
     pub fn is_aborted(&self) -> bool {
-        // SAFETY: the flag is kept alive by the context, which lives as long as `self`.
-        unsafe { (*self.abort).load(Ordering::Acquire) != 0 }
+        self.signals().abort.load(Ordering::Acquire) != 0
+    }
+
+    /// Notes that `stage` of the batch began now (the earliest of such notes counts):
+    /// call it as each slice enters the stage, or once.
+    pub fn stage_began(&self, stage: BatchStage) {
+        let now = crate::time::monotonic_ns();
+        self.signals().first_ns[stage as usize].fetch_min(now, Ordering::AcqRel);
+    }
+
+    /// Notes that `stage` of the batch ended now (the latest of such notes counts).
+    pub fn stage_ended(&self, stage: BatchStage) {
+        let now = crate::time::monotonic_ns();
+        self.signals().last_ns[stage as usize].fetch_max(now, Ordering::AcqRel);
+    }
+
+    fn signals(&self) -> &Signals {
+        // SAFETY: the signals are kept alive by the context, which lives as long as
+        // `self`.
+        unsafe { &*self.signals }
     }
 }
 

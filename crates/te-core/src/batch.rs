@@ -15,7 +15,7 @@ use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::backend::BatchId;
+use crate::backend::{BatchId, Signals};
 use crate::error::{Error, ErrorKind, Result};
 use crate::metrics::{BatchMeter, BatchTelemetry};
 use crate::time::Deadline;
@@ -88,7 +88,7 @@ pub(crate) type AbortHook = Arc<dyn Fn() + Send + Sync>;
 pub(crate) struct BatchState {
     id: BatchId,
     done: AtomicBool,
-    abort: Arc<AtomicU8>,
+    signals: Arc<Signals>,
     phase: AtomicU8,
     hook: Mutex<Option<AbortHook>>,
     slot: Mutex<Slot>,
@@ -104,7 +104,7 @@ impl BatchState {
         Arc::new(BatchState {
             id,
             done: AtomicBool::new(false),
-            abort: Arc::new(AtomicU8::new(0)),
+            signals: Arc::new(Signals::new()),
             phase: AtomicU8::new(PHASE_BACKEND),
             hook: Mutex::new(None),
             slot: Mutex::new(Slot::default()),
@@ -140,13 +140,13 @@ impl BatchState {
     }
 
     /// The flag the backend's completion shares.
-    pub(crate) fn abort_flag(&self) -> Arc<AtomicU8> {
-        self.abort.clone()
+    pub(crate) fn signals(&self) -> Arc<Signals> {
+        self.signals.clone()
     }
 
     /// Why the batch is being aborted, if it is.
     pub(crate) fn aborted(&self) -> Option<Abort> {
-        Abort::from_flag(self.abort.load(Ordering::SeqCst))
+        Abort::from_flag(self.signals.abort.load(Ordering::SeqCst))
     }
 
     /// Sets how the backend is told to stop (once it has the batch).
@@ -177,6 +177,7 @@ impl BatchState {
     pub(crate) fn request_abort(&self, why: Abort) -> bool {
         if self.is_done()
             || self
+                .signals
                 .abort
                 .compare_exchange(0, why as u8, Ordering::SeqCst, Ordering::SeqCst)
                 .is_err()
@@ -206,7 +207,7 @@ impl BatchState {
                 return false;
             }
             if let Some(m) = self.meter.get() {
-                m.end(&result);
+                m.end(&result, &self.signals);
             }
             slot.result = Some(result);
             self.done.store(true, Ordering::Release);

@@ -60,8 +60,8 @@ mod units;
 pub mod worker;
 
 pub use backend::{
-    random_nonzero, Aborter, BackendConfig, BackendContext, BatchId, Completion, Deadline,
-    FfiError, TransferBackend,
+    random_nonzero, Aborter, BackendConfig, BackendContext, BatchId, BatchStage, Completion,
+    Deadline, FfiError, TransferBackend,
 };
 pub use batch::{TransferHandle, TransferStatus};
 pub use buffer::Buffer;

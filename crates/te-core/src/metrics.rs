@@ -12,6 +12,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde::{Deserialize, Serialize};
 
+use crate::backend::{BatchStage, Signals};
 use crate::error::{ErrorKind, Result};
 use crate::request::{Op, TransferRequest};
 use crate::sync::Mutex;
@@ -62,6 +63,8 @@ pub(crate) struct Counters {
     bytes: [AtomicU64; 2],
     requests: [AtomicU64; 2],
     latency: Hist,
+    /// Per backend stage ([`BatchStage`]), the time completed batches spent in it.
+    stages: [Hist; 2],
     pub(crate) notifications_sent: AtomicU64,
     pub(crate) notifications_received: AtomicU64,
     pub(crate) notifications_refused: AtomicU64,
@@ -119,6 +122,11 @@ impl Counters {
             requests_written: self.requests[0].load(Relaxed),
             requests_read: self.requests[1].load(Relaxed),
             latency: self.latency.snapshot(),
+            stages: BatchStage::ALL
+                .iter()
+                .zip(&self.stages)
+                .map(|(s, h)| (s.name().to_string(), h.snapshot()))
+                .collect(),
             registrations: self
                 .registered
                 .lock()
@@ -211,9 +219,13 @@ pub(crate) struct BatchMeter {
     bytes: [u64; 2],
     requests: [u64; 2],
     started: Instant,
+    /// `started` on the monotonic clock the backends time stages with.
+    started_ns: u64,
     started_at: SystemTime,
     posted: OnceLock<Duration>,
     ended: OnceLock<Duration>,
+    /// The stages the backend timed, as offsets from `started` and durations.
+    stages: OnceLock<Vec<(BatchStage, Duration, Duration)>>,
     /// The batch's trace span (disabled, and free, unless a subscriber wants it).
     span: tracing::Span,
 }
@@ -242,9 +254,11 @@ impl BatchMeter {
             bytes,
             requests: count,
             started: Instant::now(),
+            started_ns: crate::time::monotonic_ns(),
             started_at: SystemTime::now(),
             posted: OnceLock::new(),
             ended: OnceLock::new(),
+            stages: OnceLock::new(),
             span,
         }
     }
@@ -259,12 +273,36 @@ impl BatchMeter {
         let _ = self.posted.set(self.started.elapsed());
     }
 
-    /// The batch ended with `result`; counted once.
-    pub(crate) fn end(&self, result: &Result<()>) {
+    /// The batch ended with `result`, the backend having timed its stages in
+    /// `signals`; counted once.
+    pub(crate) fn end(&self, result: &Result<()>, signals: &Signals) {
         let took = self.started.elapsed();
         if self.ended.set(took).is_err() {
             return;
         }
+        let ns = Duration::from_nanos;
+        let stages: Vec<_> = signals
+            .stages()
+            .map(|(s, first, last)| {
+                (
+                    s,
+                    ns(first.saturating_sub(self.started_ns)),
+                    ns(last - first),
+                )
+            })
+            .collect();
+        // Each stage is a child span of the batch's, carrying its own times (tracing
+        // opens spans now, not in the past, so the times are fields).
+        for (s, at, took) in &stages {
+            let _ = tracing::debug_span!(
+                parent: &self.span,
+                "stage",
+                stage = s.name(),
+                start_us = at.as_micros() as u64,
+                duration_us = took.as_micros() as u64,
+            );
+        }
+        let _ = self.stages.set(stages);
         self.span.in_scope(|| match result {
             Ok(()) => tracing::debug!(duration_us = took.as_micros() as u64, "batch completed"),
             Err(e) => {
@@ -286,6 +324,9 @@ impl BatchMeter {
                     p.requests[d].fetch_add(self.requests[d], Relaxed);
                 }
                 e.latency.record(took);
+                for (s, _, took) in self.stages.get().into_iter().flatten() {
+                    e.stages[*s as usize].record(*took);
+                }
             }
             Err(err) => {
                 let code = (err.kind().code() as usize).min(KINDS - 1);
@@ -298,12 +339,23 @@ impl BatchMeter {
     /// What the batch did, once it has ended.
     pub(crate) fn telemetry(&self) -> Option<BatchTelemetry> {
         let ended = *self.ended.get()?;
+        let post = self.posted.get().copied().unwrap_or(Duration::ZERO);
+        let stage = |want: BatchStage| {
+            self.stages
+                .get()
+                .and_then(|v| v.iter().find(|(s, _, _)| *s == want))
+                .map(|(_, at, took)| (*at, *took))
+        };
+        let wire = stage(BatchStage::Wire);
         Some(BatchTelemetry {
             requests: self.requests[0] + self.requests[1],
             bytes: self.bytes[0] + self.bytes[1],
             started_at: self.started_at,
-            post: self.posted.get().copied().unwrap_or(Duration::ZERO),
+            post,
             duration: ended,
+            queued: wire.map(|(at, _)| at.saturating_sub(post)),
+            wire: wire.map(|(_, took)| took),
+            device: stage(BatchStage::Device).map(|(_, took)| took),
         })
     }
 }
@@ -324,6 +376,14 @@ pub struct BatchTelemetry {
     pub post: Duration,
     /// From submission until it ended (its notification delivered, if it had one).
     pub duration: Duration,
+    /// From the backend having taken it until its first byte went on the fabric, where
+    /// the backend times the wire ([`BatchStage::Wire`]).
+    pub queued: Option<Duration>,
+    /// On the fabric: first byte sent until the last answer, where the backend times it.
+    pub wire: Option<Duration>,
+    /// Device copies: first submitted until the last completed, where the backend
+    /// times them ([`BatchStage::Device`]).
+    pub device: Option<Duration>,
 }
 
 /// A snapshot of an engine's counters, from [`Engine::metrics`](crate::Engine::metrics).
@@ -352,6 +412,11 @@ pub struct Metrics {
     pub requests_read: u64,
     /// Latency of completed batches, submission to end.
     pub latency: Histogram,
+    /// Per backend stage (`wire`, `device`), the time completed batches spent in it,
+    /// where the backend times it.
+    pub stages: Vec<(String, Histogram)>,
+    /// Gauges the backend reports of itself (te-tcp: `staging_bytes_in_use`).
+    pub backend: Vec<(String, u64)>,
     /// Registered memory by kind (`host`, `cuda:0`, …).
     pub registrations: Vec<RegisteredMemory>,
     /// Notifications this engine sent that the peer accepted.

@@ -43,7 +43,7 @@ pub use abi_stable::prefix_type::PrefixTypeTrait as __PrefixTypeTrait;
 
 /// te's own plugin protocol version, checked in addition to `abi_stable`'s layout
 /// check; raised whenever the meaning (not only the layout) of the boundary changes.
-pub const PLUGIN_ABI: u32 = 3;
+pub const PLUGIN_ABI: u32 = 4;
 
 /// A fingerprint of the sources of the types that cross the boundary encoded; a plugin
 /// built from other sources is refused even when its te-core version matches.
@@ -72,8 +72,10 @@ pub trait FfiBackend: Send + Sync + Debug {
         done: Completion,
     ) -> RResult<(), FfiError>;
     /// Asks the backend to stop a batch.
-    #[sabi(last_prefix_field)]
     fn abort(&self, peer: PeerId, batch: BatchId);
+    /// Encoded gauges of the backend's state, `Vec<(String, u64)>`.
+    #[sabi(last_prefix_field)]
+    fn gauges(&self) -> RVec<u8>;
 }
 
 /// A boxed backend object from a plugin.
@@ -368,6 +370,10 @@ impl FfiBackend for Exported {
             Ok(())
         });
     }
+    fn gauges(&self) -> RVec<u8> {
+        let gauges = caught("gauges", || Ok(self.0.gauges())).unwrap_or_default();
+        codec::encode(&gauges).into()
+    }
 }
 
 /// A backend loaded from a plugin (host side).
@@ -413,6 +419,9 @@ impl TransferBackend for PluginBackend {
     }
     fn abort(&self, peer: PeerId, batch: BatchId) {
         self.inner.abort(peer, batch)
+    }
+    fn gauges(&self) -> Vec<(String, u64)> {
+        codec::decode(self.inner.gauges().as_slice(), "the plugin's gauges").unwrap_or_default()
     }
 }
 

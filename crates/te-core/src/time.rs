@@ -9,7 +9,7 @@ use abi_stable::StableAbi;
 use crate::error::{Error, ErrorKind, Result};
 
 /// Nanoseconds on the process's monotonic clock (the clock `Instant` uses on Linux).
-fn monotonic_ns() -> u64 {
+pub(crate) fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

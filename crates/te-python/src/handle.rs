@@ -48,7 +48,9 @@ impl PyHandle {
     /// What the batch did, once it has ended (else `None`): a dict with `requests`,
     /// `bytes`, `start_time` (seconds since the epoch, when it was submitted),
     /// `post_us` (submission until the backend had taken it) and `duration_us`
-    /// (submission until the end), as te measured them.
+    /// (submission until the end), as te measured them; and where the backend times
+    /// them (else `None`), `queued_us` (taken until its first byte went out), `wire_us`
+    /// (on the fabric) and `device_us` (device copies).
     fn telemetry<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let Some(t) = self.handle.telemetry() else {
             return Ok(None);
@@ -60,6 +62,10 @@ impl PyHandle {
         d.set_item("start_time", start.map_or(0.0, |s| s.as_secs_f64()))?;
         d.set_item("post_us", t.post.as_secs_f64() * 1e6)?;
         d.set_item("duration_us", t.duration.as_secs_f64() * 1e6)?;
+        let us = |d: Option<std::time::Duration>| d.map(|d| d.as_secs_f64() * 1e6);
+        d.set_item("queued_us", us(t.queued))?;
+        d.set_item("wire_us", us(t.wire))?;
+        d.set_item("device_us", us(t.device))?;
         Ok(Some(d))
     }
 

@@ -116,6 +116,7 @@ impl TcpBackend {
             torn_writes: AtomicU64::new(0),
             hook: ctx.hook.clone(),
             tasks: Arc::default(),
+            staging: Arc::default(),
             watch: Arc::default(),
             nonces: Default::default(),
             imports: Default::default(),
@@ -228,6 +229,7 @@ impl TcpBackend {
                 peer.instance,
                 &self.shared.config,
                 &self.shared.tasks,
+                &self.shared.staging,
                 deadline,
             ) {
                 Ok(c) => fresh.push(c),
@@ -543,6 +545,10 @@ impl TransferBackend for TcpBackend {
         // Its slices see the abort flag on their own; the watcher also ends its use of
         // connections that stalled, as at a deadline.
         self.shared.watch.abort(batch);
+    }
+
+    fn gauges(&self) -> Vec<(String, u64)> {
+        self.shared.staging.gauges()
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use te_core::kit::Countdown;
-use te_core::{Completion, Result};
+use te_core::{BatchStage, Completion, Result};
 
 use crate::errors::timeout_error;
 use crate::regions::Pin;
@@ -64,6 +64,16 @@ impl Batch {
             }
         });
         self.count.finish(result);
+    }
+
+    /// Notes that `stage` began now for this batch (its first note counts).
+    pub(crate) fn stage_began(&self, stage: BatchStage) {
+        self.count.stage_began(stage);
+    }
+
+    /// Notes that `stage` ended now for this batch (its last note counts).
+    pub(crate) fn stage_ended(&self, stage: BatchStage) {
+        self.count.stage_ended(stage);
     }
 
     /// Whether the batch is to stop: aborted by the engine (deadline, cancel,

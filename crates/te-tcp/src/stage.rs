@@ -18,6 +18,7 @@
 //! directions cannot wait on each other.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use te_core::sync::Mutex;
@@ -87,11 +88,35 @@ impl Ring {
     }
 }
 
+/// A backend's staging memory, over all its connections: pinned, and taken now.
+#[derive(Debug, Default)]
+pub(crate) struct Usage {
+    pinned: AtomicU64,
+    in_use: AtomicU64,
+}
+
+impl Usage {
+    /// The backend's gauges of it, as `TransferBackend::gauges` reports them.
+    pub(crate) fn gauges(&self) -> Vec<(String, u64)> {
+        vec![
+            (
+                "staging_bytes_pinned".into(),
+                self.pinned.load(Ordering::Relaxed),
+            ),
+            (
+                "staging_bytes_in_use".into(),
+                self.in_use.load(Ordering::Relaxed),
+            ),
+        ]
+    }
+}
+
 /// One runtime's pinned staging memory for one direction, handed out by bytes.
 pub(crate) struct Pool {
     rt: Arc<dyn DeviceRuntime>,
     base: usize,
     cap: usize,
+    usage: Arc<Usage>,
     ring: Mutex<Ring>,
     /// Wakes the one task of this pool's direction waiting for room.
     returned: Notify,
@@ -107,12 +132,14 @@ impl std::fmt::Debug for Pool {
 }
 
 impl Pool {
-    fn new(rt: Arc<dyn DeviceRuntime>, cap: usize) -> Result<Pool> {
+    fn new(rt: Arc<dyn DeviceRuntime>, cap: usize, usage: Arc<Usage>) -> Result<Pool> {
         let base = rt.alloc_pinned(cap)? as usize;
+        usage.pinned.fetch_add(cap as u64, Ordering::Relaxed);
         Ok(Pool {
             rt,
             base,
             cap,
+            usage,
             ring: Mutex::new(Ring::default()),
             returned: Notify::new(),
         })
@@ -143,9 +170,11 @@ impl Pool {
         let Some((off, seq)) = self.ring.lock().take(n, self.cap) else {
             return Ok(None);
         };
+        self.usage.in_use.fetch_add(n as u64, Ordering::Relaxed);
         Ok(Some(StageBuf {
             pool: self.clone(),
             ptr: self.base + off,
+            len: n,
             seq,
         }))
     }
@@ -171,6 +200,9 @@ impl Drop for Pool {
         // SAFETY: `base` came from this runtime's `alloc_pinned(cap)`; the pool drops
         // only when no `StageBuf` (which holds an `Arc` of it) is left.
         unsafe { self.rt.free_pinned(self.base as *mut u8, self.cap) };
+        self.usage
+            .pinned
+            .fetch_sub(self.cap as u64, Ordering::Relaxed);
     }
 }
 
@@ -179,6 +211,8 @@ impl Drop for Pool {
 pub(crate) struct StageBuf {
     pool: Arc<Pool>,
     ptr: usize,
+    /// Bytes taken (rounded up to [`ALIGN`]).
+    len: usize,
     seq: u64,
 }
 
@@ -192,6 +226,8 @@ impl StageBuf {
 impl Drop for StageBuf {
     fn drop(&mut self) {
         self.pool.ring.lock().give(self.seq);
+        let usage = &self.pool.usage;
+        usage.in_use.fetch_sub(self.len as u64, Ordering::Relaxed);
         self.pool.returned.notify_one();
     }
 }
@@ -201,17 +237,20 @@ impl Drop for StageBuf {
 pub(crate) struct Pools {
     cap: usize,
     pools: Mutex<Vec<Arc<Pool>>>,
+    usage: Arc<Usage>,
 }
 
 impl Pools {
     /// Pools that hold 16 slices of `slice` bytes, but at most [`RING_BYTES`], and at
     /// least two slices: small slices pin little memory per connection.
-    pub(crate) fn new(slice: u64) -> Pools {
+    /// Their memory is counted in `usage`, the backend's.
+    pub(crate) fn new(slice: u64, usage: &Arc<Usage>) -> Pools {
         let slice = usize::try_from(slice).unwrap_or(usize::MAX / 32);
         let slice = slice.div_ceil(ALIGN) * ALIGN;
         Pools {
             cap: slice.saturating_mul(16).min(RING_BYTES).max(slice * 2),
             pools: Mutex::new(Vec::new()),
+            usage: usage.clone(),
         }
     }
 
@@ -224,7 +263,7 @@ impl Pools {
         if let Some(p) = pools.iter().find(|p| p.rt.name() == rt.name()) {
             return Ok(p.clone());
         }
-        let p = Arc::new(Pool::new(rt.clone(), self.cap)?);
+        let p = Arc::new(Pool::new(rt.clone(), self.cap, self.usage.clone())?);
         pools.push(p.clone());
         Ok(p)
     }
@@ -305,7 +344,7 @@ pub(crate) fn packed(
 
 #[cfg(test)]
 mod tests {
-    use super::{packed, Pools, Ring, ALIGN};
+    use super::{packed, Pools, Ring, Usage, ALIGN};
     use std::sync::Arc;
     use std::time::Duration;
 
@@ -383,7 +422,8 @@ mod tests {
     #[tokio::test]
     async fn a_direction_waits_for_room_and_wakes_when_it_comes_back() {
         let rt = te_core::device::runtime(te_core::device::fakedev::NAME).expect("fakedev");
-        let pools = Pools::new(4096);
+        let usage = Arc::new(Usage::default());
+        let pools = Pools::new(4096, &usage);
         let pool = pools.get(&rt).unwrap();
         let cap = pool.cap;
         let small = pool.try_take(4096).unwrap().unwrap();

@@ -34,6 +34,8 @@ pub(crate) struct Shared {
     /// The backend's tasks on te-tcp's I/O threads: accepting, watching deadlines, and
     /// serving and driving connections.
     pub(crate) tasks: Arc<crate::runtime::Tasks>,
+    /// Pinned staging memory over all connections, both sides.
+    pub(crate) staging: Arc<crate::stage::Usage>,
     /// The deadlines of batches in flight.
     pub(crate) watch: Arc<crate::initiator::watch::Watch>,
     /// Challenge nonces of accepted data connections, for same-host channels.

@@ -188,9 +188,31 @@ fn answer(head: &str, snapshot: &Snapshot) -> (&'static str, String) {
     }
 }
 
-/// A histogram already counted (te's own buckets), for the encoder.
+/// Histograms already counted (te's own buckets), for the encoder: one, or one per
+/// value of a label (`stage`).
 #[derive(Debug)]
-struct Buckets(Histogram);
+enum Buckets {
+    One(Histogram),
+    ByLabel(&'static str, Vec<(String, Histogram)>),
+}
+
+fn encode_histogram(
+    h: &Histogram,
+    encoder: &mut MetricEncoder,
+) -> std::result::Result<(), std::fmt::Error> {
+    let bounds = h
+        .bounds_us
+        .iter()
+        .map(|b| *b as f64 / 1e6)
+        .chain([f64::INFINITY]);
+    let buckets: Vec<(f64, u64)> = bounds.zip(h.counts.iter().copied()).collect();
+    encoder.encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+        h.sum_us as f64 / 1e6,
+        h.count,
+        &buckets,
+        None,
+    )
+}
 
 impl TypedMetric for Buckets {
     const TYPE: MetricType = MetricType::Histogram;
@@ -198,19 +220,16 @@ impl TypedMetric for Buckets {
 
 impl EncodeMetric for Buckets {
     fn encode(&self, mut encoder: MetricEncoder) -> std::result::Result<(), std::fmt::Error> {
-        let h = &self.0;
-        let bounds = h
-            .bounds_us
-            .iter()
-            .map(|b| *b as f64 / 1e6)
-            .chain([f64::INFINITY]);
-        let buckets: Vec<(f64, u64)> = bounds.zip(h.counts.iter().copied()).collect();
-        encoder.encode_histogram::<prometheus_client::encoding::NoLabelSet>(
-            h.sum_us as f64 / 1e6,
-            h.count,
-            &buckets,
-            None,
-        )
+        match self {
+            Buckets::One(h) => encode_histogram(h, &mut encoder),
+            Buckets::ByLabel(key, hs) => {
+                for (value, h) in hs {
+                    let l = labels(&[(key, value)]);
+                    encode_histogram(h, &mut encoder.encode_family(&l)?)?;
+                }
+                Ok(())
+            }
+        }
     }
 
     fn metric_type(&self) -> MetricType {
@@ -284,8 +303,23 @@ pub(crate) fn encode(m: &Metrics) -> String {
     r.register(
         "batch_latency_seconds",
         "Completed batches, submission to end",
-        Buckets(m.latency.clone()),
+        Buckets::One(m.latency.clone()),
     );
+    r.register(
+        "batch_stage_seconds",
+        "Completed batches' time in each stage their backend timed",
+        Buckets::ByLabel("stage", m.stages.clone()),
+    );
+    for (name, value) in &m.backend {
+        // A backend names its gauges; only names Prometheus accepts are exported.
+        if !name.is_empty() && name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_') {
+            r.register(
+                format!("backend_{name}"),
+                format!("The backend's {}", name.replace('_', " ")),
+                gauge(*value),
+            );
+        }
+    }
     let (count, size) = (
         Family::<Labels, Gauge<i64>>::default(),
         Family::<Labels, Gauge<i64>>::default(),

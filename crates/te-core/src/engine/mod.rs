@@ -534,6 +534,7 @@ impl Inner {
             .collect();
         let mut m = self.metrics.snapshot(peers);
         self.control.counters.fill(&mut m);
+        m.backend = self.backend.gauges();
         m
     }
 }

@@ -164,7 +164,7 @@ impl Inner {
         let done = Completion::build(
             state.id(),
             deadline,
-            state.abort_flag(),
+            state.signals(),
             Box::new(move |r, dropped| {
                 let r = if dropped {
                     Err(r

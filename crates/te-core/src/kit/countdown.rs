@@ -9,7 +9,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::backend::{BatchId, Completion};
+use crate::backend::{BatchId, BatchStage, Completion};
 use crate::error::{Error, Result};
 use crate::sync::Mutex;
 
@@ -96,6 +96,21 @@ impl<H> Countdown<H> {
     /// Whether the batch is over for its slices: completed, or aborted by the engine.
     pub fn is_over(&self) -> bool {
         self.done.lock().as_ref().is_none_or(|d| d.0.is_aborted())
+    }
+
+    /// Notes that `stage` of the batch began now (see [`Completion::stage_began`]);
+    /// nothing once it completed.
+    pub fn stage_began(&self, stage: BatchStage) {
+        if let Some(d) = self.done.lock().as_ref() {
+            d.0.stage_began(stage);
+        }
+    }
+
+    /// Notes that `stage` of the batch ended now (see [`Completion::stage_ended`]).
+    pub fn stage_ended(&self, stage: BatchStage) {
+        if let Some(d) = self.done.lock().as_ref() {
+            d.0.stage_ended(stage);
+        }
     }
 
     /// What the batch holds, for a slice that must hold it longer than the batch may

@@ -27,7 +27,7 @@ use crate::initiator::slice::{Slice, Stage};
 use crate::runtime::Tasks;
 use crate::sock;
 use crate::sock::Sock;
-use crate::stage::{Dev, Pools};
+use crate::stage::{Dev, Pools, Usage};
 
 mod receive;
 mod send;
@@ -123,6 +123,7 @@ impl Conn {
         instance: u64,
         config: &TcpConfig,
         tasks: &Arc<Tasks>,
+        staging: &Arc<Usage>,
         deadline: Deadline,
     ) -> Result<Arc<Conn>> {
         let label = addr.to_string();
@@ -158,8 +159,8 @@ impl Conn {
             inflight: AtomicUsize::new(0),
             progress: AtomicU64::new(0),
             me: me.clone(),
-            send_pools: Pools::new(config.slice_size),
-            recv_pools: Pools::new(config.slice_size),
+            send_pools: Pools::new(config.slice_size, staging),
+            recv_pools: Pools::new(config.slice_size, staging),
             max_payload: terms.max_payload,
             challenge,
             challenge_taken: AtomicBool::new(false),

@@ -23,7 +23,7 @@ use std::sync::{Arc, Weak};
 
 use te_core::device::DeviceCopy;
 use te_core::sync::Mutex;
-use te_core::{Op, Result};
+use te_core::{BatchStage, Op, Result};
 
 use crate::completion::Batch;
 use crate::errors::timeout_error;
@@ -180,10 +180,14 @@ impl Local {
     pub(crate) fn start(self) {
         for g in self.groups {
             let frames = g.frames;
+            for (batch, _, _) in &frames {
+                batch.stage_began(BatchStage::Device);
+            }
             let done = move |r: Result<()>| {
                 for (batch, pin, pins) in frames {
                     drop(pin);
                     drop(pins);
+                    batch.stage_ended(BatchStage::Device);
                     batch.finish_slice(r.clone());
                 }
             };

@@ -285,6 +285,10 @@ impl Channel {
 
     fn request(&self, op: Op, frames: &[Frame]) {
         let batches: Waiting = frames.iter().map(|f| f.batch.clone()).collect();
+        // The channel is the wire: the target copies, and answers when it has.
+        for b in &batches {
+            b.stage_began(BatchStage::Wire);
+        }
         let ranges = frames.iter().flat_map(|f| f.ranges.iter());
         let n: usize = frames.iter().map(|f| f.ranges.len()).sum();
         let total: u64 = frames.iter().flat_map(|f| &f.ranges).map(|r| r.len).sum();
@@ -404,6 +408,7 @@ fn receive(s: &UnixStream, ch: &Weak<Channel>) {
         match waiting {
             Some(batches) => {
                 for b in batches {
+                    b.stage_ended(BatchStage::Wire);
                     b.finish_slice(result.clone());
                 }
             }

@@ -63,7 +63,7 @@ use te_core::device::{DeviceCopy, DeviceRuntime};
 use te_core::kit::fits;
 use te_core::local;
 use te_core::sync::Mutex;
-use te_core::{Error, ErrorKind, Op, RegionId, Result};
+use te_core::{BatchStage, Error, ErrorKind, Op, RegionId, Result};
 
 use crate::completion::Batch;
 use crate::regions::Pin;

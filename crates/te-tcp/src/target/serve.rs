@@ -225,8 +225,8 @@ async fn serve(
     let mut inb = Inbound::new(s.clone(), wait);
     // Device regions: staging buffers, and a responder task that sends responses in
     // order once their copies complete; both made at the first device request.
-    let send_pools = Pools::new(c.slice_size);
-    let recv_pools = Pools::new(c.slice_size);
+    let send_pools = Pools::new(c.slice_size, &shared.staging);
+    let recv_pools = Pools::new(c.slice_size, &shared.staging);
     let mut responder: Option<ResponderGuard> = None;
     // Acknowledgements and refusals not yet sent: flushed before this task would
     // wait on a receive, and in front of the next READ's data.

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use te_core::device::DeviceCopy;
-use te_core::{Error, ErrorKind, Op, Result};
+use te_core::{BatchStage, Error, ErrorKind, Op, Result};
 
 use super::Conn;
 use crate::errors::{timeout_error, unreachable};
@@ -49,6 +49,7 @@ impl Conn {
             slice
         };
         let result = self.answer(inb, &h, &slice).await;
+        slice.batch.stage_ended(BatchStage::Wire);
         self.lock().receiving = None;
         self.progress.fetch_add(1, Ordering::Release);
         let fatal = match &result {
@@ -174,17 +175,20 @@ impl Conn {
                 len,
             })
             .collect();
+        slice.batch.stage_began(BatchStage::Device);
         if len <= stage::INLINE_COPY {
             // Small: this task copies it and finishes the slice, rather than a runtime
             // thread waking it and then the caller.
             // SAFETY: as below; `buf` lives until the copies have ended.
             let r = unsafe { stage::run_now(rt, &copies) };
+            slice.batch.stage_ended(BatchStage::Device);
             drop(buf);
             return r.map(|()| Answer::Done);
         }
         let batch = slice.batch.clone();
         let done = move |r: Result<()>| {
             drop(buf);
+            batch.stage_ended(BatchStage::Device);
             batch.finish_slice(r);
         };
         // SAFETY: the device ranges lie in a region the batch pins until this slice

@@ -12,9 +12,10 @@ use std::sync::Arc;
 use te_core::sync::Mutex;
 
 use te_core::device::DeviceCopy;
-use te_core::Result;
+use te_core::{BatchStage, Result};
 
 use super::Conn;
+use crate::completion::Batch;
 use crate::errors::{timeout_error, unreachable};
 use crate::initiator::slice::Stage;
 use crate::regions::Pin;
@@ -103,6 +104,7 @@ impl Conn {
                             continue;
                         }
                         s.push_frame(&mut c, payload);
+                        s.batch.stage_began(BatchStage::Wire);
                         frames += 1;
                         if let Some(st) = &s.stage {
                             tx.out_staged.push(st.clone());
@@ -237,6 +239,7 @@ impl Conn {
                 buf,
                 slot: Some(t.slot.clone()),
                 pins,
+                batch: t.batch.clone(),
             });
         }
         copies
@@ -249,10 +252,12 @@ impl Conn {
     fn start_copies(&self, copies: Vec<Staging>, inline: bool) {
         for c in copies {
             let small = c.copies.iter().map(|c| c.len()).sum::<usize>() <= stage::INLINE_COPY;
+            c.batch.stage_began(BatchStage::Device);
             if inline && small {
                 // SAFETY: as for `start_all` below; this thread holds the buffer and
                 // the pins until the copies have ended.
                 let r = unsafe { stage::run_now(&c.rt, &c.copies) };
+                c.batch.stage_ended(BatchStage::Device);
                 drop(c.pins);
                 if let Some(slot) = c.slot {
                     *slot.lock() = match r {
@@ -269,8 +274,10 @@ impl Conn {
                 buf,
                 slot,
                 pins,
+                batch,
             } = c;
             let done = move |r: Result<()>| {
+                batch.stage_ended(BatchStage::Device);
                 drop(pins);
                 if let Some(slot) = slot {
                     *slot.lock() = match r {
@@ -364,4 +371,6 @@ struct Staging {
     buf: StageBuf,
     slot: Option<Arc<Mutex<Stage>>>,
     pins: Arc<Vec<Pin>>,
+    /// The slice's batch, which times its device stage.
+    batch: Arc<Batch>,
 }
