@@ -19,7 +19,7 @@ use std::sync::{Arc, Weak};
 use te_core::sync::Mutex;
 
 use te_core::kit::Countdown;
-use te_core::{BatchId, Completion, Error, Result};
+use te_core::{BatchId, BatchStage, Completion, Error, Result};
 
 use crate::verbs;
 
@@ -64,8 +64,14 @@ impl BatchState {
         self.stopped.store(true, Ordering::Release);
     }
 
+    /// One of its slices is on a QP now: the batch's wire stage has begun.
+    pub(crate) fn posted(&self) {
+        self.count.stage_began(BatchStage::Wire);
+    }
+
     /// One slice landed.
     pub(crate) fn slice_done(&self) {
+        self.count.stage_ended(BatchStage::Wire);
         self.account();
     }
 

@@ -210,6 +210,7 @@ fn pump(path: &Path, st: &mut PathState, back: &mut Vec<(Job, Failure)>) {
                 rkey: job.remote.rkeys[path.remote_device],
                 len: job.len,
             };
+            job.batch.posted();
             match sq.push(job, i + 1 == n, path.signal_every) {
                 Ok((wr_id, signaled)) => items.push(WorkItem {
                     wr_id,

@@ -46,5 +46,34 @@ fn main() {
         .with_remote_target(&toml(TABLE), Some(&toml(SLOW_TABLE)));
     let mut trials = testkit::trials(&one);
     trials.extend(testkit::trials(&two));
+    trials.push(testkit::Trial::test(
+        "rdma-fake::a_batch_tells_its_time_on_the_wire",
+        a_batch_tells_its_time_on_the_wire,
+    ));
     testkit::run(trials);
+}
+
+/// te-rdma times its wire stage: from a batch's first work request posted until its
+/// last completion.
+fn a_batch_tells_its_time_on_the_wire() -> Result<(), libtest_mimic::Failed> {
+    let e = |e: te_core::Error| libtest_mimic::Failed::from(e.to_string());
+    let target = te_core::Engine::from_config(&config(TABLE)).map_err(e)?;
+    let dst = target
+        .alloc("dst", 1 << 20, te_core::Access::REMOTE_READ_WRITE)
+        .map_err(e)?;
+    let me = te_core::Engine::from_config(&config(TABLE)).map_err(e)?;
+    let src = me
+        .alloc("src", 1 << 20, te_core::Access::LOCAL)
+        .map_err(e)?;
+    let peer = me.connect(&target.address().to_string()).map_err(e)?;
+    let write =
+        te_core::TransferRequest::write(src.id(), 0, peer.region("dst").unwrap().id, 0, 1 << 20);
+    let h = me.transfer(&peer, &[write]).map_err(e)?;
+    h.wait().map_err(e)?;
+    let t = h.telemetry().ok_or("an ended batch tells no telemetry")?;
+    drop(dst);
+    match t.wire {
+        Some(w) if w <= t.duration && t.queued.is_some() => Ok(()),
+        _ => Err(format!("te-rdma did not time its wire stage: {t:?}").into()),
+    }
 }

@@ -101,6 +101,7 @@ fn specs(caps: &Capabilities) -> Vec<Spec> {
         transfers::an_empty_batch_completes;
         transfers::completion_is_delivered_exactly_once;
         transfers::write_then_read_back_gives_the_same_bytes if read && write;
+        transfers::the_stages_a_backend_times_lie_within_their_batch if write;
         transfers::notifications_arrive_after_the_data if write;
         transfers::many_concurrent_batches_from_several_threads_all_complete if write;
         transfers::a_second_connect_returns_the_cached_peer;

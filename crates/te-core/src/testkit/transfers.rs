@@ -65,6 +65,40 @@ pub(super) fn write_then_read_back_gives_the_same_bytes(h: &Harness) -> Result<(
     Ok(())
 }
 
+pub(super) fn the_stages_a_backend_times_lie_within_their_batch(h: &Harness) -> Result<(), Failed> {
+    let len = 1 << 20;
+    let p = h.pair(false, len)?;
+    let write = [TransferRequest::write(
+        p.local.id(),
+        0,
+        p.remote_desc.id,
+        0,
+        len as u64,
+    )];
+    for _ in 0..4 {
+        let handle = p.initiator.transfer(&p.peer, &write).map_err(e2f)?;
+        handle.wait().map_err(e2f)?;
+        let Some(t) = handle.telemetry() else {
+            return Err(fail("an ended batch tells no telemetry"));
+        };
+        // A stage the backend does not time is `None`; one it times is inside the batch.
+        for (stage, d) in [("queued", t.queued), ("wire", t.wire), ("device", t.device)] {
+            if let Some(d) = d {
+                ensure!(
+                    d <= t.duration,
+                    "{stage} took {d:?} of a batch that took {:?}",
+                    t.duration
+                );
+            }
+        }
+        ensure!(
+            t.queued.is_some() == t.wire.is_some(),
+            "queued is known exactly when the wire is timed: {t:?}"
+        );
+    }
+    Ok(())
+}
+
 pub(super) fn completion_is_delivered_exactly_once(h: &Harness) -> Result<(), Failed> {
     // Straight at the backend, below the engine, which would hide a second completion.
     let (a, b) = (h.raw_backend()?, h.raw_backend()?);
