@@ -117,6 +117,7 @@ fn a_backend_times_its_stages_and_reports_its_staging_memory() {
             .find(|(s, _)| s == name)
             .map(|(_, h)| h.count)
     };
+    assert_eq!(stage("queued"), Some(2), "{:?}", m.stages);
     assert_eq!(stage("wire"), Some(2), "{:?}", m.stages);
     assert_eq!(stage("device"), Some(1), "{:?}", m.stages);
     let gauge =

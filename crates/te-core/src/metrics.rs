@@ -23,6 +23,10 @@ pub(crate) const LATENCY_BOUNDS_US: [u64; 16] = [
     1_000_000, 10_000_000,
 ];
 
+/// The stages of a batch the metrics count: `queued` (from the backend having taken it
+/// until its first byte went out) and the backend's own ([`BatchStage`]), in order.
+pub(crate) const STAGES: [&str; 3] = ["queued", "wire", "device"];
+
 /// Error kinds by code, for the per-kind failure counters (codes are small).
 const KINDS: usize = 32;
 
@@ -63,8 +67,8 @@ pub(crate) struct Counters {
     bytes: [AtomicU64; 2],
     requests: [AtomicU64; 2],
     latency: Hist,
-    /// Per backend stage ([`BatchStage`]), the time completed batches spent in it.
-    stages: [Hist; 2],
+    /// Per stage ([`STAGES`]), the time completed batches spent in it.
+    stages: [Hist; 3],
     pub(crate) notifications_sent: AtomicU64,
     pub(crate) notifications_received: AtomicU64,
     pub(crate) notifications_refused: AtomicU64,
@@ -122,10 +126,10 @@ impl Counters {
             requests_written: self.requests[0].load(Relaxed),
             requests_read: self.requests[1].load(Relaxed),
             latency: self.latency.snapshot(),
-            stages: BatchStage::ALL
+            stages: STAGES
                 .iter()
                 .zip(&self.stages)
-                .map(|(s, h)| (s.name().to_string(), h.snapshot()))
+                .map(|(s, h)| (s.to_string(), h.snapshot()))
                 .collect(),
             registrations: self
                 .registered
@@ -324,8 +328,12 @@ impl BatchMeter {
                     p.requests[d].fetch_add(self.requests[d], Relaxed);
                 }
                 e.latency.record(took);
-                for (s, _, took) in self.stages.get().into_iter().flatten() {
-                    e.stages[*s as usize].record(*took);
+                if let Some(t) = self.telemetry() {
+                    for (h, took) in e.stages.iter().zip([t.queued, t.wire, t.device]) {
+                        if let Some(took) = took {
+                            h.record(took);
+                        }
+                    }
                 }
             }
             Err(err) => {

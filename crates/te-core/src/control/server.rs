@@ -149,7 +149,10 @@ async fn serve(mut ticket: Ticket, stream: TcpStream, addr: SocketAddr) {
         _ = closed(&mut closing) => return,
     };
     let peer = match handshake.and_then(|peer| ticket.promote().map(|()| peer)) {
-        Ok(peer) => peer,
+        Ok(peer) => {
+            tracing::debug!(%addr, peer = %peer.name, epoch = peer.epoch, "control plane: handshake accepted");
+            peer
+        }
         Err(e) => {
             tracing::debug!(%addr, error = %e, "control plane: refused a connection");
             shared.counters.refused(Some(&e));

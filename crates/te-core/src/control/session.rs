@@ -330,7 +330,9 @@ async fn open(shared: &Shared, addr: &str, deadline: Deadline) -> Result<(TcpStr
             )),
         }
     })
-    .await?;
+    .await
+    .inspect_err(|e| tracing::debug!(%addr, error = %e, "control plane: handshake refused"))?;
+    tracing::debug!(%addr, peer = %peer.name, epoch = peer.epoch, "control plane: session opened");
     Ok((stream, peer))
 }
 

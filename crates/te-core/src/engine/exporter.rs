@@ -307,7 +307,7 @@ pub(crate) fn encode(m: &Metrics) -> String {
     );
     r.register(
         "batch_stage_seconds",
-        "Completed batches' time in each stage their backend timed",
+        "Completed batches' time queued, on the wire and in device copies, where their backend times it",
         Buckets::ByLabel("stage", m.stages.clone()),
     );
     for (name, value) in &m.backend {
