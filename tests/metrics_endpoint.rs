@@ -194,3 +194,38 @@ fn te_bench_serves_the_initiators_metrics_when_asked() {
     assert!(out.status.success(), "{err}");
     assert!(err.contains("metrics at http://127.0.0.1:"), "{err}");
 }
+
+#[test]
+fn docs_metrics_md_lists_every_metric_the_endpoint_exports() {
+    let doc = std::fs::read_to_string("docs/metrics.md").expect("docs/metrics.md");
+    // One write to a peer, so the per-peer and per-label families have samples.
+    let target = engine(false);
+    let _dst = target
+        .alloc("dst", 4096, Access::REMOTE_READ_WRITE)
+        .unwrap();
+    let me = engine(true);
+    let src = me.alloc("src", 4096, Access::LOCAL).unwrap();
+    let peer = me.connect(&target.address().to_string()).unwrap();
+    let rid = peer.region("dst").unwrap().id;
+    me.transfer(&peer, &[TransferRequest::write(src.id(), 0, rid, 0, 4096)])
+        .unwrap()
+        .wait()
+        .unwrap();
+    let text = scrape(&me.metrics_address().unwrap().to_string());
+    let mut families = 0;
+    for line in text.lines().filter(|l| l.starts_with("# TYPE ")) {
+        let mut parts = line["# TYPE ".len()..].split(' ');
+        let (name, kind) = (parts.next().unwrap(), parts.next().unwrap());
+        // Samples of a counter are named with `_total`, as the table names them.
+        let named = match kind {
+            "counter" => format!("`{name}_total`"),
+            _ => format!("`{name}`"),
+        };
+        assert!(
+            doc.contains(&named),
+            "docs/metrics.md does not list {named} ({kind})"
+        );
+        families += 1;
+    }
+    assert!(families >= 18, "only {families} metric families in {text}");
+}
