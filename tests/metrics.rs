@@ -185,3 +185,39 @@ fn peers_that_leave_and_refused_connections_are_counted() {
     let m = eventually(&target, |m| m.peers_left == 1);
     assert_eq!((m.peers_connected, m.peers_left, m.peers_lost), (0, 1, 0));
 }
+
+#[test]
+fn a_killed_peer_is_counted_lost_and_its_failed_batch_by_kind() {
+    let mut serve = common::Serve::start(&["--backend", "tcp", "--buffer-size", "1MiB"]);
+    let mut c = Config::defaults();
+    c.engine.backend = "tcp".into();
+    c.engine.default_timeout = Duration::from_secs(10);
+    let me = Engine::from_config(&c).unwrap();
+    let src = me.alloc("src", 1 << 20, Access::LOCAL).unwrap();
+    let peer = me.connect(&serve.addr).unwrap();
+    let rid = peer.region("buffer").unwrap().id;
+    let write = [TransferRequest::write(src.id(), 0, rid, 0, 1 << 20)];
+    me.transfer(&peer, &write).unwrap().wait().unwrap();
+    serve.child.kill().unwrap();
+    serve.child.wait().unwrap();
+    // The next batch to it fails, as the call's error or as the batch's.
+    let failed = me
+        .transfer(&peer, &write)
+        .and_then(|h| h.wait())
+        .expect_err("a batch to a killed peer fails");
+    let m = eventually(&me, |m| m.peers_lost == 1);
+    assert_eq!(m.peers_lost, 1, "{m:?}");
+    assert_eq!(m.batches_completed, 1, "{m:?}");
+    let counted: u64 = m.batches_failed.iter().map(|(_, n)| n).sum();
+    if counted == 1 {
+        // Submitted, then failed: counted under its kind.
+        assert_eq!(
+            m.batches_failed,
+            vec![(failed.kind().as_str().to_string(), 1)],
+            "{m:?}"
+        );
+    } else {
+        // Refused at submission (the peer already known lost): the call's error.
+        assert_eq!((counted, m.batches_submitted), (0, 1), "{failed} {m:?}");
+    }
+}
