@@ -135,6 +135,8 @@ fn host_memory_moves_between_processes_through_the_channel_both_ways() {
             PeerPath::Socket
         };
         assert_eq!(path(&peer, local_ipc), want);
+        // The engine says so too, in the backend's words (`te bench` prints them).
+        assert_eq!(e.path_to(&peer), Some(want.to_string()));
         round_trip(&e, &peer, &src, &back, 64 << 10, 128);
         round_trip(&e, &peer, &src, &back, 4096, 1024);
     }

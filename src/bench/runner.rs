@@ -205,13 +205,17 @@ impl<'p> Bench<'p> {
 
     /// Where the target is, for the header.
     fn describe_target(&self) -> String {
+        let path = match self.initiator.path_to(&self.peer) {
+            Some(p) => format!(", path: {p}"),
+            None => String::new(),
+        };
         match &self.plan.target {
             Some(addr) => format!(
-                "remote te serve at {addr} ({} buffer)",
+                "remote te serve at {addr} ({} buffer{path})",
                 human_size(self.remote.len)
             ),
             None => format!(
-                "target engine in this process over loopback ({} buffer per side)",
+                "target engine in this process over loopback ({} buffer per side{path})",
                 human_size(self.remote.len)
             ),
         }

@@ -129,6 +129,14 @@ pub trait TransferBackend: Send + Sync + fmt::Debug + 'static {
     fn gauges(&self) -> Vec<(String, u64)> {
         Vec::new()
     }
+
+    /// How bytes to `peer` travel, in words, where the backend has more than one way
+    /// (te-tcp: over its sockets, device copies to a peer in this process, or a
+    /// same-host peer's channel); `None` for an unknown peer or a backend with one way.
+    fn path_to(&self, peer: PeerId) -> Option<String> {
+        let _ = peer;
+        None
+    }
 }
 
 /// The context a backend is created in: the engine's identity, the backend's own

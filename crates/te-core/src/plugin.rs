@@ -74,8 +74,10 @@ pub trait FfiBackend: Send + Sync + Debug {
     /// Asks the backend to stop a batch.
     fn abort(&self, peer: PeerId, batch: BatchId);
     /// Encoded gauges of the backend's state, `Vec<(String, u64)>`.
-    #[sabi(last_prefix_field)]
     fn gauges(&self) -> RVec<u8>;
+    /// Encoded `Option<String>`: how bytes to `peer` travel.
+    #[sabi(last_prefix_field)]
+    fn path_to(&self, peer: PeerId) -> RVec<u8>;
 }
 
 /// A boxed backend object from a plugin.
@@ -374,6 +376,10 @@ impl FfiBackend for Exported {
         let gauges = caught("gauges", || Ok(self.0.gauges())).unwrap_or_default();
         codec::encode(&gauges).into()
     }
+    fn path_to(&self, peer: PeerId) -> RVec<u8> {
+        let path = caught("path_to", || Ok(self.0.path_to(peer))).unwrap_or_default();
+        codec::encode(&path).into()
+    }
 }
 
 /// A backend loaded from a plugin (host side).
@@ -422,6 +428,9 @@ impl TransferBackend for PluginBackend {
     }
     fn gauges(&self) -> Vec<(String, u64)> {
         codec::decode(self.inner.gauges().as_slice(), "the plugin's gauges").unwrap_or_default()
+    }
+    fn path_to(&self, peer: PeerId) -> Option<String> {
+        codec::decode(self.inner.path_to(peer).as_slice(), "the plugin's path").unwrap_or_default()
     }
 }
 

@@ -483,6 +483,13 @@ impl PyEngine {
         }))
     }
 
+    /// How bytes to `peer` travel, in the backend's words (te-tcp: `"socket"`,
+    /// `"in-process device copies"`, `"same-host channel (cross-memory attach)"`, …),
+    /// or `None` where the backend has one way.
+    fn path_to(&self, peer: &PyPeer) -> PyResult<Option<String>> {
+        Ok(self.get()?.path_to(&peer.peer))
+    }
+
     /// What this engine has done, as a dict: batches and their outcomes, bytes and
     /// requests per direction and per peer, the latency histogram, registered memory
     /// and notifications (docs/metrics.md explains each key).

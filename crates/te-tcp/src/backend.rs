@@ -550,6 +550,10 @@ impl TransferBackend for TcpBackend {
     fn gauges(&self) -> Vec<(String, u64)> {
         self.shared.staging.gauges()
     }
+
+    fn path_to(&self, peer: PeerId) -> Option<String> {
+        self.peer_path(peer).ok().map(|p| p.to_string())
+    }
 }
 
 impl Drop for TcpBackend {

@@ -52,3 +52,18 @@ pub enum PeerPath {
         cross_memory_attach: bool,
     },
 }
+
+impl std::fmt::Display for PeerPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PeerPath::Socket => "socket",
+            PeerPath::InProcess => "in-process device copies",
+            PeerPath::SameHost {
+                cross_memory_attach: true,
+            } => "same-host channel (cross-memory attach)",
+            PeerPath::SameHost {
+                cross_memory_attach: false,
+            } => "same-host channel (host memory over the socket)",
+        })
+    }
+}

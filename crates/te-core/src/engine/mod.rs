@@ -360,6 +360,13 @@ impl Engine {
         self.inner.metrics()
     }
 
+    /// How bytes to `peer` travel, in the backend's words, where it has more than one
+    /// way (te-tcp: `socket`, `in-process device copies`, `same-host channel …`);
+    /// `None` where the backend has one way, or no longer knows the peer.
+    pub fn path_to(&self, peer: &Peer) -> Option<String> {
+        self.inner.backend.path_to(peer.inner.backend_id)
+    }
+
     /// Where the metrics endpoint listens (`[engine] metrics_listen`), if it runs.
     pub fn metrics_address(&self) -> Option<SocketAddr> {
         self.exporter.as_ref().map(exporter::Exporter::address)
