@@ -10,6 +10,10 @@
 #   cuda:N     channel >= 20 x socket and >= 150 GB/s at 1 MiB x 64, >= 100 GB/s at
 #              32 KiB x 128
 #
+# Then KV blocks (`te bench --kv` against a `te serve --kv`, the default 8B-class
+# geometry, 64 blocks per batch) through the channel: random block ids >= 0.8 x
+# contiguous ones, both ways.
+#
 # Usage: scripts/same-host-bench.sh [path/to/te] [mem] [seconds per point]
 #   (defaults: target/release/te, fakedev:0, 2). Exits 1 if a target is missed.
 set -euo pipefail
@@ -50,7 +54,8 @@ for shape in "32KiB 128" "1MiB 64" "4KiB 1"; do
   done
 done
 echo "== $mem, target in another process of this host (best of $reps, ${secs}s each)"
-python3 - "$results" "$mem" <<'PY'
+status=0
+python3 - "$results" "$mem" <<'PY' || status=1
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 mem = sys.argv[2].split(":")[0]
@@ -81,3 +86,32 @@ for op in ["write", "read"]:
     print(f"{'4KiB x 1 p50':<14}{op:<7}{s:>10.1f}µs{c:>11.1f}µs{c / s if s else 0:>8.2f}")
 sys.exit(0 if ok else 1)
 PY
+kill "$pid" 2>/dev/null || true
+wait "$pid" 2>/dev/null || true
+"$te" serve --backend tcp --mem "$mem" --kv >"$work/kvserve" 2>"$work/kvserve.err" &
+pid=$!
+for _ in $(seq 100); do
+  [ -s "$work/kvserve" ] && break
+  sleep 0.1
+done
+[ -s "$work/kvserve" ] || { echo "te serve --kv did not start:" >&2; cat "$work/kvserve.err" >&2; exit 1; }
+kvtarget=$(head -n1 "$work/kvserve")
+for op in read write; do
+  "$te" bench --backend tcp --kv --target "$kvtarget" --mem "$mem" --op "$op" --batch 64 \
+    --duration "${secs}s" --json 2>/dev/null >>"$work/kv.jsonl"
+done
+echo "== $mem KV blocks, target in another process of this host (64 blocks per batch)"
+python3 - "$work/kv.jsonl" <<'PY' || status=1
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+ok = True
+for op in ["read", "write"]:
+    gb = {r["mode"]: r["gb_per_s"] for r in rows if r["op"] == op}
+    ratio = gb["random"] / gb["contiguous"]
+    good = ratio >= 0.8
+    ok &= good
+    print(f"{op:<6} contiguous {gb['contiguous']:8.2f} GB/s  random {gb['random']:8.2f} GB/s  "
+          f"random/contiguous {ratio:.2f}  (>= 0.8) {'ok' if good else 'MISSED'}")
+sys.exit(0 if ok else 1)
+PY
+exit $status

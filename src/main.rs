@@ -44,7 +44,7 @@ enum Command {
         config: Option<PathBuf>,
     },
     /// Serve a registered buffer to remote `te bench --target` runs until interrupted.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Measure throughput and latency over loopback or against a `te serve`.
     Bench(Box<bench::BenchArgs>),
     /// Print a running engine's metrics as a live table, from its metrics endpoint.
@@ -86,7 +86,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Info { config, json } => info(config, json),
         Command::Check { config } => check(config),
-        Command::Serve(args) => serve::run(args),
+        Command::Serve(args) => serve::run(*args),
         Command::Bench(args) => bench::run(*args),
         Command::Stats(args) => stats::run(args),
         Command::Peers { config, json } => peers(config, json),

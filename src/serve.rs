@@ -36,6 +36,14 @@ pub(crate) struct ServeArgs {
     /// configuration's `metrics_listen`; `te stats ADDR` shows them live.
     #[arg(long, value_name = "HOST:PORT")]
     pub(crate) metrics_listen: Option<String>,
+    /// Serve a simulated model's KV cache instead (registered as "kv", with the layout
+    /// "bench"), for `te bench --kv --target` with the same --kv-* options;
+    /// --buffer-size does not apply.
+    #[arg(long)]
+    pub(crate) kv: bool,
+    /// --kv: the simulated model's geometry.
+    #[command(flatten)]
+    pub(crate) kv_model: crate::bench::KvArgs,
 }
 
 /// clap value parser for sizes.
@@ -94,7 +102,13 @@ pub(crate) fn run(args: ServeArgs) -> te::Result<()> {
         )
     })?;
     let engine = Engine::from_config(&config)?;
-    let buffer = engine.alloc_on(&mem, "buffer", len, Access::REMOTE_READ_WRITE)?;
+    let (buffer, name) = if args.kv {
+        let cache = crate::bench::cache_side(&engine, &args.kv_model, &mem)?;
+        (cache, "kv\" (KV layout \"bench\")")
+    } else {
+        let buffer = engine.alloc_on(&mem, "buffer", len, Access::REMOTE_READ_WRITE)?;
+        (buffer, "buffer\"")
+    };
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{}", engine.address());
     if let Some(m) = engine.metrics_address() {
@@ -105,7 +119,7 @@ pub(crate) fn run(args: ServeArgs) -> te::Result<()> {
     }
     let _ = writeln!(
         out,
-        "serving {} bytes of {mem} memory as \"buffer\" on backend {} (epoch {:016x}); Ctrl-C stops",
+        "serving {} bytes of {mem} memory as \"{name} on backend {} (epoch {:016x}); Ctrl-C stops",
         buffer.len(),
         engine.backend_info().name,
         engine.epoch()

@@ -548,3 +548,56 @@ fn kv_blocks_in_fakedev_memory_move_over_tcp_in_every_mode() {
         }
     }
 }
+
+#[test]
+fn kv_blocks_move_between_two_processes_against_te_serve_kv() {
+    let geometry = ["--kv-layers", "2", "--kv-blocks", "16"];
+    let mut args = vec!["--backend", "tcp", "--kv", "--mem", "fakedev:0"];
+    args.extend(geometry);
+    let serve = Serve::start_with(&args);
+    for op in ["read", "write"] {
+        let mut args = vec!["--kv", "--backend", "tcp", "--mem", "fakedev:0", "--op", op];
+        args.extend(geometry);
+        args.extend([
+            "--target",
+            &serve.addr,
+            "--batch",
+            "4",
+            "--duration",
+            "200ms",
+            "--json",
+        ]);
+        let out = bench(&args);
+        assert!(out.status.success(), "{op}: {}", text(&out.stderr));
+        let modes: Vec<serde_json::Value> = text(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["mode"].clone())
+            .collect();
+        assert_eq!(modes, ["contiguous", "random", "plain-1MiB"], "{op}");
+        // A process of this host: the same-host channel, said on stderr.
+        assert!(
+            text(&out.stderr).contains("reached by same-host channel"),
+            "{}",
+            text(&out.stderr)
+        );
+    }
+    // Another geometry than the server's is refused, saying so.
+    let out = bench(&[
+        "--kv",
+        "--backend",
+        "tcp",
+        "--mem",
+        "fakedev:0",
+        "--kv-layers",
+        "2",
+        "--kv-blocks",
+        "32",
+        "--target",
+        &serve.addr,
+        "--duration",
+        "200ms",
+    ]);
+    assert!(!out.status.success());
+    let e = text(&out.stderr);
+    assert!(e.lines().count() == 1 && e.contains("bench"), "{e}");
+}

@@ -17,6 +17,30 @@ use te::{
 
 use super::BenchArgs;
 
+/// The simulated model's geometry, as `te bench --kv` and `te serve --kv` take it
+/// (the two must agree).
+#[derive(clap::Args, Debug, Default)]
+pub(crate) struct KvArgs {
+    /// --kv: layers [default: 32].
+    #[arg(long, value_name = "N", requires = "kv")]
+    pub(crate) kv_layers: Option<String>,
+    /// --kv: KV heads [default: 8].
+    #[arg(long, value_name = "N", requires = "kv")]
+    pub(crate) kv_heads: Option<String>,
+    /// --kv: head dimension [default: 128].
+    #[arg(long, value_name = "N", requires = "kv")]
+    pub(crate) kv_head_dim: Option<String>,
+    /// --kv: tokens per block [default: 16].
+    #[arg(long, value_name = "N", requires = "kv")]
+    pub(crate) kv_block_tokens: Option<String>,
+    /// --kv: bytes per element (2 for fp16/bf16) [default: 2].
+    #[arg(long, value_name = "N", requires = "kv")]
+    pub(crate) kv_dtype_bytes: Option<String>,
+    /// --kv: blocks per buffer on each side [default: 256].
+    #[arg(long, value_name = "N", requires = "kv")]
+    pub(crate) kv_blocks: Option<String>,
+}
+
 /// The simulated model.
 #[derive(Debug, Clone, Copy)]
 struct Model {
@@ -72,6 +96,19 @@ fn layout(model: &Model, region: RegionId, blocks: u64) -> KvLayout {
     }
 }
 
+/// A layout's geometry: per group, each slot's bytes per block and blocks.
+fn shape(l: &KvLayout) -> Vec<Vec<(u64, u64)>> {
+    l.groups
+        .iter()
+        .map(|g| {
+            g.slots
+                .iter()
+                .map(|s| (s.bytes_per_block, s.blocks))
+                .collect()
+        })
+        .collect()
+}
+
 /// One measured way of moving blocks.
 struct Outcome {
     mode: &'static str,
@@ -84,25 +121,55 @@ struct Outcome {
     device: te_core::device::CopyStats,
 }
 
+impl KvArgs {
+    /// The model and the blocks per buffer.
+    fn model(&self) -> te::Result<(Model, u64)> {
+        let model = Model {
+            layers: number(&self.kv_layers, 32, "kv-layers")?,
+            kv_heads: number(&self.kv_heads, 8, "kv-heads")?,
+            head_dim: number(&self.kv_head_dim, 128, "kv-head-dim")?,
+            block_tokens: number(&self.kv_block_tokens, 16, "kv-block-tokens")?,
+            dtype_bytes: number(&self.kv_dtype_bytes, 2, "kv-dtype-bytes")?,
+        };
+        Ok((model, number(&self.kv_blocks, 256, "kv-blocks")?))
+    }
+}
+
+/// The bytes of one side's cache.
+fn cache_bytes(model: &Model, blocks: u64) -> te::Result<u64> {
+    (2 * model.layers)
+        .checked_mul(blocks)
+        .and_then(|n| n.checked_mul(model.bytes_per_block()))
+        .filter(|&n| n <= 16 << 30)
+        .ok_or_else(|| {
+            bad("the simulated cache is larger than 16 GiB per side; lower --kv-blocks".into())
+        })
+}
+
+/// A side of the cache in `engine`: its buffer of `mem`, registered as `kv` with the
+/// layout `bench` over it; what `te serve --kv` serves.
+///
+/// # Errors
+/// `InvalidRequest` for a bad geometry; the engine's if the memory cannot be had.
+pub(crate) fn cache_side(
+    engine: &Engine,
+    args: &KvArgs,
+    mem: &te::MemoryKind,
+) -> te::Result<te::Buffer> {
+    let (model, blocks) = args.model()?;
+    let side = cache_bytes(&model, blocks)?;
+    let buffer = engine.alloc_on(mem, "kv", side as usize, Access::REMOTE_READ_WRITE)?;
+    engine.register_layout(layout(&model, buffer.id(), blocks))?;
+    Ok(buffer)
+}
+
 pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
-    let model = Model {
-        layers: number(&args.kv_layers, 32, "kv-layers")?,
-        kv_heads: number(&args.kv_heads, 8, "kv-heads")?,
-        head_dim: number(&args.kv_head_dim, 128, "kv-head-dim")?,
-        block_tokens: number(&args.kv_block_tokens, 16, "kv-block-tokens")?,
-        dtype_bytes: number(&args.kv_dtype_bytes, 2, "kv-dtype-bytes")?,
-    };
-    let blocks = number(&args.kv_blocks, 256, "kv-blocks")?;
+    let (model, blocks) = args.kv_model.model()?;
     let batch = number(&args.batch, 32, "batch")?;
     if batch > blocks {
         return Err(bad(format!(
             "--batch {batch} is more blocks than the cache has (--kv-blocks {blocks})"
         )));
-    }
-    if args.target.is_some() {
-        return Err(bad(
-            "--kv runs both engines in this process; it does not take --target".into(),
-        ));
     }
     let op = match args.op.as_deref().unwrap_or("read") {
         "read" => Op::Read,
@@ -114,13 +181,7 @@ pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
         None => Duration::from_secs(3),
     };
     let bpb = model.bytes_per_block();
-    let side = (2 * model.layers)
-        .checked_mul(blocks)
-        .and_then(|n| n.checked_mul(bpb))
-        .filter(|&n| n <= 16 << 30)
-        .ok_or_else(|| {
-            bad("the simulated cache is larger than 16 GiB per side; lower --kv-blocks".into())
-        })?;
+    cache_bytes(&model, blocks)?;
 
     let mut config = Config::resolve(args.config.as_deref())?;
     if let Some(b) = &args.backend {
@@ -138,20 +199,41 @@ pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
     }
     // One endpoint per address: the target in this process serves none.
     config.engine.metrics_listen = None;
-    let target = Engine::from_config(&config)?;
     let initiator = Engine::from_config(&own)?;
     if let Some(m) = initiator.metrics_address() {
         eprintln!("metrics at http://{m}/metrics (`te stats {m}` shows them live)");
     }
-    let remote = target.alloc_on(&mem, "kv", side as usize, Access::REMOTE_READ_WRITE)?;
-    let local = initiator.alloc_on(&mem, "kv", side as usize, Access::REMOTE_READ_WRITE)?;
-    target.register_layout(layout(&model, remote.id(), blocks))?;
-    initiator.register_layout(layout(&model, local.id(), blocks))?;
-    let peer = initiator.connect(&target.address().to_string())?;
-    let remote_id = peer
-        .region("kv")
-        .map(|r| r.id)
-        .ok_or_else(|| bad("the target's buffer is missing".into()))?;
+    // The target: a `te serve --kv` (another process, on this host or not), or an
+    // engine in this process.
+    let (_target, addr) = match &args.target {
+        Some(addr) => (None, addr.clone()),
+        None => {
+            let target = Engine::from_config(&config)?;
+            let buffer = cache_side(&target, &args.kv_model, &mem)?;
+            let addr = target.address().to_string();
+            (Some((target, buffer)), addr)
+        }
+    };
+    let local = cache_side(&initiator, &args.kv_model, &mem)?;
+    let peer = initiator.connect(&addr)?;
+    let remote_id = peer.region("kv").map(|r| r.id).ok_or_else(|| {
+        bad(format!(
+            "{addr} serves no KV cache: start it with `te serve --kv` and the same --kv-* options"
+        ))
+    })?;
+    let theirs = peer.kv_layout("bench").map(|l| shape(&l));
+    let ours = shape(&layout(&model, remote_id, blocks));
+    if theirs.as_ref() != Some(&ours) {
+        return Err(bad(format!(
+            "the cache {addr} serves has another geometry ({} groups × slots of bytes per block and blocks: {:?}) than these --kv-* options give ({:?}); start `te serve --kv` with the same options",
+            theirs.as_ref().map_or(0, Vec::len),
+            theirs.as_ref().and_then(|t| t.first()),
+            ours.first()
+        )));
+    }
+    if let Some(path) = initiator.path_to(&peer) {
+        eprintln!("te bench --kv: the target at {addr} is reached by {path}");
+    }
 
     let per_batch = batch * bpb * 2 * model.layers;
     eprintln!(
@@ -162,6 +244,22 @@ pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
         per_batch as f64 / (1u64 << 20) as f64,
         duration
     );
+    // Warm-up: the whole cache moved once, so no mode pays for first touches (page
+    // faults, pinning) the others do not.
+    let side = cache_bytes(&model, blocks)?;
+    let chunk = 1u64 << 20;
+    let all: Vec<TransferRequest> = (0..side.div_ceil(chunk))
+        .map(|i| {
+            let (off, len) = (i * chunk, chunk.min(side - i * chunk));
+            match op {
+                Op::Read => TransferRequest::read(local.id(), off, remote_id, off, len),
+                Op::Write => TransferRequest::write(local.id(), off, remote_id, off, len),
+            }
+        })
+        .collect();
+    for part in all.chunks(64) {
+        initiator.transfer(&peer, part)?.wait()?;
+    }
     let options = BlockOptions::default();
     let mut rng = Rng(std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

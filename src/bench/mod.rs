@@ -12,6 +12,8 @@ use std::path::PathBuf;
 
 mod baseline;
 mod kv;
+
+pub(crate) use kv::{cache_side, KvArgs};
 mod pattern;
 mod plan;
 mod plot;
@@ -91,24 +93,9 @@ pub(crate) struct BenchArgs {
     /// 1 MiB requests); --batch is blocks per batch, --op read (default) pulls them.
     #[arg(long)]
     pub(crate) kv: bool,
-    /// --kv: layers [default: 32].
-    #[arg(long, value_name = "N", requires = "kv")]
-    pub(crate) kv_layers: Option<String>,
-    /// --kv: KV heads [default: 8].
-    #[arg(long, value_name = "N", requires = "kv")]
-    pub(crate) kv_heads: Option<String>,
-    /// --kv: head dimension [default: 128].
-    #[arg(long, value_name = "N", requires = "kv")]
-    pub(crate) kv_head_dim: Option<String>,
-    /// --kv: tokens per block [default: 16].
-    #[arg(long, value_name = "N", requires = "kv")]
-    pub(crate) kv_block_tokens: Option<String>,
-    /// --kv: bytes per element (2 for fp16/bf16) [default: 2].
-    #[arg(long, value_name = "N", requires = "kv")]
-    pub(crate) kv_dtype_bytes: Option<String>,
-    /// --kv: blocks per buffer on each side [default: 256].
-    #[arg(long, value_name = "N", requires = "kv")]
-    pub(crate) kv_blocks: Option<String>,
+    /// --kv: the simulated model's geometry.
+    #[command(flatten)]
+    pub(crate) kv_model: kv::KvArgs,
 }
 
 /// Runs `te bench`.
