@@ -85,6 +85,10 @@ pub struct FakeDevConfig {
     /// batched driver call or one list-copy kernel is), or one launch each (as a loop
     /// of single-copy calls is, where a driver lacks the batched call).
     pub batch: bool,
+    /// The devices this process sees, in ordinal order: `[1, 0]` numbers them the other
+    /// way round, as `CUDA_VISIBLE_DEVICES=1,0` does, so two processes can disagree on
+    /// ordinals and must name devices by [`DeviceRuntime::device_id`] (`fakedev-N`).
+    pub visible: [u32; DEVICES as usize],
 }
 
 impl Default for FakeDevConfig {
@@ -93,6 +97,7 @@ impl Default for FakeDevConfig {
             launch_cost: Duration::from_micros(2),
             sync_cost: Duration::from_micros(10),
             batch: true,
+            visible: std::array::from_fn(|i| i as u32),
         }
     }
 }
@@ -351,6 +356,17 @@ fn create(table: &toml::Table) -> Result<Arc<dyn DeviceRuntime>> {
             format!("[runtimes.fakedev]: {}", e.message()),
         )
     })?;
+    let mut seen = config.visible;
+    seen.sort_unstable();
+    if seen.iter().enumerate().any(|(i, &d)| d != i as u32) {
+        return Err(Error::new(
+            ErrorKind::ConfigInvalid,
+            format!(
+                "[runtimes.fakedev]: visible = {:?} must name each of fakedev's devices 0..{DEVICES} once",
+                config.visible
+            ),
+        ));
+    }
     let rt = FakeDev::start(config)?;
     // `device::runtime` creates one instance per process; keep it for `process`.
     let _ = PROCESS.set(rt.clone());
@@ -405,6 +421,16 @@ impl FakeDev {
     /// and not yet closed).
     pub fn imported(&self) -> usize {
         self.allocs.lock().imported.len()
+    }
+
+    /// Of those, the ones mapped on device `ordinal`.
+    pub fn imported_on(&self, ordinal: u32) -> usize {
+        let allocs = self.allocs.lock();
+        allocs
+            .imported
+            .iter()
+            .filter(|&&a| ordinal_of(a) == ordinal)
+            .count()
     }
 
     /// Synchronisations paid so far on every device (one per group per queue, one per
@@ -604,6 +630,11 @@ impl DeviceRuntime for FakeDev {
             base,
             len: a.len as u64,
         })
+    }
+
+    fn device_id(&self, ordinal: u32) -> Option<String> {
+        let physical = self.config.visible.get(ordinal as usize)?;
+        Some(format!("fakedev-{physical}"))
     }
 
     fn ipc_import(

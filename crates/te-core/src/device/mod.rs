@@ -367,6 +367,22 @@ pub trait DeviceRuntime: Send + Sync + fmt::Debug + 'static {
         ))
     }
 
+    /// A name of device `ordinal` that every process of this host gives the same
+    /// device, whatever devices each may see (CUDA: its PCI address, as
+    /// `CUDA_VISIBLE_DEVICES` renumbers devices per process); `None` where the runtime
+    /// has none.
+    fn device_id(&self, ordinal: u32) -> Option<String> {
+        let _ = ordinal;
+        None
+    }
+
+    /// The ordinal by which this process knows the device named `id`
+    /// ([`DeviceRuntime::device_id`]); `None` if it does not see that device.
+    fn ordinal_of(&self, id: &str) -> Option<u32> {
+        let count = self.device_count().unwrap_or(0);
+        (0..count).find(|&o| self.device_id(o).as_deref() == Some(id))
+    }
+
     /// What the runtime's copies have cost its devices so far ([`CopyStats`]); zeros
     /// for a runtime that does not count.
     fn stats(&self) -> CopyStats {

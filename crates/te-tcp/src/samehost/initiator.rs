@@ -237,7 +237,13 @@ impl Channel {
         if st.dead.is_some() {
             return None;
         }
-        let name = rt.name().as_bytes();
+        // The runtime's name, then (after a NUL) the device's host-wide name where the
+        // runtime has one: the target may number the device otherwise.
+        let mut name = rt.name().as_bytes().to_vec();
+        if let Some(id) = rt.device_id(export.ordinal) {
+            name.push(0);
+            name.extend_from_slice(id.as_bytes());
+        }
         let mut msg = Msg {
             kind: SHARE,
             code: export.handle.len() as u32,
@@ -249,7 +255,7 @@ impl Channel {
         .encode()
         .to_vec();
         msg.extend_from_slice(&export.handle);
-        msg.extend_from_slice(name);
+        msg.extend_from_slice(&name);
         let sent = local::send_with_fd(&self.stream, &msg, export.fd.as_ref().map(|f| f.as_fd()));
         if let Err(e) = sent {
             drop(st);

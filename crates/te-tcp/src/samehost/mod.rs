@@ -42,7 +42,7 @@
 //!
 //! | kind | direction | code | id | a | b | c | then |
 //! |---|---|---|---|---|---|---|---|
-//! | 1 share | → target | handle bytes | key | base | length | ordinal << 32 · runtime name bytes | handle, runtime name; a descriptor attached where the runtime's handles are descriptors |
+//! | 1 share | → target | handle bytes | key | base | length | ordinal << 32 · runtime name bytes | handle, runtime name (then a NUL and the device's host-wide name, `DeviceRuntime::device_id`, where the runtime has one: the target maps on its own ordinal of that device); a descriptor attached where the runtime's handles are descriptors |
 //! | 2 write, 3 read | → target | entries n | request id | deadline, µs on the host's monotonic clock (0: none) | bytes in all | 0 | n × (region, offset, length, key, address), u64 each; key 0 is host memory |
 //! | 4 done | → initiator | 0 | request id | 0 | 0 | 0 | — |
 //! | 5 error | → initiator | error kind | request id | 0 | message bytes | 0 | the message |
@@ -71,7 +71,7 @@ use crate::state::Shared;
 use crate::wire::{Entry, Header, Kind, NONCE_LEN};
 
 const MAGIC: [u8; 4] = *b"TELC";
-const VERSION: u16 = 2;
+pub(crate) const VERSION: u16 = 3;
 const HELLO_LEN: usize = 64;
 const WELCOME_LEN: usize = 8;
 const HEADER_LEN: usize = 40;
@@ -79,7 +79,7 @@ const ENTRY_LEN: usize = 40;
 /// The most entries one request carries (a batch of random KV blocks is one request).
 pub(crate) const MAX_ENTRIES: usize = 1 << 16;
 const MAX_HANDLE: usize = 256;
-const MAX_NAME: usize = 32;
+const MAX_NAME: usize = 128;
 const MAX_MESSAGE: usize = 4096;
 /// Channels one target serves at once; more are closed at once.
 const MAX_CHANNELS: usize = 256;

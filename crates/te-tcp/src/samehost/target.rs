@@ -250,19 +250,41 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
                 (&mut &*s)
                     .read_exact(&mut b)
                     .map_err(|e| io_error("receive failed", e))?;
-                let name = std::str::from_utf8(&b[hl..])
+                let text = std::str::from_utf8(&b[hl..])
                     .map_err(|_| protocol("a runtime name that is not UTF-8"))?;
-                let ordinal = (m.c >> 32) as u32;
+                // `runtime` or `runtime NUL device-id`: the device by its host-wide
+                // name where the initiator gave one, else by the initiator's ordinal.
+                let (name, device) = match text.split_once('\0') {
+                    Some((n, d)) => (n, Some(d)),
+                    None => (text, None),
+                };
+                let theirs = (m.c >> 32) as u32;
+                let ordinal = match device {
+                    None => Ok(theirs),
+                    Some(d) => te_core::device::runtime(name)
+                        .ok()
+                        .and_then(|rt| rt.ordinal_of(d))
+                        .ok_or_else(|| {
+                            Error::new(
+                                ErrorKind::Unsupported,
+                                format!("the initiator's {name} device {d} (its ordinal {theirs}) is not one this process sees (CUDA_VISIBLE_DEVICES?): its memory cannot be mapped here"),
+                            )
+                        }),
+                };
                 let id = (pid, initiator, m.id);
                 // Another channel of the same peer may have mapped it: share that one
                 // (the handle or descriptor sent again is not opened twice).
                 let mut all = shared.imports.0.lock();
                 let known = all.get(&id).and_then(Weak::upgrade).filter(|i| {
-                    i.base == m.a && i.len == m.b && i.ordinal == ordinal && i.rt.name() == name
+                    i.base == m.a
+                        && i.len == m.b
+                        && ordinal.as_ref().is_ok_and(|&o| i.ordinal == o)
+                        && i.rt.name() == name
                 });
                 let import = match known {
                     Some(i) => Ok(i),
-                    None => te_core::device::runtime(name).and_then(|rt| {
+                    None => ordinal.and_then(|ordinal| {
+                        let rt = te_core::device::runtime(name)?;
                         let addr = rt.ipc_import(ordinal, &b[..hl], fd, m.b)?;
                         let i = Arc::new(Import {
                             rt,

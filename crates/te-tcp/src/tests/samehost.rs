@@ -197,7 +197,7 @@ fn proven_raw(target: &TcpBackend) -> std::os::unix::net::UnixStream {
     let mut s = raw(target);
     let mut hello = [0u8; 64];
     hello[..4].copy_from_slice(b"TELC");
-    hello[4..6].copy_from_slice(&2u16.to_le_bytes());
+    hello[4..6].copy_from_slice(&crate::samehost::VERSION.to_le_bytes());
     hello[8..16].copy_from_slice(&instance.to_le_bytes());
     hello[16..48].copy_from_slice(&n);
     s.write_all(&hello).unwrap();

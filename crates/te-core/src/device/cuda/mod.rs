@@ -866,6 +866,23 @@ impl DeviceRuntime for Cuda {
         }
     }
 
+    fn device_id(&self, ordinal: u32) -> Option<String> {
+        self.device(ordinal).ok()?;
+        driver("read a device's PCI address", || {
+            let dev = result::device::get(ordinal as i32)?;
+            use sys::CUdevice_attribute as A;
+            // SAFETY: a valid device and attributes; each value is a plain int.
+            let attr = |a| unsafe { result::device::get_attribute(dev, a) };
+            Ok(format!(
+                "{:04x}:{:02x}:{:02x}.0",
+                attr(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+                attr(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+                attr(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
+            ))
+        })
+        .ok()
+    }
+
     fn ipc_export(&self, addr: u64) -> Result<IpcExport> {
         let info = self.pointer_info(addr)?;
         let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
