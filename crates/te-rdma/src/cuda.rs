@@ -112,49 +112,6 @@ pub(crate) fn export_dmabuf(ordinal: u32, addr: u64, len: u64) -> Result<DmaBuf>
     }
 }
 
-/// The PCI bus id (`0000:3b:00.0`) of CUDA device `ordinal`, to place it on the PCIe
-/// tree.
-///
-/// # Errors
-/// `Unavailable` without a driver; `Backend` if the driver refuses.
-pub(crate) fn pci_bus_id(ordinal: u32) -> Result<String> {
-    use cudarc::driver::{result, sys};
-    use std::panic::{catch_unwind, AssertUnwindSafe};
-
-    // SAFETY: only tries to open the library by its usual names.
-    if !unsafe { sys::is_culib_present() } {
-        return Err(Error::new(
-            ErrorKind::Unavailable,
-            "libcuda.so not found: no NVIDIA driver on this machine",
-        ));
-    }
-    let call = || -> std::result::Result<(i32, i32, i32), result::DriverError> {
-        result::init()?;
-        let dev = result::device::get(ordinal as i32)?;
-        let attr = |a| {
-            // SAFETY: a valid device and attribute; the value is a plain int.
-            unsafe { result::device::get_attribute(dev, a) }
-        };
-        use sys::CUdevice_attribute as A;
-        Ok((
-            attr(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
-            attr(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
-            attr(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?,
-        ))
-    };
-    match catch_unwind(AssertUnwindSafe(call)) {
-        Ok(Ok((domain, bus, device))) => Ok(format!("{domain:04x}:{bus:02x}:{device:02x}.0")),
-        Ok(Err(e)) => Err(Error::new(
-            ErrorKind::Backend,
-            format!("cannot read the PCI address of cuda:{ordinal}: {e}"),
-        )),
-        Err(_) => Err(Error::new(
-            ErrorKind::Unavailable,
-            "the NVIDIA driver lacks cuDeviceGetAttribute",
-        )),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -147,11 +147,12 @@ impl RdmaBackend {
                 .collect();
         }
         let place = match kind {
-            #[cfg(feature = "cuda")]
+            // The runtime names a CUDA device by its PCI address.
             MemoryKind::Device { runtime, ordinal } if runtime == "cuda" => {
-                match crate::cuda::pci_bus_id(*ordinal) {
-                    Ok(bus) => topology::pci_place(std::path::Path::new("/sys"), &bus),
-                    Err(_) => return Vec::new(),
+                let rt = te_core::device::runtime(runtime).ok();
+                match rt.and_then(|rt| rt.device_id(*ordinal)) {
+                    Some(bus) => topology::pci_place(std::path::Path::new("/sys"), &bus),
+                    None => return Vec::new(),
                 }
             }
             _ => return Vec::new(),
