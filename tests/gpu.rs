@@ -36,6 +36,20 @@ fn cuda_buffers_round_trip_and_bogus_pointers_are_refused() {
     // SAFETY: refused before use: host memory is not CUDA device memory.
     let err = unsafe { e.register(desc) }.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidRequest, "{err}");
+    // Each device has a host-wide name, its PCI address, by which another process
+    // (whatever its CUDA_VISIBLE_DEVICES) finds it again.
+    for ordinal in 0..rt.device_count().unwrap() {
+        let id = rt
+            .device_id(ordinal)
+            .expect("a CUDA device has a PCI address");
+        let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+        let parts: Vec<&str> = id.split([':', '.']).collect();
+        assert!(
+            parts.len() == 4 && hex(parts[0], 4) && hex(parts[1], 2) && hex(parts[2], 2),
+            "cuda:{ordinal} is named `{id}`"
+        );
+        assert_eq!(rt.ordinal_of(&id), Some(ordinal), "{id}");
+    }
 }
 
 #[test]
