@@ -70,6 +70,10 @@ impl Default for Exports {
 /// An initiator's channel to one same-host target.
 pub(crate) struct Channel {
     stream: UnixStream,
+    /// Held while a message is written, so shares, requests and unshares go out in
+    /// order; taken before `state` and never under it, so a write that blocks on a
+    /// peer that stopped reading never holds up the thread receiving answers.
+    send: Mutex<()>,
     state: Mutex<ChannelState>,
     exports: Arc<Mutex<Exports>>,
     /// The target can copy host memory with this process (cross-memory attach).
@@ -136,6 +140,7 @@ impl Channel {
             .map_err(|e| io_error("cannot set timeouts", e))?;
         let reader = s.try_clone().map_err(|e| io_error("cannot clone", e))?;
         let ch = Arc::new(Channel {
+            send: Mutex::new(()),
             stream: s,
             state: Mutex::new(ChannelState {
                 next_id: 1,
@@ -162,10 +167,12 @@ impl Channel {
     /// deregistered here, so no request names it any more): the target unmaps it once
     /// none of this peer's channels holds it.
     pub(crate) fn unshare(&self, key: u64) {
+        let _order = self.send.lock();
         let mut st = self.state.lock();
         if !st.sent.remove(&key) || st.dead.is_some() {
             return;
         }
+        drop(st);
         let msg = Msg {
             kind: UNSHARE,
             code: 0,
@@ -176,7 +183,6 @@ impl Channel {
         }
         .encode();
         let sent = (&mut &self.stream).write_all(&msg);
-        drop(st);
         if let Err(e) = sent {
             self.fail(io_error("send failed", e));
         }
@@ -230,6 +236,7 @@ impl Channel {
                 }
             }
         };
+        let _order = self.send.lock();
         let mut st = self.state.lock();
         if st.sent.contains(&key) {
             return Some(key);
@@ -237,6 +244,8 @@ impl Channel {
         if st.dead.is_some() {
             return None;
         }
+        st.sent.insert(key);
+        drop(st);
         // The runtime's name, then (after a NUL) the device's host-wide name where the
         // runtime has one: the target may number the device otherwise.
         let mut name = rt.name().as_bytes().to_vec();
@@ -258,11 +267,9 @@ impl Channel {
         msg.extend_from_slice(&name);
         let sent = local::send_with_fd(&self.stream, &msg, export.fd.as_ref().map(|f| f.as_fd()));
         if let Err(e) = sent {
-            drop(st);
             self.fail(io_error("send failed", e));
             return None;
         }
-        st.sent.insert(key);
         Some(key)
     }
 
@@ -304,6 +311,7 @@ impl Channel {
             .map(|f| f.batch.deadline().saturating_duration_since(Instant::now()))
             .min()
             .unwrap_or_default();
+        let _order = self.send.lock();
         let mut st = self.state.lock();
         if let Some(e) = st.dead.clone() {
             drop(st);
@@ -332,9 +340,10 @@ impl Channel {
             }
         }
         st.waiting.insert(id, batches);
-        // Written under the lock, so requests and shares keep their order.
-        let sent = (&mut &self.stream).write_all(&msg);
         drop(st);
+        // Written under `send` alone: requests and shares keep their order, and the
+        // receiving thread can take answers meanwhile.
+        let sent = (&mut &self.stream).write_all(&msg);
         if let Err(e) = sent {
             self.fail(io_error("send failed", e));
         }
