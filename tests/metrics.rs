@@ -40,6 +40,11 @@ fn batches_bytes_latency_registrations_and_notifications_are_counted() {
     let t = h.telemetry().expect("an ended batch tells what it did");
     assert_eq!((t.requests, t.bytes), (3, 4096 + 8192 + 1024));
     assert!(t.post <= t.duration, "{t:?}");
+    // The stub times its worker's copy as the wire.
+    assert!(
+        t.wire.is_some_and(|w| w <= t.duration) && t.device.is_none(),
+        "{t:?}"
+    );
     let opts = te::TransferOptions {
         notify: Some(b"done".to_vec()),
         ..Default::default()

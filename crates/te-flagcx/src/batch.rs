@@ -8,7 +8,7 @@ use std::sync::Arc;
 use te_core::sync::Mutex;
 
 use te_core::kit::fits;
-use te_core::{Completion, Error, ErrorKind, Op, Result, TransferRequest};
+use te_core::{BatchStage, Completion, Error, ErrorKind, Op, Result, TransferRequest};
 
 use crate::ffi::{Desc, E_STALE, E_UNREACHABLE, OP_READ, OP_WRITE};
 use crate::peers::Link;
@@ -122,6 +122,8 @@ impl Poster {
         }
         let mut xfers = [None, None];
         let mut error = None;
+        // The wire: from the first transfer posted until the last one finished.
+        done.stage_began(BatchStage::Wire);
         for (op, descs) in [(OP_WRITE, &scratch.writes), (OP_READ, &scratch.reads)] {
             if descs.is_empty() {
                 continue;
@@ -169,6 +171,7 @@ impl Poster {
         } = b;
         self.put(scratch);
         drop(link);
+        done.stage_ended(BatchStage::Wire);
         done.complete(match error {
             Some(e) => Err(e),
             None => Ok(()),

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use te_core::worker::DueQueue;
-use te_core::{Completion, Error, ErrorKind, Result};
+use te_core::{BatchStage, Completion, Error, ErrorKind, Result};
 
 use crate::ffi::{Cnrt, Queue};
 use crate::peers::Mapping;
@@ -64,7 +64,11 @@ pub(crate) fn worker(queue: &DueQueue<Job>, cnrt: &Cnrt) {
                 "the batch was aborted (its deadline, a cancel or a deregistration) before its copies started",
             ))
         } else {
-            run(&job.copies, cnrt, &mut queues)
+            // MLU copies, one-sided over MLU-Link or through the host: the device stage.
+            job.done.stage_began(BatchStage::Device);
+            let r = run(&job.copies, cnrt, &mut queues);
+            job.done.stage_ended(BatchStage::Device);
+            r
         };
         let Job { guards, done, .. } = job;
         drop(guards);

@@ -7,7 +7,7 @@ use std::sync::{Arc, Weak};
 use te_core::device::{DeviceCopy, DeviceRuntime};
 use te_core::peer_table::PeerTable;
 use te_core::worker::DueQueue;
-use te_core::{Completion, Error, ErrorKind, Op, PeerId, Result};
+use te_core::{BatchStage, Completion, Error, ErrorKind, Op, PeerId, Result};
 
 use crate::backend::*;
 use crate::config::{Mode, StubConfig};
@@ -20,7 +20,10 @@ pub(crate) fn run(
 ) {
     let mut scratch = Vec::new();
     while let Some(job) = queue.next(config.reorder) {
+        // The stub's fabric is its worker's copy (and its `delay`): the wire.
+        job.done.stage_began(BatchStage::Wire);
         let result = execute(&job, local, config, &mut scratch);
+        job.done.stage_ended(BatchStage::Wire);
         if job.fault == Fault::Restart {
             let id = job.peer.upgrade().map(|p| PeerId(p.id));
             if let Some(id) = id {
