@@ -29,14 +29,20 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-"$te" serve --backend tcp --mem "$mem" --buffer-size 1GiB >"$work/serve" 2>"$work/serve.err" &
-pid=$!
-for _ in $(seq 100); do
-  [ -s "$work/serve" ] && break
-  sleep 0.1
-done
-[ -s "$work/serve" ] || { echo "te serve did not start:" >&2; cat "$work/serve.err" >&2; exit 1; }
-target=$(head -n1 "$work/serve")
+# Starts `te serve --backend tcp --mem $mem ARGS...` as $pid and sets $target to the
+# address it prints first.
+serve() {
+  rm -f "$work/serve"
+  "$te" serve --backend tcp --mem "$mem" "$@" >"$work/serve" 2>"$work/serve.err" &
+  pid=$!
+  for _ in $(seq 100); do
+    [ -s "$work/serve" ] && break
+    sleep 0.1
+  done
+  [ -s "$work/serve" ] || { echo "te serve $* did not start:" >&2; cat "$work/serve.err" >&2; exit 1; }
+  target=$(head -n1 "$work/serve")
+}
+serve --buffer-size 1GiB
 printf '[engine]\nbackend = "tcp"\n[backends.tcp]\nlocal_ipc = false\n' >"$work/socket.toml"
 printf '[engine]\nbackend = "tcp"\n' >"$work/channel.toml"
 results="$work/results.jsonl"
@@ -88,16 +94,9 @@ sys.exit(0 if ok else 1)
 PY
 kill "$pid" 2>/dev/null || true
 wait "$pid" 2>/dev/null || true
-"$te" serve --backend tcp --mem "$mem" --kv >"$work/kvserve" 2>"$work/kvserve.err" &
-pid=$!
-for _ in $(seq 100); do
-  [ -s "$work/kvserve" ] && break
-  sleep 0.1
-done
-[ -s "$work/kvserve" ] || { echo "te serve --kv did not start:" >&2; cat "$work/kvserve.err" >&2; exit 1; }
-kvtarget=$(head -n1 "$work/kvserve")
+serve --kv
 for op in read write; do
-  "$te" bench --backend tcp --kv --target "$kvtarget" --mem "$mem" --op "$op" --batch 64 \
+  "$te" bench --backend tcp --kv --target "$target" --mem "$mem" --op "$op" --batch 64 \
     --duration "${secs}s" --json 2>/dev/null >>"$work/kv.jsonl"
 done
 echo "== $mem KV blocks, target in another process of this host (64 blocks per batch)"

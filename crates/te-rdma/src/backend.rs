@@ -351,16 +351,16 @@ impl TransferBackend for RdmaBackend {
         let mut pinned: Vec<Pin> = Vec::new();
         let mut resolved = Vec::with_capacity(batch.len());
         for (i, r) in batch.iter().enumerate() {
-            let local = match pinned.iter().find(|p| p.id == r.local) {
-                Some(p) => p.clone(),
+            let local = match pinned.iter().position(|p| p.id == r.local) {
+                Some(at) => at,
                 None => {
                     let p = self
                         .shared
                         .regions
                         .pin(r.local)
                         .map_err(|e| e.with_context("request", i))?;
-                    pinned.push(p.clone());
-                    p
+                    pinned.push(p);
+                    pinned.len() - 1
                 }
             };
             let remote = remote_regions.get(&r.remote).ok_or_else(|| {
@@ -382,6 +382,7 @@ impl TransferBackend for RdmaBackend {
         let state = self.shared.in_flight.start(count as usize, done);
         let mut per_path: HashMap<u64, (Arc<path::Path>, Vec<Job>)> = HashMap::new();
         for (r, (local, remote)) in batch.iter().zip(&resolved) {
+            let local = &pinned[*local];
             // Slices of a device's memory go to the NICs nearest to it, if healthy.
             let near: Vec<&Arc<path::Path>> = usable
                 .iter()
