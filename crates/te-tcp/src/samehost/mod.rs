@@ -79,7 +79,7 @@ const ENTRY_LEN: usize = 40;
 /// The most entries one request carries (a batch of random KV blocks is one request).
 pub(crate) const MAX_ENTRIES: usize = 1 << 16;
 const MAX_HANDLE: usize = 256;
-const MAX_NAME: usize = 128;
+pub(crate) const MAX_NAME: usize = 128;
 const MAX_MESSAGE: usize = 4096;
 /// Channels one target serves at once; more are closed at once.
 const MAX_CHANNELS: usize = 256;

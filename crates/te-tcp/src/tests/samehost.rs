@@ -207,14 +207,16 @@ fn proven_raw(target: &TcpBackend) -> std::os::unix::net::UnixStream {
     s
 }
 
-/// Whether the target closed `s` (read returns end of file or an error).
+/// Whether the target closed `s` within 5 s (read returns end of file or a reset; a
+/// read that merely times out is an open socket).
 fn closed(s: &mut std::os::unix::net::UnixStream) -> bool {
-    use std::io::Read;
+    use std::io::{ErrorKind, Read};
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut b = [0u8; 64];
     loop {
         match s.read(&mut b) {
-            Ok(0) | Err(_) => return true,
+            Ok(0) => return true,
+            Err(e) => return !matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut),
             Ok(_) => continue,
         }
     }
@@ -240,8 +242,9 @@ fn hostile_channels_are_closed_and_the_listener_keeps_serving_good_peers() {
     s.write_all(&[0x55; 64]).unwrap();
     assert!(closed(&mut s));
 
-    // A proven channel that sends a message of no kind, or a request of too many
-    // entries: closed before anything more is read.
+    // A proven channel that sends a message of no kind, a request of too many entries,
+    // or a share whose runtime and device name is longer than any: closed before
+    // anything more is read.
     for header in [
         {
             let mut h = [0u8; 40];
@@ -252,6 +255,12 @@ fn hostile_channels_are_closed_and_the_listener_keeps_serving_good_peers() {
             let mut h = [0u8; 40];
             h[0] = 2;
             h[4..8].copy_from_slice(&((crate::samehost::MAX_ENTRIES as u32) + 1).to_le_bytes());
+            h
+        },
+        {
+            let mut h = [0u8; 40];
+            h[0] = 1;
+            h[32..40].copy_from_slice(&(crate::samehost::MAX_NAME as u64 + 1).to_le_bytes());
             h
         },
     ] {
