@@ -3,7 +3,8 @@
 # every byte of staged, device-to-device, mixed, KV and two-process transfers verified
 # on cuda:0), the list-copy kernel assembled by ptxas for three GPU generations where
 # the toolkit is installed, then scripts/gpu-bench.sh's table (staged, as between
-# hosts) and scripts/same-host-bench.sh's (two processes of this host). With an older
+# hosts), scripts/same-host-bench.sh's (two processes of this host) and
+# scripts/kv-per-request.sh's (te's CPU cost per request of a KV batch). With an older
 # te beside the new one (`te-before`), its staged table follows, measured in the same
 # sitting.
 #
@@ -45,6 +46,8 @@ echo "== te bench: this te, staged as between hosts"
 scripts/gpu-bench.sh "$dir/te" "$secs" || fail=1
 echo "== te bench: two processes of this host, channel against socket"
 TE_REPS=2 scripts/same-host-bench.sh "$dir/te" "${TE_GPU_MEM:-cuda:0}" "$secs" || fail=1
+echo "== te bench --kv: what one request of a KV batch costs on the CPU"
+scripts/kv-per-request.sh "$dir/te" "${TE_GPU_MEM:-cuda:0}" 1 || fail=1
 if [ -x "$dir/te-before" ]; then
   echo "== te bench: te-before (the same table, one point each, for comparison)"
   TE_GPU_OLD=1 TE_GPU_REPS=1 scripts/gpu-bench.sh "$dir/te-before" "$secs" || true

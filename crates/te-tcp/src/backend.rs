@@ -304,7 +304,9 @@ impl TcpBackend {
     fn pin_locals(&self, batch: &[TransferRequest]) -> Result<Vec<Pin>> {
         let mut pins: Vec<Pin> = Vec::new();
         for r in batch {
-            if !pins.iter().any(|p| p.id == r.local) {
+            // Requests come grouped by region: the last pin is the likely one.
+            if pins.last().is_none_or(|p| p.id != r.local) && !pins.iter().any(|p| p.id == r.local)
+            {
                 pins.push(self.shared.regions.pin(r.local)?);
             }
         }
@@ -445,13 +447,20 @@ impl TransferBackend for TcpBackend {
         // Every slice fits the frame limit the peer announced and our own buffers.
         let slice = pc.slice.load(Ordering::Acquire);
         let pins = self.pin_locals(batch)?;
-        let bases: Vec<(usize, Option<Dev>)> = batch
+        let mut last = 0;
+        let bases: Vec<(usize, Option<&Dev>)> = batch
             .iter()
             .map(|r| {
-                pins.iter()
-                    .find(|p| p.region().id == r.local)
+                if pins.get(last).is_none_or(|p| p.region().id != r.local) {
+                    last = pins
+                        .iter()
+                        .position(|p| p.region().id == r.local)
+                        .unwrap_or(last);
+                }
+                pins.get(last)
+                    .filter(|p| p.region().id == r.local)
                     .map_or((0, None), |p| {
-                        (p.region().addr as usize, p.region().data.clone())
+                        (p.region().addr as usize, p.region().data.as_ref())
                     })
             })
             .collect();

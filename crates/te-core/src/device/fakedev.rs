@@ -228,6 +228,30 @@ impl Allocs {
     }
 }
 
+/// The arenas a group's last copies resolved to (a copy's source and destination),
+/// tried before the allocation table: a group's copies mostly fall in the same few
+/// arenas, and a GPU resolves nothing per copy either.
+#[derive(Default)]
+struct Recent {
+    arenas: [Option<(u64, usize, Arena)>; 2],
+}
+
+impl Recent {
+    fn find(&self, addr: u64) -> Option<(u64, usize, Arena)> {
+        self.arenas
+            .iter()
+            .flatten()
+            .find(|(base, len, _)| addr >= *base && addr - base < *len as u64)
+            .cloned()
+    }
+
+    /// Keeps `arena` as the most recent, dropping the oldest.
+    fn keep(&mut self, base: u64, len: usize, arena: &Arena) {
+        self.arenas.swap(0, 1);
+        self.arenas[0] = Some((base, len, arena.clone()));
+    }
+}
+
 /// One copy with its arena resolved.
 struct Planned {
     copy: DeviceCopy,
@@ -469,11 +493,12 @@ impl FakeDev {
     /// queue's index, and the part).
     fn parts(&self, copies: &[DeviceCopy], batched: bool) -> Result<Vec<(usize, Part)>> {
         let mut parts: Vec<(usize, Part)> = Vec::new();
+        let mut recent = Recent::default();
         for c in copies {
             let (ordinal, dir) = c.queue();
             self.queue(c)?;
             let key = ordinal as usize * 3 + dir;
-            let planned = self.plan(*c)?;
+            let planned = self.plan(*c, &mut recent)?;
             match parts.iter_mut().find(|p| p.0 == key) {
                 Some(p) => p.1.copies.push(planned),
                 None => parts.push((
@@ -512,11 +537,19 @@ impl FakeDev {
         self.config
     }
 
-    /// Resolves a device range to its arena and offset, checking it fits.
-    fn range(&self, device: u64, len: usize) -> Result<(Arena, usize)> {
-        let (base, arena) = self.find(device).ok_or_else(|| not_device(device))?;
+    /// Resolves a device range to its arena and offset, checking it fits; the arenas
+    /// in `recent` are tried first.
+    fn range(&self, recent: &mut Recent, device: u64, len: usize) -> Result<(Arena, usize)> {
+        let (base, size, arena) = match recent.find(device) {
+            Some(hit) => hit,
+            None => {
+                let (base, arena) = self.find(device).ok_or_else(|| not_device(device))?;
+                let size = arena.lock().len();
+                recent.keep(base, size, &arena);
+                (base, size, arena)
+            }
+        };
         let offset = (device - base) as usize;
-        let size = arena.lock().len();
         if !crate::request::fits(offset as u64, len as u64, size as u64) {
             return Err(Error::new(
                 ErrorKind::OutOfBounds,
@@ -526,14 +559,15 @@ impl FakeDev {
         Ok((arena, offset))
     }
 
-    fn plan(&self, copy: DeviceCopy) -> Result<Planned> {
+    fn plan(&self, copy: DeviceCopy, recent: &mut Recent) -> Result<Planned> {
         let len = copy.len();
         let (src, dst) = match copy {
-            DeviceCopy::ToDevice { device, .. } => (None, Some(self.range(device, len)?)),
-            DeviceCopy::ToHost { device, .. } => (Some(self.range(device, len)?), None),
-            DeviceCopy::DeviceToDevice { src, dst, .. } => {
-                (Some(self.range(src, len)?), Some(self.range(dst, len)?))
-            }
+            DeviceCopy::ToDevice { device, .. } => (None, Some(self.range(recent, device, len)?)),
+            DeviceCopy::ToHost { device, .. } => (Some(self.range(recent, device, len)?), None),
+            DeviceCopy::DeviceToDevice { src, dst, .. } => (
+                Some(self.range(recent, src, len)?),
+                Some(self.range(recent, dst, len)?),
+            ),
         };
         Ok(Planned { copy, src, dst })
     }
@@ -724,7 +758,7 @@ impl DeviceRuntime for FakeDev {
         let queue = self.queue(&copy)?;
         let job = Job {
             part: Part {
-                copies: vec![self.plan(copy)?],
+                copies: vec![self.plan(copy, &mut Recent::default())?],
                 batched: true,
                 fail: self.take_failure(copy.queue().0),
             },

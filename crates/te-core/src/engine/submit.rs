@@ -13,10 +13,18 @@ impl Inner {
         state: &Arc<BatchState>,
     ) -> Result<Pins> {
         let mut segment = peer.segment();
-        if requests.iter().any(|r| segment.region(r.remote).is_none()) {
+        // A batch's requests come grouped by region (a KV batch: every block of one
+        // slot, then the next), so each lookup first tries the region found last:
+        // thousands of requests cost one scan of the tables per region, not per request.
+        let mut remote = Last::default();
+        if requests
+            .iter()
+            .any(|r| remote.find(r.remote, |id| segment.region(id)).is_none())
+        {
             self.refresh(peer, state.deadline())?;
             segment = peer.segment();
         }
+        let (mut remote, mut own) = (Last::default(), Last::default());
         let caps = &self.backend.info().capabilities;
         let local = self.regions.read();
         let mut pinned: Vec<Arc<Region>> = Vec::new();
@@ -48,7 +56,7 @@ impl Inner {
                     format!("backend `{}` cannot {}", self.backend.info().name, r.op),
                 );
             }
-            let Some(l) = local.get(&r.local) else {
+            let Some(l) = own.find(r.local, |id| local.get(&id)) else {
                 return fail(
                     ErrorKind::NotRegistered,
                     format!(
@@ -66,7 +74,7 @@ impl Inner {
                     ),
                 );
             }
-            let Some(rem) = segment.region(r.remote) else {
+            let Some(rem) = remote.find(r.remote, |id| segment.region(id)) else {
                 return fail(
                     ErrorKind::NotRegistered,
                     format!(
@@ -93,7 +101,9 @@ impl Inner {
                     ),
                 );
             }
-            if !pinned.iter().any(|p| p.desc.id == r.local) {
+            if pinned.last().is_none_or(|p| p.desc.id != r.local)
+                && !pinned.iter().any(|p| p.desc.id == r.local)
+            {
                 pinned.push(l.clone());
             }
         }
@@ -199,6 +209,34 @@ impl Inner {
             }));
         }
         Ok(handle)
+    }
+}
+
+/// The region a lookup found last, tried before the table.
+struct Last<'a, T> {
+    hit: Option<(RegionId, &'a T)>,
+}
+
+impl<T> Default for Last<'_, T> {
+    fn default() -> Self {
+        Last { hit: None }
+    }
+}
+
+impl<'a, T> Last<'a, T> {
+    fn find(
+        &mut self,
+        id: RegionId,
+        lookup: impl FnOnce(RegionId) -> Option<&'a T>,
+    ) -> Option<&'a T> {
+        match self.hit {
+            Some((last, found)) if last == id => Some(found),
+            _ => {
+                let found = lookup(id)?;
+                self.hit = Some((id, found));
+                Some(found)
+            }
+        }
     }
 }
 

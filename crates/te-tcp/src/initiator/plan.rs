@@ -40,13 +40,16 @@ type DevKey<'a> = Option<(&'a str, u32)>;
 /// and batches larger than that still spread over the pool.
 pub(crate) fn plan(
     batch: &[TransferRequest],
-    bases: &[(usize, Option<Dev>)],
+    bases: &[(usize, Option<&Dev>)],
     slice: u64,
 ) -> Vec<Frame> {
     let mut frames: Vec<Frame> = Vec::new();
     // The open frame of each (op, remote region, local device): few per batch, so a
     // list.
     let mut open: Vec<(te_core::Op, RegionId, DevKey<'_>, usize)> = Vec::new();
+    // The open frame used last: a batch's requests come grouped by region, so it is
+    // the likely one, and the list is searched only when the region changes.
+    let mut last = 0;
     for (r, (base, dev)) in batch.iter().zip(bases) {
         let mut off = 0;
         while off < r.len {
@@ -57,10 +60,15 @@ pub(crate) fn plan(
                 len,
             };
             off += len;
-            let key = dev.as_ref().map(|d| (d.0.name(), d.1));
-            let slot = open
-                .iter()
-                .position(|o| o.0 == r.op && o.1 == r.remote && o.2 == key);
+            let key = dev.map(|d| (d.0.name(), d.1));
+            let is = |o: &(te_core::Op, RegionId, DevKey<'_>, usize)| {
+                o.0 == r.op && o.1 == r.remote && o.2 == key
+            };
+            let slot = match open.get(last) {
+                Some(o) if is(o) => Some(last),
+                _ => open.iter().position(is),
+            };
+            last = slot.unwrap_or(open.len());
             if let Some(f) = slot.map(|i| &mut frames[open[i].3]) {
                 if f.bytes + len <= slice && f.parts.len() < wire::MAX_ENTRIES {
                     f.bytes += len;
@@ -72,7 +80,7 @@ pub(crate) fn plan(
             frames.push(Frame {
                 op: r.op,
                 remote: r.remote,
-                device: dev.clone(),
+                device: dev.cloned(),
                 parts: vec![part],
                 bytes: len,
             });
@@ -158,9 +166,10 @@ mod tests {
             .collect();
         batch.extend((128..132).map(|i| req(Op::Write, 1, i * 32768, 32768)));
         batch.extend((132..136).map(|i| req(Op::Write, 1, i * 32768, 32768)));
-        let mut bases = vec![(0x10000usize, Some((rt.clone(), 0))); 128];
+        let (dev0, dev1) = ((rt.clone(), 0), (rt.clone(), 1));
+        let mut bases = vec![(0x10000usize, Some(&dev0)); 128];
         bases.extend((0..4).map(|_| (0x20000usize, None)));
-        bases.extend((0..4).map(|_| (0x30000usize, Some((rt.clone(), 1)))));
+        bases.extend((0..4).map(|_| (0x30000usize, Some(&dev1))));
         let frames = plan(&batch, &bases, 512 << 10);
         let shape: Vec<(Option<u32>, usize)> = frames
             .iter()

@@ -401,31 +401,50 @@ fn run(
     entries: &[Range],
     deadline_us: u64,
 ) -> Result<()> {
-    let mut by_region: BTreeMap<u64, Vec<Entry>> = BTreeMap::new();
+    // Each entry's region, as an index into the regions named (in the order first
+    // named): a request's entries come grouped by region, so the last one is tried
+    // first and the list is searched only when the region changes.
+    let mut by_region: Vec<(u64, Vec<Entry>)> = Vec::new();
+    let mut index: Vec<usize> = Vec::with_capacity(entries.len());
     for e in entries {
-        by_region.entry(e.region).or_default().push(Entry {
+        let last = by_region.len().wrapping_sub(1);
+        let at = match by_region.get(last) {
+            Some((r, _)) if *r == e.region => last,
+            _ => match by_region.iter().position(|(r, _)| *r == e.region) {
+                Some(at) => at,
+                None => {
+                    by_region.push((e.region, Vec::new()));
+                    by_region.len() - 1
+                }
+            },
+        };
+        by_region[at].1.push(Entry {
             offset: e.offset,
             len: e.len,
         });
+        index.push(at);
     }
     let kind = match op {
         Op::Write => Kind::WriteV,
         Op::Read => Kind::ReadV,
     };
-    let mut pins: HashMap<u64, Pin> = HashMap::new();
+    let mut pins: Vec<Pin> = Vec::with_capacity(by_region.len());
     for (region, es) in &by_region {
         let len = es.iter().map(|e| e.len).sum();
         let h = Header::request(kind, 0, *region, 0, len);
-        pins.insert(
-            *region,
-            crate::target::serve::admit(shared, &h, es, "a same-host peer")?,
-        );
+        pins.push(crate::target::serve::admit(
+            shared,
+            &h,
+            es,
+            "a same-host peer",
+        )?);
     }
     let mut host_here: Vec<(usize, usize)> = Vec::new();
     let mut host_there: Vec<(u64, usize)> = Vec::new();
     let mut groups: Vec<(Arc<dyn DeviceRuntime>, Vec<DeviceCopy>)> = Vec::new();
-    for e in entries {
-        let region = pins[&e.region].region();
+    let mut last_import: Option<(u64, &Arc<Import>)> = None;
+    for (e, &at) in entries.iter().zip(&index) {
+        let region = pins[at].region();
         let here = region.addr + e.offset;
         match (&region.data, e.key) {
             (None, 0) if cma => {
@@ -433,10 +452,14 @@ fn run(
                 host_there.push((e.addr, e.len as usize));
             }
             (Some((rt, ordinal)), key) if key != 0 => {
-                let import = match imports.get(&key) {
-                    Some(Ok(i)) => i,
-                    Some(Err(err)) => return Err(err.clone()),
-                    None => return Err(protocol(format!("a request naming allocation {key}, never shared"))),
+                let import = match (last_import, imports.get(&key)) {
+                    (Some((k, i)), _) if k == key => i,
+                    (_, Some(Ok(i))) => {
+                        last_import = Some((key, i));
+                        i
+                    }
+                    (_, Some(Err(err))) => return Err(err.clone()),
+                    (_, None) => return Err(protocol(format!("a request naming allocation {key}, never shared"))),
                 };
                 if import.rt.name() != rt.name() {
                     return Err(Error::new(
