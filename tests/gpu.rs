@@ -441,3 +441,68 @@ fn cuda_memory_moves_between_two_processes_through_ipc() {
         "the peer took {path:?}, not the same-host channel"
     );
 }
+
+/// Two processes of this host whose `cuda:0` memory comes from `cuMemCreate` (`vmm =
+/// true`, as PyTorch's expandable segments allocate): the initiator's allocation goes
+/// to the target as a POSIX descriptor, not a legacy IPC handle, and the target copies
+/// on the GPU. `te bench --verify` checks every byte of scattered writes and reads, and
+/// its device call count shows the initiator staged nothing (the channel took every
+/// frame; the socket would stage each through pinned memory).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn vmm_memory_moves_between_two_processes_as_a_descriptor() {
+    use std::io::BufRead;
+    let te = std::env::var("TE_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_te").into());
+    let dir = std::env::temp_dir().join(format!("te-gpu-vmm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("te.toml");
+    std::fs::write(
+        &config,
+        "[engine]\nbackend = \"tcp\"\n[runtimes.cuda]\nvmm = true\n",
+    )
+    .unwrap();
+    let config = config.to_str().unwrap().to_string();
+    let mut child = std::process::Command::new(&te)
+        .args(["serve", "--config", &config, "--buffer-size", "64MiB"])
+        .args(["--mem", "cuda:0"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("te serve starts");
+    let mut addr = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut addr)
+        .unwrap();
+    let mut points = Vec::new();
+    for (op, block, batch) in [("write", "32KiB", "128"), ("read", "1MiB", "32")] {
+        let out = std::process::Command::new(&te)
+            .args(["bench", "--config", &config, "--target", addr.trim()])
+            .args(["--mem", "cuda:0", "--op", op, "--block-size", block])
+            .args([
+                "--batch",
+                batch,
+                "--duration",
+                "500ms",
+                "--verify",
+                "--json",
+            ])
+            .output()
+            .expect("te bench runs");
+        points.push((op, out));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    for (op, out) in points {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "te bench --op {op} failed: {}{stdout}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line = stdout.lines().find(|l| l.starts_with('{')).unwrap();
+        assert!(
+            line.contains("\"device_calls_per_batch\":0.0"),
+            "the initiator staged device memory, so the channel did not take the VMM allocation: {line}"
+        );
+    }
+}

@@ -7,8 +7,11 @@
 //! `cuDevicePrimaryCtxRetain`, `cuCtxPushCurrent`, `cuMemAlloc_v2`, `cuMemFree_v2`,
 //! `cuMemHostAlloc`, `cuMemFreeHost`, `cuMemcpy*Async`, `cuModuleLoadData`,
 //! `cuLaunchKernel`, `cuPointerGetAttribute`, `cuMemGetAddressRange_v2`, and for
-//! sharing memory `cuIpcGetMemHandle`, `cuIpcOpenMemHandle_v2`, `cuIpcCloseMemHandle`)
-//! works: CUDA 12 drivers do. `cuMemcpyBatchAsync` (CUDA 12.8) is looked up by te itself when the
+//! sharing memory `cuIpcGetMemHandle`, `cuIpcOpenMemHandle_v2`, `cuIpcCloseMemHandle`,
+//! and for VMM allocations `cuMemRetainAllocationHandle`, `cuMemExportToShareableHandle`,
+//! `cuMemImportFromShareableHandle`, `cuMemAddressReserve`, `cuMemMap`,
+//! `cuMemSetAccess`, `cuMemUnmap`, `cuMemAddressFree`, `cuMemRelease`) works: CUDA 12
+//! drivers do. `cuMemcpyBatchAsync` (CUDA 12.8) is looked up by te itself when the
 //! runtime starts, so an older driver falls back instead of failing (`te info` says
 //! which).
 //!
@@ -50,18 +53,26 @@
 //! address, and [`DeviceRuntime::ipc_import`] opens one in a device's primary context
 //! (`cuIpcOpenMemHandle_v2`, peer access enabled lazily) until
 //! [`DeviceRuntime::ipc_close`]. The driver's rules hold: only `cuMemAlloc`-style
-//! allocations have such handles (VMM allocations from `cuMemCreate` and memory-pool
-//! memory do not, and VMM shareable handles are not supported yet); a process cannot
-//! open its own handles; opening a handle twice in one context gives the same address
-//! (te counts the opens, and each needs its close); and the exporter must not free the
-//! memory before the importer has closed it. Imported memory is device memory of the
-//! importing device like any other: the copy paths take its address as they are.
+//! allocations have such handles; a process cannot open its own handles; opening a
+//! handle twice in one context gives the same address (te counts the opens, and each
+//! needs its close); and the exporter must not free the memory before the importer has
+//! closed it. Where legacy IPC refuses an allocation, te tries the VMM path (`vmm`):
+//! an allocation from `cuMemCreate` created exportable as a POSIX descriptor travels as
+//! that descriptor (an empty handle with the descriptor beside it), and the importer
+//! maps it into an address range of its own (`cuMemImportFromShareableHandle`,
+//! `cuMemAddressReserve`, `cuMemMap`, `cuMemSetAccess`) until `ipc_close` unmaps it.
+//! Memory-pool memory (`cudaMallocAsync`) is shared by neither. Imported memory is
+//! device memory of the importing device like any other: the copy paths take its
+//! address as they are.
 //!
 //! Options (`[runtimes.cuda]`): `batch_call = true` (false: a loop of single copies even
 //! where the driver has the batched call), `kernel = true` (false: no list-copy kernel,
 //! so device-to-device groups go through the batched call and nothing is gathered),
 //! `gather = true` (false: packed host ranges go through the batched call too). The
-//! switches exist to compare the paths on a GPU (`scripts/gpu-bench.sh`).
+//! switches exist to compare the paths on a GPU (`scripts/gpu-bench.sh`). `vmm = false`
+//! (true: the memory te allocates itself — `te bench`, `te serve`, the Python
+//! `alloc` helpers — comes from `cuMemCreate`, exportable as a descriptor, as
+//! PyTorch's expandable segments make it; to exercise the VMM path).
 
 use crate::sync::Mutex;
 use std::collections::HashMap;
@@ -81,6 +92,7 @@ use crate::error::{Error, ErrorKind, Result};
 
 mod batch;
 mod kernel;
+mod vmm;
 
 use batch::BatchCall;
 use kernel::{Kernel, Table};
@@ -100,6 +112,9 @@ pub struct CudaConfig {
     /// Gather (scatter) a group whose host ranges are packed end to end through a
     /// device buffer with the kernel and one copy.
     pub gather: bool,
+    /// Allocate te's own device memory with `cuMemCreate` (exportable as a POSIX
+    /// descriptor, as PyTorch's expandable segments do) instead of `cuMemAlloc`.
+    pub vmm: bool,
 }
 
 impl Default for CudaConfig {
@@ -108,6 +123,7 @@ impl Default for CudaConfig {
             batch_call: true,
             kernel: true,
             gather: true,
+            vmm: false,
         }
     }
 }
@@ -181,9 +197,21 @@ pub struct Cuda {
     /// Why the kernel did not load on a device, if it did not.
     kernel_problem: Mutex<Option<String>>,
     counters: CopyCounters,
-    /// Memory opened with `ipc_import`: its address, its device, and how many opens
-    /// are not closed yet (the driver gives the same address to a second open).
-    imports: Mutex<HashMap<u64, (u32, usize)>>,
+    /// Memory opened with `ipc_import`, by its address here.
+    imports: Mutex<HashMap<u64, Import>>,
+    /// Memory `alloc` made with `cuMemCreate` (`vmm = true`): its length.
+    vmm_allocs: Mutex<HashMap<u64, usize>>,
+}
+
+/// A peer's allocation opened here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Import {
+    ordinal: u32,
+    /// Opens not closed yet: the driver gives a legacy handle's second open the same
+    /// address.
+    opens: usize,
+    /// A VMM allocation's mapping (opened once per import).
+    mapped: Option<vmm::Mapped>,
 }
 
 /// Runs `f` with `ctx` current on this thread, and restores what was current before.
@@ -387,6 +415,7 @@ fn create(table: &toml::Table) -> Result<Arc<dyn DeviceRuntime>> {
         kernel_problem: Mutex::new(None),
         counters: CopyCounters::default(),
         imports: Mutex::new(HashMap::new()),
+        vmm_allocs: Mutex::new(HashMap::new()),
     }))
 }
 
@@ -824,6 +853,11 @@ impl DeviceRuntime for Cuda {
     }
 
     fn alloc(&self, ordinal: u32, len: usize) -> Result<u64> {
+        if self.config.vmm {
+            let (addr, len) = self.with(ordinal, || vmm::alloc(ordinal, len))?;
+            self.vmm_allocs.lock().insert(addr, len);
+            return Ok(addr);
+        }
         // SAFETY: a context is current inside `with`.
         self.with(ordinal, || {
             driver("allocate", || unsafe { result::malloc_sync(len) })
@@ -836,6 +870,10 @@ impl DeviceRuntime for Cuda {
                 ErrorKind::InvalidRequest,
                 format!("{addr:#x} is CUDA memory imported from another process: close it with ipc_close, not free"),
             ));
+        }
+        let made = self.vmm_allocs.lock().remove(&addr);
+        if let Some(len) = made {
+            return self.with(ordinal, || vmm::free(addr, len));
         }
         // SAFETY: the caller passes an address from `alloc`.
         self.with(ordinal, || {
@@ -897,10 +935,15 @@ impl DeviceRuntime for Cuda {
         match code {
             R::CUDA_SUCCESS => {}
             R::CUDA_ERROR_INVALID_VALUE | R::CUDA_ERROR_NOT_SUPPORTED => {
-                return Err(Error::new(
-                    ErrorKind::Unsupported,
-                    format!("the allocation at {:#x} ({} bytes on cuda:{}) cannot be shared by legacy CUDA IPC (cuIpcGetMemHandle: {code:?}): only cuMemAlloc/cudaMalloc memory has IPC handles; VMM (cuMemCreate) and memory-pool allocations need shareable handles, which te does not support yet", info.base, info.len, info.ordinal),
-                ));
+                // Not `cuMemAlloc` memory: a VMM allocation travels as a descriptor.
+                let fd = self.with(info.ordinal, || vmm::export(info.base, info.ordinal, code))?;
+                return Ok(IpcExport {
+                    handle: Vec::new(),
+                    fd: Some(fd),
+                    ordinal: info.ordinal,
+                    base: info.base,
+                    len: info.len,
+                });
             }
             _ => return Err(failed("cuIpcGetMemHandle", code)),
         }
@@ -917,14 +960,25 @@ impl DeviceRuntime for Cuda {
         &self,
         ordinal: u32,
         handle: &[u8],
-        _fd: Option<OwnedFd>,
+        fd: Option<OwnedFd>,
         len: u64,
     ) -> Result<u64> {
+        if let (true, Some(fd)) = (handle.is_empty(), &fd) {
+            self.device(ordinal)?;
+            let (addr, mapped) = self.with(ordinal, || vmm::import(fd, ordinal, len))?;
+            let import = Import {
+                ordinal,
+                opens: 1,
+                mapped: Some(mapped),
+            };
+            self.imports.lock().insert(addr, import);
+            return Ok(addr);
+        }
         let bytes: &[u8; 64] = handle.try_into().map_err(|_| {
             Error::new(
                 ErrorKind::InvalidRequest,
                 format!(
-                    "a CUDA IPC memory handle has 64 bytes, not {}",
+                    "a CUDA IPC memory handle has 64 bytes, not {} (a VMM allocation comes as no handle with its descriptor)",
                     handle.len()
                 ),
             )
@@ -952,7 +1006,12 @@ impl DeviceRuntime for Cuda {
             _ => return Err(failed("cuIpcOpenMemHandle", code)),
         }
         let mut imports = self.imports.lock();
-        imports.entry(addr).or_insert((ordinal, 0)).1 += 1;
+        let import = imports.entry(addr).or_insert(Import {
+            ordinal,
+            opens: 0,
+            mapped: None,
+        });
+        import.opens += 1;
         drop(imports);
         // The mapping is the whole exported allocation: refuse a length past it.
         if let Ok(info) = self.pointer_info(addr) {
@@ -972,12 +1031,25 @@ impl DeviceRuntime for Cuda {
 
     fn ipc_close(&self, addr: u64) -> Result<()> {
         let mut imports = self.imports.lock();
-        let Some(&(ordinal, opens)) = imports.get(&addr) else {
+        let Some(&Import {
+            ordinal,
+            opens,
+            mapped,
+        }) = imports.get(&addr)
+        else {
             return Err(Error::new(
                 ErrorKind::InvalidRequest,
                 format!("{addr:#x} is not CUDA memory opened with ipc_import"),
             ));
         };
+        if let Some(mapped) = mapped {
+            imports.remove(&addr);
+            drop(imports);
+            return self.with(ordinal, || {
+                vmm::unmap(addr, mapped);
+                Ok(())
+            });
+        }
         // SAFETY: `addr` came from `cuIpcOpenMemHandle_v2` in this device's context
         // and is open (counted above); the caller's copies on it have completed.
         self.with(ordinal, || {
@@ -986,7 +1058,14 @@ impl DeviceRuntime for Cuda {
             })
         })?;
         if opens > 1 {
-            imports.insert(addr, (ordinal, opens - 1));
+            imports.insert(
+                addr,
+                Import {
+                    ordinal,
+                    opens: opens - 1,
+                    mapped: None,
+                },
+            );
         } else {
             imports.remove(&addr);
         }
@@ -1128,6 +1207,7 @@ mod tests {
             kernel_problem: Mutex::new(None),
             counters: CopyCounters::default(),
             imports: Mutex::new(HashMap::new()),
+            vmm_allocs: Mutex::new(HashMap::new()),
         }
     }
 
@@ -1135,6 +1215,7 @@ mod tests {
     fn an_ipc_handle_that_is_not_64_bytes_is_refused_before_the_driver() {
         let rt = without_devices();
         for len in [0, 63, 65] {
+            // An empty handle is a VMM export only with its descriptor.
             let e = rt.ipc_import(0, &vec![0; len], None, 4096).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::InvalidRequest);
             assert!(e.to_string().contains("64 bytes"), "{e}");
@@ -1146,10 +1227,22 @@ mod tests {
         let rt = without_devices();
         let e = rt.ipc_close(0x7000_0000).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidRequest);
-        rt.imports.lock().insert(0x7000_0000, (0, 1));
+        let legacy = Import {
+            ordinal: 0,
+            opens: 1,
+            mapped: None,
+        };
+        rt.imports.lock().insert(0x7000_0000, legacy);
         let e = rt.free(0, 0x7000_0000).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidRequest);
         assert!(e.to_string().contains("ipc_close"), "{e}");
+    }
+
+    #[test]
+    fn vmm_allocation_is_off_unless_asked_for() {
+        assert!(!CudaConfig::default().vmm);
+        let table: toml::Table = "vmm = true".parse().unwrap();
+        assert!(CudaConfig::deserialize(table).unwrap().vmm);
     }
 
     #[test]
