@@ -189,7 +189,8 @@ fn raw(target: &TcpBackend) -> std::os::unix::net::UnixStream {
     .unwrap()
 }
 
-/// A proven channel's raw stream: the hello with a nonce the target gave, welcome read.
+/// A proven channel's raw stream: the hello with a nonce the target gave (and where to
+/// find it, so host memory may move by cross-memory attach), welcome read.
 fn proven_raw(target: &TcpBackend) -> std::os::unix::net::UnixStream {
     use std::io::{Read, Write};
     let instance = decode_endpoint(&target.endpoint()).unwrap().instance;
@@ -200,6 +201,9 @@ fn proven_raw(target: &TcpBackend) -> std::os::unix::net::UnixStream {
     hello[4..6].copy_from_slice(&crate::samehost::VERSION.to_le_bytes());
     hello[8..16].copy_from_slice(&instance.to_le_bytes());
     hello[16..48].copy_from_slice(&n);
+    // Where the target finds the nonce by cross-memory attach: `n` lives until the
+    // welcome has come.
+    hello[48..56].copy_from_slice(&(n.as_ptr() as u64).to_le_bytes());
     s.write_all(&hello).unwrap();
     let mut w = [0u8; 8];
     s.read_exact(&mut w).unwrap();
@@ -274,6 +278,75 @@ fn hostile_channels_are_closed_and_the_listener_keeps_serving_good_peers() {
     let ch2 = channel(&target);
     request(&ch2, Op::Write, vec![host(1, 32, 16, src.as_ptr())]).unwrap();
     assert_eq!(&remote[..48], &[5u8; 48][..]);
+}
+
+/// One raw message: a 40-byte header (kind, code, id, a, b, c) and what follows it.
+fn message(kind: u8, code: u32, fields: [u64; 4], tail: &[u8]) -> Vec<u8> {
+    let mut m = vec![0u8; 40];
+    m[0] = kind;
+    m[4..8].copy_from_slice(&code.to_le_bytes());
+    for (i, f) in fields.iter().enumerate() {
+        m[8 + 8 * i..16 + 8 * i].copy_from_slice(&f.to_le_bytes());
+    }
+    m.extend_from_slice(tail);
+    m
+}
+
+#[test]
+fn a_share_naming_a_device_this_process_does_not_see_fails_its_requests_not_the_channel() {
+    use std::io::{Read, Write};
+    use te_core::{MemoryDesc, RegionId};
+    let rt = te_core::device::runtime("fakedev").expect("fakedev");
+    let target = backend(|_| {});
+    let theirs = rt.alloc(0, 4096).unwrap();
+    let mem = MemoryDesc {
+        name: "d".into(),
+        addr: theirs,
+        len: 4096,
+        kind: "fakedev:0".parse().unwrap(),
+        access: Access::REMOTE_READ_WRITE,
+    };
+    target.register(RegionId(1), &mem).unwrap();
+    let mut host_region = vec![0u8; 64];
+    register(&target, 2, &mut host_region, Access::REMOTE_READ_WRITE);
+
+    // A share of allocation 7 on a device no process here has, without its memfd;
+    // then a write naming it.
+    let mut s = proven_raw(&target);
+    let name = b"fakedev\0fakedev-999";
+    let share = message(1, 0, [7, 0x1000, 4096, name.len() as u64], name);
+    s.write_all(&share).unwrap();
+    let mut entry = Vec::new();
+    for v in [1u64, 0, 4096, 7, 0x1000] {
+        entry.extend_from_slice(&v.to_le_bytes());
+    }
+    s.write_all(&message(2, 1, [1, 0, 4096, 0], &entry))
+        .unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut h = [0u8; 40];
+    s.read_exact(&mut h).expect("the request is answered");
+    assert_eq!(h[0], 5, "the request failed");
+    let len = u64::from_le_bytes(h[24..32].try_into().unwrap()) as usize;
+    let mut text = vec![0u8; len];
+    s.read_exact(&mut text).unwrap();
+    let text = String::from_utf8_lossy(&text);
+    assert!(text.contains("fakedev-999"), "{text}");
+
+    // The channel still serves a request for host memory, and the listener new peers.
+    let src = [9u8; 16];
+    let mut ours = Vec::new();
+    for v in [2u64, 0, 16, 0, src.as_ptr() as u64] {
+        ours.extend_from_slice(&v.to_le_bytes());
+    }
+    s.write_all(&message(2, 1, [2, 0, 16, 0], &ours)).unwrap();
+    s.read_exact(&mut h).expect("the next request is answered");
+    let len = u64::from_le_bytes(h[24..32].try_into().unwrap()) as usize;
+    let mut text = vec![0u8; len];
+    s.read_exact(&mut text).unwrap();
+    assert_eq!(h[0], 4, "done: {}", String::from_utf8_lossy(&text));
+    let ch = channel(&target);
+    request(&ch, Op::Write, vec![host(2, 16, 16, src.as_ptr())]).unwrap();
+    assert_eq!(&host_region[..32], &[9u8; 32][..]);
 }
 
 #[test]
