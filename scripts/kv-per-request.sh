@@ -15,13 +15,7 @@ cd "$(dirname "$0")/.."
 te=${1:-target/release/te}
 mem=${2:-fakedev:0}
 secs=${3:-2}
-work=$(mktemp -d)
-pid=
-cleanup() {
-  [ -n "$pid" ] && kill "$pid" 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
+. scripts/serve.sh
 printf '[engine]\nbackend = "tcp"\n[runtimes.fakedev]\nlaunch_cost = "0us"\nsync_cost = "0us"\n' >"$work/te.toml"
 geometry=(--kv-heads 1 --kv-head-dim 4 --kv-block-tokens 1 --config "$work/te.toml")
 bench() {
@@ -30,14 +24,7 @@ bench() {
 for op in read write; do
   bench --op "$op" | sed "s/^/this-process /" >>"$work/rows"
 done
-"$te" serve --kv --backend tcp --mem "$mem" "${geometry[@]}" >"$work/serve" 2>"$work/serve.err" &
-pid=$!
-for _ in $(seq 100); do
-  [ -s "$work/serve" ] && break
-  sleep 0.1
-done
-[ -s "$work/serve" ] || { echo "te serve --kv did not start:" >&2; cat "$work/serve.err" >&2; exit 1; }
-target=$(head -n1 "$work/serve")
+serve --kv "${geometry[@]}"
 for op in read write; do
   bench --op "$op" --target "$target" | sed "s/^/other-process /" >>"$work/rows"
 done

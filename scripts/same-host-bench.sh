@@ -22,26 +22,7 @@ te=${1:-target/release/te}
 mem=${2:-fakedev:0}
 secs=${3:-2}
 reps=${TE_REPS:-3}
-work=$(mktemp -d)
-pid=
-cleanup() {
-  [ -n "$pid" ] && kill "$pid" 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
-# Starts `te serve --backend tcp --mem $mem ARGS...` as $pid and sets $target to the
-# address it prints first.
-serve() {
-  rm -f "$work/serve"
-  "$te" serve --backend tcp --mem "$mem" "$@" >"$work/serve" 2>"$work/serve.err" &
-  pid=$!
-  for _ in $(seq 100); do
-    [ -s "$work/serve" ] && break
-    sleep 0.1
-  done
-  [ -s "$work/serve" ] || { echo "te serve $* did not start:" >&2; cat "$work/serve.err" >&2; exit 1; }
-  target=$(head -n1 "$work/serve")
-}
+. scripts/serve.sh
 serve --buffer-size 1GiB
 printf '[engine]\nbackend = "tcp"\n[backends.tcp]\nlocal_ipc = false\n' >"$work/socket.toml"
 printf '[engine]\nbackend = "tcp"\n' >"$work/channel.toml"

@@ -368,26 +368,18 @@ fn random_kv_blocks_on_the_device_move_intact() {
     }
 }
 
-/// Two processes of this host with `cuda:0` memory on both sides: the target (`te
-/// serve`) maps the initiator's allocation through its CUDA IPC handle and copies on
-/// the GPU; every byte of scattered writes and reads checked.
-#[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn cuda_memory_moves_between_two_processes_through_ipc() {
+/// The `te` binary under test (`TE_BIN`, as `scripts/gpu-check.sh` sets it).
+fn te_bin() -> String {
+    std::env::var("TE_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_te").into())
+}
+
+/// Starts `te serve --buffer-size 64MiB ARGS...` and returns it with the address it
+/// prints first.
+fn serve(args: &[&str]) -> (std::process::Child, String) {
     use std::io::BufRead;
-    use te_core::TransferBackend;
-    let te = std::env::var("TE_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_te").into());
-    let mem = std::env::var("TE_GPU_MEM").unwrap_or_else(|_| "cuda:0".into());
-    let mut child = std::process::Command::new(te)
-        .args([
-            "serve",
-            "--backend",
-            "tcp",
-            "--buffer-size",
-            "64MiB",
-            "--mem",
-            &mem,
-        ])
+    let mut child = std::process::Command::new(te_bin())
+        .args(["serve", "--buffer-size", "64MiB"])
+        .args(args)
         .stdout(std::process::Stdio::piped())
         .spawn()
         .expect("te serve starts");
@@ -395,8 +387,20 @@ fn cuda_memory_moves_between_two_processes_through_ipc() {
     std::io::BufReader::new(child.stdout.take().unwrap())
         .read_line(&mut addr)
         .unwrap();
+    (child, addr.trim().to_string())
+}
+
+/// Two processes of this host with `cuda:0` memory on both sides: the target (`te
+/// serve`) maps the initiator's allocation through its CUDA IPC handle and copies on
+/// the GPU; every byte of scattered writes and reads checked.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn cuda_memory_moves_between_two_processes_through_ipc() {
+    use te_core::TransferBackend;
+    let mem = std::env::var("TE_GPU_MEM").unwrap_or_else(|_| "cuda:0".into());
+    let (mut child, addr) = serve(&["--backend", "tcp", "--mem", &mem]);
     let e = tcp_engine(true);
-    let peer = e.connect(addr.trim()).unwrap();
+    let peer = e.connect(&addr).unwrap();
     let b = te_tcp::TcpBackend::new(
         te_tcp::TcpConfig::default(),
         &te_core::BackendContext::default(),
@@ -451,8 +455,6 @@ fn cuda_memory_moves_between_two_processes_through_ipc() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn vmm_memory_moves_between_two_processes_as_a_descriptor() {
-    use std::io::BufRead;
-    let te = std::env::var("TE_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_te").into());
     let dir = std::env::temp_dir().join(format!("te-gpu-vmm-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("te.toml");
@@ -462,20 +464,11 @@ fn vmm_memory_moves_between_two_processes_as_a_descriptor() {
     )
     .unwrap();
     let config = config.to_str().unwrap().to_string();
-    let mut child = std::process::Command::new(&te)
-        .args(["serve", "--config", &config, "--buffer-size", "64MiB"])
-        .args(["--mem", "cuda:0"])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("te serve starts");
-    let mut addr = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut addr)
-        .unwrap();
+    let (mut child, addr) = serve(&["--config", &config, "--mem", "cuda:0"]);
     let mut points = Vec::new();
     for (op, block, batch) in [("write", "32KiB", "128"), ("read", "1MiB", "32")] {
-        let out = std::process::Command::new(&te)
-            .args(["bench", "--config", &config, "--target", addr.trim()])
+        let out = std::process::Command::new(te_bin())
+            .args(["bench", "--config", &config, "--target", &addr])
             .args(["--mem", "cuda:0", "--op", op, "--block-size", block])
             .args([
                 "--batch",

@@ -99,6 +99,22 @@ pub(super) fn import(fd: &OwnedFd, ordinal: u32, len: u64) -> Result<(u64, Mappe
         return Err(failed("cuMemImportFromShareableHandle", code));
     }
     let mapped = Mapped { handle, len };
+    let addr = map(mapped, device(ordinal))?;
+    Ok((addr, mapped))
+}
+
+/// Where device `ordinal`'s memory is.
+fn device(ordinal: u32) -> sys::CUmemLocation {
+    sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: ordinal as std::ffi::c_int,
+    }
+}
+
+/// Maps `mapped`'s handle over a fresh address range with read and write access for
+/// the device at `location`. On failure the handle is released too.
+fn map(mapped: Mapped, location: sys::CUmemLocation) -> Result<u64> {
+    let Mapped { handle, len } = mapped;
     let mut addr: sys::CUdeviceptr = 0;
     // SAFETY: a valid out-parameter; default alignment, no fixed address.
     let reserved = driver("reserve an address range", || unsafe {
@@ -108,20 +124,17 @@ pub(super) fn import(fd: &OwnedFd, ordinal: u32, len: u64) -> Result<(u64, Mappe
         release(handle);
         return Err(e);
     }
-    // SAFETY: maps the imported handle over the range just reserved, from its start.
-    let done = driver("map an imported allocation", || unsafe {
+    // SAFETY: maps the handle over the range just reserved, from its start.
+    let done = driver("map an allocation", || unsafe {
         sys::cuMemMap(addr, len, 0, handle, 0).result()
     })
     .and_then(|()| {
         let access = sys::CUmemAccessDesc {
-            location: sys::CUmemLocation {
-                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: ordinal as std::ffi::c_int,
-            },
+            location,
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         // SAFETY: the range was mapped above; one valid descriptor.
-        driver("grant access to an imported allocation", || unsafe {
+        driver("grant access to an allocation", || unsafe {
             sys::cuMemSetAccess(addr, len, &access, 1).result()
         })
     });
@@ -129,14 +142,14 @@ pub(super) fn import(fd: &OwnedFd, ordinal: u32, len: u64) -> Result<(u64, Mappe
         unmap(addr, mapped);
         return Err(e);
     }
-    Ok((addr, mapped))
+    Ok(addr)
 }
 
-/// Undoes `import`: unmaps the range, frees the reservation, releases the handle.
-/// Copies on it must have completed.
+/// Undoes `import` (or a `map` that failed part way): unmaps the range, frees the
+/// reservation, releases the handle. Copies on it must have completed.
 pub(super) fn unmap(addr: u64, mapped: Mapped) {
-    // SAFETY: `addr` is the reservation `import` made for `mapped.len` bytes; an unmap
-    // of a range never mapped (import failed at `cuMemMap`) fails harmlessly.
+    // SAFETY: `addr` is the reservation `map` made for `mapped.len` bytes; an unmap of
+    // a range never mapped (`cuMemMap` failed) fails harmlessly.
     let _ = driver("unmap an imported allocation", || unsafe {
         sys::cuMemUnmap(addr, mapped.len).result()
     });
@@ -158,10 +171,7 @@ fn release(handle: sys::CUmemGenericAllocationHandle) {
 /// with `cuMemCreate`, exportable as a descriptor, mapped with read and write access:
 /// memory as PyTorch's expandable segments make it. Returns its address and length.
 pub(super) fn alloc(ordinal: u32, len: usize) -> Result<(u64, usize)> {
-    let location = sys::CUmemLocation {
-        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-        id: ordinal as std::ffi::c_int,
-    };
+    let location = device(ordinal);
     // SAFETY: all zeros is a valid CUmemAllocationProp (every enum field has a 0
     // variant, the pointer is null) and the usual starting point: no flags, no Windows
     // metadata.
@@ -185,34 +195,9 @@ pub(super) fn alloc(ordinal: u32, len: usize) -> Result<(u64, usize)> {
     driver("create an allocation", || unsafe {
         sys::cuMemCreate(&mut handle, len, &prop, 0).result()
     })?;
-    let mut addr: sys::CUdeviceptr = 0;
-    // SAFETY: a valid out-parameter; default alignment, no fixed address.
-    if let Err(e) = driver("reserve an address range", || unsafe {
-        sys::cuMemAddressReserve(&mut addr, len, 0, 0, 0).result()
-    }) {
-        release(handle);
-        return Err(e);
-    }
-    // SAFETY: maps the new handle over the new range, from its start.
-    let mapped = driver("map an allocation", || unsafe {
-        sys::cuMemMap(addr, len, 0, handle, 0).result()
-    })
-    .and_then(|()| {
-        let access = sys::CUmemAccessDesc {
-            location,
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        // SAFETY: the range was mapped above; one valid descriptor.
-        driver("grant access to an allocation", || unsafe {
-            sys::cuMemSetAccess(addr, len, &access, 1).result()
-        })
-    });
-    // The mapping holds the allocation from here; ours is not needed (as `free` finds
-    // nothing to release but the mapping).
-    if let Err(e) = mapped {
-        unmap(addr, Mapped { handle, len });
-        return Err(e);
-    }
+    let addr = map(Mapped { handle, len }, location)?;
+    // The mapping holds the allocation from here: `free` has nothing to release but
+    // the mapping.
     release(handle);
     Ok((addr, len))
 }
