@@ -280,6 +280,22 @@ fn hostile_channels_are_closed_and_the_listener_keeps_serving_good_peers() {
     assert_eq!(&remote[..48], &[5u8; 48][..]);
 }
 
+/// Registers `len` bytes of fresh fakedev memory with `target` as region `id`, remotely
+/// readable and writable; returns its address.
+fn fakedev_region(target: &TcpBackend, id: u64, len: usize) -> u64 {
+    let rt = te_core::device::runtime("fakedev").expect("fakedev");
+    let addr = rt.alloc(0, len).unwrap();
+    let mem = te_core::MemoryDesc {
+        name: "d".into(),
+        addr,
+        len: len as u64,
+        kind: "fakedev:0".parse().unwrap(),
+        access: Access::REMOTE_READ_WRITE,
+    };
+    target.register(te_core::RegionId(id), &mem).unwrap();
+    addr
+}
+
 /// One raw message: a 40-byte header (kind, code, id, a, b, c) and what follows it.
 fn message(kind: u8, code: u32, fields: [u64; 4], tail: &[u8]) -> Vec<u8> {
     let mut m = vec![0u8; 40];
@@ -295,18 +311,8 @@ fn message(kind: u8, code: u32, fields: [u64; 4], tail: &[u8]) -> Vec<u8> {
 #[test]
 fn a_share_naming_a_device_this_process_does_not_see_fails_its_requests_not_the_channel() {
     use std::io::{Read, Write};
-    use te_core::{MemoryDesc, RegionId};
-    let rt = te_core::device::runtime("fakedev").expect("fakedev");
     let target = backend(|_| {});
-    let theirs = rt.alloc(0, 4096).unwrap();
-    let mem = MemoryDesc {
-        name: "d".into(),
-        addr: theirs,
-        len: 4096,
-        kind: "fakedev:0".parse().unwrap(),
-        access: Access::REMOTE_READ_WRITE,
-    };
-    target.register(RegionId(1), &mem).unwrap();
+    fakedev_region(&target, 1, 4096);
     let mut host_region = vec![0u8; 64];
     register(&target, 2, &mut host_region, Access::REMOTE_READ_WRITE);
 
@@ -352,19 +358,11 @@ fn a_share_naming_a_device_this_process_does_not_see_fails_its_requests_not_the_
 #[test]
 fn a_peers_allocation_is_mapped_once_for_its_channels_and_unmapped_when_unshared() {
     use te_core::device::DeviceCopy;
-    use te_core::{MemoryDesc, RegionId};
+    use te_core::RegionId;
     let rt = te_core::device::runtime("fakedev").expect("fakedev");
     let dev = te_core::device::fakedev::process().expect("fakedev runs");
     let target = backend(|_| {});
-    let theirs = rt.alloc(0, 8192).unwrap();
-    let mem = MemoryDesc {
-        name: "d".into(),
-        addr: theirs,
-        len: 8192,
-        kind: "fakedev:0".parse().unwrap(),
-        access: Access::REMOTE_READ_WRITE,
-    };
-    target.register(RegionId(1), &mem).unwrap();
+    let theirs = fakedev_region(&target, 1, 8192);
     let mine = rt.alloc(0, 8192).unwrap();
     let data: Vec<u8> = (0..8192u32).map(|i| (i % 241) as u8).collect();
     let fill = DeviceCopy::ToDevice {
