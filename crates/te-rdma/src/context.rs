@@ -296,6 +296,7 @@ impl Context {
     ///
     /// # Errors
     /// `Unsupported` if libibverbs is too old; `Backend` with the errno.
+    #[cfg(feature = "cuda")]
     pub(crate) fn reg_dmabuf_mr(
         &self,
         fd: c_int,
