@@ -22,8 +22,9 @@ pub(crate) struct Frame {
     bytes: u64,
 }
 
-/// Which local memory a piece is in: host memory, or a runtime's device.
-type DevKey<'a> = Option<(&'a str, u32)>;
+/// Which local memory a piece is in: host memory, or a runtime's device (the runtime
+/// by its address: each is one instance per process).
+type DevKey = Option<(*const (), u32)>;
 
 /// Cuts `batch` into frames: every request into pieces of at most `slice` bytes, and
 /// the pieces going to the same remote region with the same op from the same kind of
@@ -46,7 +47,7 @@ pub(crate) fn plan(
     let mut frames: Vec<Frame> = Vec::new();
     // The open frame of each (op, remote region, local device): few per batch, so a
     // list.
-    let mut open: Vec<(te_core::Op, RegionId, DevKey<'_>, usize)> = Vec::new();
+    let mut open: Vec<(te_core::Op, RegionId, DevKey, usize)> = Vec::new();
     // The open frame used last: a batch's requests come grouped by region, so it is
     // the likely one, and the list is searched only when the region changes.
     let mut last = 0;
@@ -60,8 +61,8 @@ pub(crate) fn plan(
                 len,
             };
             off += len;
-            let key = dev.map(|d| (d.0.name(), d.1));
-            let is = |o: &(te_core::Op, RegionId, DevKey<'_>, usize)| {
+            let key: DevKey = dev.map(|d| (Arc::as_ptr(&d.0).cast::<()>(), d.1));
+            let is = |o: &(te_core::Op, RegionId, DevKey, usize)| {
                 o.0 == r.op && o.1 == r.remote && o.2 == key
             };
             let slot = match open.get(last) {
