@@ -268,7 +268,9 @@ pub fn plan(
         .zip(local_ids.iter().copied())
         .collect();
     pairs.sort_unstable();
-    let mut requests = Vec::new();
+    // At most one request per pair and slot (runs of consecutive ids merge).
+    let slots: usize = local.groups.iter().map(|g| g.slots.len()).sum();
+    let mut requests = Vec::with_capacity(pairs.len().saturating_mul(slots).min(1 << 16));
     let mut selected = 0;
     for g in local.groups.iter().filter(|g| selection.group(&g.name)) {
         let pg = remote

@@ -75,18 +75,24 @@ impl Local {
     /// `target`'s region, if that region is on the same runtime and device; `Err(slice)`
     /// hands it back to go over the socket. A frame the target refuses, or one of a
     /// batch that has stopped, is finished at once with its error.
-    pub(crate) fn add(&mut self, target: &Shared, slice: Slice) -> std::result::Result<(), Slice> {
+    pub(crate) fn add(
+        &mut self,
+        target: &Shared,
+        mut slice: Slice,
+    ) -> std::result::Result<(), Slice> {
         let Some((rt, ordinal)) = slice.device.clone() else {
             return Err(slice);
         };
-        let parts: Vec<Part> = if slice.parts.is_empty() {
+        // The parts are taken out of the slice, and put back if it goes to the socket.
+        let gathered = !slice.parts.is_empty();
+        let parts: Vec<Part> = if gathered {
+            std::mem::take(&mut slice.parts)
+        } else {
             vec![Part {
                 local: slice.local,
                 remote_offset: slice.remote_offset,
                 len: slice.len,
             }]
-        } else {
-            slice.parts.clone()
         };
         let entries: Vec<Entry> = parts
             .iter()
@@ -120,6 +126,9 @@ impl Local {
             here < there.saturating_add(p.len) && there < here.saturating_add(p.len)
         });
         if !same || overlap {
+            if gathered {
+                slice.parts = parts;
+            }
             return Err(slice);
         }
         if batch.stopped() {
