@@ -78,6 +78,9 @@ const HEADER_LEN: usize = 40;
 const ENTRY_LEN: usize = 40;
 /// The most entries one request carries (a batch of random KV blocks is one request).
 pub(crate) const MAX_ENTRIES: usize = 1 << 16;
+/// Entries whose buffers a target's channel keeps for its next request (a KV batch of
+/// 64 blocks over 64 layer slots); a larger request's are freed after it.
+const KEPT_ENTRIES: usize = 4096;
 const MAX_HANDLE: usize = 256;
 pub(crate) const MAX_NAME: usize = 128;
 const MAX_MESSAGE: usize = 4096;

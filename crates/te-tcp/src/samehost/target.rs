@@ -226,7 +226,9 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
     s.set_read_timeout(None)
         .map_err(|e| io_error("cannot set timeouts", e))?;
     let mut imports: HashMap<u64, std::result::Result<Arc<Import>, Error>> = HashMap::new();
-    let mut entries: Vec<Range> = Vec::new();
+    // A request's entries, as read and as decoded: kept from one request to the next
+    // (up to KEPT_ENTRIES of them).
+    let (mut raw, mut entries): (Vec<u8>, Vec<Range>) = (Vec::new(), Vec::new());
     loop {
         let mut h = [0u8; HEADER_LEN];
         let fd = match local::recv_with_fd(s, &mut h) {
@@ -314,12 +316,13 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
                         "a request of {n} entries (1..={MAX_ENTRIES})"
                     )));
                 }
-                let mut b = vec![0u8; n * ENTRY_LEN];
+                raw.clear();
+                raw.resize(n * ENTRY_LEN, 0);
                 (&mut &*s)
-                    .read_exact(&mut b)
+                    .read_exact(&mut raw)
                     .map_err(|e| io_error("receive failed", e))?;
                 entries.clear();
-                entries.extend(b.chunks_exact(ENTRY_LEN).map(|e| {
+                entries.extend(raw.chunks_exact(ENTRY_LEN).map(|e| {
                     let u =
                         |i: usize| u64::from_le_bytes(e[i..i + 8].try_into().unwrap_or_default());
                     Range {
@@ -338,6 +341,11 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
                 }
                 let op = if m.kind == WRITE { Op::Write } else { Op::Read };
                 let r = run(shared, pid, cma, &imports, op, &entries, m.a);
+                // What a channel keeps between requests stays small whatever a peer
+                // sent: the buffers of a request larger than KEPT_ENTRIES go with it.
+                if n > KEPT_ENTRIES {
+                    (raw, entries) = (Vec::new(), Vec::new());
+                }
                 let reply = match r {
                     Ok(()) => Msg {
                         kind: DONE,
