@@ -189,14 +189,23 @@ impl Local {
     pub(crate) fn start(self) {
         for g in self.groups {
             let frames = g.frames;
-            for (batch, _, _) in &frames {
-                batch.stage_began(BatchStage::Device);
+            // A batch's frames come together: each batch's stage is noted once.
+            for (i, (batch, _, _)) in frames.iter().enumerate() {
+                if i == 0 || !Arc::ptr_eq(batch, &frames[i - 1].0) {
+                    batch.stage_began(BatchStage::Device);
+                }
             }
             let done = move |r: Result<()>| {
-                for (batch, pin, pins) in frames {
+                let mut frames = frames.into_iter().peekable();
+                while let Some((batch, pin, pins)) = frames.next() {
                     drop(pin);
                     drop(pins);
-                    batch.stage_ended(BatchStage::Device);
+                    if frames
+                        .peek()
+                        .is_none_or(|next| !Arc::ptr_eq(&batch, &next.0))
+                    {
+                        batch.stage_ended(BatchStage::Device);
+                    }
                     batch.finish_slice(r.clone());
                 }
             };

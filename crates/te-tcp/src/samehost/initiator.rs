@@ -298,17 +298,21 @@ impl Channel {
 
     fn request(&self, op: Op, frames: &[Frame]) {
         let batches: Waiting = frames.iter().map(|f| f.batch.clone()).collect();
-        // The channel is the wire: the target copies, and answers when it has.
-        for b in &batches {
-            b.stage_began(BatchStage::Wire);
+        // The channel is the wire: the target copies, and answers when it has. (A
+        // batch's frames come together: each batch is noted once.)
+        for (i, b) in batches.iter().enumerate() {
+            if i == 0 || !Arc::ptr_eq(b, &batches[i - 1]) {
+                b.stage_began(BatchStage::Wire);
+            }
         }
         let ranges = frames.iter().flat_map(|f| f.ranges.iter());
         let n: usize = frames.iter().map(|f| f.ranges.len()).sum();
         let total: u64 = frames.iter().flat_map(|f| &f.ranges).map(|r| r.len).sum();
         // The earliest deadline of the frames' batches.
+        let now = Instant::now();
         let left = frames
             .iter()
-            .map(|f| f.batch.deadline().saturating_duration_since(Instant::now()))
+            .map(|f| f.batch.deadline().saturating_duration_since(now))
             .min()
             .unwrap_or_default();
         let _order = self.send.lock();
@@ -422,8 +426,10 @@ fn receive(s: &UnixStream, ch: &Weak<Channel>) {
         let waiting = ch.state.lock().waiting.remove(&m.id);
         match waiting {
             Some(batches) => {
-                for b in batches {
-                    b.stage_ended(BatchStage::Wire);
+                for (i, b) in batches.iter().enumerate() {
+                    if batches.get(i + 1).is_none_or(|next| !Arc::ptr_eq(b, next)) {
+                        b.stage_ended(BatchStage::Wire);
+                    }
                     b.finish_slice(result.clone());
                 }
             }
