@@ -411,20 +411,20 @@ fn run(
 ) -> Result<()> {
     // Each entry's region, as an index into the regions named (in the order first
     // named): a request's entries come grouped by region, so the last one is tried
-    // first and the list is searched only when the region changes.
+    // first and the map is looked in only when the region changes (a peer naming a
+    // new region at every entry costs a hash each, not a search).
     let mut by_region: Vec<(u64, Vec<Entry>)> = Vec::new();
+    let mut named: HashMap<u64, usize> = HashMap::new();
     let mut index: Vec<usize> = Vec::with_capacity(entries.len());
     for e in entries {
-        let last = by_region.len().wrapping_sub(1);
-        let at = match by_region.get(last) {
-            Some((r, _)) if *r == e.region => last,
-            _ => match by_region.iter().position(|(r, _)| *r == e.region) {
-                Some(at) => at,
-                None => {
-                    by_region.push((e.region, Vec::new()));
-                    by_region.len() - 1
-                }
-            },
+        let last = by_region.last().map(|(r, _)| *r);
+        let at = if last == Some(e.region) {
+            by_region.len() - 1
+        } else {
+            *named.entry(e.region).or_insert_with(|| {
+                by_region.push((e.region, Vec::new()));
+                by_region.len() - 1
+            })
         };
         by_region[at].1.push(Entry {
             offset: e.offset,

@@ -356,6 +356,33 @@ fn a_share_naming_a_device_this_process_does_not_see_fails_its_requests_not_the_
 }
 
 #[test]
+fn a_request_naming_a_new_region_at_every_entry_is_refused_and_nothing_copied() {
+    use std::io::{Read, Write};
+    let target = backend(|_| {});
+    let mut remote = vec![0u8; 64];
+    register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
+    let mut s = proven_raw(&target);
+    // The most entries a request may carry, each in a region of its own (the last
+    // one registered), so grouping them by region is the whole cost.
+    let n = crate::samehost::MAX_ENTRIES as u64;
+    let mut entries = Vec::with_capacity(n as usize * 40);
+    let src = [3u8; 1];
+    for i in 0..n {
+        let region = if i == n - 1 { 1 } else { 1_000 + i };
+        for v in [region, 0, 1, 0, src.as_ptr() as u64] {
+            entries.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    s.write_all(&message(2, n as u32, [1, 0, n, 0], &entries))
+        .unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut h = [0u8; 40];
+    s.read_exact(&mut h).expect("the request is answered");
+    assert_eq!(h[0], 5, "refused: its regions are not registered");
+    assert_eq!(remote, [0u8; 64], "nothing was copied");
+}
+
+#[test]
 fn a_peers_allocation_is_mapped_once_for_its_channels_and_unmapped_when_unshared() {
     use te_core::device::DeviceCopy;
     use te_core::RegionId;
