@@ -214,6 +214,8 @@ struct Allocs {
     next: [u64; DEVICES as usize],
     /// The bases of arenas mapped by `ipc_import` (closed with `ipc_close`, not freed).
     imported: BTreeSet<u64>,
+    /// The bases of arenas no other process may map ([`FakeDev::alloc_private`]).
+    private: BTreeSet<u64>,
 }
 
 impl Allocs {
@@ -433,12 +435,25 @@ impl FakeDev {
                 arenas: BTreeMap::new(),
                 next,
                 imported: BTreeSet::new(),
+                private: BTreeSet::new(),
             }),
             queues,
             config,
             counters,
             failing: (0..DEVICES).map(|_| AtomicU64::new(0)).collect(),
         }))
+    }
+
+    /// Allocates `len` bytes on device `ordinal` that [`DeviceRuntime::ipc_export`]
+    /// refuses to share with another process, as CUDA refuses memory-pool
+    /// (`cudaMallocAsync`) allocations; freed with [`DeviceRuntime::free`].
+    ///
+    /// # Errors
+    /// As [`DeviceRuntime::alloc`].
+    pub fn alloc_private(&self, ordinal: u32, len: usize) -> Result<u64> {
+        let addr = self.alloc(ordinal, len)?;
+        self.allocs.lock().private.insert(addr);
+        Ok(addr)
     }
 
     /// Allocations of other processes mapped here now ([`DeviceRuntime::ipc_import`]
@@ -644,6 +659,7 @@ impl DeviceRuntime for FakeDev {
                 format!("{addr:#x} is fakedev memory imported from another process: close it with ipc_close, not free"),
             ));
         }
+        allocs.private.remove(&addr);
         allocs
             .arenas
             .remove(&addr)
@@ -653,6 +669,12 @@ impl DeviceRuntime for FakeDev {
 
     fn ipc_export(&self, addr: u64) -> Result<IpcExport> {
         let (base, arena) = self.find(addr).ok_or_else(|| not_device(addr))?;
+        if self.allocs.lock().private.contains(&base) {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!("the fakedev allocation at {base:#x} cannot be shared with another process (allocated private, as CUDA's memory-pool allocations are)"),
+            ));
+        }
         let a = arena.lock();
         let fd = a.fd.try_clone().map_err(|e| {
             Error::new(ErrorKind::Io, "fakedev: cannot duplicate a memfd").with_source(e)

@@ -24,19 +24,21 @@ pub(crate) struct Exports {
     /// of one process never meet.
     id: u64,
     next_key: u64,
-    /// (runtime, local region, base) → key and export.
     /// (runtime, local region) → the allocations exported from it: key and export
     /// (whose base and length say which addresses it covers, so a batch finds its key
     /// without asking the runtime).
     by: HashMap<(String, RegionId), Exported>,
-    /// Runtimes whose memory cannot be shared from here.
-    unshareable: Vec<String>,
+    /// Local regions whose memory the runtime would not export (memory-pool memory,
+    /// a runtime that shares nothing): their frames take the socket without asking
+    /// again. Other regions of the same runtime are still tried.
+    unshareable: HashSet<(String, RegionId)>,
 }
 
 impl Exports {
     /// Forgets what was exported of local region `region`; returns its keys.
     pub(crate) fn forget(&mut self, region: RegionId) -> Vec<u64> {
         let mut keys = Vec::new();
+        self.unshareable.retain(|(_, r)| *r != region);
         self.by.retain(|(_, r), exported| {
             let gone = *r == region;
             if gone {
@@ -62,7 +64,7 @@ impl Default for Exports {
             id: rand::random(),
             next_key: 1,
             by: HashMap::new(),
-            unshareable: Vec::new(),
+            unshareable: HashSet::new(),
         }
     }
 }
@@ -218,14 +220,14 @@ impl Channel {
             match known {
                 Some(found) => found,
                 None => {
-                    if ex.unshareable.iter().any(|n| n == rt.name()) {
+                    if ex.unshareable.contains(&id) {
                         return None;
                     }
                     let export = match rt.ipc_export(addr) {
                         Ok(x) => Arc::new(x),
                         Err(e) => {
-                            tracing::info!(runtime = rt.name(), error = %e, "device memory cannot be shared with a same-host peer; it goes over the socket");
-                            ex.unshareable.push(rt.name().to_string());
+                            tracing::info!(runtime = rt.name(), %region, error = %e, "device memory cannot be shared with a same-host peer; this region's frames go over the socket");
+                            ex.unshareable.insert(id);
                             return None;
                         }
                     };

@@ -51,7 +51,7 @@
 //! A malformed message closes the channel; a request the target refuses is answered
 //! with an error and the channel goes on.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;

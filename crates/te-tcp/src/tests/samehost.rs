@@ -383,6 +383,34 @@ fn a_request_naming_a_new_region_at_every_entry_is_refused_and_nothing_copied() 
 }
 
 #[test]
+fn memory_the_runtime_will_not_export_takes_the_socket_alone() {
+    use te_core::RegionId;
+    let rt = te_core::device::runtime("fakedev").expect("fakedev");
+    let dev = te_core::device::fakedev::process().expect("fakedev runs");
+    let target = backend(|_| {});
+    let private = dev.alloc_private(0, 4096).unwrap();
+    let shared = rt.alloc(0, 4096).unwrap();
+    let ch = channel(&target);
+    assert_eq!(
+        ch.key(&rt, RegionId(8), private),
+        None,
+        "an allocation the runtime will not export goes over the socket"
+    );
+    assert_eq!(
+        ch.key(&rt, RegionId(8), private),
+        None,
+        "and is not asked again"
+    );
+    assert!(
+        ch.key(&rt, RegionId(9), shared).is_some(),
+        "another region of the same runtime is still shared"
+    );
+    for addr in [private, shared] {
+        rt.free(0, addr).unwrap();
+    }
+}
+
+#[test]
 fn a_peers_allocation_is_mapped_once_for_its_channels_and_unmapped_when_unshared() {
     use te_core::device::DeviceCopy;
     use te_core::RegionId;
