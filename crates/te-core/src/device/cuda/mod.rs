@@ -931,21 +931,18 @@ impl DeviceRuntime for Cuda {
                 Ok(sys::cuIpcGetMemHandle(&mut handle, info.base))
             })
         })?;
-        use sys::CUresult as R;
-        match code {
-            R::CUDA_SUCCESS => {}
-            R::CUDA_ERROR_INVALID_VALUE | R::CUDA_ERROR_NOT_SUPPORTED => {
-                // Not `cuMemAlloc` memory: a VMM allocation travels as a descriptor.
-                let fd = self.with(info.ordinal, || vmm::export(info.base, info.ordinal, code))?;
-                return Ok(IpcExport {
-                    handle: Vec::new(),
-                    fd: Some(fd),
-                    ordinal: info.ordinal,
-                    base: info.base,
-                    len: info.len,
-                });
-            }
-            _ => return Err(failed("cuIpcGetMemHandle", code)),
+        if code != sys::CUresult::CUDA_SUCCESS {
+            // Not `cuMemAlloc` memory (the driver says invalid or unsupported, by
+            // version): a VMM allocation travels as a descriptor, and the error of
+            // anything else names both refusals.
+            let fd = self.with(info.ordinal, || vmm::export(info.base, info.ordinal, code))?;
+            return Ok(IpcExport {
+                handle: Vec::new(),
+                fd: Some(fd),
+                ordinal: info.ordinal,
+                base: info.base,
+                len: info.len,
+            });
         }
         Ok(IpcExport {
             handle: handle.reserved.iter().map(|&b| b as u8).collect(),
