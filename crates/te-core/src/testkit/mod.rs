@@ -107,6 +107,7 @@ fn specs(caps: &Capabilities) -> Vec<Spec> {
         transfers::a_second_connect_returns_the_cached_peer;
         transfers::regions_registered_after_connect_are_reachable if write;
         refusals::out_of_bounds_requests_are_refused_before_posting;
+        refusals::each_request_is_checked_against_its_own_regions if write;
         refusals::unknown_region_requests_are_refused_before_posting;
         refusals::zero_length_requests_are_refused;
         refusals::deregistered_regions_are_refused if write;

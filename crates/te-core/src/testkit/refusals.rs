@@ -44,6 +44,49 @@ pub(super) fn out_of_bounds_requests_are_refused_before_posting(h: &Harness) -> 
     Ok(())
 }
 
+/// A batch whose requests alternate between regions of different sizes, on both
+/// sides: each request is checked against its own two regions, never the ones the
+/// request before it named.
+pub(super) fn each_request_is_checked_against_its_own_regions(h: &Harness) -> Result<(), Failed> {
+    let p = h.pair(false, 4096)?;
+    let big = p.initiator.alloc("big", 8192, Access::LOCAL).map_err(e2f)?;
+    let far = p.target.alloc("far", 8192, Access::REMOTE_READ_WRITE)?;
+    let (l, r, far) = (p.local.id(), p.remote_desc.id, far.id());
+    let fits_big = TransferRequest::write(big.id(), 6000, r, 0, 16);
+    for (req, what) in [
+        (
+            TransferRequest::write(l, 6000, r, 0, 16),
+            "local offset inside the region before, outside its own",
+        ),
+        (
+            TransferRequest::write(big.id(), 0, r, 6000, 16),
+            "remote offset inside the region before, outside its own",
+        ),
+    ] {
+        let before = TransferRequest::write(big.id(), 6000, far, 6000, 16);
+        expect_kind(
+            p.initiator.transfer(&p.peer, &[before, req]),
+            ErrorKind::OutOfBounds,
+            what,
+        )?;
+    }
+    ensure!(
+        p.remote.to_vec().map_err(e2f)? == vec![0; 4096],
+        "a refused batch changed the target's memory"
+    );
+    // Alternating the other way, every request in its own bounds: it moves.
+    let ok = [
+        fits_big,
+        TransferRequest::write(l, 0, far, 6000, 16),
+        TransferRequest::write(big.id(), 0, r, 16, 16),
+    ];
+    p.initiator
+        .transfer(&p.peer, &ok)
+        .map_err(e2f)?
+        .wait()
+        .map_err(e2f)
+}
+
 pub(super) fn unknown_region_requests_are_refused_before_posting(
     h: &Harness,
 ) -> Result<(), Failed> {
