@@ -22,6 +22,12 @@
 //! except in [`DeviceRuntime::copy_group_wait`], which models a caller waiting for the
 //! device on its own thread and pays them there.
 //!
+//! A group resolves each copy's allocation as it is submitted (the two used last
+//! first, then the allocation table once per allocation), and its thread locks every
+//! allocation a part touches once for all the part's copies, in address order: so a
+//! group of thousands of scattered blocks costs little per block, as one list-copy
+//! kernel over them does.
+//!
 //! It counts, per device, the launches ("calls"), copies, synchronisations and bytes it
 //! was given ([`FakeDev::device_stats`]), so tests and `te bench --json` see how many
 //! device calls a transfer took; and it fails groups on request
@@ -38,10 +44,11 @@
 //! copy bandwidth, or anything about GPUDirect; nor a real driver's IPC rules — that
 //! only `cudaMalloc`-style allocations have handles (not VMM or pool memory), that a
 //! process opens a handle once (and never its own), or peer access between devices.
-//! fakedev exports every allocation and imports anything, its own exports included.
+//! fakedev exports every allocation but those made with [`FakeDev::alloc_private`]
+//! (which stand for memory-pool memory) and imports anything, its own exports included.
 
 use crate::sync::Mutex;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::{Deref, DerefMut};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -209,7 +216,9 @@ type Arena = Arc<Mutex<Mapping>>;
 /// The allocations, by base address.
 #[derive(Debug)]
 struct Allocs {
-    arenas: BTreeMap<u64, Arena>,
+    /// Each arena by its base, with its length (read without locking the arena, which
+    /// a copy may hold).
+    arenas: BTreeMap<u64, (usize, Arena)>,
     /// Per device: the next free address.
     next: [u64; DEVICES as usize],
     /// The bases of arenas mapped by `ipc_import` (closed with `ipc_close`, not freed).
@@ -221,44 +230,67 @@ struct Allocs {
 impl Allocs {
     /// Places `arena` at a fresh address of device `ordinal`.
     fn place(&mut self, ordinal: u32, arena: Mapping) -> u64 {
-        let len = arena.len as u64;
+        let len = arena.len;
         let next = &mut self.next[ordinal as usize];
         let addr = *next;
-        *next = addr + len.next_multiple_of(4096);
-        self.arenas.insert(addr, Arc::new(Mutex::new(arena)));
+        *next = addr + (len as u64).next_multiple_of(4096);
+        self.arenas.insert(addr, (len, Arc::new(Mutex::new(arena))));
         addr
     }
 }
 
-/// The arenas a group's last copies resolved to (a copy's source and destination),
-/// tried before the allocation table: a group's copies mostly fall in the same few
-/// arenas, and a GPU resolves nothing per copy either.
-#[derive(Default)]
-struct Recent {
-    arenas: [Option<(u64, usize, Arena)>; 2],
+/// The arenas a group's copies resolved to, each once: its copies name them by index.
+/// The two used last are tried first, as a group's copies mostly fall in the same few
+/// arenas (and a GPU resolves nothing per copy either); then the table, by base.
+struct Seen {
+    arenas: Vec<(u64, usize, Arena)>,
+    by_base: HashMap<u64, usize>,
+    last: [usize; 2],
 }
 
-impl Recent {
-    fn find(&self, addr: u64) -> Option<(u64, usize, Arena)> {
-        self.arenas
-            .iter()
-            .flatten()
-            .find(|(base, len, _)| addr >= *base && addr - base < *len as u64)
-            .cloned()
-    }
-
-    /// Keeps `arena` as the most recent, dropping the oldest.
-    fn keep(&mut self, base: u64, len: usize, arena: &Arena) {
-        self.arenas.swap(0, 1);
-        self.arenas[0] = Some((base, len, arena.clone()));
+impl Default for Seen {
+    fn default() -> Self {
+        Seen {
+            arenas: Vec::new(),
+            by_base: HashMap::new(),
+            last: [usize::MAX; 2],
+        }
     }
 }
 
-/// One copy with its arena resolved.
+impl Seen {
+    /// The index, base and length of the arena holding `addr`.
+    fn resolve(&mut self, dev: &FakeDev, addr: u64) -> Option<(usize, u64, usize)> {
+        let inside = |a: &&(u64, usize, Arena)| addr >= a.0 && addr - a.0 < a.1 as u64;
+        for i in self.last {
+            if let Some(a) = self.arenas.get(i).filter(inside) {
+                return Some((i, a.0, a.1));
+            }
+        }
+        let (base, len, arena) = dev.find(addr)?;
+        let i = match self.by_base.get(&base) {
+            Some(&i) => i,
+            None => {
+                self.arenas.push((base, len, arena));
+                self.by_base.insert(base, self.arenas.len() - 1);
+                self.arenas.len() - 1
+            }
+        };
+        self.last = [i, self.last[0]];
+        Some((i, base, self.arenas[i].1))
+    }
+
+    /// The arenas, for the group's parts to hold.
+    fn into_arenas(self) -> Arc<[Arena]> {
+        self.arenas.into_iter().map(|(_, _, a)| a).collect()
+    }
+}
+
+/// One copy with its arenas resolved: an index into its part's arenas, and an offset.
 struct Planned {
     copy: DeviceCopy,
-    src: Option<(Arena, usize)>,
-    dst: Option<(Arena, usize)>,
+    src: Option<(usize, usize)>,
+    dst: Option<(usize, usize)>,
 }
 
 // SAFETY: the host pointers in `copy` are covered by the `copy` contract (valid and
@@ -267,11 +299,37 @@ unsafe impl Send for Planned {}
 
 /// One device and direction's part of a group.
 struct Part {
+    /// The group's arenas (its copies' indices point here), kept alive until it ends.
+    arenas: Arc<[Arena]>,
+    /// The ones this part's copies touch, each once: locked while it runs.
+    used: Vec<usize>,
     copies: Vec<Planned>,
     /// One launch for the part (a batched call), rather than one per copy.
     batched: bool,
     /// Fail the part without copying ([`FakeDev::fail_next`]).
     fail: bool,
+}
+
+impl Part {
+    fn new(batched: bool) -> Part {
+        Part {
+            arenas: Arc::from([]),
+            used: Vec::new(),
+            copies: Vec::new(),
+            batched,
+            fail: false,
+        }
+    }
+
+    /// Adds `p`, noting its arenas (sorted and deduplicated once the part is whole).
+    fn add(&mut self, p: Planned) {
+        for (i, _) in p.src.into_iter().chain(p.dst) {
+            if self.used.last() != Some(&i) {
+                self.used.push(i);
+            }
+        }
+        self.copies.push(p);
+    }
 }
 
 struct Job {
@@ -320,15 +378,32 @@ fn run_part(part: &Part, config: FakeDevConfig, counters: &CopyCounters) -> Resu
         pay(config.launch_cost);
         counters.call(part.copies.len(), part.copies.iter().map(bytes).sum());
     }
+    // Every arena the part touches, locked once for all its copies, in address order
+    // (so parts on other queues locking some of the same cannot deadlock with it).
+    let mut order = part.used.clone();
+    order.sort_by_key(|&i| Arc::as_ptr(&part.arenas[i]) as usize);
+    order.dedup();
+    let mut bases = vec![std::ptr::null_mut::<u8>(); part.arenas.len()];
+    let held: Vec<_> = order
+        .iter()
+        .map(|&i| {
+            let mut a = part.arenas[i].lock();
+            bases[i] = a.as_mut_ptr();
+            a
+        })
+        .collect();
     for p in &part.copies {
         if !part.batched {
             pay(config.launch_cost);
             counters.call(1, bytes(p));
         }
         if !part.fail {
-            execute(p);
+            // SAFETY: every arena of the copy is locked above and stays so until the
+            // loop ends; its ranges were checked against them when it was planned.
+            unsafe { execute(p, &bases) };
         }
     }
+    drop(held);
     pay(config.sync_cost);
     counters.sync();
     if part.fail {
@@ -340,37 +415,28 @@ fn run_part(part: &Part, config: FakeDevConfig, counters: &CopyCounters) -> Resu
     Ok(())
 }
 
-fn execute(p: &Planned) {
+/// Runs one copy; `bases[i]` is the start of arena `i`.
+///
+/// # Safety
+/// The copy's arenas are locked by this thread, and its arena ranges lie inside them;
+/// its host range is valid (the `copy` contract).
+unsafe fn execute(p: &Planned, bases: &[*mut u8]) {
     let len = p.copy.len();
-    match (p.copy, &p.src, &p.dst) {
-        // SAFETY: the submitter guarantees the host range (the `copy` contract); the
-        // arena range was checked when the copy was planned.
-        (DeviceCopy::ToDevice { host, .. }, _, Some((arena, off))) => unsafe {
-            let mut a = arena.lock();
-            std::ptr::copy_nonoverlapping(host, a.as_mut_ptr().add(*off), len)
+    let at = |(i, off): (usize, usize)| bases[i].wrapping_add(off);
+    match (p.copy, p.src, p.dst) {
+        // SAFETY: forwarded from the caller.
+        (DeviceCopy::ToDevice { host, .. }, _, Some(d)) => unsafe {
+            std::ptr::copy_nonoverlapping(host, at(d), len)
         },
-        // SAFETY: as above.
-        (DeviceCopy::ToHost { host, .. }, Some((arena, off)), _) => unsafe {
-            let a = arena.lock();
-            std::ptr::copy_nonoverlapping(a.as_ptr().add(*off), host, len)
+        // SAFETY: forwarded from the caller.
+        (DeviceCopy::ToHost { host, .. }, Some(s), _) => unsafe {
+            std::ptr::copy_nonoverlapping(at(s), host, len)
         },
-        (DeviceCopy::DeviceToDevice { .. }, Some((sa, so)), Some((da, doff))) => {
-            if Arc::ptr_eq(sa, da) {
-                let mut a = sa.lock();
-                a.copy_within(*so..*so + len, *doff);
-            } else {
-                // Two arenas are locked in address order, so copies in opposite
-                // directions between the same two cannot deadlock.
-                let (s, mut d) = if Arc::as_ptr(sa) < Arc::as_ptr(da) {
-                    let s = sa.lock();
-                    (s, da.lock())
-                } else {
-                    let d = da.lock();
-                    (sa.lock(), d)
-                };
-                d[*doff..*doff + len].copy_from_slice(&s[*so..*so + len]);
-            }
-        }
+        // SAFETY: forwarded from the caller; a copy within one arena may overlap, which
+        // `copy` allows.
+        (DeviceCopy::DeviceToDevice { .. }, Some(s), Some(d)) => unsafe {
+            std::ptr::copy(at(s), at(d), len)
+        },
         _ => {}
     }
 }
@@ -508,26 +574,27 @@ impl FakeDev {
     /// queue's index, and the part).
     fn parts(&self, copies: &[DeviceCopy], batched: bool) -> Result<Vec<(usize, Part)>> {
         let mut parts: Vec<(usize, Part)> = Vec::new();
-        let mut recent = Recent::default();
+        let mut seen = Seen::default();
         for c in copies {
             let (ordinal, dir) = c.queue();
             self.queue(c)?;
             let key = ordinal as usize * 3 + dir;
-            let planned = self.plan(*c, &mut recent)?;
-            match parts.iter_mut().find(|p| p.0 == key) {
-                Some(p) => p.1.copies.push(planned),
-                None => parts.push((
-                    key,
-                    Part {
-                        copies: vec![planned],
-                        batched,
-                        fail: false,
-                    },
-                )),
-            }
+            let planned = self.plan(*c, &mut seen)?;
+            let at = match parts.iter().position(|p| p.0 == key) {
+                Some(at) => at,
+                None => {
+                    parts.push((key, Part::new(batched)));
+                    parts.len() - 1
+                }
+            };
+            parts[at].1.add(planned);
         }
+        let arenas = seen.into_arenas();
         for (key, part) in &mut parts {
             part.fail = self.take_failure((*key / 3) as u32);
+            part.arenas = arenas.clone();
+            part.used.sort_unstable();
+            part.used.dedup();
         }
         Ok(parts)
     }
@@ -540,11 +607,11 @@ crate::register_runtime!(
 );
 
 impl FakeDev {
-    fn find(&self, addr: u64) -> Option<(u64, Arena)> {
+    /// The base, length and arena of the allocation holding `addr`.
+    fn find(&self, addr: u64) -> Option<(u64, usize, Arena)> {
         let allocs = self.allocs.lock();
-        let (&base, arena) = allocs.arenas.range(..=addr).next_back()?;
-        let len = arena.lock().len() as u64;
-        (addr < base + len).then(|| (base, arena.clone()))
+        let (&base, (len, arena)) = allocs.arenas.range(..=addr).next_back()?;
+        (addr - base < *len as u64).then(|| (base, *len, arena.clone()))
     }
 
     /// The costs in force.
@@ -552,18 +619,12 @@ impl FakeDev {
         self.config
     }
 
-    /// Resolves a device range to its arena and offset, checking it fits; the arenas
-    /// in `recent` are tried first.
-    fn range(&self, recent: &mut Recent, device: u64, len: usize) -> Result<(Arena, usize)> {
-        let (base, size, arena) = match recent.find(device) {
-            Some(hit) => hit,
-            None => {
-                let (base, arena) = self.find(device).ok_or_else(|| not_device(device))?;
-                let size = arena.lock().len();
-                recent.keep(base, size, &arena);
-                (base, size, arena)
-            }
-        };
+    /// Resolves a device range to its arena (an index into `seen`) and offset,
+    /// checking it fits.
+    fn range(&self, seen: &mut Seen, device: u64, len: usize) -> Result<(usize, usize)> {
+        let (i, base, size) = seen
+            .resolve(self, device)
+            .ok_or_else(|| not_device(device))?;
         let offset = (device - base) as usize;
         if !crate::request::fits(offset as u64, len as u64, size as u64) {
             return Err(Error::new(
@@ -571,17 +632,17 @@ impl FakeDev {
                 format!("a copy of {len} bytes at {device:#x} runs past its {size}-byte fakedev allocation"),
             ));
         }
-        Ok((arena, offset))
+        Ok((i, offset))
     }
 
-    fn plan(&self, copy: DeviceCopy, recent: &mut Recent) -> Result<Planned> {
+    fn plan(&self, copy: DeviceCopy, seen: &mut Seen) -> Result<Planned> {
         let len = copy.len();
         let (src, dst) = match copy {
-            DeviceCopy::ToDevice { device, .. } => (None, Some(self.range(recent, device, len)?)),
-            DeviceCopy::ToHost { device, .. } => (Some(self.range(recent, device, len)?), None),
+            DeviceCopy::ToDevice { device, .. } => (None, Some(self.range(seen, device, len)?)),
+            DeviceCopy::ToHost { device, .. } => (Some(self.range(seen, device, len)?), None),
             DeviceCopy::DeviceToDevice { src, dst, .. } => (
-                Some(self.range(recent, src, len)?),
-                Some(self.range(recent, dst, len)?),
+                Some(self.range(seen, src, len)?),
+                Some(self.range(seen, dst, len)?),
             ),
         };
         Ok(Planned { copy, src, dst })
@@ -629,12 +690,11 @@ impl DeviceRuntime for FakeDev {
     }
 
     fn pointer_info(&self, addr: u64) -> Result<PointerInfo> {
-        let (base, arena) = self.find(addr).ok_or_else(|| not_device(addr))?;
-        let len = arena.lock().len() as u64;
+        let (base, len, _) = self.find(addr).ok_or_else(|| not_device(addr))?;
         Ok(PointerInfo {
             ordinal: ordinal_of(base),
             base,
-            len,
+            len: len as u64,
         })
     }
 
@@ -668,7 +728,7 @@ impl DeviceRuntime for FakeDev {
     }
 
     fn ipc_export(&self, addr: u64) -> Result<IpcExport> {
-        let (base, arena) = self.find(addr).ok_or_else(|| not_device(addr))?;
+        let (base, len, arena) = self.find(addr).ok_or_else(|| not_device(addr))?;
         if self.allocs.lock().private.contains(&base) {
             return Err(Error::new(
                 ErrorKind::Unsupported,
@@ -684,7 +744,7 @@ impl DeviceRuntime for FakeDev {
             fd: Some(fd),
             ordinal: ordinal_of(base),
             base,
-            len: a.len as u64,
+            len: len as u64,
         })
     }
 
@@ -778,15 +838,12 @@ impl DeviceRuntime for FakeDev {
 
     unsafe fn copy(&self, copy: DeviceCopy, done: CopyDone) -> Result<()> {
         let queue = self.queue(&copy)?;
-        let job = Job {
-            part: Part {
-                copies: vec![self.plan(copy, &mut Recent::default())?],
-                batched: true,
-                fail: self.take_failure(copy.queue().0),
-            },
-            done,
-        };
-        self.send(queue, job)
+        let mut seen = Seen::default();
+        let mut part = Part::new(true);
+        part.add(self.plan(copy, &mut seen)?);
+        part.arenas = seen.into_arenas();
+        part.fail = self.take_failure(copy.queue().0);
+        self.send(queue, Job { part, done })
     }
 
     unsafe fn copy_group(&self, copies: &[DeviceCopy], done: CopyDone) -> Result<()> {
