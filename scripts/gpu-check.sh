@@ -12,12 +12,22 @@
 #   DIR holds prebuilt binaries: `te` (release), `gpu` (the tests/gpu.rs test binary),
 #   optionally `te-core` (te-core's unit tests) and `te-before`. Without DIR they are
 #   built here with cargo (release). Exits 1 if a test failed or a target was missed.
+#
+#        scripts/gpu-check.sh --build DIR
+#   only builds them into DIR, stripped (a machine with a GPU but no Rust toolchain
+#   then runs `scripts/gpu-check.sh DIR` on a copy of the tree that carries DIR).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+build_only=
+if [ "${1:-}" = --build ]; then
+  build_only=1
+  shift
+  [ -n "${1:-}" ] || { echo "usage: scripts/gpu-check.sh --build DIR" >&2; exit 2; }
+fi
 dir=${1:-}
 secs=${2:-2}
-if [ -z "$dir" ]; then
-  dir=target/release/gpu-check
+if [ -z "$dir" ] || [ -n "$build_only" ]; then
+  dir=${dir:-target/release/gpu-check}
   mkdir -p "$dir"
   cargo build --release --bin te && cp target/release/te "$dir/te" || exit 1
   for t in "--test gpu:gpu" "-p te-core --lib --features cuda:te-core"; do
@@ -28,6 +38,13 @@ for l in sys.stdin:
     if m.get("profile", {}).get("test") and m.get("executable"): print(m["executable"])' | tail -n1)
     [ -n "$bin" ] && cp "$bin" "$dir/${t##*:}"
   done
+  if [ -n "$build_only" ]; then
+    for f in te gpu te-core; do
+      [ -f "$dir/$f" ] && strip "$dir/$f"
+    done
+    ls -l "$dir"
+    exit 0
+  fi
 fi
 fail=0
 echo "== GPU"
