@@ -623,7 +623,10 @@ fn channel_frame(
             else {
                 return Err(slice);
             };
-            let key = *keys.entry(region).or_insert_with(|| ch.key(rt, region, at));
+            let deadline = slice.batch.deadline();
+            let key = *keys
+                .entry(region)
+                .or_insert_with(|| ch.key(rt, region, at, deadline));
             match key {
                 Some(k) => k,
                 None => return Err(slice),

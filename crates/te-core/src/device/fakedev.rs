@@ -348,6 +348,8 @@ pub struct FakeDev {
     counters: Arc<Vec<CopyCounters>>,
     /// Per device: how many of the next groups to fail.
     failing: Vec<AtomicU64>,
+    /// How many of the next imports to refuse ([`FakeDev::refuse_imports`]).
+    refusing: AtomicU64,
 }
 
 /// Pays `cost` on this (the runtime's) thread.
@@ -507,6 +509,7 @@ impl FakeDev {
             config,
             counters,
             failing: (0..DEVICES).map(|_| AtomicU64::new(0)).collect(),
+            refusing: AtomicU64::new(0),
         }))
     }
 
@@ -551,6 +554,12 @@ impl FakeDev {
             .get(ordinal as usize)
             .map(CopyCounters::get)
             .unwrap_or_default()
+    }
+
+    /// Makes the next `imports` calls of [`DeviceRuntime::ipc_import`] fail with a
+    /// `Backend` error, as a driver refuses to map a peer's memory it cannot reach.
+    pub fn refuse_imports(&self, imports: u64) {
+        self.refusing.fetch_add(imports, Ordering::Relaxed);
     }
 
     /// Makes the next `groups` parts of groups (a group's copies of one direction)
@@ -761,6 +770,15 @@ impl DeviceRuntime for FakeDev {
         len: u64,
     ) -> Result<u64> {
         no_such_device(ordinal)?;
+        let refused = self
+            .refusing
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        if refused.is_ok() {
+            return Err(Error::new(
+                ErrorKind::Backend,
+                "fakedev: an import refused (injected by FakeDev::refuse_imports)",
+            ));
+        }
         let fd = fd.ok_or_else(|| {
             Error::new(
                 ErrorKind::InvalidRequest,

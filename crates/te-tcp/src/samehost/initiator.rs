@@ -11,6 +11,8 @@ struct ChannelState {
     waiting: HashMap<u64, Waiting>,
     /// Keys of the allocations shared on this channel.
     sent: std::collections::HashSet<u64>,
+    /// Per key shared: whether the target could map it (`None` until it has said).
+    acks: HashMap<u64, Option<std::result::Result<(), Error>>>,
     dead: Option<Error>,
 }
 
@@ -77,6 +79,8 @@ pub(crate) struct Channel {
     /// peer that stopped reading never holds up the thread receiving answers.
     send: Mutex<()>,
     state: Mutex<ChannelState>,
+    /// Signalled when the target answers a share, and when the channel dies.
+    acked: Condvar,
     exports: Arc<Mutex<Exports>>,
     /// The target can copy host memory with this process (cross-memory attach).
     pub(crate) cma: bool,
@@ -148,8 +152,10 @@ impl Channel {
                 next_id: 1,
                 waiting: HashMap::new(),
                 sent: Default::default(),
+                acks: HashMap::new(),
                 dead: None,
             }),
+            acked: Condvar::new(),
             exports: exports.clone(),
             cma,
             dead: AtomicBool::new(false),
@@ -171,6 +177,7 @@ impl Channel {
     pub(crate) fn unshare(&self, key: u64) {
         let _order = self.send.lock();
         let mut st = self.state.lock();
+        st.acks.remove(&key);
         if !st.sent.remove(&key) || st.dead.is_some() {
             return;
         }
@@ -201,13 +208,15 @@ impl Channel {
     }
 
     /// The key of the allocation holding `addr` (device memory of `rt` in local region
-    /// `region`), shared with the target first if it is not yet; `None` where `rt`
-    /// cannot share memory (the frame then goes over the socket).
+    /// `region`), shared with the target first if it is not yet, and mapped there;
+    /// `None` where `rt` cannot export it, or the target cannot map it, or says
+    /// neither before `deadline` (the frame then goes over the socket).
     pub(crate) fn key(
         &self,
         rt: &Arc<dyn DeviceRuntime>,
         region: RegionId,
         addr: u64,
+        deadline: Instant,
     ) -> Option<u64> {
         let (key, export) = {
             let mut ex = self.exports.lock();
@@ -238,16 +247,41 @@ impl Channel {
                 }
             }
         };
-        let _order = self.send.lock();
-        let mut st = self.state.lock();
-        if st.sent.contains(&key) {
-            return Some(key);
+        {
+            let _order = self.send.lock();
+            let mut st = self.state.lock();
+            if st.dead.is_some() {
+                return None;
+            }
+            if !st.sent.contains(&key) {
+                st.sent.insert(key);
+                st.acks.insert(key, None);
+                drop(st);
+                self.share(rt, key, &export)?;
+            }
         }
-        if st.dead.is_some() {
-            return None;
+        match self.ack(key, deadline) {
+            Some(Ok(())) => Some(key),
+            Some(Err(e)) => {
+                // The target cannot map it: this region's frames take the socket.
+                tracing::info!(runtime = rt.name(), %region, error = %e, "the same-host peer cannot map this memory; this region's frames go over the socket");
+                let mut ex = self.exports.lock();
+                let id = (rt.name().to_string(), region);
+                ex.by.remove(&id);
+                ex.unshareable.insert(id);
+                None
+            }
+            None => None,
         }
-        st.sent.insert(key);
-        drop(st);
+    }
+
+    /// Sends the share of `export` under `key`; `None` if the channel broke.
+    fn share(
+        &self,
+        rt: &Arc<dyn DeviceRuntime>,
+        key: u64,
+        export: &te_core::device::IpcExport,
+    ) -> Option<()> {
         // The runtime's name, then (after a NUL) the device's host-wide name where the
         // runtime has one: the target may number the device otherwise.
         let mut name = rt.name().as_bytes().to_vec();
@@ -272,7 +306,23 @@ impl Channel {
             self.fail(io_error("send failed", e));
             return None;
         }
-        Some(key)
+        Some(())
+    }
+
+    /// Waits until the target has said whether it mapped the allocation shared under
+    /// `key`: its answer, or `None` if the channel died or `deadline` passed first.
+    fn ack(&self, key: u64, deadline: Instant) -> Option<std::result::Result<(), Error>> {
+        let mut st = self.state.lock();
+        loop {
+            if let Some(Some(answer)) = st.acks.get(&key) {
+                return Some(answer.clone());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if st.dead.is_some() || left.is_zero() {
+                return None;
+            }
+            st = self.acked.wait_timeout(st, left).0;
+        }
     }
 
     /// Sends `frames` as requests, one op each, at most [`MAX_ENTRIES`] ranges each;
@@ -388,6 +438,7 @@ impl Channel {
             st.dead.get_or_insert(e.clone());
             st.waiting.drain().map(|(_, w)| w).collect()
         };
+        self.acked.notify_all();
         for b in waiting.into_iter().flatten() {
             b.finish_slice(Err(e.clone()));
         }
@@ -409,8 +460,8 @@ fn receive(s: &UnixStream, ch: &Weak<Channel>) {
         }
         let m = Msg::decode(&h);
         let result = match m.kind {
-            DONE => Ok(()),
-            FAIL if m.b as usize <= MAX_MESSAGE => {
+            DONE | SHARED if m.code == 0 => Ok(()),
+            FAIL | SHARED if m.b as usize <= MAX_MESSAGE => {
                 let mut text = vec![0u8; m.b as usize];
                 if let Err(e) = (&mut &*s).read_exact(&mut text) {
                     break io_error("receive failed", e);
@@ -425,6 +476,21 @@ fn receive(s: &UnixStream, ch: &Weak<Channel>) {
         };
         let Some(ch) = ch.upgrade() else { return };
         ch.progress.fetch_add(1, Ordering::AcqRel);
+        if m.kind == SHARED {
+            // An answer to a share, by its key.
+            let mut st = ch.state.lock();
+            match st.acks.get_mut(&m.id) {
+                Some(answer @ None) => *answer = Some(result),
+                _ => {
+                    drop(st);
+                    ch.fail(protocol("an answer to no share"));
+                    return;
+                }
+            }
+            drop(st);
+            ch.acked.notify_all();
+            continue;
+        }
         let waiting = ch.state.lock().waiting.remove(&m.id);
         match waiting {
             Some(batches) => {

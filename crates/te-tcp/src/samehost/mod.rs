@@ -62,7 +62,7 @@ use std::time::{Duration, Instant};
 use te_core::device::{DeviceCopy, DeviceRuntime};
 use te_core::kit::fits;
 use te_core::local;
-use te_core::sync::Mutex;
+use te_core::sync::{Condvar, Mutex};
 use te_core::{BatchStage, Error, ErrorKind, Op, RegionId, Result};
 
 use crate::completion::Batch;
@@ -71,7 +71,7 @@ use crate::state::Shared;
 use crate::wire::{Entry, Header, Kind, NONCE_LEN};
 
 const MAGIC: [u8; 4] = *b"TELC";
-pub(crate) const VERSION: u16 = 3;
+pub(crate) const VERSION: u16 = 4;
 const HELLO_LEN: usize = 64;
 const WELCOME_LEN: usize = 8;
 const HEADER_LEN: usize = 40;
@@ -100,6 +100,8 @@ const READ: u8 = 3;
 const DONE: u8 = 4;
 const FAIL: u8 = 5;
 const UNSHARE: u8 = 6;
+/// The target's answer to a share (by its key): mapped (code 0), or why not.
+const SHARED: u8 = 7;
 
 /// The abstract socket name of backend instance `instance`'s channel listener.
 pub(crate) fn socket_name(instance: u64) -> String {

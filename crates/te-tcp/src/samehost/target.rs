@@ -304,7 +304,13 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
                 if let Err(e) = &import {
                     tracing::warn!(runtime = name, error = %e, "same-host channel: the peer's memory could not be mapped");
                 }
+                // The initiator waits for this before naming the allocation; one we
+                // could not map it sends over the socket instead.
+                let answer = answer(SHARED, SHARED, m.id, import.as_ref().map(|_| ()));
                 imports.insert(m.id, import);
+                (&mut &*s)
+                    .write_all(&answer)
+                    .map_err(|e| io_error("send failed", e))?;
             }
             WRITE | READ => {
                 if fd.is_some() {
@@ -346,34 +352,7 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
                 if n > KEPT_ENTRIES {
                     (raw, entries) = (Vec::new(), Vec::new());
                 }
-                let reply = match r {
-                    Ok(()) => Msg {
-                        kind: DONE,
-                        code: 0,
-                        id: m.id,
-                        a: 0,
-                        b: 0,
-                        c: 0,
-                    }
-                    .encode()
-                    .to_vec(),
-                    Err(e) => {
-                        let text = e.message().as_bytes();
-                        let text = &text[..text.len().min(MAX_MESSAGE)];
-                        let mut v = Msg {
-                            kind: FAIL,
-                            code: e.kind().code(),
-                            id: m.id,
-                            a: 0,
-                            b: text.len() as u64,
-                            c: 0,
-                        }
-                        .encode()
-                        .to_vec();
-                        v.extend_from_slice(text);
-                        v
-                    }
-                };
+                let reply = answer(DONE, FAIL, m.id, r.as_ref().map(|_| ()));
                 (&mut &*s)
                     .write_all(&reply)
                     .map_err(|e| io_error("send failed", e))?;
@@ -388,6 +367,34 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
             k => return Err(protocol(format!("a message of kind {k}"))),
         }
     }
+}
+
+/// The answer to message `id`: kind `ok` with code 0, or kind `failed` with the error's
+/// kind as its code and its message after the header.
+fn answer(ok: u8, failed: u8, id: u64, r: std::result::Result<(), &Error>) -> Vec<u8> {
+    let (kind, code, text) = match r {
+        Ok(()) => (ok, 0, &[][..]),
+        Err(e) => {
+            let text = e.message().as_bytes();
+            (
+                failed,
+                e.kind().code(),
+                &text[..text.len().min(MAX_MESSAGE)],
+            )
+        }
+    };
+    let mut v = Msg {
+        kind,
+        code,
+        id,
+        a: 0,
+        b: text.len() as u64,
+        c: 0,
+    }
+    .encode()
+    .to_vec();
+    v.extend_from_slice(text);
+    v
 }
 
 fn welcome(status: u16, cma: bool) -> [u8; WELCOME_LEN] {

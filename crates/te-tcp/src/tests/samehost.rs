@@ -46,6 +46,11 @@ fn request(ch: &Channel, op: Op, ranges: Vec<Range>) -> Result<()> {
     rx.recv_timeout(Duration::from_secs(10)).expect("answered")
 }
 
+/// A deadline for a share's answer.
+fn soon() -> std::time::Instant {
+    std::time::Instant::now() + Duration::from_secs(10)
+}
+
 fn host(region: u64, offset: u64, len: u64, addr: *const u8) -> Range {
     Range {
         region,
@@ -322,14 +327,26 @@ fn a_share_naming_a_device_this_process_does_not_see_fails_its_requests_not_the_
     let name = b"fakedev\0fakedev-999";
     let share = message(1, 0, [7, 0x1000, 4096, name.len() as u64], name);
     s.write_all(&share).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut h = [0u8; 40];
+    s.read_exact(&mut h).expect("the share is answered");
+    assert_eq!(h[0], 7, "a share's answer");
+    assert_ne!(
+        u32::from_le_bytes(h[4..8].try_into().unwrap()),
+        0,
+        "refused"
+    );
+    let len = u64::from_le_bytes(h[24..32].try_into().unwrap()) as usize;
+    let mut text = vec![0u8; len];
+    s.read_exact(&mut text).unwrap();
+    assert!(String::from_utf8_lossy(&text).contains("fakedev-999"));
+    // A request that names it anyway is refused too.
     let mut entry = Vec::new();
     for v in [1u64, 0, 4096, 7, 0x1000] {
         entry.extend_from_slice(&v.to_le_bytes());
     }
     s.write_all(&message(2, 1, [1, 0, 4096, 0], &entry))
         .unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let mut h = [0u8; 40];
     s.read_exact(&mut h).expect("the request is answered");
     assert_eq!(h[0], 5, "the request failed");
     let len = u64::from_le_bytes(h[24..32].try_into().unwrap()) as usize;
@@ -392,17 +409,17 @@ fn memory_the_runtime_will_not_export_takes_the_socket_alone() {
     let shared = rt.alloc(0, 4096).unwrap();
     let ch = channel(&target);
     assert_eq!(
-        ch.key(&rt, RegionId(8), private),
+        ch.key(&rt, RegionId(8), private, soon()),
         None,
         "an allocation the runtime will not export goes over the socket"
     );
     assert_eq!(
-        ch.key(&rt, RegionId(8), private),
+        ch.key(&rt, RegionId(8), private, soon()),
         None,
         "and is not asked again"
     );
     assert!(
-        ch.key(&rt, RegionId(9), shared).is_some(),
+        ch.key(&rt, RegionId(9), shared, soon()).is_some(),
         "another region of the same runtime is still shared"
     );
     for addr in [private, shared] {
@@ -410,8 +427,42 @@ fn memory_the_runtime_will_not_export_takes_the_socket_alone() {
     }
 }
 
+/// Held by the tests that count fakedev's imports or make it refuse them: both are
+/// process-wide.
+static IMPORTS: te_core::sync::Mutex<()> = te_core::sync::Mutex::new(());
+
+#[test]
+fn memory_the_target_cannot_map_takes_the_socket_and_is_not_offered_again() {
+    use te_core::RegionId;
+    let _alone = IMPORTS.lock();
+    let rt = te_core::device::runtime("fakedev").expect("fakedev");
+    let dev = te_core::device::fakedev::process().expect("fakedev runs");
+    let target = backend(|_| {});
+    let (mine, other) = (rt.alloc(0, 4096).unwrap(), rt.alloc(0, 4096).unwrap());
+    let ch = channel(&target);
+    dev.refuse_imports(1);
+    assert_eq!(
+        ch.key(&rt, RegionId(8), mine, soon()),
+        None,
+        "the target said it could not map it: the socket"
+    );
+    let before = dev.imported();
+    assert_eq!(
+        ch.key(&rt, RegionId(8), mine, soon()),
+        None,
+        "not offered again"
+    );
+    let k = ch.key(&rt, RegionId(9), other, soon());
+    assert!(k.is_some(), "another region is still shared");
+    assert_eq!(dev.imported(), before + 1, "and mapped once");
+    for addr in [mine, other] {
+        rt.free(0, addr).unwrap();
+    }
+}
+
 #[test]
 fn a_peers_allocation_is_mapped_once_for_its_channels_and_unmapped_when_unshared() {
+    let _alone = IMPORTS.lock();
     use te_core::device::DeviceCopy;
     use te_core::RegionId;
     let rt = te_core::device::runtime("fakedev").expect("fakedev");
@@ -436,10 +487,10 @@ fn a_peers_allocation_is_mapped_once_for_its_channels_and_unmapped_when_unshared
     let (a, b) = (open(), open());
     let before = dev.imported();
     let k = a
-        .key(&rt, RegionId(9), mine)
+        .key(&rt, RegionId(9), mine, soon())
         .expect("fakedev memory is shared");
     assert_eq!(
-        b.key(&rt, RegionId(9), mine),
+        b.key(&rt, RegionId(9), mine, soon()),
         Some(k),
         "one key for the peer"
     );
