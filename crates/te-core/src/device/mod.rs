@@ -297,17 +297,8 @@ pub trait DeviceRuntime: Send + Sync + fmt::Debug + 'static {
     /// # Errors
     /// The group's error.
     unsafe fn copy_group_wait(&self, copies: &[DeviceCopy]) -> Result<()> {
-        let (tx, rx) = mpsc::sync_channel(1);
         // SAFETY: forwarded from the caller, who is blocked here until the group ends.
-        unsafe {
-            self.copy_group(
-                copies,
-                Box::new(move |r| {
-                    let _ = tx.send(r);
-                }),
-            )?
-        };
-        rx.recv().unwrap_or_else(|_| Err(dropped()))
+        waited(|done| unsafe { self.copy_group(copies, done) })
     }
 
     /// Exports the allocation that holds `addr` so that another process of this host
@@ -477,18 +468,19 @@ impl dyn DeviceRuntime {
     /// # Errors
     /// The copy's error.
     pub unsafe fn copy_sync(&self, copy: DeviceCopy) -> Result<()> {
-        let (tx, rx) = mpsc::sync_channel(1);
-        // SAFETY: forwarded from the caller.
-        unsafe {
-            self.copy(
-                copy,
-                Box::new(move |r| {
-                    let _ = tx.send(r);
-                }),
-            )?
-        };
-        rx.recv().unwrap_or_else(|_| Err(dropped()))
+        // SAFETY: forwarded from the caller, who is blocked here until the copy ends.
+        waited(|done| unsafe { self.copy(copy, done) })
     }
+}
+
+/// Starts copies with `start`, handing it their completion, and waits for their
+/// result on this thread.
+fn waited(start: impl FnOnce(CopyDone) -> Result<()>) -> Result<()> {
+    let (tx, rx) = mpsc::sync_channel(1);
+    start(Box::new(move |r| {
+        let _ = tx.send(r);
+    }))?;
+    rx.recv().unwrap_or_else(|_| Err(dropped()))
 }
 
 /// A compiled-in device runtime, submitted by [`register_runtime!`](crate::register_runtime).

@@ -221,6 +221,9 @@ impl Channel {
         let (key, export) = {
             let mut ex = self.exports.lock();
             let id = (rt.name().to_string(), region);
+            if ex.unshareable.contains(&id) {
+                return None;
+            }
             let known = ex.by.get(&id).and_then(|v| {
                 v.iter()
                     .find(|(_, x)| addr >= x.base && addr - x.base < x.len)
@@ -229,9 +232,6 @@ impl Channel {
             match known {
                 Some(found) => found,
                 None => {
-                    if ex.unshareable.contains(&id) {
-                        return None;
-                    }
                     let export = match rt.ipc_export(addr) {
                         Ok(x) => Arc::new(x),
                         Err(e) => {
@@ -263,12 +263,12 @@ impl Channel {
         match self.ack(key, deadline) {
             Some(Ok(())) => Some(key),
             Some(Err(e)) => {
-                // The target cannot map it: this region's frames take the socket.
+                // The target cannot map it: this region's frames take the socket. The
+                // export stays known, so the region's deregistration still unshares it
+                // on every channel it was sent on (the target forgets its refusal then).
                 tracing::info!(runtime = rt.name(), %region, error = %e, "the same-host peer cannot map this memory; this region's frames go over the socket");
-                let mut ex = self.exports.lock();
                 let id = (rt.name().to_string(), region);
-                ex.by.remove(&id);
-                ex.unshareable.insert(id);
+                self.exports.lock().unshareable.insert(id);
                 None
             }
             None => None,

@@ -373,6 +373,32 @@ fn a_share_naming_a_device_this_process_does_not_see_fails_its_requests_not_the_
 }
 
 #[test]
+fn a_peer_that_floods_shares_and_never_reads_their_answers_is_cut_off() {
+    use std::io::Write;
+    let target = backend(|c| c.io_timeout = Duration::from_millis(300));
+    let mut remote = vec![0u8; 64];
+    register(&target, 2, &mut remote, Access::REMOTE_READ_WRITE);
+    let mut s = proven_raw(&target);
+    // Shares the target refuses at once (a device no process has), each answered, none
+    // of the answers read: the target's writes fill the socket and time out.
+    let name = b"fakedev\0fakedev-999";
+    s.set_write_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    for key in 0..100_000u64 {
+        let share = message(1, 0, [key % 4000, 0x1000, 4096, name.len() as u64], name);
+        if s.write_all(&share).is_err() {
+            break;
+        }
+    }
+    assert!(closed(&mut s), "the channel was closed");
+    // Good peers are still served.
+    let ch = channel(&target);
+    let src = [4u8; 16];
+    request(&ch, Op::Write, vec![host(2, 0, 16, src.as_ptr())]).unwrap();
+    assert_eq!(&remote[..16], &[4u8; 16][..]);
+}
+
+#[test]
 fn a_request_naming_a_new_region_at_every_entry_is_refused_and_nothing_copied() {
     use std::io::{Read, Write};
     let target = backend(|_| {});
