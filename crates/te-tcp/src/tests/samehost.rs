@@ -390,6 +390,9 @@ fn a_peer_that_floods_shares_and_never_reads_their_answers_is_cut_off() {
             break;
         }
     }
+    // Still not reading: reading now would free the target's blocked write before its
+    // timeout ran out. Wait past that timeout, then look.
+    std::thread::sleep(Duration::from_millis(1200));
     assert!(closed(&mut s), "the channel was closed");
     // Good peers are still served.
     let ch = channel(&target);
