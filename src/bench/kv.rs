@@ -7,7 +7,10 @@
 //! `pull_blocks` (`--op read`, the decode side's view) or `push_blocks` (`--op write`),
 //! three ways in one run: block ids in one contiguous run on both sides (merged into
 //! one request per buffer), random distinct ids (one request per block per buffer),
-//! and the same bytes as plain 1 MiB requests.
+//! and the same bytes as plain 1 MiB requests. With `--baseline`, one thread's `memcpy`
+//! moves the same blocks between two host buffers of the cache's size, contiguous and
+//! random, so a random ÷ contiguous ratio can be read against what the CPU's own copies
+//! of those sizes allow.
 
 use std::time::{Duration, Instant};
 
@@ -99,6 +102,8 @@ fn layout(model: &Model, region: RegionId, blocks: u64) -> KvLayout {
 /// One measured way of moving blocks.
 struct Outcome {
     mode: &'static str,
+    /// Measured without te (`--baseline`): one thread's `memcpy` of the same blocks.
+    baseline: bool,
     batches: u64,
     requests: usize,
     bytes: u64,
@@ -259,6 +264,7 @@ pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
     for mode in ["contiguous", "random", "plain-1MiB"] {
         let mut o = Outcome {
             mode,
+            baseline: false,
             batches: 0,
             requests: 0,
             bytes: 0,
@@ -322,6 +328,15 @@ pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
         o.device = te_core::device::stats().since(&device);
         outcomes.push(o);
     }
+    if args.baseline {
+        let shape = Shape {
+            buffers: 2 * model.layers,
+            blocks,
+            batch,
+            bpb,
+        };
+        outcomes.extend(memcpy_baseline(&shape, duration, &mut rng));
+    }
     report(
         args.json,
         &initiator.backend_info().name,
@@ -331,6 +346,71 @@ pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
         &outcomes,
     );
     Ok(())
+}
+
+/// The blocks one batch moves: `batch` of each of `buffers` buffers of `blocks` blocks
+/// of `bpb` bytes.
+struct Shape {
+    buffers: u64,
+    blocks: u64,
+    batch: u64,
+    bpb: u64,
+}
+
+/// `--baseline`: the same batches as the contiguous and random modes, moved between
+/// two host buffers by one thread's `memcpy`: one copy per buffer and run of blocks.
+fn memcpy_baseline(shape: &Shape, duration: Duration, rng: &mut Rng) -> Vec<Outcome> {
+    let side = (shape.buffers * shape.blocks * shape.bpb) as usize;
+    let (src, mut dst) = (vec![1u8; side], vec![2u8; side]);
+    let bpb = shape.bpb as usize;
+    let mut ids: Vec<u64> = (0..shape.blocks).collect();
+    ["memcpy-contiguous", "memcpy-random"]
+        .into_iter()
+        .map(|mode| {
+            let mut o = Outcome {
+                mode,
+                baseline: true,
+                batches: 0,
+                requests: 0,
+                bytes: 0,
+                seconds: 0.0,
+                latencies: Vec::new(),
+                device: Default::default(),
+            };
+            let start = Instant::now();
+            while start.elapsed() < duration {
+                // (source block, destination block, blocks) per copy, in every buffer.
+                let copies: Vec<(u64, u64, u64)> = if mode == "memcpy-contiguous" {
+                    let first = rng.below(shape.blocks - shape.batch + 1);
+                    vec![(first, first, shape.batch)]
+                } else {
+                    rng.shuffle(&mut ids);
+                    let from = ids[..shape.batch as usize].to_vec();
+                    rng.shuffle(&mut ids);
+                    from.into_iter()
+                        .zip(ids.iter().copied())
+                        .map(|(f, t)| (f, t, 1))
+                        .collect()
+                };
+                let t = Instant::now();
+                for b in 0..shape.buffers {
+                    let base = (b * shape.blocks) as usize * bpb;
+                    for &(from, to, n) in &copies {
+                        let (from, to) = (base + from as usize * bpb, base + to as usize * bpb);
+                        let len = n as usize * bpb;
+                        dst[to..to + len].copy_from_slice(&src[from..from + len]);
+                    }
+                }
+                std::hint::black_box(&mut dst);
+                o.latencies.push(t.elapsed().as_secs_f64() * 1e6);
+                o.batches += 1;
+                o.bytes += shape.buffers * shape.batch * shape.bpb;
+                o.requests = shape.buffers as usize * copies.len();
+            }
+            o.seconds = start.elapsed().as_secs_f64();
+            o
+        })
+        .collect()
 }
 
 /// xorshift64: block ids only need to be scattered, not unpredictable.
@@ -366,7 +446,7 @@ fn runs(remote: &[u64], local: &[u64]) -> usize {
 fn report(json: bool, backend: &str, op: Op, batch: u64, bpb: u64, outcomes: &[Outcome]) {
     if !json {
         println!(
-            "MODE          BLOCKS/S      GB/S  REQUESTS/BATCH  AVG µs  P50 µs  P99 µs  DEV CALLS/BATCH"
+            "MODE                BLOCKS/S      GB/S  REQUESTS/BATCH  AVG µs  P50 µs  P99 µs  DEV CALLS/BATCH"
         );
     }
     for o in outcomes {
@@ -382,6 +462,11 @@ fn report(json: bool, backend: &str, op: Op, batch: u64, bpb: u64, outcomes: &[O
         let blocks_per_s = (o.batches * batch) as f64 / o.seconds;
         let per = |n: u64| n as f64 / o.batches.max(1) as f64;
         if json {
+            let backend = if o.baseline {
+                super::baseline::MEMCPY
+            } else {
+                backend
+            };
             let v = serde_json::json!({
                 "backend": backend, "op": op.to_string(), "mode": o.mode, "block_size": bpb,
                 "batch_size": batch, "requests_per_batch": o.requests, "bytes": o.bytes,
@@ -394,7 +479,7 @@ fn report(json: bool, backend: &str, op: Op, batch: u64, bpb: u64, outcomes: &[O
             println!("{v}");
         } else {
             println!(
-                "{:<12} {:>9.0} {:>9.3} {:>15} {:>7.1} {:>7.1} {:>7.1} {:>16.1}",
+                "{:<18} {:>9.0} {:>9.3} {:>15} {:>7.1} {:>7.1} {:>7.1} {:>16.1}",
                 o.mode,
                 blocks_per_s,
                 gbps,
@@ -404,6 +489,25 @@ fn report(json: bool, backend: &str, op: Op, batch: u64, bpb: u64, outcomes: &[O
                 pct(0.99),
                 per(o.device.calls)
             );
+        }
+    }
+    if !json {
+        let rate = |mode: &str| {
+            outcomes
+                .iter()
+                .find(|o| o.mode == mode)
+                .map(|o| o.bytes as f64 / o.seconds)
+        };
+        for (who, c, r) in [
+            ("te", "contiguous", "random"),
+            ("memcpy", "memcpy-contiguous", "memcpy-random"),
+        ] {
+            if let (Some(c), Some(r)) = (rate(c), rate(r)) {
+                println!("random ÷ contiguous, {who}: {:.2}", r / c);
+            }
+        }
+        if let (Some(te), Some(cpu)) = (rate("random"), rate("memcpy-random")) {
+            println!("random, te ÷ memcpy of the same blocks: {:.2}", te / cpu);
         }
     }
 }
@@ -418,6 +522,30 @@ mod tests {
         assert_eq!(runs(&[3, 1, 2], &[7, 5, 6]), 1);
         assert_eq!(runs(&[1, 2, 3], &[5, 6, 9]), 2);
         assert_eq!(runs(&[9, 1], &[1, 9]), 2);
+    }
+
+    #[test]
+    fn the_memcpy_baseline_moves_each_mode_s_blocks_as_te_would_ask_for_them() {
+        let shape = Shape {
+            buffers: 4,
+            blocks: 16,
+            batch: 8,
+            bpb: 64,
+        };
+        let out = memcpy_baseline(&shape, Duration::from_millis(20), &mut Rng(7));
+        let modes: Vec<_> = out.iter().map(|o| (o.mode, o.baseline)).collect();
+        assert_eq!(
+            modes,
+            [("memcpy-contiguous", true), ("memcpy-random", true)]
+        );
+        // One copy per buffer for a run of blocks, one per buffer and block at random.
+        assert_eq!(out[0].requests, 4);
+        assert_eq!(out[1].requests, 4 * 8);
+        for o in &out {
+            assert!(o.batches > 0);
+            assert_eq!(o.bytes, o.batches * 4 * 8 * 64);
+            assert_eq!(o.latencies.len() as u64, o.batches);
+        }
     }
 
     #[test]
