@@ -170,6 +170,12 @@ pub(crate) async fn answer(shared: &Shared, s: &Sock, peer: &str) -> Result<bool
             }
         }
     };
+    if status == Status::Ok {
+        // The initiator may present this nonce on our same-host channel: only a peer of
+        // this connection knows it. Recorded before the welcome goes, so a channel it
+        // opens as soon as it reads the welcome finds it.
+        shared.nonces.record(nonce);
+    }
     s.write_all_by(&Welcome { status, mac }.encode(), until)
         .await
         .map_err(|e| io_err(peer, "sending the welcome", e))?;
@@ -177,8 +183,5 @@ pub(crate) async fn answer(shared: &Shared, s: &Sock, peer: &str) -> Result<bool
         tracing::warn!(peer = %peer, "refused a data connection: it did not prove the auth_token");
         return Ok(false);
     }
-    // The initiator may present this nonce on our same-host channel: only a peer of
-    // this connection knows it.
-    shared.nonces.record(nonce);
     Ok(true)
 }

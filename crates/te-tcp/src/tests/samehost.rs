@@ -19,8 +19,7 @@ fn nonce(target: &TcpBackend) -> [u8; 32] {
     let ep = decode_endpoint(&target.endpoint()).unwrap();
     let mut s = std::net::TcpStream::connect(ep.addr).unwrap();
     let (_, nonce) = crate::handshake::handshake(&mut s, "test", ep.instance, None).unwrap();
-    // The target records it once the handshake is over on its side.
-    std::thread::sleep(Duration::from_millis(50));
+    // The target records it before it sends the welcome.
     nonce
 }
 
@@ -231,6 +230,28 @@ fn closed(s: &mut std::os::unix::net::UnixStream) -> bool {
     }
 }
 
+/// Whether the target hangs up `s` within `limit`, seen without reading from it.
+fn hung_up(s: &std::os::unix::net::UnixStream, limit: Duration) -> bool {
+    use std::os::fd::AsRawFd;
+    let end = std::time::Instant::now() + limit;
+    loop {
+        let left = end.saturating_duration_since(std::time::Instant::now());
+        let mut p = libc::pollfd {
+            fd: s.as_raw_fd(),
+            events: libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, for a socket `s` keeps open.
+        let n = unsafe { libc::poll(&mut p, 1, left.as_millis() as libc::c_int) };
+        if n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+            return true;
+        }
+        if left.is_zero() {
+            return false;
+        }
+    }
+}
+
 #[test]
 fn hostile_channels_are_closed_and_the_listener_keeps_serving_good_peers() {
     use std::io::Write;
@@ -391,9 +412,11 @@ fn a_peer_that_floods_shares_and_never_reads_their_answers_is_cut_off() {
         }
     }
     // Still not reading: reading now would free the target's blocked write before its
-    // timeout ran out. Wait past that timeout, then look.
-    std::thread::sleep(Duration::from_millis(1200));
-    assert!(closed(&mut s), "the channel was closed");
+    // timeout ran out. Wait for the hang-up without taking a byte off the socket.
+    assert!(
+        hung_up(&s, Duration::from_secs(5)),
+        "the channel was closed"
+    );
     // Good peers are still served.
     let ch = channel(&target);
     let src = [4u8; 16];
