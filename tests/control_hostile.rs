@@ -488,9 +488,10 @@ fn a_slowloris_handshake_is_cut_at_the_handshake_timeout() {
     let timeout = Duration::from_millis(500);
     let (target, _dst) = target_with_dst(|c| c.handshake_timeout = timeout);
     let addr = target.address().to_string();
+    // Before the connect: the target's deadline starts at its accept, after this.
+    let start = Instant::now();
     let mut s = common::raw(&addr);
     let mut w = s.try_clone().unwrap();
-    let start = Instant::now();
     let dribble = std::thread::spawn(move || {
         let hello = common::frame(kind::HELLO, 0, &common::hello((2, 2), "slow", 1));
         for b in hello {
@@ -505,8 +506,9 @@ fn a_slowloris_handshake_is_cut_at_the_handshake_timeout() {
     let frames = common::frames_until_closed(&mut s);
     let cut = start.elapsed();
     println!("slowloris cut after {cut:?}");
+    // The upper bound also covers serving the genuine peer meanwhile.
     assert!(
-        cut >= timeout && cut < timeout + Duration::from_secs(2),
+        cut >= timeout - Duration::from_millis(50) && cut < timeout + Duration::from_secs(5),
         "cut after {cut:?}"
     );
     let (k, _, p) = frames.first().expect("an error frame before the close");

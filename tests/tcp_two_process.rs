@@ -212,7 +212,9 @@ fn a_write_past_the_region_end_is_refused_with_out_of_bounds_and_memory_is_uncha
 
 #[test]
 fn a_peer_killed_mid_transfer_fails_the_batch_well_within_its_deadline_and_others_keep_working() {
-    let mut doomed = serve(None, None, "64MiB");
+    // The target holds every request 2 s (and so takes no same-host shortcut), so the
+    // batches are certainly in flight over the socket when it is killed.
+    let mut doomed = serve_with("debug_delay = \"2s\"\n", None, "64MiB", "host");
     let healthy = serve(None, None, "1MiB");
     let e = initiator(None);
     let src = e.alloc("src", 64 << 20, Access::LOCAL).unwrap();

@@ -98,11 +98,27 @@ mod tests {
 
     #[test]
     fn deadlines_count_down_and_convert_to_instants() {
-        let d = Deadline::after(Duration::from_millis(500));
-        assert!(d.remaining() <= Duration::from_millis(500));
-        assert!(d.remaining() > Duration::from_millis(400));
+        // Far in the future, so no stall of this thread reaches it; every bound below
+        // is measured on the same monotonic clock, so only a wrong deadline misses it.
+        let timeout = Duration::from_secs(60);
+        let t0 = Instant::now();
+        let d = Deadline::after(timeout);
+        let left = d.remaining();
+        assert!(
+            left <= timeout && left >= timeout - t0.elapsed(),
+            "{left:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+        assert!(d.remaining() <= left - Duration::from_millis(10));
+        // The round trip through an `Instant` is off by no more than the time it took.
+        let t1 = Instant::now();
         let back = Deadline::at(d.instant());
-        assert!(back.remaining().abs_diff(d.remaining()) < Duration::from_millis(5));
+        let took = u64::try_from(t1.elapsed().as_nanos()).unwrap();
+        assert!(
+            back.0.abs_diff(d.0) <= took,
+            "off by {}ns",
+            back.0.abs_diff(d.0)
+        );
         let past = Deadline::at(Instant::now() - Duration::from_secs(1));
         assert!(past.is_past());
         assert_eq!(past.left("test").unwrap_err().kind(), ErrorKind::Timeout);

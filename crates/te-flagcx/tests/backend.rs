@@ -285,7 +285,7 @@ fn concurrent_connects_to_one_peer_open_one_connection() -> Result<(), Failed> {
 /// connection is up.
 fn a_batch_for_a_peer_still_connecting_waits_for_the_connection_not_in_submit() -> Result<(), Failed>
 {
-    let p = pair("connect_delay_ms=400")?;
+    let p = pair("connect_delay_ms=3000")?;
     let late = Mem::new(LEN);
     let late_desc = register(&p.target, 2, &late, Access::REMOTE_READ_WRITE)?;
     let seg = segment(&p.target, &[p.dst_desc.clone(), late_desc]);
@@ -313,7 +313,7 @@ fn a_batch_for_a_peer_still_connecting_waits_for_the_connection_not_in_submit() 
         .map_err(|e| format!("{e:?}"))?;
     let in_submit = start.elapsed();
     ensure!(
-        in_submit < Duration::from_millis(200),
+        in_submit < Duration::from_secs(1),
         "submit took {in_submit:?}: it waited for the connection"
     );
     let (result, _) = rx
@@ -329,7 +329,7 @@ fn a_batch_for_a_peer_still_connecting_waits_for_the_connection_not_in_submit() 
 
 fn a_parked_batch_fails_at_its_deadline_while_the_connection_is_still_coming() -> Result<(), Failed>
 {
-    let p = pair("connect_delay_ms=1500")?;
+    let p = pair("connect_delay_ms=5000")?;
     let late = Mem::new(LEN);
     let late_desc = register(&p.target, 2, &late, Access::REMOTE_READ_WRITE)?;
     let seg = segment(&p.target, &[p.dst_desc.clone(), late_desc]);
@@ -356,7 +356,7 @@ fn a_parked_batch_fails_at_its_deadline_while_the_connection_is_still_coming() -
         other => return Err(format!("a parked batch past its deadline: {other:?}").into()),
     }
     ensure!(
-        took >= Duration::from_millis(90) && took < Duration::from_millis(1000),
+        took >= Duration::from_millis(90) && took < Duration::from_secs(3),
         "the parked batch completed after {took:?}, not at its 100 ms deadline"
     );
     ensure!(
@@ -368,8 +368,9 @@ fn a_parked_batch_fails_at_its_deadline_while_the_connection_is_still_coming() -
 
 // ---------------------------------------------------------------- the completion thread
 
-/// Context switches of this process's FlagCX completion threads so far.
-fn completion_thread_switches() -> Result<u64, Failed> {
+/// Context switches of this process's FlagCX completion threads so far: the voluntary
+/// ones (the thread's own waits), and with `preempted` the nonvoluntary ones too.
+fn completion_thread_switches(preempted: bool) -> Result<u64, Failed> {
     let mut total = 0;
     let mut threads = 0;
     for task in std::fs::read_dir("/proc/self/task").map_err(|e| e.to_string())? {
@@ -385,10 +386,10 @@ fn completion_thread_switches() -> Result<u64, Failed> {
         };
         threads += 1;
         for line in status.lines() {
-            if let Some(n) = line
-                .strip_prefix("voluntary_ctxt_switches:")
-                .or_else(|| line.strip_prefix("nonvoluntary_ctxt_switches:"))
-            {
+            if let Some(n) = line.strip_prefix("voluntary_ctxt_switches:").or_else(|| {
+                line.strip_prefix("nonvoluntary_ctxt_switches:")
+                    .filter(|_| preempted)
+            }) {
                 total += n.trim().parse::<u64>().map_err(|e| e.to_string())?;
             }
         }
@@ -403,7 +404,7 @@ fn the_completion_thread_sleeps_while_idle_and_wakes_per_event_not_per_tick() ->
     let (done, rx) = completion(Duration::from_secs(10));
     // While the 300 ms READ is in flight, the thread waits for it to finish; a
     // polling back-off would wake it hundreds of times.
-    let before = completion_thread_switches()?;
+    let before = completion_thread_switches(true)?;
     p.initiator
         .submit(p.peer, &read_all(), done)
         .map_err(|e| format!("{e:?}"))?;
@@ -411,16 +412,27 @@ fn the_completion_thread_sleeps_while_idle_and_wakes_per_event_not_per_tick() ->
         .map_err(|_| "the batch never completed")?
         .0
         .map_err(|e| format!("{e:?}"))?;
-    let busy = completion_thread_switches()? - before;
+    let busy = completion_thread_switches(true)? - before;
     ensure!(
         busy < 20,
         "the completion threads woke {busy} times for one 300 ms transfer"
     );
-    // Nothing in flight: a second of idleness costs no wake-up at all.
-    std::thread::sleep(Duration::from_millis(100));
-    let before = completion_thread_switches()?;
+    // Nothing in flight: a second of idleness costs no wake-up at all. The thread
+    // settles first (two readings 200 ms apart agree, for 5 s at most); only its own
+    // waits count, not the preemptions a loaded machine adds.
+    let settle = Instant::now();
+    let mut before = completion_thread_switches(false)?;
+    loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let now = completion_thread_switches(false)?;
+        if now == before || settle.elapsed() > Duration::from_secs(5) {
+            before = now;
+            break;
+        }
+        before = now;
+    }
     std::thread::sleep(Duration::from_secs(1));
-    let idle = completion_thread_switches()? - before;
+    let idle = completion_thread_switches(false)? - before;
     ensure!(
         idle == 0,
         "the idle completion threads woke {idle} times in one second"

@@ -136,6 +136,8 @@ fn an_aborted_batch_posts_none_of_its_waiting_slices_and_is_released_once_its_po
     std::thread::sleep(Duration::from_millis(300));
     aborter.abort();
     p.initiator.abort(p.peer, batch);
+    // When the abort actually happened: a loaded machine may oversleep.
+    let aborted = start.elapsed();
     let (r, left, took) = rx.recv_timeout(Duration::from_secs(5))?;
     check(
         matches!(&r, Err(e) if e.kind() == ErrorKind::Cancelled),
@@ -146,8 +148,8 @@ fn an_aborted_batch_posts_none_of_its_waiting_slices_and_is_released_once_its_po
         format!("the batch was released with {left} work requests outstanding"),
     )?;
     check(
-        took < Duration::from_millis(1000),
-        format!("released after {took:?}: its waiting slices were posted"),
+        took < aborted + Duration::from_millis(700),
+        format!("released after {took:?} (aborted at {aborted:?}): its waiting slices were posted"),
     )?;
     // Long enough for every slice to have landed, had any been posted after the abort.
     std::thread::sleep(Duration::from_millis(1600));
@@ -162,9 +164,13 @@ fn an_aborted_batch_posts_none_of_its_waiting_slices_and_is_released_once_its_po
         .chunks(SLICE)
         .filter(|d| d.iter().all(|&b| b == 0))
         .count();
+    // At most the slices posted by the abort, one per 200 ms, and one more of margin.
+    let most = (aborted.as_millis() / 200) as usize + 2;
     check(
-        landed + untouched == 8 && (1..=3).contains(&landed),
-        format!("{landed} slices landed and {untouched} are untouched, of 8"),
+        landed + untouched == 8 && (1..=most).contains(&landed),
+        format!(
+            "{landed} slices landed and {untouched} are untouched, of 8 (aborted at {aborted:?})"
+        ),
     )?;
     drop(p.target);
     Ok(())

@@ -84,13 +84,14 @@ fn a_new_connection_evicts_the_oldest_pending_one_and_connections_are_capped() {
 
 #[test]
 fn an_idle_data_connection_is_closed_after_idle_timeout() {
-    let target = backend(|c| c.idle_timeout = Duration::from_millis(300));
+    // Counted from the handshake too: long enough for the write below to come first.
+    let target = backend(|c| c.idle_timeout = Duration::from_secs(1));
     let init = backend(|c| c.connections_per_peer = 1);
     let (mut mem, mut src) = (vec![0u8; 4096], vec![1u8; 4096]);
     let peer = connected(&target, &mut mem, &init, &mut src);
     let w = TransferRequest::write(RegionId(1), 0, RegionId(1), 0, 4096);
     run(&init, peer, &[w]).expect("write");
-    eventually("the idle connection closed", Duration::from_secs(3), || {
+    eventually("the idle connection closed", Duration::from_secs(5), || {
         init.live_connections(peer) == 0
     });
     // Connecting again refills the pool.
