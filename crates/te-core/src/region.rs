@@ -9,12 +9,13 @@
 
 use crate::sync::Mutex;
 use std::collections::HashMap;
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Condvar, Weak};
 use std::time::Instant;
 
 use crate::backend::BatchId;
 use crate::batch::BatchState;
 use crate::desc::RegionDesc;
+use crate::error::{Error, ErrorKind, Result};
 use crate::kit::Gate;
 
 /// One registered region.
@@ -23,6 +24,17 @@ pub(crate) struct Region {
     /// The batches pinning the region, to abort them if deregistration must.
     pins: Mutex<HashMap<BatchId, Weak<BatchState>>>,
     gate: Gate,
+    /// Its deregistration: for a `Registration` whose engine closed, and so
+    /// deregistered the region, while the `Registration` lived.
+    release: Mutex<Release>,
+    released: Condvar,
+}
+
+/// Where a region's deregistration is.
+enum Release {
+    Registered,
+    Running,
+    Done(Result<()>),
 }
 
 impl Region {
@@ -31,7 +43,45 @@ impl Region {
             desc,
             pins: Mutex::new(HashMap::new()),
             gate: Gate::new(),
+            release: Mutex::new(Release::Registered),
+            released: Condvar::new(),
         })
+    }
+
+    /// Notes that the region's deregistration has begun (it is out of the table).
+    pub(crate) fn releasing(&self) {
+        *self.release.lock() = Release::Running;
+    }
+
+    /// Notes how the region's deregistration ended.
+    pub(crate) fn released(&self, result: &Result<()>) {
+        *self.release.lock() = Release::Done(result.clone());
+        self.released.notify_all();
+    }
+
+    /// How the region's deregistration ended, waiting for it if it is under way.
+    ///
+    /// # Errors
+    /// Its error, or `NotRegistered` if none has begun.
+    pub(crate) fn release_result(&self) -> Result<()> {
+        let mut st = self.release.lock();
+        loop {
+            match &*st {
+                Release::Done(r) => return r.clone(),
+                Release::Running => {
+                    st = self.released.wait(st).unwrap_or_else(|e| e.into_inner());
+                }
+                Release::Registered => {
+                    return Err(Error::new(
+                        ErrorKind::NotRegistered,
+                        format!(
+                            "region {} is registered, not being deregistered",
+                            self.desc.id
+                        ),
+                    ))
+                }
+            }
+        }
     }
 
     /// The batches pinning the region now.

@@ -122,7 +122,9 @@ impl PyEngine {
         Ok(self.get()?.backend_info().name.to_string())
     }
 
-    /// Stops the engine (control plane, peers); its batches fail or complete first.
+    /// Stops the engine (control plane, peers, backend); its batches fail or complete
+    /// first, and registrations still open are deregistered (their `deregister` is then
+    /// a no-op).
     /// Further calls raise `te.CancelledError`. Called by `with te.Engine() as e:`.
     fn close(&self, py: Python<'_>) {
         let engine = self.engine.lock().take();

@@ -277,9 +277,13 @@ def test_a_peer_that_dies_fails_the_next_batch_and_raises_an_event():
         peer = e.connect(addr, timeout=5)
         assert e.transfer(peer, [(src.id, 0, dst.id, 0, 4096)]).wait(10)
         other.close()
+        # Its close deregistered `dst` and stopped its backend, so a batch fails at
+        # once, though the registration object lives; its deregister is then a no-op.
+        with pytest.raises(te.Error):
+            e.transfer(peer, [(src.id, 0, dst.id, 0, 4096)], timeout=3).wait(10)
+        dst.deregister()
         # Its goodbye (or the broken session) is an event; from then on a batch to it
-        # fails. (Before the event arrives, a batch may still reach its data listener,
-        # which serves as long as `dst`, a registration of it, lives.)
+        # fails too.
         deadline = time.monotonic() + 5
         events = []
         while not events and time.monotonic() < deadline:

@@ -47,8 +47,9 @@ pub struct TransferOptions {
 ///
 /// Dropping it stops the control plane and disconnects its peers; batches still in
 /// flight fail (with `Cancelled` or `PeerUnreachable`) once their backend has released
-/// them, or complete. Registrations and buffers keep what they need of the engine and
-/// may outlive it.
+/// them, or complete; then every region still registered is deregistered and the
+/// backend stops (its listener with it). Registrations and buffers may outlive it:
+/// their deregistration then reports how the engine's ended.
 pub struct Engine {
     inner: Arc<Inner>,
     control: Option<ControlPlane>,
@@ -426,6 +427,21 @@ impl Drop for Engine {
         for p in peers {
             p.inner.valid.store(false, Ordering::Release);
             let _ = self.inner.backend.disconnect(p.inner.backend_id, deadline);
+        }
+        // Last, every region still registered is deregistered (a registration that
+        // outlives its engine learns how), so the backend, which only registrations
+        // reach besides the engine, goes with it: its listener stops serving and no
+        // request of a peer lands after the engine closed.
+        let ids: Vec<RegionId> = self.inner.regions.read().keys().copied().collect();
+        for id in ids {
+            match self.inner.release_region(id, deadline) {
+                Ok(()) => {}
+                // A layout's view, withdrawn with its region already.
+                Err(e) if e.kind() == ErrorKind::NotRegistered => {}
+                Err(e) => {
+                    tracing::error!(region = %id, error = %e, "deregistration at engine close failed: the backend may still touch this memory; it must never be freed")
+                }
+            }
         }
     }
 }

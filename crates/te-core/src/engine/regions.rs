@@ -67,18 +67,20 @@ impl Inner {
                 ));
             }
         }
-        let region = self.add_region(desc)?;
+        let table = self.add_region(desc)?;
+        let region = table.desc.clone();
         self.metrics
             .registered(&region.kind.to_string(), region.len, true);
         Ok(Registration {
-            engine: self.clone(),
+            engine: Arc::downgrade(self),
             region,
+            table,
             done: false,
         })
     }
 
     /// Registers `desc` with the backend under a fresh id and enters it in the table.
-    pub(super) fn add_region(&self, desc: MemoryDesc) -> Result<RegionDesc> {
+    pub(super) fn add_region(&self, desc: MemoryDesc) -> Result<Arc<Region>> {
         let id = RegionId(self.next_region.fetch_add(1, Ordering::Relaxed));
         let key = self
             .backend
@@ -93,8 +95,9 @@ impl Inner {
             access: desc.access,
             key,
         };
-        self.regions.write().insert(id, Region::new(region.clone()));
-        Ok(region)
+        let table = Region::new(region);
+        self.regions.write().insert(id, table.clone());
+        Ok(table)
     }
 
     /// Deregisters region `id`: no new batch can name it; batches pinning it are waited
@@ -121,6 +124,7 @@ impl Inner {
             )
             .with_operation("deregister"));
         };
+        region.releasing();
         if !region.wait_unpinned(Some(deadline.instant())) {
             let pinned = region.pinned();
             tracing::warn!(region = %id, batches = pinned.len(), "deregistering a region with batches in flight: aborting them");
@@ -129,9 +133,12 @@ impl Inner {
             }
             region.wait_unpinned(None);
         }
-        self.backend
+        let r = self
+            .backend
             .deregister(id, deadline)
-            .map_err(|e| e.with_operation("deregister").with_context("region", id))
+            .map_err(|e| e.with_operation("deregister").with_context("region", id));
+        region.released(&r);
+        r
     }
 
     pub(super) fn register_layout(&self, layout: KvLayout, access: Option<Access>) -> Result<()> {
@@ -187,9 +194,9 @@ impl Inner {
                 };
                 match self.add_region(view) {
                     Ok(v) => {
-                        entry.views.push((parent.id, v.id));
+                        entry.views.push((parent.id, v.desc.id));
                         let published = &mut entry.published.groups[gi].slots[si];
-                        published.region = v.id;
+                        published.region = v.desc.id;
                         published.offset = 0;
                     }
                     Err(e) => return undo(&entry, e),
@@ -237,9 +244,16 @@ impl Inner {
 /// default timeout), then aborts them and waits until their backend has released them,
 /// and only then asks the backend to forget the region: once it has returned, nothing
 /// of te touches the memory.
+///
+/// A registration does not keep its engine open: dropping the [`Engine`](super::Engine)
+/// deregisters every region still registered, the same way, and stops the backend (its
+/// listener included). The registration's own deregistration then reports how that one
+/// ended.
 pub struct Registration {
-    pub(super) engine: Arc<Inner>,
+    pub(super) engine: Weak<Inner>,
     pub(super) region: RegionDesc,
+    /// The engine's entry for the region, which says how its deregistration ended.
+    pub(super) table: Arc<Region>,
     pub(super) done: bool,
 }
 
@@ -275,10 +289,16 @@ impl Registration {
 
     fn release(&self) -> Result<()> {
         let r = &self.region;
-        self.engine
-            .metrics
-            .registered(&r.kind.to_string(), r.len, false);
-        self.engine.release_region(r.id, self.engine.deadline(None))
+        let Some(engine) = self.engine.upgrade() else {
+            // The engine closed, deregistering the region.
+            return self.table.release_result();
+        };
+        engine.metrics.registered(&r.kind.to_string(), r.len, false);
+        match engine.release_region(r.id, engine.deadline(None)) {
+            // The engine is closing and took it first.
+            Err(e) if e.kind() == ErrorKind::NotRegistered => self.table.release_result(),
+            r => r,
+        }
     }
 }
 
