@@ -432,11 +432,18 @@ impl Drop for Engine {
         // outlives its engine learns how), so the backend, which only registrations
         // reach besides the engine, goes with it: its listener stops serving and no
         // request of a peer lands after the engine closed.
+        // Layouts first: their slots are regions of their own, withdrawn with them.
+        let layouts: Vec<String> = self.inner.layouts.read().keys().cloned().collect();
+        for name in layouts {
+            if let Err(e) = self.inner.withdraw_layout(&name, deadline) {
+                tracing::warn!(layout = %name, error = %e, "withdrawing a layout at engine close failed");
+            }
+        }
         let ids: Vec<RegionId> = self.inner.regions.read().keys().copied().collect();
         for id in ids {
             match self.inner.release_region(id, deadline) {
                 Ok(()) => {}
-                // A layout's view, withdrawn with its region already.
+                // Deregistered meanwhile by its registration.
                 Err(e) if e.kind() == ErrorKind::NotRegistered => {}
                 Err(e) => {
                     tracing::error!(region = %id, error = %e, "deregistration at engine close failed: the backend may still touch this memory; it must never be freed")
