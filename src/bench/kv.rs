@@ -113,6 +113,21 @@ struct Outcome {
     device: te_core::device::CopyStats,
 }
 
+impl Outcome {
+    fn new(mode: &'static str, baseline: bool) -> Outcome {
+        Outcome {
+            mode,
+            baseline,
+            batches: 0,
+            requests: 0,
+            bytes: 0,
+            seconds: 0.0,
+            latencies: Vec::new(),
+            device: Default::default(),
+        }
+    }
+}
+
 impl KvArgs {
     /// The model and the blocks per buffer.
     fn model(&self) -> te::Result<(Model, u64)> {
@@ -262,16 +277,7 @@ pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
     let mut ids: Vec<u64> = (0..blocks).collect();
     let mut outcomes = Vec::new();
     for mode in ["contiguous", "random", "plain-1MiB"] {
-        let mut o = Outcome {
-            mode,
-            baseline: false,
-            batches: 0,
-            requests: 0,
-            bytes: 0,
-            seconds: 0.0,
-            latencies: Vec::new(),
-            device: Default::default(),
-        };
+        let mut o = Outcome::new(mode, false);
         let plain: Vec<TransferRequest> = {
             let chunk = 1u64 << 20;
             (0..per_batch.div_ceil(chunk))
@@ -288,21 +294,7 @@ pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
         let start = Instant::now();
         let device = te_core::device::stats();
         while start.elapsed() < duration {
-            let (remote_ids, local_ids): (Vec<u64>, Vec<u64>) = match mode {
-                "contiguous" => {
-                    let first = rng.below(blocks - batch + 1);
-                    (
-                        (first..first + batch).collect(),
-                        (first..first + batch).collect(),
-                    )
-                }
-                _ => {
-                    rng.shuffle(&mut ids);
-                    let r = ids[..batch as usize].to_vec();
-                    rng.shuffle(&mut ids);
-                    (r, ids[..batch as usize].to_vec())
-                }
-            };
+            let (remote_ids, local_ids) = rng.pick(mode == "contiguous", &mut ids, batch);
             let t = Instant::now();
             let handle = match (mode, op) {
                 ("plain-1MiB", _) => {
@@ -367,30 +359,16 @@ fn memcpy_baseline(shape: &Shape, duration: Duration, rng: &mut Rng) -> Vec<Outc
     ["memcpy-contiguous", "memcpy-random"]
         .into_iter()
         .map(|mode| {
-            let mut o = Outcome {
-                mode,
-                baseline: true,
-                batches: 0,
-                requests: 0,
-                bytes: 0,
-                seconds: 0.0,
-                latencies: Vec::new(),
-                device: Default::default(),
-            };
+            let mut o = Outcome::new(mode, true);
             let start = Instant::now();
             while start.elapsed() < duration {
                 // (source block, destination block, blocks) per copy, in every buffer.
-                let copies: Vec<(u64, u64, u64)> = if mode == "memcpy-contiguous" {
-                    let first = rng.below(shape.blocks - shape.batch + 1);
-                    vec![(first, first, shape.batch)]
+                let run = mode == "memcpy-contiguous";
+                let (from, to) = rng.pick(run, &mut ids, shape.batch);
+                let copies: Vec<(u64, u64, u64)> = if run {
+                    vec![(from[0], to[0], shape.batch)]
                 } else {
-                    rng.shuffle(&mut ids);
-                    let from = ids[..shape.batch as usize].to_vec();
-                    rng.shuffle(&mut ids);
-                    from.into_iter()
-                        .zip(ids.iter().copied())
-                        .map(|(f, t)| (f, t, 1))
-                        .collect()
+                    from.into_iter().zip(to).map(|(f, t)| (f, t, 1)).collect()
                 };
                 let t = Instant::now();
                 for b in 0..shape.buffers {
@@ -430,6 +408,19 @@ impl Rng {
         for i in (1..v.len()).rev() {
             v.swap(i, self.below(i as u64 + 1) as usize);
         }
+    }
+    /// A batch's block ids on either side (`ids` holds every id of a buffer): one run
+    /// from the same random block on both, or `batch` distinct random ids on each.
+    fn pick(&mut self, run: bool, ids: &mut [u64], batch: u64) -> (Vec<u64>, Vec<u64>) {
+        if run {
+            let first = self.below(ids.len() as u64 - batch + 1);
+            let r: Vec<u64> = (first..first + batch).collect();
+            return (r.clone(), r);
+        }
+        self.shuffle(ids);
+        let a = ids[..batch as usize].to_vec();
+        self.shuffle(ids);
+        (a, ids[..batch as usize].to_vec())
     }
 }
 
