@@ -46,6 +46,11 @@ fn a_device_range_must_lie_in_one_allocation_of_the_named_device() {
     // SAFETY: refused before use.
     let err = unsafe { e.register(desc("fakedev:1", addr + 4096, 8192)) }.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidRequest, "{err}");
+    assert!(
+        err.to_string()
+            .contains("runs past the end of its allocation"),
+        "{err}"
+    );
     // SAFETY: the range is inside the live allocation `buf` owns, which outlives it.
     let ok = unsafe { e.register(desc("fakedev:1", addr + 4096, 4096)) };
     assert!(ok.is_ok(), "{ok:?}");

@@ -60,6 +60,12 @@ impl Inner {
                 .and_then(|rt| rt.pointer_info(desc.addr))
                 .map_err(|e| e.with_operation("register"))?;
             let inside = desc.addr >= info.base && fits(desc.addr - info.base, desc.len, info.len);
+            if info.ordinal == *ordinal && !inside && desc.addr >= info.base {
+                return bad(format!(
+                    "region `{}` ({:#x}+{}) runs past the end of its allocation of {} ({:#x}+{}): a region lies inside one allocation; memory of several allocations mapped one after another (PyTorch's expandable segments) is registered one allocation at a time",
+                    desc.name, desc.addr, desc.len, desc.kind, info.base, info.len
+                ));
+            }
             if info.ordinal != *ordinal || !inside {
                 return bad(format!(
                     "region `{}` ({:#x}+{}) is not inside one allocation of {}: the address belongs to {runtime}:{} ({:#x}+{}); register it as {runtime}:{} or as auto, within that allocation",

@@ -6,9 +6,13 @@
 //! allocator, NCCL's) need the VMM path instead: the exporter retains the allocation's
 //! handle and exports it as a descriptor, which travels over the same-host channel's
 //! Unix socket; the importer imports the handle, reserves an address range, maps the
-//! handle there and grants its device access. Only allocations created with
-//! `requestedHandleTypes` including `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` can be
-//! exported; the driver refuses the others and te says so.
+//! handle there and grants its device (and that device's peers) access. Only
+//! allocations created with `requestedHandleTypes` including
+//! `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` can be exported; the driver refuses the
+//! others and te says so. Memory-pool memory (`cudaMallocAsync`) is refused before its
+//! pool's allocation could be exported in its place. An allocation is mapped whole, from
+//! its start, as PyTorch's, vLLM's and NCCL's allocators map theirs: the driver cannot
+//! say at which offset an exporter mapped it.
 //!
 //! Every function here expects the device's context to be current (`Cuda::with`).
 
@@ -34,6 +38,27 @@ const FD: sys::CUmemAllocationHandleType =
 /// `cuMemGetAddressRange` gives it) as a descriptor; `Unsupported` where the memory
 /// is not a VMM allocation or was not created exportable as one.
 pub(super) fn export(base: u64, ordinal: u32, legacy: sys::CUresult) -> Result<OwnedFd> {
+    // Memory-pool memory (`cudaMallocAsync`) is carved out of the pool's own VMM
+    // allocations: retaining "its" handle would export the whole pool chunk, mapped
+    // elsewhere than the sub-allocation the caller registered.
+    let mut pool: *mut c_void = std::ptr::null_mut();
+    // SAFETY: this attribute writes a `CUmemoryPool`, a pointer, into `pool`.
+    let pooled = driver("read a pointer's memory pool", || unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut pool as *mut *mut c_void).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+            base,
+        )
+        .result()
+    })
+    .is_ok()
+        && !pool.is_null();
+    if pooled {
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            format!("the allocation at {base:#x} on cuda:{ordinal} is memory-pool memory (cudaMallocAsync), which cannot be shared with another process: legacy CUDA IPC refused it ({legacy:?}); allocate shared memory with cudaMalloc or cuMemCreate"),
+        ));
+    }
     let mut handle: sys::CUmemGenericAllocationHandle = 0;
     // SAFETY: a valid out-parameter; the driver checks the address.
     let code = driver("retain an allocation handle", || unsafe {
@@ -71,7 +96,7 @@ pub(super) fn export(base: u64, ordinal: u32, legacy: sys::CUresult) -> Result<O
         }
         code => Err(Error::new(
             ErrorKind::Unsupported,
-            format!("the VMM allocation at {base:#x} on cuda:{ordinal} cannot be exported as a file descriptor ({code:?}): create it with requestedHandleTypes including CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (PyTorch: expandable segments with IPC handles enabled)"),
+            format!("the VMM allocation at {base:#x} on cuda:{ordinal} cannot be exported as a file descriptor ({code:?}): its allocator must create it with requestedHandleTypes including CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (PyTorch's expandable segments do unless IPC handles are off or fabric handles were chosen)"),
         )),
     }
 }
@@ -99,21 +124,56 @@ pub(super) fn import(fd: &OwnedFd, ordinal: u32, len: u64) -> Result<(u64, Mappe
         return Err(failed("cuMemImportFromShareableHandle", code));
     }
     let mapped = Mapped { handle, len };
-    let addr = map(mapped, device(ordinal))?;
+    let addr = map(mapped, ordinal)?;
     Ok((addr, mapped))
 }
 
-/// Where device `ordinal`'s memory is.
-fn device(ordinal: u32) -> sys::CUmemLocation {
-    sys::CUmemLocation {
-        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-        id: ordinal as std::ffi::c_int,
+/// Read and write access for device `id`.
+fn read_write(id: std::ffi::c_int) -> sys::CUmemAccessDesc {
+    sys::CUmemAccessDesc {
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id,
+        },
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
     }
 }
 
+/// The other devices of this process that can reach device `ordinal`'s memory as
+/// peers. VMM memory is reachable only by the devices its mapping grants (enabling
+/// peer access between contexts does not cover it), and a copy between two GPUs'
+/// memory runs on either one.
+fn peers_of(ordinal: u32) -> Vec<sys::CUmemAccessDesc> {
+    let mut count: std::ffi::c_int = 0;
+    let mut owner: sys::CUdevice = 0;
+    // SAFETY: valid out-parameters.
+    let known = driver("count devices", || unsafe {
+        sys::cuDeviceGetCount(&mut count).result()?;
+        sys::cuDeviceGet(&mut owner, ordinal as std::ffi::c_int).result()
+    });
+    if known.is_err() {
+        return Vec::new();
+    }
+    (0..count)
+        .filter(|&d| d != ordinal as std::ffi::c_int)
+        .filter(|&d| {
+            let (mut dev, mut can): (sys::CUdevice, std::ffi::c_int) = (0, 0);
+            // SAFETY: valid out-parameters and devices.
+            driver("ask about peer access", || unsafe {
+                sys::cuDeviceGet(&mut dev, d).result()?;
+                sys::cuDeviceCanAccessPeer(&mut can, dev, owner).result()
+            })
+            .is_ok()
+                && can == 1
+        })
+        .map(read_write)
+        .collect()
+}
+
 /// Maps `mapped`'s handle over a fresh address range with read and write access for
-/// the device at `location`. On failure the handle is released too.
-fn map(mapped: Mapped, location: sys::CUmemLocation) -> Result<u64> {
+/// device `ordinal` (which holds the memory) and, where they can have it, its peers.
+/// On failure the handle is released too.
+fn map(mapped: Mapped, ordinal: u32) -> Result<u64> {
     let Mapped { handle, len } = mapped;
     let mut addr: sys::CUdeviceptr = 0;
     // SAFETY: a valid out-parameter; default alignment, no fixed address.
@@ -129,10 +189,7 @@ fn map(mapped: Mapped, location: sys::CUmemLocation) -> Result<u64> {
         sys::cuMemMap(addr, len, 0, handle, 0).result()
     })
     .and_then(|()| {
-        let access = sys::CUmemAccessDesc {
-            location,
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
+        let access = read_write(ordinal as std::ffi::c_int);
         // SAFETY: the range was mapped above; one valid descriptor.
         driver("grant access to an allocation", || unsafe {
             sys::cuMemSetAccess(addr, len, &access, 1).result()
@@ -141,6 +198,18 @@ fn map(mapped: Mapped, location: sys::CUmemLocation) -> Result<u64> {
     if let Err(e) = done {
         unmap(addr, mapped);
         return Err(e);
+    }
+    let peers = peers_of(ordinal);
+    if !peers.is_empty() {
+        // SAFETY: the range is mapped; `peers` holds `peers.len()` valid descriptors.
+        let granted = driver("grant peers access to an allocation", || unsafe {
+            sys::cuMemSetAccess(addr, len, peers.as_ptr(), peers.len()).result()
+        });
+        if let Err(e) = granted {
+            // The memory still works from its own device; a copy from another GPU
+            // then fails with the driver's error.
+            tracing::warn!(error = %e, ordinal, "peer devices were not granted access to a VMM mapping");
+        }
     }
     Ok(addr)
 }
@@ -171,14 +240,31 @@ fn release(handle: sys::CUmemGenericAllocationHandle) {
 /// with `cuMemCreate`, exportable as a descriptor, mapped with read and write access:
 /// memory as PyTorch's expandable segments make it. Returns its address and length.
 pub(super) fn alloc(ordinal: u32, len: usize) -> Result<(u64, usize)> {
-    let location = device(ordinal);
     // SAFETY: all zeros is a valid CUmemAllocationProp (every enum field has a 0
     // variant, the pointer is null) and the usual starting point: no flags, no Windows
     // metadata.
     let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
     prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.requestedHandleTypes = FD;
-    prop.location = location;
+    prop.location = sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: ordinal as std::ffi::c_int,
+    };
+    // Registrable for GPUDirect RDMA (te-rdma) where the device supports it for VMM
+    // memory, as PyTorch and NCCL ask for it.
+    let mut rdma: std::ffi::c_int = 0;
+    // SAFETY: valid out-parameters and attribute.
+    let _ = driver("read a device attribute", || unsafe {
+        let mut dev: sys::CUdevice = 0;
+        sys::cuDeviceGet(&mut dev, ordinal as std::ffi::c_int).result()?;
+        sys::cuDeviceGetAttribute(
+            &mut rdma,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+            dev,
+        )
+        .result()
+    });
+    prop.allocFlags.gpuDirectRDMACapable = u8::from(rdma == 1);
     let mut granularity = 0usize;
     // SAFETY: valid out-parameter and properties.
     driver("read the allocation granularity", || unsafe {
@@ -189,13 +275,21 @@ pub(super) fn alloc(ordinal: u32, len: usize) -> Result<(u64, usize)> {
         )
         .result()
     })?;
-    let len = len.max(1).next_multiple_of(granularity.max(1));
+    let len = len
+        .max(1)
+        .checked_next_multiple_of(granularity.max(1))
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::InvalidRequest,
+                format!("{len} bytes cannot be rounded up to the allocation granularity"),
+            )
+        })?;
     let mut handle: sys::CUmemGenericAllocationHandle = 0;
     // SAFETY: valid out-parameter and properties.
     driver("create an allocation", || unsafe {
         sys::cuMemCreate(&mut handle, len, &prop, 0).result()
     })?;
-    let addr = map(Mapped { handle, len }, location)?;
+    let addr = map(Mapped { handle, len }, ordinal)?;
     // The mapping holds the allocation from here: `free` has nothing to release but
     // the mapping.
     release(handle);
@@ -206,11 +300,12 @@ pub(super) fn alloc(ordinal: u32, len: usize) -> Result<(u64, usize)> {
 pub(super) fn free(addr: u64, len: usize) -> Result<()> {
     // SAFETY: `addr`+`len` is a range `alloc` mapped and reserved; the caller's copies
     // on it have completed. Unmapping drops the allocation's last reference.
-    driver("unmap an allocation", || unsafe {
+    let unmapped = driver("unmap an allocation", || unsafe {
         sys::cuMemUnmap(addr, len).result()
-    })?;
-    // SAFETY: as above.
-    driver("free an address range", || unsafe {
+    });
+    // SAFETY: as above; the reservation is freed even if the unmap failed.
+    let freed = driver("free an address range", || unsafe {
         sys::cuMemAddressFree(addr, len).result()
-    })
+    });
+    unmapped.and(freed)
 }
