@@ -53,6 +53,19 @@ impl Region {
         *self.release.lock() = Release::Running;
     }
 
+    /// Notes that the region's deregistration ended without a result (it unwound), if
+    /// it was under way: whoever waits for it learns that te may still touch the memory.
+    pub(crate) fn abandon(&self) {
+        let mut st = self.release.lock();
+        if matches!(*st, Release::Running) {
+            *st = Release::Done(Err(Error::new(
+                ErrorKind::Backend,
+                format!("the deregistration of region {} did not finish (a panic); te may still touch its memory, which must never be freed", self.desc.id),
+            )));
+            self.released.notify_all();
+        }
+    }
+
     /// Notes how the region's deregistration ended.
     pub(crate) fn released(&self, result: &Result<()>) {
         *self.release.lock() = Release::Done(result.clone());

@@ -30,6 +30,16 @@ pub(crate) struct PyEngine {
     addrs: AddrMap,
 }
 
+impl Drop for PyEngine {
+    fn drop(&mut self) {
+        // Collected with the GIL held (an engine never closed); its close may wait for
+        // batches and deregistrations.
+        if let Some(engine) = self.engine.lock().take() {
+            Python::with_gil(|py| py.allow_threads(move || drop(engine)));
+        }
+    }
+}
+
 impl PyEngine {
     fn get(&self) -> PyResult<Arc<Engine>> {
         self.engine.lock().clone().ok_or_else(|| {
@@ -123,8 +133,8 @@ impl PyEngine {
     }
 
     /// Stops the engine (control plane, peers, backend); its batches fail or complete
-    /// first, and registrations still open are deregistered (their `deregister` is then
-    /// a no-op).
+    /// first, and registrations still open are deregistered (their `deregister` then
+    /// reports how that went).
     /// Further calls raise `te.CancelledError`. Called by `with te.Engine() as e:`.
     fn close(&self, py: Python<'_>) {
         let engine = self.engine.lock().take();

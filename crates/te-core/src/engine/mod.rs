@@ -74,6 +74,9 @@ struct Inner {
     next_batch: AtomicU64,
     regions: RwLock<HashMap<RegionId, Arc<Region>>>,
     layouts: RwLock<HashMap<String, LayoutEntry>>,
+    /// The slot views of layouts being withdrawn, with their parent regions: out of
+    /// `layouts` already, so a deregistration of a parent waits for them here.
+    withdrawing: Mutex<Vec<(RegionId, Arc<Region>)>>,
     peers: Mutex<HashMap<String, Peer>>,
     inbox: Mailbox<Notification>,
     timer: Timer,
@@ -177,6 +180,7 @@ impl Engine {
             next_batch: AtomicU64::new(1),
             regions: RwLock::new(HashMap::new()),
             layouts: RwLock::new(HashMap::new()),
+            withdrawing: Mutex::new(Vec::new()),
             peers: Mutex::new(HashMap::new()),
             timer: Timer::start()?,
             control: plane.shared(),
@@ -432,6 +436,8 @@ impl Drop for Engine {
         // outlives its engine learns how), so the backend, which only registrations
         // reach besides the engine, goes with it: its listener stops serving and no
         // request of a peer lands after the engine closed.
+        // A fresh deadline: the disconnects may have used up the first.
+        let deadline = self.inner.deadline(None);
         // Layouts first: their slots are regions of their own, withdrawn with them.
         let layouts: Vec<String> = self.inner.layouts.read().keys().cloned().collect();
         for name in layouts {

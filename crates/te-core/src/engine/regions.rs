@@ -123,14 +123,29 @@ impl Inner {
                 tracing::warn!(layout = %name, error = %e, "withdrawing a layout failed");
             }
         }
-        let Some(region) = self.regions.write().remove(&id) else {
-            return Err(Error::new(
-                ErrorKind::NotRegistered,
-                format!("region {id} is not registered (or was deregistered already)"),
-            )
-            .with_operation("deregister"));
+        // Slot views over it that another thread is withdrawing go first.
+        let views: Vec<Arc<Region>> = (self.withdrawing.lock().iter())
+            .filter(|(parent, _)| *parent == id)
+            .map(|(_, view)| view.clone())
+            .collect();
+        for view in views {
+            let _ = view.release_result();
+        }
+        let region = {
+            let mut table = self.regions.write();
+            let Some(region) = table.remove(&id) else {
+                return Err(Error::new(
+                    ErrorKind::NotRegistered,
+                    format!("region {id} is not registered (or was deregistered already)"),
+                )
+                .with_operation("deregister"));
+            };
+            // Under the table's lock: whoever finds the region gone finds its
+            // deregistration under way, and waits for its end.
+            region.releasing();
+            region
         };
-        region.releasing();
+        let _unwinding = Abandon(std::slice::from_ref(&region));
         if !region.wait_unpinned(Some(deadline.instant())) {
             let pinned = region.pinned();
             tracing::warn!(region = %id, batches = pinned.len(), "deregistering a region with batches in flight: aborting them");
@@ -223,13 +238,29 @@ impl Inner {
     }
 
     pub(super) fn withdraw_layout(&self, name: &str, deadline: Deadline) -> Result<KvLayout> {
-        let entry = self.layouts.write().remove(name).ok_or_else(|| {
-            Error::new(
-                ErrorKind::NotRegistered,
-                format!("no layout named `{name}`"),
-            )
-            .with_operation("deregister layout")
-        })?;
+        let (entry, views) = {
+            let mut layouts = self.layouts.write();
+            let entry = layouts.remove(name).ok_or_else(|| {
+                Error::new(
+                    ErrorKind::NotRegistered,
+                    format!("no layout named `{name}`"),
+                )
+                .with_operation("deregister layout")
+            })?;
+            // Its views are marked under way while the layout is still in sight: a
+            // deregistration of a parent that no longer finds it waits for them.
+            let table = self.regions.read();
+            let views: Vec<(RegionId, Arc<Region>)> = (entry.views.iter())
+                .filter_map(|(parent, view)| table.get(view).map(|r| (*parent, r.clone())))
+                .collect();
+            for (_, view) in &views {
+                view.releasing();
+            }
+            self.withdrawing.lock().extend(views.iter().cloned());
+            (entry, views)
+        };
+        let held: Vec<Arc<Region>> = views.iter().map(|(_, v)| v.clone()).collect();
+        let _unwinding = Abandon(&held);
         let mut first_error = None;
         for (_, view) in &entry.views {
             if let Err(e) = self.release_region(*view, deadline) {
@@ -237,9 +268,26 @@ impl Inner {
                 first_error.get_or_insert(e);
             }
         }
+        self.withdrawing
+            .lock()
+            .retain(|(_, r)| !held.iter().any(|v| Arc::ptr_eq(r, v)));
         match first_error {
             Some(e) => Err(e.with_operation("deregister layout")),
             None => Ok(entry.local),
+        }
+    }
+}
+
+/// Marks `0`'s deregistrations as ended if this thread unwinds before they do, so that
+/// no one waits for them for ever.
+struct Abandon<'a>(&'a [Arc<Region>]);
+
+impl Drop for Abandon<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for r in self.0 {
+                r.abandon();
+            }
         }
     }
 }
