@@ -441,8 +441,13 @@ impl Drop for Engine {
         // Layouts first: their slots are regions of their own, withdrawn with them.
         let layouts: Vec<String> = self.inner.layouts.read().keys().cloned().collect();
         for name in layouts {
-            if let Err(e) = self.inner.withdraw_layout(&name, deadline) {
-                tracing::warn!(layout = %name, error = %e, "withdrawing a layout at engine close failed");
+            match self.inner.withdraw_layout(&name, deadline) {
+                // Withdrawn meanwhile by another thread.
+                Ok(_) => {}
+                Err(e) if e.kind() == ErrorKind::NotRegistered => {}
+                Err(e) => {
+                    tracing::warn!(layout = %name, error = %e, "withdrawing a layout at engine close failed")
+                }
             }
         }
         let ids: Vec<RegionId> = self.inner.regions.read().keys().copied().collect();

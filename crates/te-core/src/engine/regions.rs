@@ -106,31 +106,16 @@ impl Inner {
         Ok(table)
     }
 
-    /// Deregisters region `id`: no new batch can name it; batches pinning it are waited
-    /// for until `deadline`, then aborted and waited for until they are released (the
-    /// memory contract outranks the clock); then the backend forgets it. Layouts built
-    /// on it are withdrawn first.
+    /// Deregisters region `id`: no new batch can name it; layouts built on it are
+    /// withdrawn and slot views over it that another thread is withdrawing are waited
+    /// for (a view's memory is the region's); batches pinning it are waited for until
+    /// `deadline`, then aborted and waited for until they are released (the memory
+    /// contract outranks the clock); then the backend forgets it. A view that could not
+    /// be let go fails the region's deregistration too.
     pub(super) fn release_region(&self, id: RegionId, deadline: Deadline) -> Result<()> {
-        let built_on: Vec<String> = self
-            .layouts
-            .read()
-            .iter()
-            .filter(|(_, l)| l.views.iter().any(|(parent, _)| *parent == id))
-            .map(|(name, _)| name.clone())
-            .collect();
-        for name in built_on {
-            if let Err(e) = self.withdraw_layout(&name, deadline) {
-                tracing::warn!(layout = %name, error = %e, "withdrawing a layout failed");
-            }
-        }
-        // Slot views over it that another thread is withdrawing go first.
-        let views: Vec<Arc<Region>> = (self.withdrawing.lock().iter())
-            .filter(|(parent, _)| *parent == id)
-            .map(|(_, view)| view.clone())
-            .collect();
-        for view in views {
-            let _ = view.release_result();
-        }
+        // Out of the table first, under its lock: whoever finds the region gone finds
+        // its deregistration under way (and waits for its end), and a layout being
+        // registered over it finds it gone before it is published.
         let region = {
             let mut table = self.regions.write();
             let Some(region) = table.remove(&id) else {
@@ -140,12 +125,38 @@ impl Inner {
                 )
                 .with_operation("deregister"));
             };
-            // Under the table's lock: whoever finds the region gone finds its
-            // deregistration under way, and waits for its end.
             region.releasing();
             region
         };
-        let _unwinding = Abandon(std::slice::from_ref(&region));
+        let unwinding = Abandon(std::slice::from_ref(&region));
+        let mut views_failed = None;
+        let built_on: Vec<String> = self
+            .layouts
+            .read()
+            .iter()
+            .filter(|(_, l)| l.views.iter().any(|(parent, _)| *parent == id))
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in built_on {
+            match self.withdraw_layout(&name, deadline) {
+                // Withdrawn by another thread meanwhile: its views are waited for below.
+                Ok(_) => {}
+                Err(e) if e.kind() == ErrorKind::NotRegistered => {}
+                Err(e) => {
+                    tracing::warn!(layout = %name, error = %e, "withdrawing a layout failed");
+                    views_failed.get_or_insert(e);
+                }
+            }
+        }
+        let views: Vec<Arc<Region>> = (self.withdrawing.lock().iter())
+            .filter(|(parent, _)| *parent == id)
+            .map(|(_, view)| view.clone())
+            .collect();
+        for view in views {
+            if let Err(e) = view.release_result() {
+                views_failed.get_or_insert(e);
+            }
+        }
         if !region.wait_unpinned(Some(deadline.instant())) {
             let pinned = region.pinned();
             tracing::warn!(region = %id, batches = pinned.len(), "deregistering a region with batches in flight: aborting them");
@@ -157,8 +168,10 @@ impl Inner {
         let r = self
             .backend
             .deregister(id, deadline)
+            .and_then(|()| views_failed.map_or(Ok(()), Err))
             .map_err(|e| e.with_operation("deregister").with_context("region", id));
         region.released(&r);
+        std::mem::forget(unwinding);
         r
     }
 
@@ -233,6 +246,20 @@ impl Inner {
             );
             return undo(&entry, e);
         }
+        // A parent deregistered meanwhile did not see this layout (it was not published):
+        // its views must not outlive it.
+        let gone = {
+            let table = self.regions.read();
+            (entry.views.iter()).find(|(parent, _)| !table.contains_key(parent))
+        };
+        if let Some(&(parent, _)) = gone {
+            drop(layouts);
+            let e = Error::new(
+                ErrorKind::NotRegistered,
+                format!("layout `{name}`: region {parent} was deregistered while the layout was being registered"),
+            );
+            return undo(&entry, e);
+        }
         layouts.insert(name, entry);
         Ok(())
     }
@@ -260,10 +287,15 @@ impl Inner {
             (entry, views)
         };
         let held: Vec<Arc<Region>> = views.iter().map(|(_, v)| v.clone()).collect();
-        let _unwinding = Abandon(&held);
+        let unwinding = Abandon(&held);
         let mut first_error = None;
-        for (_, view) in &entry.views {
-            if let Err(e) = self.release_region(*view, deadline) {
+        for (view, table) in views.iter().map(|(_, v)| (v.desc.id, v)) {
+            let r = match self.release_region(view, deadline) {
+                // Deregistered by another thread (an engine's close): its result.
+                Err(e) if e.kind() == ErrorKind::NotRegistered => table.release_result(),
+                r => r,
+            };
+            if let Err(e) = r {
                 tracing::error!(region = %view, error = %e, "a layout slot's view could not be deregistered");
                 first_error.get_or_insert(e);
             }
@@ -271,6 +303,7 @@ impl Inner {
         self.withdrawing
             .lock()
             .retain(|(_, r)| !held.iter().any(|v| Arc::ptr_eq(r, v)));
+        std::mem::forget(unwinding);
         match first_error {
             Some(e) => Err(e.with_operation("deregister layout")),
             None => Ok(entry.local),
@@ -278,16 +311,14 @@ impl Inner {
     }
 }
 
-/// Marks `0`'s deregistrations as ended if this thread unwinds before they do, so that
-/// no one waits for them for ever.
+/// Marks `0`'s deregistrations as ended if the thread running them unwinds before they
+/// end, so that no one waits for them for ever; forgotten where they end.
 struct Abandon<'a>(&'a [Arc<Region>]);
 
 impl Drop for Abandon<'_> {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            for r in self.0 {
-                r.abandon();
-            }
+        for r in self.0 {
+            r.abandon();
         }
     }
 }
