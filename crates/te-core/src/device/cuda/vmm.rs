@@ -300,12 +300,11 @@ pub(super) fn alloc(ordinal: u32, len: usize) -> Result<(u64, usize)> {
 pub(super) fn free(addr: u64, len: usize) -> Result<()> {
     // SAFETY: `addr`+`len` is a range `alloc` mapped and reserved; the caller's copies
     // on it have completed. Unmapping drops the allocation's last reference.
-    let unmapped = driver("unmap an allocation", || unsafe {
+    driver("unmap an allocation", || unsafe {
         sys::cuMemUnmap(addr, len).result()
-    });
-    // SAFETY: as above; the reservation is freed even if the unmap failed.
-    let freed = driver("free an address range", || unsafe {
+    })?;
+    // SAFETY: as above. (A range still mapped keeps its reservation: it leaks.)
+    driver("free an address range", || unsafe {
         sys::cuMemAddressFree(addr, len).result()
-    });
-    unmapped.and(freed)
+    })
 }
