@@ -371,7 +371,14 @@ fn a_parked_batch_fails_at_its_deadline_while_the_connection_is_still_coming() -
 /// Context switches of this process's FlagCX completion threads so far: the voluntary
 /// ones (the thread's own waits), and with `preempted` the nonvoluntary ones too.
 fn completion_thread_switches(preempted: bool) -> Result<u64, Failed> {
-    let mut total = 0;
+    let (voluntary, involuntary, _) = completion_threads()?;
+    Ok(voluntary + if preempted { involuntary } else { 0 })
+}
+
+/// The te-flagcx threads' voluntary and involuntary context switches and CPU time (in
+/// clock ticks), summed.
+fn completion_threads() -> Result<(u64, u64, u64), Failed> {
+    let (mut voluntary, mut involuntary, mut ticks) = (0, 0, 0);
     let mut threads = 0;
     for task in std::fs::read_dir("/proc/self/task").map_err(|e| e.to_string())? {
         let dir = task.map_err(|e| e.to_string())?.path();
@@ -381,21 +388,33 @@ fn completion_thread_switches(preempted: bool) -> Result<u64, Failed> {
         if comm.trim_end() != "te-flagcx" {
             continue;
         }
-        let Ok(status) = std::fs::read_to_string(dir.join("status")) else {
+        let (Ok(status), Ok(stat)) = (
+            std::fs::read_to_string(dir.join("status")),
+            std::fs::read_to_string(dir.join("stat")),
+        ) else {
             continue;
         };
         threads += 1;
         for line in status.lines() {
-            if let Some(n) = line.strip_prefix("voluntary_ctxt_switches:").or_else(|| {
-                line.strip_prefix("nonvoluntary_ctxt_switches:")
-                    .filter(|_| preempted)
-            }) {
-                total += n.trim().parse::<u64>().map_err(|e| e.to_string())?;
+            let parse = |n: &str| n.trim().parse::<u64>().map_err(|e| e.to_string());
+            if let Some(n) = line.strip_prefix("voluntary_ctxt_switches:") {
+                voluntary += parse(n)?;
+            } else if let Some(n) = line.strip_prefix("nonvoluntary_ctxt_switches:") {
+                involuntary += parse(n)?;
             }
+        }
+        // utime and stime: the 12th and 13th fields after the command's closing paren.
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .map_or("", |(_, rest)| rest)
+            .split_whitespace()
+            .collect();
+        for f in fields.get(11..13).unwrap_or_default() {
+            ticks += f.parse::<u64>().map_err(|e| e.to_string())?;
         }
     }
     ensure!(threads > 0, "no te-flagcx completion thread found");
-    Ok(total)
+    Ok((voluntary, involuntary, ticks))
 }
 
 fn the_completion_thread_sleeps_while_idle_and_wakes_per_event_not_per_tick() -> Result<(), Failed>
@@ -431,11 +450,19 @@ fn the_completion_thread_sleeps_while_idle_and_wakes_per_event_not_per_tick() ->
         }
         before = now;
     }
+    let (_, _, cpu_before) = completion_threads()?;
     std::thread::sleep(Duration::from_secs(1));
     let idle = completion_thread_switches(false)? - before;
     ensure!(
         idle == 0,
         "the idle completion threads woke {idle} times in one second"
+    );
+    // A thread that spins (or yields in a loop) never sleeps, so it shows no voluntary
+    // switch: its CPU time does. One tick allows for the reading itself.
+    let cpu = completion_threads()?.2 - cpu_before;
+    ensure!(
+        cpu <= 1,
+        "the idle completion threads used {cpu} clock ticks of CPU in one second"
     );
     drop(p);
     Ok(())

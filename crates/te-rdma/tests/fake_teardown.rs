@@ -164,8 +164,10 @@ fn an_aborted_batch_posts_none_of_its_waiting_slices_and_is_released_once_its_po
         .chunks(SLICE)
         .filter(|d| d.iter().all(|&b| b == 0))
         .count();
-    // At most the slices posted by the abort, one per 200 ms, and one more of margin.
-    let most = (aborted.as_millis() / 200) as usize + 2;
+    // At most the slices posted by the abort, one per 200 ms, and one more of margin;
+    // never all 8, or the check could not fail (an abort that late proves nothing, and
+    // fails here rather than passing).
+    let most = ((aborted.as_millis() / 200) as usize + 2).min(7);
     check(
         landed + untouched == 8 && (1..=most).contains(&landed),
         format!(
