@@ -30,6 +30,27 @@ pub(crate) struct PyEngine {
     addrs: AddrMap,
 }
 
+/// A method's reference to the engine. If `close()` ran meanwhile it is the last one,
+/// and the engine closes when it goes: outside the GIL, as `close()` itself does.
+struct EngineRef(std::mem::ManuallyDrop<Arc<Engine>>);
+
+impl std::ops::Deref for EngineRef {
+    type Target = Engine;
+    fn deref(&self) -> &Engine {
+        &self.0
+    }
+}
+
+impl Drop for EngineRef {
+    fn drop(&mut self) {
+        // SAFETY: taken once, here, and `self.0` is not used again.
+        let engine = unsafe { std::mem::ManuallyDrop::take(&mut self.0) };
+        if Arc::strong_count(&engine) == 1 {
+            Python::with_gil(|py| py.allow_threads(move || drop(engine)));
+        }
+    }
+}
+
 impl Drop for PyEngine {
     fn drop(&mut self) {
         // Collected with the GIL held (an engine never closed); its close may wait for
@@ -41,14 +62,18 @@ impl Drop for PyEngine {
 }
 
 impl PyEngine {
-    fn get(&self) -> PyResult<Arc<Engine>> {
-        self.engine.lock().clone().ok_or_else(|| {
-            te_err(
-                ErrorKind::Cancelled,
-                "engine",
-                "the engine is closed; create a new one".into(),
-            )
-        })
+    fn get(&self) -> PyResult<EngineRef> {
+        self.engine
+            .lock()
+            .clone()
+            .map(|e| EngineRef(std::mem::ManuallyDrop::new(e)))
+            .ok_or_else(|| {
+                te_err(
+                    ErrorKind::Cancelled,
+                    "engine",
+                    "the engine is closed; create a new one".into(),
+                )
+            })
     }
 
     fn options(notify: Option<Vec<u8>>, timeout: Option<f64>) -> PyResult<TransferOptions> {
