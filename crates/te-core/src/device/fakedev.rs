@@ -301,7 +301,8 @@ unsafe impl Send for Planned {}
 struct Part {
     /// The group's arenas (its copies' indices point here), kept alive until it ends.
     arenas: Arc<[Arena]>,
-    /// The ones this part's copies touch, each once: locked while it runs.
+    /// The ones this part's copies touch, each once, in address order (once the part
+    /// is whole): locked in that order while it runs.
     used: Vec<usize>,
     copies: Vec<Planned>,
     /// One launch for the part (a batched call), rather than one per copy.
@@ -321,7 +322,7 @@ impl Part {
         }
     }
 
-    /// Adds `p`, noting its arenas (sorted and deduplicated once the part is whole).
+    /// Adds `p`, noting its arenas (sorted and deduplicated by `finish`).
     fn add(&mut self, p: Planned) {
         for (i, _) in p.src.into_iter().chain(p.dst) {
             if self.used.last() != Some(&i) {
@@ -329,6 +330,15 @@ impl Part {
             }
         }
         self.copies.push(p);
+    }
+
+    /// Hands the part the group's `arenas` and puts the ones it uses in address order,
+    /// the order every part locks them in (so two parts sharing some cannot deadlock).
+    fn finish(&mut self, arenas: Arc<[Arena]>) {
+        self.used
+            .sort_unstable_by_key(|&i| Arc::as_ptr(&arenas[i]) as usize);
+        self.used.dedup();
+        self.arenas = arenas;
     }
 }
 
@@ -380,14 +390,9 @@ fn run_part(part: &Part, config: FakeDevConfig, counters: &CopyCounters) -> Resu
         pay(config.launch_cost);
         counters.call(part.copies.len(), part.copies.iter().map(bytes).sum());
     }
-    // Every arena the part touches, locked once for all its copies, in address order
-    // (so parts on other queues locking some of the same cannot deadlock with it).
-    let mut order = part.used.clone();
-    order.sort_by_key(|&i| Arc::as_ptr(&part.arenas[i]) as usize);
-    order.dedup();
+    // Every arena the part touches, locked once for all its copies, in address order.
     let mut bases = vec![std::ptr::null_mut::<u8>(); part.arenas.len()];
-    let held: Vec<_> = order
-        .iter()
+    let held: Vec<_> = (part.used.iter())
         .map(|&i| {
             let mut a = part.arenas[i].lock();
             bases[i] = a.as_mut_ptr();
@@ -601,9 +606,7 @@ impl FakeDev {
         let arenas = seen.into_arenas();
         for (key, part) in &mut parts {
             part.fail = self.take_failure((*key / 3) as u32);
-            part.arenas = arenas.clone();
-            part.used.sort_unstable();
-            part.used.dedup();
+            part.finish(arenas.clone());
         }
         Ok(parts)
     }
@@ -859,7 +862,7 @@ impl DeviceRuntime for FakeDev {
         let mut seen = Seen::default();
         let mut part = Part::new(true);
         part.add(self.plan(copy, &mut seen)?);
-        part.arenas = seen.into_arenas();
+        part.finish(seen.into_arenas());
         part.fail = self.take_failure(copy.queue().0);
         self.send(queue, Job { part, done })
     }
