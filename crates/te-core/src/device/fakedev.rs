@@ -17,10 +17,14 @@
 //! on a GPU, and the staging pipeline's efficiency is measured without one.
 //!
 //! Options (`[runtimes.fakedev]`): `launch_cost = "2us"`, `sync_cost = "10us"`,
-//! `batch = true`. The costs are paid on the runtime's own threads (by spinning below
-//! 100 µs, where sleeps are too coarse, by sleeping above), never on the caller's —
-//! except in [`DeviceRuntime::copy_group_wait`], which models a caller waiting for the
-//! device on its own thread and pays them there.
+//! `batch = true`, `completion_latency = "0us"`. The costs are paid on the runtime's own
+//! threads (by spinning below 100 µs, where sleeps are too coarse, by sleeping above),
+//! never on the caller's — except in [`DeviceRuntime::copy_group_wait`], which models a
+//! caller waiting for the device on its own thread and pays them there. The costs hold
+//! up the queue, as a GPU's copy engine is busy for a launch; `completion_latency` does
+//! not: it delays only the report of a group's end (as a GPU's event wakes its waiter
+//! late while the engine copies on), so a pipeline that waits for each group before it
+//! starts the next is slow by it, and one that overlaps them is not.
 //!
 //! A group resolves each copy's allocation as it is submitted (the two used last
 //! first, then the allocation table once per allocation), and its thread locks every
@@ -88,6 +92,13 @@ pub struct FakeDevConfig {
     /// Charged for every synchronisation: once per group, once per single copy.
     #[serde(deserialize_with = "crate::units::de::duration")]
     pub sync_cost: Duration,
+    /// How long after a group's copies have ended its completion is reported, while
+    /// the queue goes on with the next group: the time a GPU's event takes to wake its
+    /// waiter, which the copy engine does not wait for. Slept, never spun, by a thread
+    /// of the queue's own (or by the caller, in [`DeviceRuntime::copy_group_wait`]), so
+    /// it is at least the timer's slack; 0 (the default) reports at once.
+    #[serde(deserialize_with = "crate::units::de::duration")]
+    pub completion_latency: Duration,
     /// Whether a group's copies of one device and direction are one launch (as one
     /// batched driver call or one list-copy kernel is), or one launch each (as a loop
     /// of single-copy calls is, where a driver lacks the batched call).
@@ -103,6 +114,7 @@ impl Default for FakeDevConfig {
         FakeDevConfig {
             launch_cost: Duration::from_micros(2),
             sync_cost: Duration::from_micros(10),
+            completion_latency: Duration::ZERO,
             batch: true,
             visible: std::array::from_fn(|i| i as u32),
         }
@@ -356,6 +368,8 @@ pub struct FakeDev {
     config: FakeDevConfig,
     /// Per device: what its copies cost.
     counters: Arc<Vec<CopyCounters>>,
+    /// Over all queues: groups ended but not yet reported (`completion_latency`).
+    unreported: Arc<Unreported>,
     /// Per device: how many of the next groups to fail.
     failing: Vec<AtomicU64>,
     /// How many of the next imports to refuse ([`FakeDev::refuse_imports`]).
@@ -375,10 +389,53 @@ fn pay(cost: Duration) {
     }
 }
 
-fn run_queue(rx: mpsc::Receiver<Job>, config: FakeDevConfig, counters: &CopyCounters) {
+fn run_queue(
+    rx: mpsc::Receiver<Job>,
+    config: FakeDevConfig,
+    counters: &CopyCounters,
+    late: Option<(Sender<Late>, Arc<Unreported>)>,
+) {
     for job in rx {
         let r = run_part(&job.part, config, counters);
-        (job.done)(r);
+        match &late {
+            Some((late, unreported)) => {
+                let at = Instant::now() + config.completion_latency;
+                unreported.add();
+                // The reporting thread ends only once this queue has: it is there.
+                let _ = late.send((at, job.done, r));
+            }
+            None => (job.done)(r),
+        }
+    }
+}
+
+/// A group's completion to report at the given time.
+type Late = (Instant, CopyDone, Result<()>);
+
+/// Groups whose copies have ended and whose completion is not reported yet: now, and
+/// the most at once.
+#[derive(Debug, Default)]
+struct Unreported {
+    now: AtomicU64,
+    most: AtomicU64,
+}
+
+impl Unreported {
+    fn add(&self) {
+        let n = self.now.fetch_add(1, Ordering::AcqRel) + 1;
+        self.most.fetch_max(n, Ordering::AcqRel);
+    }
+}
+
+/// Reports each queued completion at its time, in order (their times only grow).
+fn report_late(rx: mpsc::Receiver<Late>, unreported: &Unreported) {
+    for (at, done, r) in rx {
+        let left = at.saturating_duration_since(Instant::now());
+        if !left.is_zero() {
+            std::thread::sleep(left);
+        }
+        unreported.now.fetch_sub(1, Ordering::AcqRel);
+        done(r);
     }
 }
 
@@ -491,15 +548,27 @@ impl FakeDev {
         let counters: Arc<Vec<CopyCounters>> =
             Arc::new((0..DEVICES).map(|_| CopyCounters::default()).collect());
         let mut queues = Vec::new();
+        let thread_error =
+            |e| Error::new(ErrorKind::Io, "cannot start a fakedev queue thread").with_source(e);
+        let unreported = Arc::new(Unreported::default());
         for q in 0..DEVICES * 3 {
             let (tx, rx) = mpsc::channel::<Job>();
             let counters = counters.clone();
+            let late = if config.completion_latency.is_zero() {
+                None
+            } else {
+                let (late, reports) = mpsc::channel::<Late>();
+                let counted = unreported.clone();
+                std::thread::Builder::new()
+                    .name(format!("te-fakedev-{}-{}-done", q / 3, q % 3))
+                    .spawn(move || report_late(reports, &counted))
+                    .map_err(thread_error)?;
+                Some((late, unreported.clone()))
+            };
             std::thread::Builder::new()
                 .name(format!("te-fakedev-{}-{}", q / 3, q % 3))
-                .spawn(move || run_queue(rx, config, &counters[(q / 3) as usize]))
-                .map_err(|e| {
-                    Error::new(ErrorKind::Io, "cannot start a fakedev queue thread").with_source(e)
-                })?;
+                .spawn(move || run_queue(rx, config, &counters[(q / 3) as usize], late))
+                .map_err(thread_error)?;
             queues.push(Mutex::new(tx));
         }
         let next = std::array::from_fn(|i| device_base(i as u32));
@@ -513,6 +582,7 @@ impl FakeDev {
             queues,
             config,
             counters,
+            unreported,
             failing: (0..DEVICES).map(|_| AtomicU64::new(0)).collect(),
             refusing: AtomicU64::new(0),
         }))
@@ -550,6 +620,15 @@ impl FakeDev {
     /// single copy).
     pub fn syncs(&self) -> u64 {
         self.counters.iter().map(|c| c.get().syncs).sum()
+    }
+
+    /// The most groups, over all devices and directions, whose copies had ended and
+    /// whose completion was still to be reported (`completion_latency`) at one time
+    /// since the last call: how many groups a pipeline kept in flight at once (1 where
+    /// each waited for the one before).
+    pub fn most_unreported(&self) -> u64 {
+        let now = self.unreported.now.load(Ordering::Acquire);
+        self.unreported.most.swap(now, Ordering::AcqRel)
     }
 
     /// What copies on device `ordinal` have cost so far (zeros for a device it does
@@ -897,6 +976,10 @@ impl DeviceRuntime for FakeDev {
             let r = run_part(&part, self.config, &self.counters[key / 3]);
             first = first.and(r);
         }
+        // Waiting for the device's event wakes this thread that much later.
+        if !self.config.completion_latency.is_zero() {
+            std::thread::sleep(self.config.completion_latency);
+        }
         first
     }
 
@@ -1052,6 +1135,46 @@ mod tests {
                     "copy {i}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn a_late_completion_holds_up_its_report_but_not_the_queue() {
+        let latency = Duration::from_millis(50);
+        let table: toml::Table = "completion_latency = \"50ms\"".parse().unwrap();
+        let config = FakeDevConfig::deserialize(table).unwrap();
+        assert_eq!(config.completion_latency, latency);
+        let rt = FakeDev::start(config).unwrap();
+        let dev = rt.alloc(0, 16 * 4096).unwrap();
+        let src: Vec<u8> = (0..16 * 4096).map(|i| (i / 4096) as u8).collect();
+        let (tx, rx) = mpsc::channel();
+        let start = Instant::now();
+        for copy in scattered(dev, &src) {
+            let tx = tx.clone();
+            // SAFETY: `src` outlives the groups, all waited for below.
+            unsafe { rt.copy_group(&[copy], Box::new(move |r| tx.send(r).unwrap())) }.unwrap();
+        }
+        for _ in 0..16 {
+            let r = rx.recv_timeout(Duration::from_secs(10)).expect("reported");
+            r.unwrap();
+            assert!(start.elapsed() >= latency, "reported late");
+        }
+        // The 16 groups ran one after another and waited for their reports together
+        // (all of them, unless this thread was held up for most of a latency).
+        assert!(rt.most_unreported() >= 8);
+        assert!(start.elapsed() < latency * 8, "{:?}", start.elapsed());
+        // A caller waiting for a group itself wakes that late too.
+        let start = Instant::now();
+        // SAFETY: `src` outlives the group, which is waited for here.
+        unsafe { rt.copy_group_wait(&scattered(dev, &src)).unwrap() };
+        assert!(start.elapsed() >= latency);
+        let back = read_back(&rt, 0, dev, 16 * 4096);
+        for i in 0..16usize {
+            let at = (i * 7 % 16) * 4096;
+            assert!(
+                back[at..at + 4096].iter().all(|&b| b == i as u8),
+                "copy {i}"
+            );
         }
     }
 

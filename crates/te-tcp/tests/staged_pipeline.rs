@@ -1,0 +1,91 @@
+//! The staged path is a pipeline: a batch's frames of device memory are copied while
+//! earlier ones are on the socket, on both sides, rather than each waiting for the one
+//! before. fakedev here reports each copy group's end `LATENCY` late, as a GPU's event
+//! wakes its waiter late while its copy engine goes on, so a side that waited for each
+//! frame's copy before starting the next would hold one group in flight at a time and
+//! take at least a latency per frame. The fakedev settings hold for this whole
+//! process, so this test has its binary to itself.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use common::{connect, pattern, run, DevMem, BLOCK, BLOCKS, SLICE};
+use te_core::{Access, BackendContext, Op, RegionId, TransferRequest};
+use te_tcp::{TcpBackend, TcpConfig};
+
+const LATENCY: Duration = Duration::from_millis(40);
+
+/// Blocks `0..BLOCKS` of local region `local` to or from the same blocks of the
+/// target's region 1: adjacent, so each `SLICE` is one frame.
+fn batch(op: Op, local: u64) -> Vec<TransferRequest> {
+    (0..BLOCKS)
+        .map(|i| TransferRequest {
+            op,
+            local: RegionId(local),
+            local_offset: i * BLOCK,
+            remote: RegionId(1),
+            remote_offset: i * BLOCK,
+            len: BLOCK,
+        })
+        .collect()
+}
+
+#[test]
+fn a_staged_batch_keeps_its_frames_copies_in_flight_together() {
+    let table: toml::Table = format!(
+        "launch_cost = \"0us\"\nsync_cost = \"0us\"\ncompletion_latency = \"{}ms\"",
+        LATENCY.as_millis()
+    )
+    .parse()
+    .unwrap();
+    te_core::device::configure(&BTreeMap::from([("fakedev".to_string(), table)]));
+    // Staged over the socket on both sides, as to a peer in another process, and on
+    // one connection, so that its frames have only each other to overlap with.
+    let backend = || {
+        let mut c = TcpConfig::default();
+        c.slice_size = SLICE;
+        c.local_copies = false;
+        c.connections_per_peer = 1;
+        TcpBackend::new(c, &BackendContext::default()).expect("backend")
+    };
+    let (target, init) = (backend(), backend());
+    let total = (BLOCK * BLOCKS) as usize;
+    let (remote, src, back) = (
+        DevMem::new(0, total),
+        DevMem::new(0, total),
+        DevMem::new(0, total),
+    );
+    remote.register(&target, 1, Access::REMOTE_READ_WRITE);
+    src.register(&init, 1, Access::LOCAL);
+    back.register(&init, 2, Access::LOCAL);
+    let data = pattern(total, 1);
+    src.fill(&data);
+    let peer = connect(&init, &target);
+    let dev = te_core::device::fakedev::process().expect("fakedev runs here");
+    let frames = (BLOCK * BLOCKS / SLICE) as u32;
+    assert_eq!(frames, 8);
+    for (op, local) in [(Op::Write, 1), (Op::Read, 2)] {
+        dev.most_unreported();
+        let start = Instant::now();
+        run(&init, peer, &batch(op, local)).expect("the batch");
+        let took = start.elapsed();
+        let most = dev.most_unreported();
+        // One side's frames at once (the initiator's copies of a WRITE, the target's of
+        // a READ, each started as soon as staging memory is free), not one at a time
+        // on each side.
+        assert!(
+            most >= u64::from(frames) / 2,
+            "{op:?}: at most {most} copy groups in flight at once"
+        );
+        // A frame waiting for the one before would take a latency per frame on each
+        // side; a pipeline takes one to fill and one to drain, plus the bytes' time.
+        assert!(
+            took < LATENCY * frames,
+            "{op:?}: a batch of {frames} frames took {took:?}"
+        );
+    }
+    assert!(remote.read() == data, "the write landed intact");
+    assert!(back.read() == data, "the read landed intact");
+}
