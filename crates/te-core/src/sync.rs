@@ -8,6 +8,7 @@
 //! rather than repeating the recovery at every call site.
 
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{self as std_sync, WaitTimeoutResult};
 use std::time::Duration;
 
@@ -96,18 +97,46 @@ impl<T: ?Sized + fmt::Debug> fmt::Debug for RwLock<T> {
 }
 
 /// A condition variable for [`Mutex`] guards whose waits never fail.
+///
+/// It counts its waiters, and a notification with none skips the system call that
+/// `std`'s makes every time (a region's pin released, a batch finished with nobody
+/// blocked on it): a waiter is counted while it still holds the lock, so a notifier
+/// that changed the state under that lock (as every correct use does) sees it.
 #[derive(Debug, Default)]
-pub struct Condvar(std_sync::Condvar);
+pub struct Condvar {
+    inner: std_sync::Condvar,
+    waiters: AtomicUsize,
+}
+
+/// Counts a waiter from before its wait (its lock still held) until after it.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn new(n: &'a AtomicUsize) -> Self {
+        n.fetch_add(1, SeqCst);
+        Waiting(n)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, SeqCst);
+    }
+}
 
 impl Condvar {
     /// A new condition variable.
     pub const fn new() -> Self {
-        Self(std_sync::Condvar::new())
+        Self {
+            inner: std_sync::Condvar::new(),
+            waiters: AtomicUsize::new(0),
+        }
     }
 
     /// Releases `guard`, blocks until notified (or a spurious wake-up), relocks.
     pub fn wait<'a, T>(&self, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
-        self.0.wait(guard).unwrap_or_else(|p| p.into_inner())
+        let _counted = Waiting::new(&self.waiters);
+        self.inner.wait(guard).unwrap_or_else(|p| p.into_inner())
     }
 
     /// As [`wait`](Self::wait), for at most `timeout`.
@@ -116,7 +145,8 @@ impl Condvar {
         guard: MutexGuard<'a, T>,
         timeout: Duration,
     ) -> (MutexGuard<'a, T>, WaitTimeoutResult) {
-        self.0
+        let _counted = Waiting::new(&self.waiters);
+        self.inner
             .wait_timeout(guard, timeout)
             .unwrap_or_else(|p| p.into_inner())
     }
@@ -126,7 +156,8 @@ impl Condvar {
     where
         F: FnMut(&mut T) -> bool,
     {
-        self.0
+        let _counted = Waiting::new(&self.waiters);
+        self.inner
             .wait_while(guard, condition)
             .unwrap_or_else(|p| p.into_inner())
     }
@@ -141,19 +172,24 @@ impl Condvar {
     where
         F: FnMut(&mut T) -> bool,
     {
-        self.0
+        let _counted = Waiting::new(&self.waiters);
+        self.inner
             .wait_timeout_while(guard, timeout, condition)
             .unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Wakes one waiter.
+    /// Wakes one waiter, if any waits.
     pub fn notify_one(&self) {
-        self.0.notify_one()
+        if self.waiters.load(SeqCst) > 0 {
+            self.inner.notify_one()
+        }
     }
 
-    /// Wakes every waiter.
+    /// Wakes every waiter, if any waits.
     pub fn notify_all(&self) {
-        self.0.notify_all()
+        if self.waiters.load(SeqCst) > 0 {
+            self.inner.notify_all()
+        }
     }
 }
 
