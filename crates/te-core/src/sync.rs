@@ -216,6 +216,36 @@ mod tests {
     }
 
     #[test]
+    fn a_counted_waiter_is_woken_and_every_wait_uncounts_itself() {
+        let pair = Arc::new((Mutex::new(false), Condvar::new()));
+        let theirs = pair.clone();
+        let waiter = std::thread::spawn(move || {
+            let (m, cv) = &*theirs;
+            let start = std::time::Instant::now();
+            let (go, _) = cv.wait_timeout_while(m.lock(), Duration::from_secs(30), |go| !*go);
+            (*go, start.elapsed() < Duration::from_secs(20))
+        });
+        let (m, cv) = &*pair;
+        for _ in 0..10_000 {
+            if cv.waiters.load(SeqCst) > 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(cv.waiters.load(SeqCst), 1, "the waiter is counted");
+        *m.lock() = true;
+        cv.notify_all();
+        assert_eq!(waiter.join().unwrap(), (true, true), "woken, not timed out");
+        assert_eq!(cv.waiters.load(SeqCst), 0);
+        let (_g, r) = cv.wait_timeout(m.lock(), Duration::from_millis(1));
+        assert!(r.timed_out());
+        assert_eq!(cv.waiters.load(SeqCst), 0, "a timed-out wait is uncounted");
+        // With nobody waiting, a notification is a no-op.
+        cv.notify_one();
+        cv.notify_all();
+    }
+
+    #[test]
     fn wait_timeout_while_reports_the_timeout() {
         let m = Mutex::new(false);
         let cv = Condvar::new();
