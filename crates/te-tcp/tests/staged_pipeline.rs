@@ -11,26 +11,10 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use common::{connect, pattern, run, DevMem, BLOCK, BLOCKS, SLICE};
-use te_core::{Access, BackendContext, Op, RegionId, TransferRequest};
-use te_tcp::{TcpBackend, TcpConfig};
+use common::{assert_scattered, backend_with, requests, run, Pair, BLOCK, BLOCKS, SLICE};
+use te_core::Op;
 
 const LATENCY: Duration = Duration::from_millis(40);
-
-/// Blocks `0..BLOCKS` of local region `local` to or from the same blocks of the
-/// target's region 1: adjacent, so each `SLICE` is one frame.
-fn batch(op: Op, local: u64) -> Vec<TransferRequest> {
-    (0..BLOCKS)
-        .map(|i| TransferRequest {
-            op,
-            local: RegionId(local),
-            local_offset: i * BLOCK,
-            remote: RegionId(1),
-            remote_offset: i * BLOCK,
-            len: BLOCK,
-        })
-        .collect()
-}
 
 #[test]
 fn a_staged_batch_keeps_its_frames_copies_in_flight_together() {
@@ -43,33 +27,19 @@ fn a_staged_batch_keeps_its_frames_copies_in_flight_together() {
     te_core::device::configure(&BTreeMap::from([("fakedev".to_string(), table)]));
     // Staged over the socket on both sides, as to a peer in another process, and on
     // one connection, so that its frames have only each other to overlap with.
-    let backend = || {
-        let mut c = TcpConfig::default();
-        c.slice_size = SLICE;
-        c.local_copies = false;
-        c.connections_per_peer = 1;
-        TcpBackend::new(c, &BackendContext::default()).expect("backend")
-    };
-    let (target, init) = (backend(), backend());
-    let total = (BLOCK * BLOCKS) as usize;
-    let (remote, src, back) = (
-        DevMem::new(0, total),
-        DevMem::new(0, total),
-        DevMem::new(0, total),
-    );
-    remote.register(&target, 1, Access::REMOTE_READ_WRITE);
-    src.register(&init, 1, Access::LOCAL);
-    back.register(&init, 2, Access::LOCAL);
-    let data = pattern(total, 1);
-    src.fill(&data);
-    let peer = connect(&init, &target);
+    let p = Pair::with(|| {
+        backend_with(|c| {
+            c.local_copies = false;
+            c.connections_per_peer = 1;
+        })
+    });
     let dev = te_core::device::fakedev::process().expect("fakedev runs here");
     let frames = (BLOCK * BLOCKS / SLICE) as u32;
     assert_eq!(frames, 8);
     for (op, local) in [(Op::Write, 1), (Op::Read, 2)] {
         dev.most_unreported();
         let start = Instant::now();
-        run(&init, peer, &batch(op, local)).expect("the batch");
+        run(&p.init, p.peer, &requests(op, local)).expect("the batch");
         let took = start.elapsed();
         let most = dev.most_unreported();
         // One side's frames at once (the initiator's copies of a WRITE, the target's of
@@ -86,6 +56,6 @@ fn a_staged_batch_keeps_its_frames_copies_in_flight_together() {
             "{op:?}: a batch of {frames} frames took {took:?}"
         );
     }
-    assert!(remote.read() == data, "the write landed intact");
-    assert!(back.read() == data, "the read landed intact");
+    assert_scattered(&p.remote.read(), &p.data);
+    assert!(p.back.read() == p.data, "the read landed intact");
 }

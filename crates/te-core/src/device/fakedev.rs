@@ -1106,6 +1106,18 @@ mod tests {
             .collect()
     }
 
+    /// The 16 blocks of [`scattered`] landed in their places on device 0 at `dev`.
+    fn assert_scattered(rt: &Arc<FakeDev>, dev: u64) {
+        let back = read_back(rt, 0, dev, 16 * 4096);
+        for i in 0..16usize {
+            let at = (i * 7 % 16) * 4096;
+            assert!(
+                back[at..at + 4096].iter().all(|&b| b == i as u8),
+                "copy {i}"
+            );
+        }
+    }
+
     #[test]
     fn a_batched_group_is_one_launch_and_an_unbatched_one_a_launch_per_copy() {
         for batch in [true, false] {
@@ -1127,14 +1139,7 @@ mod tests {
             );
             assert_eq!(s.bytes, 16 * 4096);
             assert_eq!(rt.device_stats(1), CopyStats::default());
-            let back = read_back(&rt, 0, dev, 16 * 4096);
-            for i in 0..16usize {
-                let at = (i * 7 % 16) * 4096;
-                assert!(
-                    back[at..at + 4096].iter().all(|&b| b == i as u8),
-                    "copy {i}"
-                );
-            }
+            assert_scattered(&rt, dev);
         }
     }
 
@@ -1168,14 +1173,7 @@ mod tests {
         // SAFETY: `src` outlives the group, which is waited for here.
         unsafe { rt.copy_group_wait(&scattered(dev, &src)).unwrap() };
         assert!(start.elapsed() >= latency);
-        let back = read_back(&rt, 0, dev, 16 * 4096);
-        for i in 0..16usize {
-            let at = (i * 7 % 16) * 4096;
-            assert!(
-                back[at..at + 4096].iter().all(|&b| b == i as u8),
-                "copy {i}"
-            );
-        }
+        assert_scattered(&rt, dev);
     }
 
     #[test]

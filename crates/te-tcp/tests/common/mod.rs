@@ -85,9 +85,14 @@ impl Drop for DevMem {
 
 /// A tcp backend with `SLICE`-byte slices; `local_copies` as given.
 pub fn backend(local_copies: bool) -> TcpBackend {
+    backend_with(|c| c.local_copies = local_copies)
+}
+
+/// A tcp backend with `SLICE`-byte slices and what `set` changes.
+pub fn backend_with(set: impl FnOnce(&mut TcpConfig)) -> TcpBackend {
     let mut c = TcpConfig::default();
     c.slice_size = SLICE;
-    c.local_copies = local_copies;
+    set(&mut c);
     TcpBackend::new(c, &BackendContext::default()).expect("backend")
 }
 
@@ -118,8 +123,13 @@ pub struct Pair {
 impl Pair {
     /// Both backends with `local_copies` as given.
     pub fn new(local_copies: bool) -> Pair {
+        Pair::with(|| backend(local_copies))
+    }
+
+    /// Both backends made by `backend`.
+    pub fn with(backend: impl Fn() -> TcpBackend) -> Pair {
         let total = (BLOCK * BLOCKS) as usize;
-        let (target, init) = (backend(local_copies), backend(local_copies));
+        let (target, init) = (backend(), backend());
         let (remote, src, back) = (
             DevMem::new(0, total),
             DevMem::new(0, total),
