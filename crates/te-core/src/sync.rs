@@ -101,7 +101,9 @@ impl<T: ?Sized + fmt::Debug> fmt::Debug for RwLock<T> {
 /// It counts its waiters, and a notification with none skips the system call that
 /// `std`'s makes every time (a region's pin released, a batch finished with nobody
 /// blocked on it): a waiter is counted while it still holds the lock, so a notifier
-/// that changed the state under that lock (as every correct use does) sees it.
+/// that changed the state under that lock (as every correct use does) sees it. One
+/// that changes it outside the lock (an atomic flag) must take the lock once before
+/// notifying, as with any condition variable.
 #[derive(Debug, Default)]
 pub struct Condvar {
     inner: std_sync::Condvar,

@@ -399,15 +399,23 @@ fn run_queue(
         let r = run_part(&job.part, config, counters);
         match &late {
             Some((late, unreported)) => {
+                // `start` bounds the latency, so this cannot overflow.
                 let at = Instant::now() + config.completion_latency;
                 unreported.add();
-                // The reporting thread ends only once this queue has: it is there.
-                let _ = late.send((at, job.done, r));
+                // The reporting thread ends only once this queue has, unless a
+                // completion panicked on it: then this one is reported here, at once.
+                if let Err(mpsc::SendError((_, done, r))) = late.send((at, job.done, r)) {
+                    unreported.now.fetch_sub(1, Ordering::AcqRel);
+                    done(r);
+                }
             }
             None => (job.done)(r),
         }
     }
 }
+
+/// The longest `completion_latency` fakedev takes.
+const MAX_LATENCY: Duration = Duration::from_secs(3600);
 
 /// A group's completion to report at the given time.
 type Late = (Instant, CopyDone, Result<()>);
@@ -543,8 +551,18 @@ impl FakeDev {
     /// made on first use, from `[runtimes.fakedev]`.)
     ///
     /// # Errors
-    /// `Io` if its threads cannot start.
+    /// `Io` if its threads cannot start; `ConfigInvalid` for a `completion_latency` over
+    /// an hour.
     pub fn start(config: FakeDevConfig) -> Result<Arc<FakeDev>> {
+        if config.completion_latency > MAX_LATENCY {
+            return Err(Error::new(
+                ErrorKind::ConfigInvalid,
+                format!(
+                    "[runtimes.fakedev]: completion_latency = {:?} is over the {MAX_LATENCY:?} it may be",
+                    config.completion_latency
+                ),
+            ));
+        }
         let counters: Arc<Vec<CopyCounters>> =
             Arc::new((0..DEVICES).map(|_| CopyCounters::default()).collect());
         let mut queues = Vec::new();
@@ -625,7 +643,9 @@ impl FakeDev {
     /// The most groups, over all devices and directions, whose copies had ended and
     /// whose completion was still to be reported (`completion_latency`) at one time
     /// since the last call: how many groups a pipeline kept in flight at once (1 where
-    /// each waited for the one before).
+    /// each waited for the one before). A group counts once per device and direction
+    /// it copies on; groups a caller waits for itself
+    /// ([`DeviceRuntime::copy_group_wait`]) are not counted.
     pub fn most_unreported(&self) -> u64 {
         let now = self.unreported.now.load(Ordering::Acquire);
         self.unreported.most.swap(now, Ordering::AcqRel)
@@ -972,12 +992,14 @@ impl DeviceRuntime for FakeDev {
         // launch and synchronisation a queue thread would, without a queue thread's
         // wake-up on either side.
         let mut first = Ok(());
-        for (key, part) in self.parts(copies, self.config.batch)? {
+        let parts = self.parts(copies, self.config.batch)?;
+        let waits = !parts.is_empty();
+        for (key, part) in parts {
             let r = run_part(&part, self.config, &self.counters[key / 3]);
             first = first.and(r);
         }
         // Waiting for the device's event wakes this thread that much later.
-        if !self.config.completion_latency.is_zero() {
+        if waits && !self.config.completion_latency.is_zero() {
             std::thread::sleep(self.config.completion_latency);
         }
         first
@@ -1303,5 +1325,9 @@ mod tests {
         let e = create(&table).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::ConfigInvalid);
         assert!(e.to_string().contains("spin"), "{e}");
+        let table: toml::Table = "completion_latency = \"1000d\"".parse().unwrap();
+        let e = create(&table).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ConfigInvalid);
+        assert!(e.to_string().contains("completion_latency"), "{e}");
     }
 }
