@@ -325,14 +325,15 @@ impl TransferBackend for RdmaBackend {
                 "the batch's deadline passed before it was posted",
             ));
         }
-        let peer = self.shared.peers.get(peer)?;
+        // Its healthy paths, or those of the set that replaced it since the lookup.
+        let (peer, healthy) = self.shared.usable(self.shared.peers.get(peer)?);
         if peer.dead.load(Ordering::Acquire) {
             return Err(Error::new(
                 ErrorKind::PeerUnreachable,
                 peer.why.lock().clone(),
             ));
         }
-        let usable = peer.healthy();
+        let usable: Vec<&Arc<path::Path>> = healthy.iter().collect();
         if usable.is_empty() {
             let why = peer.why.lock().clone();
             return Err(Error::new(

@@ -294,6 +294,26 @@ impl Shared {
         self.peers.get(id).ok()
     }
 
+    /// `peer` and its healthy paths; where it has none (it is dead, or every path of it
+    /// failed), the set that replaced it under its id since it was looked up, and that
+    /// set's. A repair puts the rebuilt set in the table before it retires the old one
+    /// (marks its paths broken, then the peer dead), so a set seen without a healthy
+    /// path while the table still holds it, or holds none, was not replaced.
+    pub(crate) fn usable(&self, mut peer: Arc<Peer>) -> (Arc<Peer>, Vec<Arc<Path>>) {
+        loop {
+            if !peer.dead.load(Ordering::Acquire) {
+                let healthy: Vec<Arc<Path>> = peer.healthy().into_iter().cloned().collect();
+                if !healthy.is_empty() {
+                    return (peer, healthy);
+                }
+            }
+            match self.peer(peer.id) {
+                Some(newer) if !Arc::ptr_eq(&newer, &peer) => peer = newer,
+                _ => return (peer, Vec::new()),
+            }
+        }
+    }
+
     /// Asks the repair thread to rebuild peer `id`'s paths.
     pub(crate) fn repair(&self, id: PeerId) {
         let mut q = self.repairs.lock();

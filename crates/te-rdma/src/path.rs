@@ -356,19 +356,25 @@ pub(crate) fn settle(from: &Path, mut job: Job, failure: Failure) {
         job.failed(Error::new(ErrorKind::Cancelled, "its batch stopped"));
         return;
     }
-    // The peer's current set of paths: this one's, or the set that replaced it.
-    let current = from
-        .shared
-        .upgrade()
-        .and_then(|s| s.peer(from.peer_id))
-        .or_else(|| from.peer.upgrade());
+    // The peer's current set of paths (this one's, or the set that replaced it) and its
+    // healthy paths, taken together: a set retired while this looks would otherwise
+    // show no healthy path although the set that replaced it has them.
+    let found = from.shared.upgrade().and_then(|s| {
+        let p = s.peer(from.peer_id).or_else(|| from.peer.upgrade())?;
+        Some(s.usable(p))
+    });
+    let (current, healthy) = match found {
+        Some((p, healthy)) => (Some(p), healthy),
+        None => (from.peer.upgrade(), Vec::new()),
+    };
     let (why, kind) = match failure {
         Failure::Fatal(why, kind) => (why, kind),
         Failure::Retry(why) => {
-            if let Some(p) = current.as_ref().filter(|p| !p.dead.load(Ordering::Acquire)) {
+            // Decided on what `usable` saw: a path that failed since (its set retired,
+            // the peer disconnected) hands the job back to be settled again.
+            if let Some(p) = current.as_ref().filter(|_| !healthy.is_empty()) {
                 job.attempts += 1;
-                let healthy = p.healthy();
-                if job.attempts <= 2 * p.paths.len() && !healthy.is_empty() {
+                if job.attempts <= 2 * p.paths.len() {
                     let prefer: Vec<_> = healthy
                         .iter()
                         .filter(|h| {
@@ -378,7 +384,7 @@ pub(crate) fn settle(from: &Path, mut job: Job, failure: Failure) {
                         .collect();
                     let pick = p.next.fetch_add(1, Ordering::Relaxed);
                     let to = if prefer.is_empty() {
-                        healthy[pick % healthy.len()]
+                        &healthy[pick % healthy.len()]
                     } else {
                         prefer[pick % prefer.len()]
                     };
@@ -394,7 +400,7 @@ pub(crate) fn settle(from: &Path, mut job: Job, failure: Failure) {
     let because = match current.as_ref() {
         None => " (the peer was disconnected)".to_string(),
         Some(p) if p.dead.load(Ordering::Acquire) => format!(" ({})", p.why.lock()),
-        Some(p) if p.healthy().is_empty() => {
+        Some(_) if healthy.is_empty() => {
             "; no healthy path to the peer is left (they are being rebuilt)".into()
         }
         Some(_) => String::new(),
