@@ -440,7 +440,10 @@ impl Drop for RdmaBackend {
     fn drop(&mut self) {
         self.shared.closed.store(true, Ordering::Release);
         connect::unlist_local(self.shared.instance);
-        // The repair thread first, so that it adds no peer after they are drained.
+        // The repair thread first, so that it adds no peer after they are drained. It
+        // reads `closed` under its queue's lock: taking that lock once here means it
+        // either saw the flag or already waits, and is woken.
+        drop(self.shared.repairs.lock());
         self.shared.repair_wake.notify_all();
         if let Some(t) = self.repair_thread.lock().take() {
             let _ = t.join();
