@@ -277,7 +277,8 @@ async fn queue(tx: &mpsc::Sender<Queued>, budget: &Arc<Semaphore>, frame: Vec<u8
 /// Nothing a peer sends grows without bound: replies wait in a queue bounded in count
 /// and bytes, backend requests take one of the session's [`BACKEND_SHARE`] turns, and
 /// when either is full the session is not read (TCP throttles the peer). A peer that
-/// does not read its replies for three heartbeats is closed.
+/// does not read its replies for three heartbeats, or sends nothing for three,
+/// is reset.
 async fn session(
     shared: &Arc<Shared>,
     peer: &Identity,
@@ -298,6 +299,8 @@ async fn session(
                 Ok(Err(_)) => return,
                 Err(_) => {
                     tracing::debug!(peer = %peer.name, "control plane: the peer stopped reading its replies, closing");
+                    // Reset, not closed: a close would wait behind the unread replies.
+                    let _ = writer.as_ref().set_zero_linger();
                     return;
                 }
             }
@@ -327,6 +330,8 @@ async fn session(
                 }
                 Err(_) => {
                     tracing::debug!(peer = %peer.name, "control plane: a session went silent, closing");
+                    // Reset, not closed: a close could wait behind replies it never takes.
+                    let _ = reader.as_ref().set_zero_linger();
                     return false;
                 }
             };

@@ -457,6 +457,14 @@ async fn run(
         }
     };
     reading.abort();
+    if outcome.is_err() {
+        // A peer that failed (stopped reading, went silent, broke the protocol) is
+        // reset, not closed: a close is queued behind the frames it has not read, so
+        // a peer that does not read would never see it, and the kernel would keep
+        // trying to send them.
+        let _ = writer.as_ref().set_zero_linger();
+    }
+    drop(writer);
     end(&shared, &session);
     rx.close();
     let e = match &outcome {
