@@ -261,3 +261,58 @@ fn a_stopped_same_host_target_fails_the_batch_at_its_deadline() {
         "the batch ended after {took:?}"
     );
 }
+
+#[test]
+fn a_request_left_in_a_channel_the_initiator_closed_is_not_served() {
+    // The initiator sends a READ to a stopped target, then closes: the batch is handed
+    // back. The request is still in the channel's socket; the target, resumed, must
+    // not copy into memory the initiator already got back.
+    let server = serve("host", "1MiB", &[]);
+    let e = engine(true);
+    let src = e.alloc("src", 1 << 20, Access::LOCAL).unwrap();
+    let dst = e.alloc("dst", 1 << 20, Access::LOCAL).unwrap();
+    let peer = e.connect(&server.addr).unwrap();
+    assert!(matches!(
+        path(&peer, true),
+        PeerPath::SameHost {
+            cross_memory_attach: true,
+            ..
+        }
+    ));
+    let remote = peer.region("buffer").unwrap().id;
+    src.write(0, &vec![0x5a; 1 << 20]).unwrap();
+    e.transfer(
+        &peer,
+        &[TransferRequest::write(src.id(), 0, remote, 0, 1 << 20)],
+    )
+    .unwrap()
+    .wait()
+    .unwrap();
+    dst.write(0, &vec![0x11; 1 << 20]).unwrap();
+    let pid = server.child.id() as i32;
+    // SAFETY: signals a child this test started and still owns.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let opts = te::TransferOptions {
+        timeout: Some(Duration::from_secs(20)),
+        ..Default::default()
+    };
+    let h = e
+        .transfer_with(
+            &peer,
+            &[TransferRequest::read(dst.id(), 0, remote, 0, 1 << 20)],
+            &opts,
+        )
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    drop(peer);
+    drop(e);
+    assert!(h.wait().is_err(), "the batch cannot have completed");
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        dst.to_vec().unwrap().iter().all(|&b| b == 0x11),
+        "the target copied into memory handed back to its owner"
+    );
+    drop(server);
+}

@@ -27,7 +27,8 @@
 //! Everything else (host on one side and device on the other, another runtime) goes over
 //! the socket. The initiator's memory is touched only while its batch waits for the
 //! answer: the batch's pins hold its regions. A request carries its batch's deadline on
-//! the host's monotonic clock, and the target refuses one it reads after it; at the
+//! the host's monotonic clock, and the target refuses one it reads after it, or after
+//! the initiator closed the channel (its batches were handed back then); at the
 //! deadline the watcher (`watch`) closes a channel that answered nothing for a grace,
 //! as it closes a stalled data connection. What the target mapped is unmapped when the
 //! channel closes (the peer disconnected, exited or was killed).

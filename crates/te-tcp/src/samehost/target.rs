@@ -346,7 +346,7 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
                     ));
                 }
                 let op = if m.kind == WRITE { Op::Write } else { Op::Read };
-                let r = run(shared, pid, cma, &imports, op, &entries, m.a);
+                let r = run(shared, s, pid, cma, &imports, op, &entries, m.a);
                 // What a channel keeps between requests stays small whatever a peer
                 // sent: the buffers of a request larger than KEPT_ENTRIES go with it.
                 if n > KEPT_ENTRIES {
@@ -367,6 +367,20 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
             k => return Err(protocol(format!("a message of kind {k}"))),
         }
     }
+}
+
+/// Whether the initiator has shut the channel down or closed it (requests it sent
+/// before may still be unread in the socket).
+fn hung_up(s: &UnixStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd {
+        fd: s.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, live for the call; a zero timeout never blocks.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
 }
 
 /// The answer to message `id`: kind `ok` with code 0, or kind `failed` with the error's
@@ -407,8 +421,10 @@ fn welcome(status: u16, cma: bool) -> [u8; WELCOME_LEN] {
 
 /// One request: every entry admitted as a served frame's are (its region pinned), then
 /// the copies, then the pins released.
+#[allow(clippy::too_many_arguments)]
 fn run(
     shared: &Shared,
+    s: &UnixStream,
     pid: i32,
     cma: bool,
     imports: &HashMap<u64, std::result::Result<Arc<Import>, Error>>,
@@ -521,6 +537,14 @@ fn run(
         return Err(Error::new(
             ErrorKind::Timeout,
             "the batch's deadline passed before its copies started",
+        ));
+    }
+    // Nor after the initiator closed the channel (its engine closed, the peer was
+    // dropped): its batches were handed back then, whatever is still in the socket.
+    if hung_up(s) {
+        return Err(Error::new(
+            ErrorKind::Cancelled,
+            "the initiator closed the channel before the request's copies started",
         ));
     }
     if !host_here.is_empty() {
