@@ -78,6 +78,24 @@ fn path(peer: &Peer, local_ipc: bool) -> PeerPath {
     b.peer_path(id).unwrap()
 }
 
+/// Stops process `pid` (a `te serve` the test started) and waits until the kernel
+/// shows it stopped: the signal is delivered asynchronously.
+fn stop(pid: i32) {
+    // SAFETY: signals a child the calling test started and still owns.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let stopped = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit(") ").next().map(|r| r.starts_with('T')))
+            .unwrap_or(false)
+    };
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    while !stopped() {
+        assert!(std::time::Instant::now() < until, "te serve did not stop");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 fn pattern(len: usize, seed: usize) -> Vec<u8> {
     te_core::testkit::pattern(len, seed as u8)
 }
@@ -224,20 +242,7 @@ fn a_stopped_same_host_target_fails_the_batch_at_its_deadline() {
     assert!(matches!(path(&peer, true), PeerPath::SameHost { .. }));
     let remote = peer.region("buffer").unwrap().id;
     let pid = server.child.id() as i32;
-    // SAFETY: signals a child this test started and still owns.
-    unsafe { libc::kill(pid, libc::SIGSTOP) };
-    // The signal is delivered asynchronously: wait until the kernel shows it stopped.
-    let stopped = || {
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .ok()
-            .and_then(|s| s.rsplit(") ").next().map(|r| r.starts_with('T')))
-            .unwrap_or(false)
-    };
-    let until = std::time::Instant::now() + Duration::from_secs(5);
-    while !stopped() {
-        assert!(std::time::Instant::now() < until, "te serve did not stop");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    stop(pid);
     let start = std::time::Instant::now();
     let opts = te::TransferOptions {
         timeout: Some(Duration::from_secs(1)),
@@ -290,8 +295,7 @@ fn a_request_left_in_a_channel_the_initiator_closed_is_not_served() {
     .unwrap();
     dst.write(0, &vec![0x11; 1 << 20]).unwrap();
     let pid = server.child.id() as i32;
-    // SAFETY: signals a child this test started and still owns.
-    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    stop(pid);
     let opts = te::TransferOptions {
         timeout: Some(Duration::from_secs(20)),
         ..Default::default()
