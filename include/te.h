@@ -283,9 +283,10 @@ int te_batch_cancel(const te_batch *batch);
 
 /**
  * Calls `callback(user, status)` exactly once when the batch resolves: on one of te's
- * threads, or on this one before returning if it already has. `status` is what
- * te_batch_wait would return, and te_last_error() inside the callback has the
- * message. The callback must not block long nor free the engine; `user` must be
+ * threads, or on this one before returning if it already has (with the tcp backend's
+ * `caller_reads = true`, also on an application thread blocked in te_batch_wait).
+ * `status` is what te_batch_wait would return, and te_last_error() inside the callback
+ * has the message. The callback must not block long nor free the engine; `user` must be
  * usable from any thread. Freeing the batch handle does not stop the callback.
  */
 int te_batch_on_complete(const te_batch *batch, void (*callback)(void *user, int status),

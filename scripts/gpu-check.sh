@@ -3,8 +3,10 @@
 # every byte of staged, device-to-device, mixed, KV and two-process transfers verified
 # on cuda:0), the list-copy kernel assembled by ptxas for three GPU generations where
 # the toolkit is installed, then scripts/gpu-bench.sh's table (staged, as between
-# hosts), scripts/same-host-bench.sh's (two processes of this host) and
-# scripts/kv-per-request.sh's (te's CPU cost per request of a KV batch). With an older
+# hosts), scripts/same-host-bench.sh's (two processes of this host),
+# scripts/caller-reads-bench.sh's (the same-host channel with and without
+# `caller_reads`) and scripts/kv-per-request.sh's (te's CPU cost per request of a KV
+# batch). With an older
 # te beside the new one (`te-before`), its staged table follows, measured in the same
 # sitting.
 #
@@ -63,6 +65,8 @@ echo "== te bench: this te, staged as between hosts"
 scripts/gpu-bench.sh "$dir/te" "$secs" || fail=1
 echo "== te bench: two processes of this host, channel against socket"
 TE_REPS=2 scripts/same-host-bench.sh "$dir/te" "${TE_GPU_MEM:-cuda:0}" "$secs" || fail=1
+echo "== te bench: the same-host channel with and without caller_reads"
+scripts/caller-reads-bench.sh "$dir/te" "${TE_GPU_MEM:-cuda:0}" 1 2 || fail=1
 echo "== te bench --kv: what one request of a KV batch costs on the CPU"
 scripts/kv-per-request.sh "$dir/te" "${TE_GPU_MEM:-cuda:0}" 1 || fail=1
 if [ -x "$dir/te-before" ]; then

@@ -57,8 +57,13 @@ fn serve(mem: &str, size: &str, wrap: &[&str]) -> Server {
 }
 
 fn engine(local_ipc: bool) -> Engine {
+    engine_with(local_ipc, false)
+}
+
+/// An engine on tcp, with `caller_reads` as given.
+fn engine_with(local_ipc: bool, caller_reads: bool) -> Engine {
     let text = format!(
-        "[engine]\nbackend = \"tcp\"\ndefault_timeout = \"30s\"\n[backends.tcp]\nlocal_ipc = {local_ipc}\n"
+        "[engine]\nbackend = \"tcp\"\ndefault_timeout = \"30s\"\n[backends.tcp]\nlocal_ipc = {local_ipc}\ncaller_reads = {caller_reads}\n"
     );
     let c = Config::from_toml(&text, "same_host.toml", std::path::Path::new(".")).unwrap();
     Engine::from_config(&c).expect("engine")
@@ -318,5 +323,47 @@ fn a_request_left_in_a_channel_the_initiator_closed_is_not_served() {
         dst.to_vec().unwrap().iter().all(|&b| b == 0x11),
         "the target copied into memory handed back to its owner"
     );
+    drop(server);
+}
+
+#[test]
+fn closing_the_engine_frees_a_caller_waiting_on_a_stopped_same_host_target() {
+    // With `caller_reads` the waiting caller reads its channel's answers itself; the
+    // engine's close must still end its wait at once, not at the batch's deadline.
+    let server = serve("fakedev:0", "4MiB", &[]);
+    let e = engine_with(true, true);
+    let kind: te::MemoryKind = "fakedev:0".parse().unwrap();
+    let src = e.alloc_on(&kind, "src", 4 << 20, Access::LOCAL).unwrap();
+    let peer = e.connect(&server.addr).unwrap();
+    assert!(matches!(path(&peer, true), PeerPath::SameHost { .. }));
+    let remote = peer.region("buffer").unwrap().id;
+    let read = [TransferRequest::read(src.id(), 0, remote, 0, 4 << 20)];
+    // Once while the target runs, so the allocation is shared and mapped there.
+    e.transfer(&peer, &read).unwrap().wait().unwrap();
+    let pid = server.child.id() as i32;
+    // Killed at the end, never resumed, so it cannot serve the request after this
+    // process let go of `src`.
+    stop(pid);
+    let opts = te::TransferOptions {
+        timeout: Some(Duration::from_secs(20)),
+        ..Default::default()
+    };
+    let h = e.transfer_with(&peer, &read, &opts).unwrap();
+    let waiter = std::thread::spawn(move || {
+        let r = h.wait();
+        (r, std::time::Instant::now())
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let start = std::time::Instant::now();
+    drop(peer);
+    drop(e);
+    let (r, ended) = waiter.join().unwrap();
+    assert!(r.is_err(), "the batch cannot have completed");
+    assert!(
+        ended.duration_since(start) < Duration::from_secs(5),
+        "the wait ended {:?} after the close",
+        ended.duration_since(start)
+    );
+    drop(src);
     drop(server);
 }

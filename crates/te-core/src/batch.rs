@@ -2,7 +2,10 @@
 //!
 //! A batch's state belongs to the batch alone (its own small lock), so status reads
 //! and waits never take an engine-wide lock. Waiting blocks on a condition variable or
-//! parks a `Waker`; nothing spins.
+//! parks a `Waker`; nothing spins. A thread that waits (`wait`, `wait_timeout`) is
+//! first lent to the backend ([`TransferBackend::drive`](crate::TransferBackend::drive)),
+//! which may block it on the batch's own I/O instead, so that the answer wakes the
+//! waiter itself rather than a backend thread that then wakes it.
 
 use crate::sync::{Condvar, Mutex};
 use std::cmp::Reverse;
@@ -84,6 +87,11 @@ const PHASE_NOTIFY: u8 = 1;
 /// What tells the backend to stop the batch.
 pub(crate) type AbortHook = Arc<dyn Fn() + Send + Sync>;
 
+/// What lets a waiting thread do the backend's work for the batch until the deadline
+/// it is given ([`TransferBackend::drive`](crate::TransferBackend::drive)): whether it
+/// waited.
+pub(crate) type DriveHook = Arc<dyn Fn(Deadline) -> bool + Send + Sync>;
+
 /// The shared state of one batch.
 pub(crate) struct BatchState {
     id: BatchId,
@@ -91,6 +99,7 @@ pub(crate) struct BatchState {
     signals: Arc<Signals>,
     phase: AtomicU8,
     hook: Mutex<Option<AbortHook>>,
+    drive: Mutex<Option<DriveHook>>,
     slot: Mutex<Slot>,
     cond: Condvar,
     deadline: Deadline,
@@ -107,6 +116,7 @@ impl BatchState {
             signals: Arc::new(Signals::new()),
             phase: AtomicU8::new(PHASE_BACKEND),
             hook: Mutex::new(None),
+            drive: Mutex::new(None),
             slot: Mutex::new(Slot::default()),
             cond: Condvar::new(),
             deadline,
@@ -155,6 +165,26 @@ impl BatchState {
         // An abort that came before the hook was set is passed on now.
         if self.aborted().is_some() && !self.is_done() {
             self.call_hook();
+        }
+    }
+
+    /// Sets how a waiting thread does the backend's work for the batch.
+    pub(crate) fn set_drive(&self, hook: DriveHook) {
+        *self.drive.lock() = Some(hook);
+    }
+
+    /// Lets the calling thread, about to wait for the batch, do the backend's work for
+    /// it until `until` (where the backend has such work: a same-host answer it can
+    /// read itself, saving the hand-off from the thread that would read it). Returns
+    /// when the batch is done, `until` passes, or the backend has nothing more for this
+    /// thread; the caller then waits on the condition variable as usual.
+    fn drive(&self, until: Instant) {
+        while !self.is_done() && Instant::now() < until {
+            let hook = self.drive.lock().clone();
+            match hook {
+                Some(h) if h(Deadline::at(until)) => {}
+                _ => return,
+            }
         }
     }
 
@@ -214,6 +244,7 @@ impl BatchState {
             std::mem::take(&mut slot.wakers)
         };
         self.hook.lock().take();
+        self.drive.lock().take();
         self.cond.notify_all();
         for w in wakers {
             w.wake();
@@ -279,6 +310,7 @@ impl TransferHandle {
     /// The batch's error: `Timeout` at the deadline, `Cancelled`, `PeerUnreachable`,
     /// what the backend reported.
     pub fn wait(&self) -> Result<()> {
+        self.state.drive(self.state.deadline.instant());
         let mut slot = self.state.slot.lock();
         loop {
             if let Some(r) = &slot.result {
@@ -293,7 +325,11 @@ impl TransferHandle {
     /// # Errors
     /// As [`TransferHandle::wait`], inside the `Some`.
     pub fn wait_timeout(&self, timeout: Duration) -> Option<Result<()>> {
-        let end = Instant::now() + timeout;
+        let now = Instant::now();
+        let end = now
+            .checked_add(timeout)
+            .unwrap_or(now + Duration::from_secs(1 << 30));
+        self.state.drive(end.min(self.state.deadline.instant()));
         let mut slot = self.state.slot.lock();
         loop {
             if let Some(r) = &slot.result {
@@ -560,6 +596,53 @@ mod tests {
         }
         let len = timer.shared.heap.lock().heap.len();
         assert!(len <= 2 * SWEEP_MIN, "{len} entries for no batch in flight");
+    }
+
+    #[test]
+    fn a_waiting_thread_is_lent_to_the_backend_until_its_batch_ends() {
+        use std::sync::atomic::AtomicUsize;
+        let b = batch(Duration::from_secs(60));
+        let calls = Arc::new(AtomicUsize::new(0));
+        let (c, state) = (calls.clone(), b.clone());
+        b.set_drive(Arc::new(move |until: Deadline| {
+            assert!(until.remaining() <= Duration::from_secs(60));
+            // The backend's work, done on the waiting thread: the second call ends it.
+            if c.fetch_add(1, Ordering::SeqCst) == 1 {
+                state.finish(Ok(()));
+            }
+            true
+        }));
+        TransferHandle::new(b.clone()).wait().unwrap();
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+        TransferHandle::new(b).wait().unwrap();
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            2,
+            "not lent once the batch ended"
+        );
+    }
+
+    #[test]
+    fn a_backend_with_nothing_for_the_thread_leaves_it_to_wait_and_a_timeout_bounds_the_loan() {
+        let b = batch(Duration::from_secs(60));
+        let (tx, rx) = mpsc::channel();
+        b.set_drive(Arc::new(move |until: Deadline| {
+            let _ = tx.send(until.remaining());
+            false
+        }));
+        let h = TransferHandle::new(b.clone());
+        assert!(h.wait_timeout(Duration::from_millis(20)).is_none());
+        assert!(rx.try_recv().unwrap() <= Duration::from_millis(20));
+        assert!(
+            rx.try_recv().is_err(),
+            "asked once, then the condition variable"
+        );
+        let finisher = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            b.finish(Ok(()));
+        });
+        h.wait().unwrap();
+        finisher.join().unwrap();
     }
 
     #[test]

@@ -43,7 +43,7 @@ pub use abi_stable::prefix_type::PrefixTypeTrait as __PrefixTypeTrait;
 
 /// te's own plugin protocol version, checked in addition to `abi_stable`'s layout
 /// check; raised whenever the meaning (not only the layout) of the boundary changes.
-pub const PLUGIN_ABI: u32 = 4;
+pub const PLUGIN_ABI: u32 = 5;
 
 /// A fingerprint of the sources of the types that cross the boundary encoded; a plugin
 /// built from other sources is refused even when its te-core version matches.
@@ -76,8 +76,10 @@ pub trait FfiBackend: Send + Sync + Debug {
     /// Encoded gauges of the backend's state, `Vec<(String, u64)>`.
     fn gauges(&self) -> RVec<u8>;
     /// Encoded `Option<String>`: how bytes to `peer` travel.
-    #[sabi(last_prefix_field)]
     fn path_to(&self, peer: PeerId) -> RVec<u8>;
+    /// Lends the calling thread to the backend while it waits for a batch.
+    #[sabi(last_prefix_field)]
+    fn drive(&self, peer: PeerId, batch: BatchId, until: Deadline) -> bool;
 }
 
 /// A boxed backend object from a plugin.
@@ -380,6 +382,9 @@ impl FfiBackend for Exported {
         let path = caught("path_to", || Ok(self.0.path_to(peer))).unwrap_or_default();
         codec::encode(&path).into()
     }
+    fn drive(&self, peer: PeerId, batch: BatchId, until: Deadline) -> bool {
+        caught("drive", || Ok(self.0.drive(peer, batch, until))).unwrap_or(false)
+    }
 }
 
 /// A backend loaded from a plugin (host side).
@@ -431,6 +436,9 @@ impl TransferBackend for PluginBackend {
     }
     fn path_to(&self, peer: PeerId) -> Option<String> {
         codec::decode(self.inner.path_to(peer).as_slice(), "the plugin's path").unwrap_or_default()
+    }
+    fn drive(&self, peer: PeerId, batch: BatchId, until: Deadline) -> bool {
+        self.inner.drive(peer, batch, until)
     }
 }
 

@@ -284,7 +284,13 @@ impl TcpBackend {
         while chs.len() < want {
             let nonce = peer.conns.read().iter().find_map(|c| c.take_challenge());
             let Some(nonce) = nonce else { return };
-            match Channel::open(peer.instance, nonce, limit, &peer.exports) {
+            match Channel::open(
+                peer.instance,
+                nonce,
+                limit,
+                &peer.exports,
+                self.shared.config.caller_reads,
+            ) {
                 Ok(c) => {
                     if chs.is_empty() {
                         tracing::info!(peer = %peer.addr, cross_memory_attach = c.cma, "same-host peer: frames move without the socket");
@@ -562,6 +568,30 @@ impl TransferBackend for TcpBackend {
 
     fn path_to(&self, peer: PeerId) -> Option<String> {
         self.peer_path(peer).ok().map(|p| p.to_string())
+    }
+
+    fn drive(&self, peer: PeerId, batch: BatchId, until: Deadline) -> bool {
+        // With `caller_reads`, a same-host peer's answers are read by the waiting
+        // caller (`Link::drive`); socket frames are not: their I/O threads serve every
+        // connection at once. A wait never blocks here on a channel being opened.
+        if !self.shared.config.caller_reads {
+            return false;
+        }
+        let Ok(pc) = self.peers.get(peer) else {
+            return false;
+        };
+        // The links, not the channels: a disconnect meanwhile still closes them.
+        let Some(channels) = pc.channels.try_lock() else {
+            return false;
+        };
+        let links: Vec<_> = channels.iter().map(|c| c.link()).collect();
+        drop(channels);
+        drop(pc);
+        let mut waited = false;
+        for link in &links {
+            waited |= link.drive(batch, until);
+        }
+        waited
     }
 }
 

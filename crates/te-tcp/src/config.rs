@@ -77,6 +77,17 @@ pub struct TcpConfig {
     /// through the runtime's IPC handles as device copies; `false` sends every frame
     /// over the socket. A target with a `debug_delay` gets every frame over the socket.
     pub local_ipc: bool,
+    /// On a same-host channel, a caller waiting for its batch (`wait`) reads the
+    /// channel's answers itself, so its answer wakes it directly instead of waking a
+    /// receiving thread that then wakes it; batches nobody waits for on a thread are
+    /// still read by that thread. Off by default: it saves a wake-up where the target
+    /// takes a while (one waiting for a GPU), and costs one where answers come back
+    /// within microseconds on a VM whose idle CPUs are slow to wake
+    /// (`scripts/caller-reads-bench.sh` measures both on a machine). A waiting caller
+    /// completes whatever answers it reads, other batches' too, so their callbacks
+    /// (`te_batch_on_complete`, Python's `_on_done`) may run on an application thread blocked in a
+    /// wait, not only on te's.
+    pub caller_reads: bool,
     /// For tests only: the target holds every request this long before serving it.
     #[serde(deserialize_with = "te_core::config::de::duration")]
     pub debug_delay: Duration,
@@ -102,6 +113,7 @@ impl Default for TcpConfig {
             idle_timeout: Duration::ZERO,
             local_copies: true,
             local_ipc: true,
+            caller_reads: false,
             debug_delay: Duration::ZERO,
         }
     }
@@ -130,6 +142,7 @@ impl fmt::Debug for TcpConfig {
             .field("idle_timeout", &self.idle_timeout)
             .field("local_copies", &self.local_copies)
             .field("local_ipc", &self.local_ipc)
+            .field("caller_reads", &self.caller_reads)
             .field("debug_delay", &self.debug_delay)
             .finish()
     }

@@ -202,10 +202,16 @@ impl Inner {
         if ok {
             let backend = Arc::downgrade(&self.backend);
             let batch = state.id();
+            let driver = backend.clone();
             state.set_hook(Arc::new(move || {
                 if let Some(b) = backend.upgrade() {
                     b.abort(backend_id, batch);
                 }
+            }));
+            state.set_drive(Arc::new(move |until| {
+                driver
+                    .upgrade()
+                    .is_some_and(|b| b.drive(backend_id, batch, until))
             }));
         }
         Ok(handle)

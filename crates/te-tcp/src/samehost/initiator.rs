@@ -14,6 +14,29 @@ struct ChannelState {
     /// Per key shared: whether the target could map it (`None` until it has said).
     acks: HashMap<u64, Option<std::result::Result<(), Error>>>,
     dead: Option<Error>,
+    /// Someone reads the socket now: the receiving thread, or a caller driving it.
+    reading: bool,
+    /// Callers driving the channel ([`Link::drive`]): reading it, or waiting to.
+    drivers: usize,
+    /// The owner let go of the channel: its receiving thread ends.
+    closed: bool,
+}
+
+impl ChannelState {
+    /// Whether an answer is due: a request or a share not yet answered.
+    fn expecting(&self) -> bool {
+        !self.waiting.is_empty() || self.acks.values().any(Option::is_none)
+    }
+
+    /// Whether batch `batch` waits for an answer here.
+    fn holds(&self, batch: BatchId) -> bool {
+        self.waiting.values().flatten().any(|b| b.id() == batch)
+    }
+
+    /// Whether nothing more will be read from the channel.
+    fn ended(&self) -> bool {
+        self.closed || self.dead.is_some()
+    }
 }
 
 /// The allocations exported from one local region: each one's key and export.
@@ -71,8 +94,45 @@ impl Default for Exports {
     }
 }
 
-/// An initiator's channel to one same-host target.
-pub(crate) struct Channel {
+/// An initiator's channel to one same-host target, as its owner holds it: dropping it
+/// closes the channel (and ends its receiving thread).
+pub(crate) struct Channel(Arc<Link>);
+
+impl std::ops::Deref for Channel {
+    type Target = Link;
+    fn deref(&self) -> &Link {
+        &self.0
+    }
+}
+
+impl Drop for Channel {
+    fn drop(&mut self) {
+        self.0.close();
+    }
+}
+
+impl Channel {
+    /// The channel's state for a caller driving it: it keeps the channel's memory, not
+    /// the channel open, so the owner's drop (a disconnect) still frees that caller.
+    pub(crate) fn link(&self) -> Arc<Link> {
+        self.0.clone()
+    }
+}
+
+/// A channel's socket and state, shared by its owner, its receiving thread and the
+/// callers driving it.
+///
+/// **Who reads.** By default the receiving thread reads every answer, blocked on the
+/// socket, and completes its batches (which wakes their waiting callers). With
+/// `caller_reads`, one thread at a time reads the socket (`reading`): a caller waiting
+/// for a batch with a request here reads the answers itself ([`Link::drive`]), so the
+/// kernel wakes it when its answer comes, where otherwise the receiving thread would
+/// wake first and then wake it; the receiving thread reads what comes while no caller
+/// drives the channel (batches nobody waits for on a thread: awaited, polled, given a
+/// callback), and sleeps in an edge-triggered epoll set (`bell`), so each arrival wakes
+/// it once, whoever reads the bytes; a driver that leaves with an answer still due
+/// rings it.
+pub(crate) struct Link {
     stream: UnixStream,
     /// Held while a message is written, so shares, requests and unshares go out in
     /// order; taken before `state` and never under it, so a write that blocks on a
@@ -81,6 +141,13 @@ pub(crate) struct Channel {
     state: Mutex<ChannelState>,
     /// Signalled when the target answers a share, and when the channel dies.
     acked: Condvar,
+    /// Signalled, for drivers waiting to read, when a reader let go, an answer was
+    /// dispatched while several callers drive, a driver left, the channel died or
+    /// closed.
+    turn: Condvar,
+    /// Where the receiving thread sleeps, with `caller_reads`; `None`: it reads every
+    /// answer, blocked on the socket, and no caller drives.
+    bell: Option<Bell>,
     exports: Arc<Mutex<Exports>>,
     /// The target can copy host memory with this process (cross-memory attach).
     pub(crate) cma: bool,
@@ -92,6 +159,12 @@ pub(crate) struct Channel {
 impl std::fmt::Debug for Channel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Channel").field("cma", &self.cma).finish()
+    }
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Link").field("cma", &self.cma).finish()
     }
 }
 
@@ -109,11 +182,13 @@ impl Channel {
     /// # Errors
     /// `PeerUnreachable` where no process of this host listens for that instance (the
     /// peer is elsewhere), or it refuses the nonce.
+    /// With `caller_reads`, callers waiting for their batches read their answers.
     pub(crate) fn open(
         instance: u64,
         nonce: [u8; NONCE_LEN],
         timeout: Duration,
         exports: &Arc<Mutex<Exports>>,
+        caller_reads: bool,
     ) -> Result<Arc<Channel>> {
         let s = local::connect(&socket_name(instance), timeout)
             .map_err(|e| io_error("no same-host listener for the peer", e))?;
@@ -144,8 +219,21 @@ impl Channel {
         let cma = u16::from_le_bytes([w[6], w[7]]) & 1 != 0;
         s.set_read_timeout(None)
             .map_err(|e| io_error("cannot set timeouts", e))?;
-        let reader = s.try_clone().map_err(|e| io_error("cannot clone", e))?;
-        let ch = Arc::new(Channel {
+        Channel::start(s, cma, exports, caller_reads)
+    }
+
+    /// The channel over `s`, welcomed, with its receiving thread started.
+    pub(crate) fn start(
+        s: UnixStream,
+        cma: bool,
+        exports: &Arc<Mutex<Exports>>,
+        caller_reads: bool,
+    ) -> Result<Arc<Channel>> {
+        let bell = match caller_reads {
+            true => Some(Bell::new(&s).map_err(|e| io_error("cannot watch the channel", e))?),
+            false => None,
+        };
+        let link = Arc::new(Link {
             send: Mutex::new(()),
             stream: s,
             state: Mutex::new(ChannelState {
@@ -154,21 +242,36 @@ impl Channel {
                 sent: Default::default(),
                 acks: HashMap::new(),
                 dead: None,
+                reading: false,
+                drivers: 0,
+                closed: false,
             }),
             acked: Condvar::new(),
+            turn: Condvar::new(),
+            bell,
             exports: exports.clone(),
             cma,
             dead: AtomicBool::new(false),
             progress: std::sync::atomic::AtomicU64::new(0),
         });
-        let weak = Arc::downgrade(&ch);
+        let rx = link.clone();
         std::thread::Builder::new()
             .name("te-tcp-channel-rx".into())
-            .spawn(move || receive(&reader, &weak))
+            .spawn(move || receive(&rx))
             .map_err(|e| {
                 Error::new(ErrorKind::Io, format!("cannot start a channel thread: {e}"))
             })?;
-        Ok(ch)
+        Ok(Arc::new(Channel(link)))
+    }
+}
+
+impl Link {
+    /// Ends the channel for its owner: the receiving thread and any driver stop.
+    fn close(&self) {
+        self.state.lock().closed = true;
+        self.turn.notify_all();
+        self.ring();
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
 
     /// Tells the target that the allocation shared under `key` is gone (its region was
@@ -439,75 +542,347 @@ impl Channel {
             st.waiting.drain().map(|(_, w)| w).collect()
         };
         self.acked.notify_all();
+        self.turn.notify_all();
+        self.ring();
         for b in waiting.into_iter().flatten() {
             b.finish_slice(Err(e.clone()));
         }
     }
 }
 
-impl Drop for Channel {
+impl Drop for Link {
     fn drop(&mut self) {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
 }
 
-/// The channel's answers, until it closes.
-fn receive(s: &UnixStream, ch: &Weak<Channel>) {
-    let end = loop {
-        let mut h = [0u8; HEADER_LEN];
-        if let Err(e) = (&mut &*s).read_exact(&mut h) {
-            break io_error("the same-host peer closed the channel", e);
+/// The receiving thread: reads what comes while no caller drives the channel, until
+/// the channel dies or its owner closes it.
+fn receive(link: &Link) {
+    let Some(bell) = &link.bell else {
+        // Every answer is read here, blocked on the socket.
+        loop {
+            if let Err(e) = link.read_one(None) {
+                link.end(e);
+                return;
+            }
         }
+    };
+    loop {
+        loop {
+            {
+                let mut st = link.state.lock();
+                if st.ended() {
+                    return;
+                }
+                if st.reading || st.drivers > 0 {
+                    // A driver reads; it rings the bell if it leaves an answer due.
+                    break;
+                }
+                match readable(&link.stream, None) {
+                    Ok(true) => st.reading = true,
+                    Ok(false) => break,
+                    Err(e) => {
+                        drop(st);
+                        link.fail(io_error("waiting for answers", e));
+                        return;
+                    }
+                }
+            }
+            // Drivers that came meanwhile take over.
+            if let Err(e) = Reading::with(link, 0, || link.read_one(None)) {
+                link.end(e);
+                return;
+            }
+        }
+        if let Err(e) = bell.wait() {
+            link.fail(io_error("waiting for answers", e));
+            return;
+        }
+    }
+}
+
+impl Link {
+    /// With `caller_reads`, reads the channel's answers on the calling thread while
+    /// batch `batch` waits for one here, until `until` ([`TransferBackend::drive`](te_core::TransferBackend::drive)):
+    /// the waiting caller is woken by its answer itself, not by the receiving thread.
+    /// Answers for other batches it reads are dispatched as the receiving thread would.
+    /// Returns whether the batch had a request here to wait for (never without
+    /// `caller_reads`).
+    pub(crate) fn drive(&self, batch: BatchId, until: te_core::Deadline) -> bool {
+        if self.bell.is_none() {
+            return false;
+        }
+        let mut st = self.state.lock();
+        if st.ended() || until.is_past() || !st.holds(batch) {
+            return false;
+        }
+        st.drivers += 1;
+        drop(st);
+        // Leaves however this returns (a panicking completion included), so the
+        // channel is never left to a driver that is gone.
+        let _driving = Driving(self);
+        let mut st = self.state.lock();
+        while !st.ended() && st.holds(batch) && !until.is_past() {
+            if st.reading {
+                // Another thread reads; it hands over when it has dispatched an answer.
+                st = self.turn.wait_timeout(st, until.remaining()).0;
+                continue;
+            }
+            st.reading = true;
+            drop(st);
+            // The answer may have been another driver's: they are told.
+            let r = Reading::with(self, 1, || self.read_one(Some(until)));
+            if let Err(e) = r {
+                self.end(e);
+                return true;
+            }
+            st = self.state.lock();
+        }
+        true
+    }
+
+    /// Fails the channel with `e`, unless its owner closed it (its batches then go
+    /// with it, as `Cancelled`, whoever was reading).
+    fn end(&self, e: Error) {
+        if !self.state.lock().closed {
+            self.fail(e);
+        }
+    }
+
+    /// Rings the receiving thread's bell, where it has one.
+    fn ring(&self) {
+        if let Some(b) = &self.bell {
+            b.ring();
+        }
+    }
+
+    /// A driver leaves: whoever reads next is woken, another driver, or the receiving
+    /// thread where an answer is still due (its socket's edge may have come and gone
+    /// while the driver was there).
+    fn leave(&self, mut st: te_core::sync::MutexGuard<'_, ChannelState>) {
+        st.drivers -= 1;
+        let (others, due) = (st.drivers > 0, st.drivers == 0 && st.expecting());
+        drop(st);
+        if others {
+            self.turn.notify_all();
+        }
+        if due {
+            self.ring();
+        }
+    }
+
+    /// Callers driving the channel now (for tests).
+    #[cfg(test)]
+    pub(crate) fn drivers(&self) -> usize {
+        self.state.lock().drivers
+    }
+
+    /// Counts the calling thread as a driver that reads nothing (for tests: the
+    /// receiving thread then leaves the socket alone).
+    #[cfg(test)]
+    pub(crate) fn enter_idle(&self) {
+        self.state.lock().drivers += 1;
+    }
+
+    /// Undoes [`Link::enter_idle`], as a driver leaving.
+    #[cfg(test)]
+    pub(crate) fn leave_idle(&self) {
+        self.leave(self.state.lock());
+    }
+
+    /// Reads one answer and dispatches it (by the caller holding `reading`); with
+    /// `until`, waits for one no later than that, and returns `Ok(false)` if none came.
+    fn read_one(&self, until: Option<te_core::Deadline>) -> Result<bool> {
+        let s = &self.stream;
+        if let Some(until) = until {
+            let left = until.remaining();
+            if left.is_zero()
+                || !readable(s, Some(left)).map_err(|e| io_error("waiting for an answer", e))?
+            {
+                return Ok(false);
+            }
+        }
+        let mut h = [0u8; HEADER_LEN];
+        (&mut &*s)
+            .read_exact(&mut h)
+            .map_err(|e| io_error("the same-host peer closed the channel", e))?;
         let m = Msg::decode(&h);
         let result = match m.kind {
             DONE | SHARED if m.code == 0 => Ok(()),
             FAIL | SHARED if m.b as usize <= MAX_MESSAGE => {
                 let mut text = vec![0u8; m.b as usize];
-                if let Err(e) = (&mut &*s).read_exact(&mut text) {
-                    break io_error("receive failed", e);
-                }
+                (&mut &*s)
+                    .read_exact(&mut text)
+                    .map_err(|e| io_error("receive failed", e))?;
                 Err(Error::from_peer(
                     ErrorKind::from_code(m.code),
                     "the same-host peer refused a request",
                     &String::from_utf8_lossy(&text),
                 ))
             }
-            _ => break protocol("an answer of an unknown kind"),
+            _ => return Err(protocol("an answer of an unknown kind")),
         };
-        let Some(ch) = ch.upgrade() else { return };
-        ch.progress.fetch_add(1, Ordering::AcqRel);
+        self.progress.fetch_add(1, Ordering::AcqRel);
         if m.kind == SHARED {
             // An answer to a share, by its key.
-            let mut st = ch.state.lock();
+            let mut st = self.state.lock();
             match st.acks.get_mut(&m.id) {
                 Some(answer @ None) => *answer = Some(result),
-                _ => {
-                    drop(st);
-                    ch.fail(protocol("an answer to no share"));
-                    return;
-                }
+                _ => return Err(protocol("an answer to no share")),
             }
             drop(st);
-            ch.acked.notify_all();
-            continue;
+            self.acked.notify_all();
+            return Ok(true);
         }
-        let waiting = ch.state.lock().waiting.remove(&m.id);
-        match waiting {
-            Some(batches) => {
-                for (i, b) in batches.iter().enumerate() {
-                    if batches.get(i + 1).is_none_or(|next| !Arc::ptr_eq(b, next)) {
-                        b.stage_ended(BatchStage::Wire);
-                    }
-                    b.finish_slice(result.clone());
-                }
+        let waiting = self.state.lock().waiting.remove(&m.id);
+        let Some(batches) = waiting else {
+            return Err(protocol("an answer to no request"));
+        };
+        for (i, b) in batches.iter().enumerate() {
+            if batches.get(i + 1).is_none_or(|next| !Arc::ptr_eq(b, next)) {
+                b.stage_ended(BatchStage::Wire);
             }
-            None => {
-                ch.fail(protocol("an answer to no request"));
-                return;
-            }
+            b.finish_slice(result.clone());
         }
+        Ok(true)
+    }
+}
+
+/// A driver's presence on a channel: it leaves when this drops.
+struct Driving<'a>(&'a Link);
+
+impl Drop for Driving<'_> {
+    fn drop(&mut self) {
+        self.0.leave(self.0.state.lock());
+    }
+}
+
+/// The reading role, taken (`reading` set) by the thread that holds this: let go when
+/// it drops, waking the drivers waiting for it where there are more than `others`.
+struct Reading<'a> {
+    link: &'a Link,
+    others: usize,
+}
+
+impl Reading<'_> {
+    /// Runs `f` holding the role `link`'s caller has just taken.
+    fn with<T>(link: &Link, others: usize, f: impl FnOnce() -> T) -> T {
+        let _held = Reading { link, others };
+        f()
+    }
+}
+
+impl Drop for Reading<'_> {
+    fn drop(&mut self) {
+        let mut st = self.link.state.lock();
+        st.reading = false;
+        let wake = st.drivers > self.others;
+        drop(st);
+        if wake {
+            self.link.turn.notify_all();
+        }
+    }
+}
+
+/// Whether `s` has bytes to read (or has ended), waiting up to `wait` for them (`None`:
+/// not at all). A signal ends the wait early, as if it had timed out.
+fn readable(s: &UnixStream, wait: Option<Duration>) -> std::io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    let wait = wait.unwrap_or_default();
+    let mut p = libc::pollfd {
+        fd: s.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
     };
-    if let Some(ch) = ch.upgrade() {
-        ch.fail(end);
+    let ts = libc::timespec {
+        tv_sec: libc::time_t::try_from(wait.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: wait.subsec_nanos().into(),
+    };
+    // SAFETY: one valid pollfd and a valid timespec, both live for the call; no
+    // signal mask is passed.
+    let n = unsafe { libc::ppoll(&mut p, 1, &ts, std::ptr::null()) };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        return if e.kind() == std::io::ErrorKind::Interrupted {
+            Ok(false)
+        } else {
+            Err(e)
+        };
+    }
+    Ok(n > 0)
+}
+
+/// Where a channel's receiving thread sleeps: an epoll set holding the channel's
+/// socket edge-triggered (each arrival wakes it once, whoever then reads the bytes,
+/// so a driver reading its own answer costs the thread one wake-up, not a busy loop)
+/// and an eventfd that drivers, `fail` and `close` ring.
+struct Bell {
+    epoll: OwnedFd,
+    event: OwnedFd,
+}
+
+impl Bell {
+    fn new(s: &UnixStream) -> std::io::Result<Bell> {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        let check = |fd: i32| {
+            if fd < 0 {
+                Err(std::io::Error::last_os_error())
+            } else {
+                // SAFETY: `fd` was just opened by the call that returned it, and is
+                // owned by nobody else.
+                Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+            }
+        };
+        // SAFETY: plain system calls with constant flags; results checked.
+        let epoll = check(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) })?;
+        // SAFETY: as above.
+        let event = check(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) })?;
+        let edge = (libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLET) as u32;
+        for (fd, events) in [
+            (s.as_raw_fd(), edge),
+            (event.as_raw_fd(), libc::EPOLLIN as u32),
+        ] {
+            let mut ev = libc::epoll_event {
+                events,
+                u64: fd as u64,
+            };
+            // SAFETY: both descriptors are open; `ev` is valid for the call.
+            let r = unsafe { libc::epoll_ctl(epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) };
+            if r < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        Ok(Bell { epoll, event })
+    }
+
+    /// Wakes the thread sleeping in [`Bell::wait`] (or makes its next wait return).
+    fn ring(&self) {
+        use std::os::fd::AsRawFd;
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: eight readable bytes; the eventfd is open. A full counter (never, at
+        // one per ring) would only mean it is already rung.
+        let _ = unsafe { libc::write(self.event.as_raw_fd(), one.as_ptr().cast(), 8) };
+    }
+
+    /// Sleeps until the socket has new bytes (or ended) or the bell was rung.
+    fn wait(&self) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 2];
+        // SAFETY: `evs` holds two events and lives for the call.
+        let n = unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), evs.as_mut_ptr(), 2, -1) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            return if e.kind() == std::io::ErrorKind::Interrupted {
+                Ok(())
+            } else {
+                Err(e)
+            };
+        }
+        let mut count = [0u8; 8];
+        // SAFETY: eight writable bytes; the eventfd is open and non-blocking, so this
+        // resets a rung bell and returns at once otherwise.
+        let _ = unsafe { libc::read(self.event.as_raw_fd(), count.as_mut_ptr().cast(), 8) };
+        Ok(())
     }
 }

@@ -25,7 +25,10 @@
 //!   kernel on one GPU, not one driver call per block.
 //!
 //! Everything else (host on one side and device on the other, another runtime) goes over
-//! the socket. The initiator's memory is touched only while its batch waits for the
+//! the socket. With `caller_reads`, a caller waiting for its batch on the initiator reads
+//! that batch's answers itself (`Link::drive`, through te-core's
+//! `TransferBackend::drive`); otherwise the channel's receiving thread reads them all.
+//! The initiator's memory is touched only while its batch waits for the
 //! answer: the batch's pins hold its regions. A request carries its batch's deadline on
 //! the host's monotonic clock, and the target refuses one it reads after it, or after
 //! the initiator closed the channel (its batches were handed back then); at the
@@ -54,7 +57,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{Read, Write};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
@@ -64,7 +67,7 @@ use te_core::device::{DeviceCopy, DeviceRuntime};
 use te_core::kit::fits;
 use te_core::local;
 use te_core::sync::{Condvar, Mutex};
-use te_core::{BatchStage, Error, ErrorKind, Op, RegionId, Result};
+use te_core::{BatchId, BatchStage, Error, ErrorKind, Op, RegionId, Result};
 
 use crate::completion::Batch;
 use crate::regions::Pin;

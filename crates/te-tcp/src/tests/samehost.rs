@@ -30,6 +30,7 @@ fn channel(target: &TcpBackend) -> Arc<Channel> {
         nonce(target),
         Duration::from_secs(5),
         &Default::default(),
+        false,
     )
     .expect("channel opens")
 }
@@ -136,20 +137,40 @@ fn a_channel_opens_only_with_a_nonce_the_target_gave_and_only_once() {
         forged,
         Duration::from_secs(5),
         &Default::default(),
+        false,
     )
     .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::PeerUnreachable, "{e}");
     let n = nonce(&target);
-    Channel::open(instance, n, Duration::from_secs(5), &Default::default())
-        .expect("a fresh nonce opens one");
-    let e = Channel::open(instance, n, Duration::from_secs(5), &Default::default()).unwrap_err();
+    Channel::open(
+        instance,
+        n,
+        Duration::from_secs(5),
+        &Default::default(),
+        false,
+    )
+    .expect("a fresh nonce opens one");
+    let e = Channel::open(
+        instance,
+        n,
+        Duration::from_secs(5),
+        &Default::default(),
+        false,
+    )
+    .unwrap_err();
     assert!(
         e.to_string().contains("refused"),
         "a nonce is good once: {e}"
     );
     // An instance nobody on this host serves: refused at once, not waited for.
-    let e =
-        Channel::open(instance ^ 1, n, Duration::from_secs(5), &Default::default()).unwrap_err();
+    let e = Channel::open(
+        instance ^ 1,
+        n,
+        Duration::from_secs(5),
+        &Default::default(),
+        false,
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("no same-host listener"), "{e}");
 }
 
@@ -534,8 +555,16 @@ fn a_peers_allocation_is_mapped_once_for_its_channels_and_unmapped_when_unshared
 
     let exports = Arc::default();
     let instance = decode_endpoint(&target.endpoint()).unwrap().instance;
-    let open =
-        || Channel::open(instance, nonce(&target), Duration::from_secs(5), &exports).unwrap();
+    let open = || {
+        Channel::open(
+            instance,
+            nonce(&target),
+            Duration::from_secs(5),
+            &exports,
+            false,
+        )
+        .unwrap()
+    };
     let (a, b) = (open(), open());
     let before = dev.imported();
     let k = a
@@ -578,4 +607,210 @@ fn a_peers_allocation_is_mapped_once_for_its_channels_and_unmapped_when_unshared
         std::thread::sleep(Duration::from_millis(10));
     }
     target.deregister(RegionId(1), super::soon()).unwrap();
+}
+
+/// A range of a device allocation the initiator shared under key 1 (the fake target
+/// below copies nothing).
+fn dev(region: u64, len: u64, addr: *const u8) -> Range {
+    Range {
+        key: 1,
+        ..host(region, 0, len, addr)
+    }
+}
+
+/// A channel with `caller_reads` to a fake target: the test plays the target on the
+/// other end of `peer`.
+fn fake_channel() -> (Arc<Channel>, std::os::unix::net::UnixStream) {
+    let (ours, peer) = std::os::unix::net::UnixStream::pair().unwrap();
+    let ch = Channel::start(ours, true, &Default::default(), true).unwrap();
+    (ch, peer)
+}
+
+/// The fake target reads one request and returns its id.
+fn read_request(peer: &mut std::os::unix::net::UnixStream) -> u64 {
+    use std::io::Read;
+    let mut h = [0u8; 40];
+    peer.read_exact(&mut h).unwrap();
+    let n = u32::from_le_bytes(h[4..8].try_into().unwrap()) as usize;
+    let mut entries = vec![0u8; n * 40];
+    peer.read_exact(&mut entries).unwrap();
+    u64::from_le_bytes(h[8..16].try_into().unwrap())
+}
+
+/// The fake target answers request `id`: done.
+fn answer_done(peer: &mut std::os::unix::net::UnixStream, id: u64) {
+    use std::io::Write;
+    let mut m = [0u8; 40];
+    m[0] = 4;
+    m[8..16].copy_from_slice(&id.to_le_bytes());
+    peer.write_all(&m).unwrap();
+}
+
+/// Submits a one-range request on `ch`; its result and the thread that completed it
+/// come on the receiver.
+fn submit_traced(
+    ch: &Channel,
+    range: Range,
+) -> mpsc::Receiver<(Result<()>, std::thread::ThreadId)> {
+    let (tx, rx) = mpsc::channel();
+    let done = Completion::new(Duration::from_secs(30), move |r, _| {
+        let _ = tx.send((r, std::thread::current().id()));
+    });
+    let batch = Arc::new(Batch::new(1, done, Vec::new()));
+    ch.submit(vec![Frame {
+        op: Op::Write,
+        ranges: vec![range],
+        batch,
+    }]);
+    rx
+}
+
+fn in_10s() -> te_core::Deadline {
+    te_core::Deadline::after(Duration::from_secs(10))
+}
+
+#[test]
+fn a_caller_driving_the_channel_reads_its_own_answer_and_the_receiving_thread_the_others() {
+    let (ch, mut peer) = fake_channel();
+    let src = [1u8; 16];
+    let done = submit_traced(&ch, dev(1, 16, src.as_ptr()));
+    let driver = {
+        let ch = ch.clone();
+        std::thread::spawn(move || {
+            let waited = ch.drive(te_core::BatchId(0), in_10s());
+            (waited, std::thread::current().id())
+        })
+    };
+    let id = read_request(&mut peer);
+    // Answer only once the caller drives: the answer is then its to read.
+    super::eventually("the caller drives", Duration::from_secs(5), || {
+        ch.drivers() == 1
+    });
+    answer_done(&mut peer, id);
+    let (waited, driver) = driver.join().unwrap();
+    assert!(waited);
+    let (r, by) = done.recv_timeout(Duration::from_secs(5)).unwrap();
+    r.unwrap();
+    assert_eq!(by, driver, "the waiting caller completed its own batch");
+    // Nobody drives the next one: the receiving thread reads its answer.
+    let done = submit_traced(&ch, dev(1, 16, src.as_ptr()));
+    let id = read_request(&mut peer);
+    answer_done(&mut peer, id);
+    let (r, by) = done.recv_timeout(Duration::from_secs(5)).unwrap();
+    r.unwrap();
+    assert_ne!(by, driver);
+    assert_ne!(by, std::thread::current().id());
+    // Without `caller_reads` no caller is lent the channel: its thread reads all.
+    let (plain, mut peer2) = {
+        let (ours, peer) = std::os::unix::net::UnixStream::pair().unwrap();
+        (
+            Channel::start(ours, true, &Default::default(), false).unwrap(),
+            peer,
+        )
+    };
+    let done = submit_traced(&plain, dev(1, 16, src.as_ptr()));
+    assert!(!plain.drive(te_core::BatchId(0), in_10s()));
+    let id = read_request(&mut peer2);
+    answer_done(&mut peer2, id);
+    let (r, by) = done.recv_timeout(Duration::from_secs(5)).unwrap();
+    r.unwrap();
+    assert_ne!(by, std::thread::current().id());
+    // Nothing of a batch that has nothing here to wait for, nor past the deadline.
+    assert!(!ch.drive(te_core::BatchId(0), in_10s()));
+    let _ = submit_traced(&ch, dev(1, 16, src.as_ptr()));
+    assert!(!ch.drive(te_core::BatchId(7), in_10s()));
+    assert!(!ch.drive(
+        te_core::BatchId(0),
+        te_core::Deadline::after(Duration::ZERO)
+    ));
+}
+
+#[test]
+fn an_answer_a_driver_leaves_unread_is_read_by_the_receiving_thread() {
+    let (ch, mut peer) = fake_channel();
+    let src = [1u8; 16];
+    let done = submit_traced(&ch, dev(1, 16, src.as_ptr()));
+    let id = read_request(&mut peer);
+    // A driver is there when the answer comes (the receiving thread, woken by its
+    // arrival, leaves it to the driver), then goes without reading it.
+    ch.enter_idle();
+    answer_done(&mut peer, id);
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(done.try_recv().is_err(), "nobody read it yet");
+    ch.leave_idle();
+    let (r, _) = done
+        .recv_timeout(Duration::from_secs(5))
+        .expect("read after the driver left");
+    r.unwrap();
+}
+
+#[test]
+fn a_driver_past_its_deadline_returns_and_closing_the_channel_frees_a_driver() {
+    let (ch, mut peer) = fake_channel();
+    let src = [1u8; 16];
+    let done = submit_traced(&ch, dev(1, 16, src.as_ptr()));
+    read_request(&mut peer);
+    let t = std::time::Instant::now();
+    assert!(ch.drive(
+        te_core::BatchId(0),
+        te_core::Deadline::after(Duration::from_millis(30))
+    ));
+    assert!(t.elapsed() >= Duration::from_millis(30));
+    assert!(done.try_recv().is_err());
+    let driver = {
+        let ch = ch.clone();
+        std::thread::spawn(move || ch.drive(te_core::BatchId(0), in_10s()))
+    };
+    super::eventually("the caller drives", Duration::from_secs(5), || {
+        ch.drivers() == 1
+    });
+    let t = std::time::Instant::now();
+    drop(peer);
+    assert!(driver.join().unwrap());
+    assert!(t.elapsed() < Duration::from_secs(5));
+    let (r, _) = done.recv_timeout(Duration::from_secs(5)).unwrap();
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::PeerUnreachable);
+    assert!(!ch.is_alive());
+}
+
+#[test]
+fn callers_driving_one_channel_together_each_get_their_answers() {
+    let (ch, mut peer) = fake_channel();
+    const THREADS: usize = 4;
+    const ROUNDS: usize = 300;
+    // The fake target answers every request as it reads it.
+    let target = std::thread::spawn(move || {
+        for _ in 0..THREADS * ROUNDS {
+            let id = read_request(&mut peer);
+            answer_done(&mut peer, id);
+        }
+        peer
+    });
+    let src = [1u8; 16];
+    let addr = src.as_ptr() as usize;
+    let threads: Vec<_> = (0..THREADS)
+        .map(|_| {
+            let ch = ch.clone();
+            std::thread::spawn(move || {
+                let mut own = 0;
+                for _ in 0..ROUNDS {
+                    let done = submit_traced(&ch, dev(1, 16, addr as *const u8));
+                    ch.drive(te_core::BatchId(0), in_10s());
+                    let (r, by) = done
+                        .recv_timeout(Duration::from_secs(10))
+                        .expect("answered");
+                    r.unwrap();
+                    own += usize::from(by == std::thread::current().id());
+                }
+                own
+            })
+        })
+        .collect();
+    let own: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+    let _peer = target.join().unwrap();
+    assert!(ch.is_alive());
+    assert_eq!(ch.drivers(), 0);
+    // Most answers were read by their own callers (some by another driver or the
+    // receiving thread, whichever held the socket when they came).
+    assert!(own > 0, "no caller read its own answer");
 }
