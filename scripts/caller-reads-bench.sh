@@ -19,25 +19,12 @@ reps=${4:-3}
 all=$(seq -s, 0 $(($(nproc) - 1)))
 pin_serve=${PIN_SERVE:-$all}
 pin_bench=${PIN_BENCH:-$all}
-work=$(mktemp -d)
-pid=
-cleanup() {
-  [ -n "$pid" ] && kill "$pid" 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
+serve_wrap="taskset -c $pin_serve"
+. scripts/serve.sh
 printf '[engine]\nbackend = "tcp"\n%b\n' "${SERVE_TOML:-}" >"$work/serve.toml"
 printf '[engine]\nbackend = "tcp"\n[backends.tcp]\ncaller_reads = false\n' >"$work/off.toml"
 printf '[engine]\nbackend = "tcp"\n[backends.tcp]\ncaller_reads = true\n' >"$work/on.toml"
-taskset -c "$pin_serve" "$te" serve --backend tcp --mem "$mem" --buffer-size 256MiB \
-  --config "$work/serve.toml" >"$work/serve" 2>"$work/serve.err" &
-pid=$!
-for _ in $(seq 100); do
-  [ -s "$work/serve" ] && break
-  sleep 0.1
-done
-[ -s "$work/serve" ] || { echo "te serve did not start:" >&2; cat "$work/serve.err" >&2; exit 1; }
-target=$(head -n1 "$work/serve")
+serve --buffer-size 256MiB --config "$work/serve.toml"
 for shape in "4KiB 1" "32KiB 128" "1MiB 64"; do
   set -- $shape
   for op in write read; do

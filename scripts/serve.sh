@@ -1,7 +1,8 @@
 # Sourced by the scripts that bench against a `te serve` of this host: expects $te and
 # $mem, makes a work folder ($work, removed on exit with the server) and defines
 # `serve ARGS...`, which starts `te serve --backend tcp --mem $mem ARGS...` as $pid
-# and sets $target to the address it prints first.
+# (under $serve_wrap, a command such as `taskset -c 1`, where set) and sets $target to
+# the address it prints first.
 work=$(mktemp -d)
 pid=
 cleanup() {
@@ -11,7 +12,7 @@ cleanup() {
 trap cleanup EXIT
 serve() {
   rm -f "$work/serve"
-  "$te" serve --backend tcp --mem "$mem" "$@" >"$work/serve" 2>"$work/serve.err" &
+  ${serve_wrap:-} "$te" serve --backend tcp --mem "$mem" "$@" >"$work/serve" 2>"$work/serve.err" &
   pid=$!
   for _ in $(seq 100); do
     [ -s "$work/serve" ] && break
