@@ -65,10 +65,10 @@ echo "== te bench: this te, staged as between hosts"
 scripts/gpu-bench.sh "$dir/te" "$secs" || fail=1
 echo "== te bench: two processes of this host, channel against socket"
 TE_REPS=2 scripts/same-host-bench.sh "$dir/te" "${TE_GPU_MEM:-cuda:0}" "$secs" || fail=1
-echo "== te bench: the same-host channel with and without caller_reads"
-scripts/caller-reads-bench.sh "$dir/te" "${TE_GPU_MEM:-cuda:0}" 1 2 || fail=1
 echo "== te bench --kv: what one request of a KV batch costs on the CPU"
 scripts/kv-per-request.sh "$dir/te" "${TE_GPU_MEM:-cuda:0}" 1 || fail=1
+echo "== te bench: the same-host channel with and without caller_reads"
+scripts/caller-reads-bench.sh "$dir/te" "${TE_GPU_MEM:-cuda:0}" 1 2 || fail=1
 if [ -x "$dir/te-before" ]; then
   echo "== te bench: te-before (the same table, one point each, for comparison)"
   TE_GPU_OLD=1 TE_GPU_REPS=1 scripts/gpu-bench.sh "$dir/te-before" "$secs" || true

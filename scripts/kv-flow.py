@@ -13,6 +13,7 @@ of one host take te's same-host channel unless ``--no-local-ipc`` says otherwise
 
     python3 scripts/kv-flow.py --device cuda:0 --duration 2
     python3 scripts/kv-flow.py --device cuda:0 --no-local-ipc     # the socket path
+    python3 scripts/kv-flow.py --device cuda:0 --caller-reads     # caller_reads = true
 """
 
 import argparse
@@ -62,6 +63,8 @@ def engine(args):
     cfg = {"engine": {"backend": "tcp"}}
     if args.no_local_ipc:
         cfg["backends"] = {"tcp": {"local_ipc": False}}
+    if args.caller_reads:
+        cfg["backends"] = {"tcp": {"caller_reads": True}}
     return te.Engine(cfg)
 
 
@@ -92,6 +95,11 @@ def main():
     p.add_argument("--batch", type=int, default=64, help="blocks per batch")
     p.add_argument("--duration", type=float, default=2.0)
     p.add_argument("--no-local-ipc", action="store_true")
+    p.add_argument(
+        "--caller-reads",
+        action="store_true",
+        help="callers waiting for a batch read its same-host answers themselves",
+    )
     args = p.parse_args()
 
     mp.set_start_method("spawn")
@@ -119,7 +127,7 @@ def main():
                         assert uniform and got == value(layer, kv, r), (layer, kv, r, l, got)
 
             out = {"device": args.device, "local_ipc": not args.no_local_ipc,
-                   "batch_bytes": per_batch}
+                   "caller_reads": args.caller_reads, "batch_bytes": per_batch}
             for op in ("pull", "push"):
                 n, start = 0, time.perf_counter()
                 while time.perf_counter() - start < args.duration:
