@@ -19,7 +19,10 @@ reps=${4:-3}
 all=$(seq -s, 0 $(($(nproc) - 1)))
 pin_serve=${PIN_SERVE:-$all}
 pin_bench=${PIN_BENCH:-$all}
-serve_wrap="taskset -c $pin_serve"
+# Without taskset (util-linux), nothing is pinned.
+pin() { if command -v taskset >/dev/null; then echo "taskset -c $1"; fi; }
+serve_wrap=$(pin "$pin_serve")
+bench_wrap=$(pin "$pin_bench")
 . scripts/serve.sh
 printf '[engine]\nbackend = "tcp"\n%b\n' "${SERVE_TOML:-}" >"$work/serve.toml"
 printf '[engine]\nbackend = "tcp"\n[backends.tcp]\ncaller_reads = false\n' >"$work/off.toml"
@@ -30,7 +33,7 @@ for shape in "4KiB 1" "32KiB 128" "1MiB 64"; do
   for op in write read; do
     for _ in $(seq "$reps"); do
       for mode in off on; do
-        line=$(taskset -c "$pin_bench" "$te" bench --config "$work/$mode.toml" --target "$target" \
+        line=$($bench_wrap "$te" bench --config "$work/$mode.toml" --target "$target" \
           --mem "$mem" --op "$op" --block-size "$1" --batch "$2" --duration "${secs}s" \
           --warmup 300ms --json 2>/dev/null | head -n1)
         echo "{\"mode\": \"$mode\", \"shape\": \"$1 x $2\", \"r\": $line}" >>"$work/results.jsonl"
