@@ -142,14 +142,16 @@ pub trait TransferBackend: Send + Sync + fmt::Debug + 'static {
     /// the backend until the batch is released or `until` passes, whichever is first.
     /// A backend whose progress would end in waking this thread from one of its own
     /// (an answer read on a receiving thread, then handed over) can let this thread do
-    /// that work itself and save the hand-off: te-tcp reads a same-host channel's answer
-    /// on the waiting thread.
+    /// that work itself and save the hand-off: te-tcp, with `caller_reads`, reads a
+    /// same-host channel's answer on the waiting thread.
     ///
     /// Returns whether the thread waited for work of the batch here; `false` (the
     /// default) when the backend has none this thread can wait for, and the engine
     /// then waits for the completion as usual. It must block, never spin, and return by
-    /// `until`; the completion is still completed exactly once, by whichever thread
-    /// does the work.
+    /// `until`, and must not block on anything a slow peer or connect can hold (the
+    /// caller's own timeout may be short); the completion is still completed exactly
+    /// once, by whichever thread does the work, and other batches' completions it runs
+    /// run their callbacks on this (the application's) thread.
     fn drive(&self, peer: PeerId, batch: BatchId, until: Deadline) -> bool {
         let _ = (peer, batch, until);
         false
