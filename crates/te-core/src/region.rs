@@ -7,9 +7,9 @@
 //! asks the backend to forget the region: so no batch in flight ever finds its memory
 //! deregistered, let alone freed, under it.
 
-use crate::sync::Mutex;
+use crate::sync::{Condvar, Mutex};
 use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use crate::backend::BatchId;
@@ -82,7 +82,7 @@ impl Region {
             match &*st {
                 Release::Done(r) => return r.clone(),
                 Release::Running => {
-                    st = self.released.wait(st).unwrap_or_else(|e| e.into_inner());
+                    st = self.released.wait(st);
                 }
                 Release::Registered => {
                     return Err(Error::new(
