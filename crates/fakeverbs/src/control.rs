@@ -58,6 +58,34 @@ pub(crate) extern "C" fn fakeverbs_qp_fatal(qpn: u32) -> c_int {
     }
 }
 
+/// Writes the numbers of device `name`'s live QPs, lowest first, to `out` (at most
+/// `cap` of them) and returns how many it has (which may exceed `cap`), or -1 for an
+/// unknown device: how a test finds the QPs to hand to [`fakeverbs_qp_fatal`] and
+/// [`fakeverbs_qp_state`].
+#[no_mangle]
+pub(crate) unsafe extern "C" fn fakeverbs_device_qps(
+    name: *const c_char,
+    out: *mut u32,
+    cap: usize,
+) -> c_int {
+    let Some(dev) = named(name) else {
+        return -1;
+    };
+    let mut qpns: Vec<u32> = lock(nic::qps())
+        .values()
+        .filter(|q| Arc::ptr_eq(&q.dev, dev))
+        .map(|q| q.qpn)
+        .collect();
+    qpns.sort_unstable();
+    if !out.is_null() {
+        for (i, qpn) in qpns.iter().take(cap).enumerate() {
+            // SAFETY: the caller passes room for `cap` numbers at `out`, and `i < cap`.
+            unsafe { out.add(i).write(*qpn) };
+        }
+    }
+    qpns.len() as c_int
+}
+
 /// The state (`IBV_QPS_*`) of QP `qpn`, or -1 if there is none.
 #[no_mangle]
 pub(crate) extern "C" fn fakeverbs_qp_state(qpn: u32) -> c_int {

@@ -265,3 +265,39 @@ fn posting_before_rts_is_refused_and_names_the_request() {
         assert_eq!(ibv_close_device(l.ctx), 0);
     }
 }
+
+#[test]
+fn a_devices_qps_are_listed_by_number_until_destroyed() {
+    use crate::control::fakeverbs_device_qps;
+    // SAFETY: as above; `out` has room for the numbers asked for.
+    unsafe {
+        let l = open();
+        let name = ibv_get_device_name((*l.ctx).device);
+        let listed = |qpn: u32| {
+            // Other tests make QPs on the same device meanwhile: ask for room enough.
+            let mut out = vec![0u32; 4096];
+            let n = fakeverbs_device_qps(name, out.as_mut_ptr(), out.len());
+            assert!(n >= 0 && (n as usize) <= out.len());
+            out.truncate(n as usize);
+            assert!(out.windows(2).all(|w| w[0] < w[1]), "lowest first");
+            out.contains(&qpn)
+        };
+        let q = qp(&l);
+        let qpn = (*q).qp_num;
+        assert!(listed(qpn));
+        assert!(
+            fakeverbs_device_qps(name, ptr::null_mut(), 0) >= 1,
+            "counted"
+        );
+        assert_eq!(
+            fakeverbs_device_qps(c"nosuch".as_ptr(), ptr::null_mut(), 0),
+            -1
+        );
+        assert_eq!(ibv_destroy_qp(q), 0);
+        assert!(!listed(qpn));
+        assert_eq!(ibv_destroy_cq(l.cq), 0);
+        assert_eq!(ibv_destroy_comp_channel(l.ch), 0);
+        assert_eq!(ibv_dealloc_pd(l.pd), 0);
+        assert_eq!(ibv_close_device(l.ctx), 0);
+    }
+}

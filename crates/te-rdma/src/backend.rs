@@ -408,6 +408,7 @@ impl TransferBackend for RdmaBackend {
                         remote_addr: remote.addr + r.remote_offset + s.offset,
                         len: s.len as u32,
                         attempts: 0,
+                        moves: 0,
                     });
             }
         }

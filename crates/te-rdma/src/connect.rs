@@ -85,6 +85,7 @@ impl Shared {
             idle: Condvar::new(),
             broken: AtomicBool::new(false),
             retired: AtomicBool::new(false),
+            replaced: AtomicBool::new(false),
             peer,
             peer_id,
             shared: Arc::downgrade(self),

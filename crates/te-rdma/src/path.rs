@@ -6,6 +6,14 @@
 //! is posted again on another healthy path of the peer; any other error (remote access,
 //! local protection, invalid request) fails its batch and touches no other path.
 //!
+//! **Attempts and moves.** A slice may fail over `2 × paths` times; then its batch fails
+//! with `PeerUnreachable`. A slice handed back only because its path's set was retired
+//! while that path was healthy (a rebuild replaced the set after another path failed) did
+//! not fail: it moves to the peer's current paths without spending an attempt, so a batch
+//! outlives repeated rebuilds while ports flap, as long as a healthy path is left each
+//! time. Moves have a bound of their own, [`MAX_MOVES`], so that a slice cannot be
+//! passed from set to set for ever.
+//!
 //! **Where abort hooks in.** The backend's `abort` stops a batch through
 //! [`BatchState::abort`] (`track`) and takes its waiting slices off the peer's paths
 //! ([`drop_stopped`]; [`pump`] would not post them either), each accounted as it is
@@ -41,8 +49,18 @@ pub(crate) struct Job {
     pub(crate) remote: Arc<RemoteRegion>,
     pub(crate) remote_addr: u64,
     pub(crate) len: u32,
+    /// Times it failed on a path and was posted again (bounded by `2 × paths`).
     pub(crate) attempts: usize,
+    /// Times it moved because its healthy path's set was retired (bounded by
+    /// [`MAX_MOVES`]).
+    pub(crate) moves: usize,
 }
+
+/// The most times one slice moves to a rebuilt set of paths because the set it was on
+/// was retired while its path was healthy. Each move takes a rebuild (a connect exchange
+/// after a path failed), so a batch meets this only while the peer's paths fail over and
+/// over; then it fails with `PeerUnreachable` rather than wait for ever.
+pub(crate) const MAX_MOVES: usize = 64;
 
 impl Job {
     /// The slice landed.
@@ -102,6 +120,10 @@ pub(crate) struct Path {
     /// Its peer's path set was retired: once nothing is posted on it, it leaves its
     /// device's completion thread.
     pub(crate) retired: AtomicBool,
+    /// Its set was retired while it was healthy (set under the state lock, before the
+    /// QP goes to ERR): what it hands back since, flushed or never posted, did not fail
+    /// and moves on without spending an attempt.
+    pub(crate) replaced: AtomicBool,
     /// The peer this path belongs to (a target-side path has none).
     pub(crate) peer: Weak<Peer>,
     /// The peer's id and the backend, to find the peer's current paths after this set
@@ -151,6 +173,23 @@ pub(crate) enum Failure {
     Retry(String),
     /// Its own error: fails its batch.
     Fatal(String, ErrorKind),
+    /// Its path was healthy, but its set was retired: it moves to the peer's current
+    /// paths without spending an attempt (see [`MAX_MOVES`]).
+    Moved(String),
+}
+
+impl Failure {
+    /// Why a job `path` hands back unposted (its QP failed, or was retired) came back:
+    /// moved if the path's set was retired while the path was healthy, else a retry.
+    /// Called under the path's state lock, or by the thread that retired it, so that it
+    /// sees `replaced` as `retire` set it.
+    fn handed_back(path: &Path, why: String) -> Failure {
+        if path.replaced.load(Ordering::Acquire) {
+            Failure::Moved(why)
+        } else {
+            Failure::Retry(why)
+        }
+    }
 }
 
 /// Queues jobs on a path and posts what fits.
@@ -170,11 +209,12 @@ pub(crate) fn post(path: &Arc<Path>, jobs: impl IntoIterator<Item = Job>) {
 /// to be retried elsewhere; jobs of a stopped batch are handed back unposted.
 fn pump(path: &Path, st: &mut PathState, back: &mut Vec<(Job, Failure)>) {
     if path.broken.load(Ordering::Acquire) {
-        back.extend(
-            st.waiting
-                .drain(..)
-                .map(|j| (j, Failure::Retry("its QP failed before posting it".into()))),
-        );
+        back.extend(st.waiting.drain(..).map(|j| {
+            (
+                j,
+                Failure::handed_back(path, "its QP failed before posting it".into()),
+            )
+        }));
         return;
     }
     let dev = path.device.index;
@@ -275,7 +315,12 @@ pub(crate) fn drain(path: &Arc<Path>, wc: &mut [verbs::ibv_wc]) {
                 st.sq.complete(c.wr_id, ok, |job, outcome| match outcome {
                     Outcome::Done => done.push(job),
                     Outcome::Failed => {
-                        let f = if completion::retryable(c.status) {
+                        let f = if c.status == verbs::IBV_WC_WR_FLUSH_ERR
+                            && path.replaced.load(Ordering::Acquire)
+                        {
+                            // Flushed because its healthy path's set was retired.
+                            Failure::Moved(text())
+                        } else if completion::retryable(c.status) {
                             Failure::Retry(text())
                         } else if c.status == verbs::IBV_WC_REM_ACCESS_ERR {
                             Failure::Fatal(
@@ -367,14 +412,23 @@ pub(crate) fn settle(from: &Path, mut job: Job, failure: Failure) {
         Some((p, healthy)) => (Some(p), healthy),
         None => (from.peer.upgrade(), Vec::new()),
     };
+    let moved = matches!(failure, Failure::Moved(_));
     let (why, kind) = match failure {
         Failure::Fatal(why, kind) => (why, kind),
-        Failure::Retry(why) => {
+        Failure::Retry(why) | Failure::Moved(why) => {
             // Decided on what `usable` saw: a path that failed since (its set retired,
             // the peer disconnected) hands the job back to be settled again.
             if let Some(p) = current.as_ref().filter(|_| !healthy.is_empty()) {
-                job.attempts += 1;
-                if job.attempts <= 2 * p.paths.len() {
+                // A move is no failure of the job's: it spends one of its moves, not an
+                // attempt.
+                let within = if moved {
+                    job.moves += 1;
+                    job.moves <= MAX_MOVES
+                } else {
+                    job.attempts += 1;
+                    job.attempts <= 2 * p.paths.len()
+                };
+                if within {
                     let prefer: Vec<_> = healthy
                         .iter()
                         .filter(|h| {
@@ -388,12 +442,17 @@ pub(crate) fn settle(from: &Path, mut job: Job, failure: Failure) {
                     } else {
                         prefer[pick % prefer.len()]
                     };
-                    tracing::debug!(device = %from.device.name, reason = %why, "an RDMA slice moves to another path");
+                    tracing::debug!(device = %from.device.name, reason = %why, moved, "an RDMA slice moves to another path");
                     let to = to.clone();
                     post(&to, [job]);
                     return;
                 }
             }
+            let why = if moved && job.moves > MAX_MOVES {
+                format!("{why}; it moved {MAX_MOVES} times as the peer's paths were rebuilt")
+            } else {
+                why
+            };
             (why, ErrorKind::PeerUnreachable)
         }
     };
@@ -433,8 +492,15 @@ pub(crate) fn settle(from: &Path, mut job: Job, failure: Failure) {
 pub(crate) fn retire(peer: &Peer, deadline: Instant) -> bool {
     let why = peer.why.lock().clone();
     for p in &peer.paths {
-        p.retired.store(true, Ordering::Release);
-        p.broken.store(true, Ordering::Release);
+        {
+            // Under the state lock, before the QP goes to ERR: whoever settles what the
+            // path hands back from now on (its flushes, its waiting jobs) reads it there.
+            let _st = p.state.lock();
+            p.retired.store(true, Ordering::Release);
+            if !p.broken.swap(true, Ordering::AcqRel) {
+                p.replaced.store(true, Ordering::Release);
+            }
+        }
         if let Err(e) = p.qp.modify(qp::error(), "ERR") {
             tracing::warn!(error = %e, "cannot move a QP to the error state");
         }
@@ -446,7 +512,8 @@ pub(crate) fn retire(peer: &Peer, deadline: Instant) -> bool {
     for p in &peer.paths {
         let jobs: Vec<Job> = p.state.lock().waiting.drain(..).collect();
         for job in jobs {
-            settle(p, job, Failure::Retry(format!("its QP was retired: {why}")));
+            let failure = Failure::handed_back(p, format!("its QP was retired: {why}"));
+            settle(p, job, failure);
         }
     }
     for p in &peer.paths {

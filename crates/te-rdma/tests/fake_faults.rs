@@ -1,7 +1,8 @@
 //! te-rdma against the FAKE verbs provider's injected faults and hostile peers: errors
 //! a NIC reports in the middle of a batch. A peer that forges the key of a local-only
 //! region, an injected `RETRY_EXC_ERR` and `REM_ACCESS_ERR`, a target process killed
-//! mid-batch, a port that goes down. Each drives `RdmaBackend` directly (so a test can
+//! mid-batch, a port that goes down, a peer's paths rebuilt again and again under one
+//! batch. Each drives `RdmaBackend` directly (so a test can
 //! present keys and ranges the engine would never let through), each backend with a
 //! control plane of its own for the connect exchange, and steers the fake through its
 //! `fakeverbs_*` control functions.
@@ -13,13 +14,16 @@ mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::{
     backend, check, host, pair, pattern, region, run, segment, segment_at, soon, write_all, Fake,
 };
 use libtest_mimic::Failed;
-use te_core::{Access, ErrorKind, PeerId, RegionDesc, RegionId, TransferBackend, TransferRequest};
+use te_core::{
+    Access, Completion, ErrorKind, PeerId, RegionDesc, RegionId, TransferBackend, TransferRequest,
+};
 use te_rdma::RdmaBackend;
 
 const RETRY_EXC: u32 = 12;
@@ -262,6 +266,90 @@ fn a_port_that_goes_down_moves_the_work_to_the_other_nic() -> Result<(), Failed>
     Ok(())
 }
 
+/// How many times the test below has the peer's paths rebuilt under one slice: more
+/// than the attempts a slice may spend on failures (twice the peer's 2 paths).
+const REBUILDS: usize = 8;
+
+/// `IBV_QPS_RTS`, as `fakeverbs_qp_state` reports it.
+const QPS_RTS: i32 = 3;
+
+/// Breaks the peer's current path on fake0 (both its QPs, as a link that drops its
+/// connections does), once the set before has been retired and replaced: the
+/// initiator's and the target's QPs on fake0 are then exactly two, in RTS, none of
+/// them in `before`. The initiator's QP fails, and its peer's set is rebuilt.
+fn break_fake0(fake: &Fake, before: &[u32]) -> Result<(), Failed> {
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let qps: Vec<u32> = fake
+            .device_qps("fake0")
+            .into_iter()
+            .filter(|q| !before.contains(q))
+            .collect();
+        let states: Vec<i32> = qps.iter().map(|&q| fake.qp_state(q)).collect();
+        if states == [QPS_RTS, QPS_RTS] {
+            for q in qps {
+                check(fake.qp_fatal(q), format!("QP {q:#x} went away"))?;
+            }
+            return Ok(());
+        }
+        if Instant::now() > until {
+            return Err(format!(
+                "the paths on fake0 were not rebuilt: QPs {qps:x?} in states {states:?}"
+            )
+            .into());
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn a_slice_on_a_healthy_path_survives_more_rebuilds_of_its_peers_paths_than_it_has_attempts(
+) -> Result<(), Failed> {
+    let fake = Fake::open();
+    let before = fake.device_qps("fake0");
+    // fake1 first on both sides: path 0 of every set is fake1 to fake1, path 1 fake0 to
+    // fake0. The one slice goes to path 0, and each rebuilt set takes it on its first
+    // healthy path: fake1's, which never fails.
+    let p = common::Pair::new(64 << 10, || backend(&["fake1", "fake0"]), segment)?;
+    // Every work request fake1 runs waits 3 s first: the slice is held posted until its
+    // QP leaves RTS (its set is retired), which flushes it back.
+    fake.delay_device("fake1", Duration::from_secs(3), 1000);
+    let (tx, rx) = mpsc::channel();
+    let outstanding: unsafe extern "C" fn() -> u64 =
+        // SAFETY: the fake's function of this signature.
+        unsafe { std::mem::transmute(fake.sym("fakeverbs_outstanding")) };
+    let done = Completion::new(Duration::from_secs(30), move |r, _| {
+        // SAFETY: a plain counter read.
+        let left = unsafe { outstanding() };
+        let _ = tx.send((r, left));
+    });
+    p.initiator.submit(p.peer, &[write_all(&p)], done)?;
+    // Ports flapping under the batch: fake0's path breaks, the set is rebuilt and the
+    // old one retired, again and again; fake1's path is healthy throughout.
+    for round in 0..REBUILDS {
+        break_fake0(&fake, &before)?;
+        if let Ok((r, _)) = rx.try_recv() {
+            return Err(format!(
+                "the batch completed after {round} rebuilds, while its slice was held: {r:?}"
+            )
+            .into());
+        }
+    }
+    // Released: the last rebuild moves the slice once more, and it lands at once.
+    fake.clear_faults("fake1");
+    break_fake0(&fake, &before)?;
+    let (r, left) = rx
+        .recv_timeout(Duration::from_secs(10))
+        .map_err(|_| "the batch did not complete")?;
+    r.map_err(|e| format!("after {} rebuilds: {e}", REBUILDS + 1))?;
+    check(
+        left == 0,
+        format!("{left} work requests were outstanding when the batch completed"),
+    )?;
+    check(p.dst == p.src, "the bytes did not land".into())?;
+    drop(p.target);
+    Ok(())
+}
+
 fn unhex(s: &str) -> Vec<u8> {
     (0..s.len() / 2)
         .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap_or(0))
@@ -318,6 +406,10 @@ fn main() {
         (
             "a_port_that_goes_down_moves_the_work_to_the_other_nic",
             a_port_that_goes_down_moves_the_work_to_the_other_nic,
+        ),
+        (
+            "a_slice_on_a_healthy_path_survives_more_rebuilds_of_its_peers_paths_than_it_has_attempts",
+            a_slice_on_a_healthy_path_survives_more_rebuilds_of_its_peers_paths_than_it_has_attempts,
         ),
     ]);
 }

@@ -90,6 +90,70 @@ impl Fake {
         assert_eq!(rc, 0, "fakeverbs_set_port({device})");
     }
 
+    /// Makes the next `count` work requests any QP of `device` runs wait `delay` first
+    /// (a wait the QP leaving RTS cuts short, flushing the work request).
+    pub fn delay_device(&self, device: &str, delay: Duration, count: u32) {
+        type F = unsafe extern "C" fn(*const c_char, u64, u32) -> c_int;
+        let d = CString::new(device).expect("a name");
+        // SAFETY: as above.
+        let rc = unsafe {
+            std::mem::transmute::<*mut c_void, F>(self.sym("fakeverbs_delay_device"))(
+                d.as_ptr(),
+                delay.as_micros() as u64,
+                count,
+            )
+        };
+        assert_eq!(rc, 0, "fakeverbs_delay_device({device})");
+    }
+
+    /// Forgets the faults still pending on `device`.
+    pub fn clear_faults(&self, device: &str) {
+        type F = unsafe extern "C" fn(*const c_char) -> c_int;
+        let d = CString::new(device).expect("a name");
+        // SAFETY: as above.
+        let rc = unsafe {
+            std::mem::transmute::<*mut c_void, F>(self.sym("fakeverbs_clear_faults"))(d.as_ptr())
+        };
+        assert_eq!(rc, 0, "fakeverbs_clear_faults({device})");
+    }
+
+    /// The numbers of `device`'s live QPs (the initiator's and the target's halves of
+    /// every path on it, in this process), lowest first.
+    pub fn device_qps(&self, device: &str) -> Vec<u32> {
+        type F = unsafe extern "C" fn(*const c_char, *mut u32, usize) -> c_int;
+        let d = CString::new(device).expect("a name");
+        let f =
+            // SAFETY: as above.
+            unsafe { std::mem::transmute::<*mut c_void, F>(self.sym("fakeverbs_device_qps")) };
+        loop {
+            // SAFETY: a C string; a null buffer of no room, which the fake only counts.
+            let n = unsafe { f(d.as_ptr(), std::ptr::null_mut(), 0) };
+            assert!(n >= 0, "fakeverbs_device_qps({device})");
+            let mut out = vec![0u32; n as usize];
+            // SAFETY: `out` has room for `out.len()` numbers.
+            let m = unsafe { f(d.as_ptr(), out.as_mut_ptr(), out.len()) };
+            // QPs come and go meanwhile; ask again until the two calls agree.
+            if m == n {
+                return out;
+            }
+        }
+    }
+
+    /// The state (`IBV_QPS_*`) of QP `qpn`, or -1 if it is gone.
+    pub fn qp_state(&self, qpn: u32) -> i32 {
+        type F = unsafe extern "C" fn(u32) -> c_int;
+        // SAFETY: as above.
+        unsafe { std::mem::transmute::<*mut c_void, F>(self.sym("fakeverbs_qp_state"))(qpn) }
+    }
+
+    /// A fatal error on QP `qpn`: it moves to ERR and its context gets `QP_FATAL`.
+    /// False if the QP is gone.
+    pub fn qp_fatal(&self, qpn: u32) -> bool {
+        type F = unsafe extern "C" fn(u32) -> c_int;
+        // SAFETY: as above.
+        unsafe { std::mem::transmute::<*mut c_void, F>(self.sym("fakeverbs_qp_fatal"))(qpn) == 0 }
+    }
+
     pub fn busy_pds(&self) -> u64 {
         type F = unsafe extern "C" fn() -> u64;
         // SAFETY: as above.
