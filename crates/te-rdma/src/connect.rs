@@ -114,15 +114,7 @@ impl Shared {
         deadline: Deadline,
     ) -> Result<Arc<Peer>> {
         let local = &self.devices;
-        let kinds = |l: usize, r: usize| {
-            exchange::negotiate(
-                (local[l].link_layer, local[l].roce()),
-                (ep.devices[r].link_layer, ep.devices[r].roce),
-            )
-        };
-        let pairs = plan::nic_pairs(local.len(), ep.devices.len(), |l, r| {
-            local[l].port_up.load(Ordering::Acquire) && kinds(l, r).is_some()
-        });
+        let pairs = self.pairs(ep);
         if pairs.is_empty() {
             return Err(Error::new(
                 ErrorKind::Unsupported,
@@ -170,7 +162,7 @@ impl Shared {
                 let mut mine = Vec::new();
                 for &(pair, _) in &order {
                     let (l, r) = pairs[pair];
-                    let kind = kinds(l, r).expect("pairs are compatible");
+                    let kind = self.kind(ep, l, r).expect("pairs are compatible");
                     let (path, psn) =
                         self.new_path(&local[l], r, kind, (weak.clone(), id), depth, true)?;
                     mine.push(local[l].path_info(r, path.qp.qpn(), psn, kind));
@@ -250,6 +242,41 @@ impl Shared {
         Ok(peer)
     }
 
+    /// The GID type local device `l` and device `r` of the peer `ep` talk with, if any.
+    fn kind(&self, ep: &Endpoint, l: usize, r: usize) -> Option<GidType> {
+        let (local, remote) = (&self.devices[l], &ep.devices[r]);
+        exchange::negotiate(
+            (local.link_layer, local.roce()),
+            (remote.link_layer, remote.roce),
+        )
+    }
+
+    /// The device pairs (local, peer) a set of paths to the peer `ep` built now uses:
+    /// [`plan::nic_pairs`] over the pairs that talk and whose local port is up.
+    fn pairs(&self, ep: &Endpoint) -> Vec<(usize, usize)> {
+        plan::nic_pairs(self.devices.len(), ep.devices.len(), |l, r| {
+            self.devices[l].port_up.load(Ordering::Acquire) && self.kind(ep, l, r).is_some()
+        })
+    }
+
+    /// Whether `peer`'s set needs rebuilding: one of its paths failed, or it lacks a
+    /// device pair a set built now would use (it was built while a port was down, and
+    /// the port came back). A set built with every pair usable now is not degraded, so
+    /// a rebuild that finds nothing new is not asked for again.
+    fn degraded(&self, peer: &Peer) -> bool {
+        if peer.healthy().len() < peer.paths.len() {
+            return true;
+        }
+        let have: HashSet<(usize, usize)> = peer
+            .paths
+            .iter()
+            .map(|p| (p.device.index, p.remote_device))
+            .collect();
+        self.pairs(&peer.endpoint)
+            .iter()
+            .any(|pair| !have.contains(pair))
+    }
+
     /// Sends an exchange message to the target `instance` whose engine's control plane
     /// is at `address`; to a backend of this process created outside an engine, by a
     /// direct call.
@@ -324,13 +351,14 @@ impl Shared {
         self.repair_wake.notify_all();
     }
 
-    /// Asks for every peer with a failed path to be rebuilt (a port came back).
+    /// Asks for every degraded peer to be rebuilt (a port came back): one with a failed
+    /// path, or one whose set was built without the port (see [`Shared::degraded`]).
     pub(crate) fn repair_degraded(&self) {
         let ids: Vec<PeerId> = self
             .peers
             .all()
             .iter()
-            .filter(|p| !p.dead.load(Ordering::Acquire) && p.healthy().len() < p.paths.len())
+            .filter(|p| !p.dead.load(Ordering::Acquire) && self.degraded(p))
             .map(|p| p.id)
             .collect();
         for id in ids {
@@ -345,11 +373,12 @@ pub(crate) const RETIRE_WAIT: Duration = Duration::from_secs(5);
 /// How long a release nobody waits for (a repair's, the backend closing) may take.
 pub(crate) const RELEASE_WAIT: Duration = Duration::from_secs(1);
 
-/// The repair thread: rebuilds, in the background, the paths of peers one of whose
-/// paths failed. The new set replaces the old under the same peer id; the old set is
-/// retired, and what it held moves to the new paths. While a rebuild fails it is tried
-/// again, waiting longer each time (up to 5 s); a peer with no healthy path meanwhile
-/// fails its batches with `PeerUnreachable`.
+/// The repair thread: rebuilds, in the background, the paths of degraded peers (one of
+/// whose paths failed, or whose set lacks a port that came back; see
+/// [`Shared::degraded`]). The new set replaces the old under the same peer id; the old
+/// set is retired, and what it held moves to the new paths. While a rebuild fails it is
+/// tried again, waiting longer each time (up to 5 s); a peer with no healthy path
+/// meanwhile fails its batches with `PeerUnreachable`.
 pub(crate) fn repair_loop(shared: &Weak<Shared>) {
     let mut backoff: HashMap<PeerId, (Duration, Instant)> = HashMap::new();
     loop {
@@ -379,7 +408,7 @@ pub(crate) fn repair_loop(shared: &Weak<Shared>) {
             }
         };
         let Some(old) = s.peer(id) else { continue };
-        if old.dead.load(Ordering::Acquire) || old.healthy().len() == old.paths.len() {
+        if old.dead.load(Ordering::Acquire) || !s.degraded(&old) {
             backoff.remove(&id);
             continue;
         }

@@ -1,8 +1,8 @@
 //! te-rdma against the FAKE verbs provider's injected faults and hostile peers: errors
 //! a NIC reports in the middle of a batch. A peer that forges the key of a local-only
 //! region, an injected `RETRY_EXC_ERR` and `REM_ACCESS_ERR`, a target process killed
-//! mid-batch, a port that goes down, a peer's paths rebuilt again and again under one
-//! batch. Each drives `RdmaBackend` directly (so a test can
+//! mid-batch, a port that goes down (and comes back), a peer's paths rebuilt again and
+//! again under one batch. Each drives `RdmaBackend` directly (so a test can
 //! present keys and ranges the engine would never let through), each backend with a
 //! control plane of its own for the connect exchange, and steers the fake through its
 //! `fakeverbs_*` control functions.
@@ -266,6 +266,132 @@ fn a_port_that_goes_down_moves_the_work_to_the_other_nic() -> Result<(), Failed>
     Ok(())
 }
 
+/// The QPs of `device` in RTS, leaving out those in `old`, lowest first.
+fn rts_qps(fake: &Fake, device: &str, old: &[u32]) -> Vec<u32> {
+    fake.device_qps(device)
+        .into_iter()
+        .filter(|q| !old.contains(q) && fake.qp_state(*q) == QPS_RTS)
+        .collect()
+}
+
+/// Waits up to 5 s for `done` to hold; else fails with `what`.
+fn wait_for(what: &str, mut done: impl FnMut() -> bool) -> Result<(), Failed> {
+    let until = Instant::now() + Duration::from_secs(5);
+    while !done() {
+        if Instant::now() > until {
+            return Err(format!("{what} within 5 s").into());
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Ok(())
+}
+
+fn a_port_that_comes_back_up_is_used_again_by_the_peers_it_was_left_out_of() -> Result<(), Failed> {
+    let fake = Fake::open();
+    let old0 = fake.device_qps("fake0");
+    let old1 = fake.device_qps("fake1");
+    let mut p = pair()?;
+    // One path on each NIC: the initiator's and the target's QP of each, in RTS.
+    let first0 = rts_qps(&fake, "fake0", &old0);
+    let first1 = rts_qps(&fake, "fake1", &old1);
+    check(
+        first0.len() == 2 && first1.len() == 2,
+        format!("connected with QPs {first0:x?} on fake0 and {first1:x?} on fake1"),
+    )?;
+    // Down: the set is rebuilt on fake1 alone (the old one retired and released).
+    fake.set_port("fake0", false);
+    let gone1: Vec<u32> = old1.iter().chain(&first1).copied().collect();
+    wait_for("the peer's paths were not rebuilt without fake0", || {
+        rts_qps(&fake, "fake0", &old0).is_empty() && rts_qps(&fake, "fake1", &gone1).len() == 2
+    })?;
+    run(&p.initiator, p.peer, &[write_all(&p)], &fake).0?;
+    check(
+        p.dst == p.src,
+        "the bytes did not land on fake1 alone".into(),
+    )?;
+    // A batch in flight on fake1: its first work request is held (3 s) until its QP
+    // leaves RTS, and the rest wait behind it.
+    // SAFETY: the target's own buffer; no batch uses it now.
+    unsafe { std::ptr::write_bytes(p.dst.as_mut_ptr(), 0, p.dst.len()) };
+    fake.delay_device("fake1", Duration::from_secs(3), 1);
+    let (tx, rx) = mpsc::channel();
+    let outstanding: unsafe extern "C" fn() -> u64 =
+        // SAFETY: the fake's function of this signature.
+        unsafe { std::mem::transmute(fake.sym("fakeverbs_outstanding")) };
+    let start = Instant::now();
+    let done = Completion::new(Duration::from_secs(10), move |r, _| {
+        // SAFETY: a plain counter read.
+        let left = unsafe { outstanding() };
+        let _ = tx.send((r, left, start.elapsed()));
+    });
+    p.initiator.submit(p.peer, &[write_all(&p)], done)?;
+    wait_for("the batch's first work request was not held", || {
+        fake.faults_left("fake1") == 0
+    })?;
+    // Up again: the set is rebuilt to use fake0 as well, although none of its paths
+    // failed since; the old set is retired, and the batch moves to the new one.
+    fake.set_port("fake0", true);
+    let gone0: Vec<u32> = old0.iter().chain(&first0).copied().collect();
+    wait_for(
+        "the peer's paths were not rebuilt on fake0 after its port came back",
+        || rts_qps(&fake, "fake0", &gone0).len() == 2,
+    )?;
+    let (r, left, took) = rx
+        .recv_timeout(Duration::from_secs(10))
+        .map_err(|_| "the batch in flight did not complete")?;
+    r.map_err(|e| format!("the batch in flight during the rebuild: {e}"))?;
+    check(
+        took < Duration::from_secs(3),
+        format!("the batch took {took:?}: it waited for its held work request"),
+    )?;
+    check(
+        left == 0,
+        format!("{left} work requests were outstanding when the batch completed"),
+    )?;
+    check(
+        p.dst == p.src,
+        "the bytes of the batch in flight did not land".into(),
+    )?;
+    // A batch of 16 slices over the two paths runs work requests on both NICs (a
+    // zero delay on each device counts them).
+    // SAFETY: the target's own buffer; no batch uses it now.
+    unsafe { std::ptr::write_bytes(p.dst.as_mut_ptr(), 0, p.dst.len()) };
+    fake.delay_device("fake0", Duration::ZERO, 1000);
+    fake.delay_device("fake1", Duration::ZERO, 1000);
+    let r = run(&p.initiator, p.peer, &[write_all(&p)], &fake).0;
+    let ran = [
+        1000 - fake.faults_left("fake0"),
+        1000 - fake.faults_left("fake1"),
+    ];
+    fake.clear_faults("fake0");
+    fake.clear_faults("fake1");
+    r?;
+    check(
+        p.dst == p.src,
+        "the bytes did not land over both NICs".into(),
+    )?;
+    check(
+        ran[0] > 0 && ran[1] > 0,
+        format!("work requests ran on fake0 and fake1: {ran:?}"),
+    )?;
+    // The set is complete: nothing rebuilds it again.
+    let now = (
+        rts_qps(&fake, "fake0", &old0),
+        rts_qps(&fake, "fake1", &old1),
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let later = (
+        rts_qps(&fake, "fake0", &old0),
+        rts_qps(&fake, "fake1", &old1),
+    );
+    check(
+        now == later,
+        format!("the complete set was rebuilt again: QPs {now:x?}, then {later:x?}"),
+    )?;
+    drop(p.target);
+    Ok(())
+}
+
 /// How many times the test below has the peer's paths rebuilt under one slice: more
 /// than the attempts a slice may spend on failures (twice the peer's 2 paths).
 const REBUILDS: usize = 8;
@@ -410,6 +536,10 @@ fn main() {
         (
             "a_slice_on_a_healthy_path_survives_more_rebuilds_of_its_peers_paths_than_it_has_attempts",
             a_slice_on_a_healthy_path_survives_more_rebuilds_of_its_peers_paths_than_it_has_attempts,
+        ),
+        (
+            "a_port_that_comes_back_up_is_used_again_by_the_peers_it_was_left_out_of",
+            a_port_that_comes_back_up_is_used_again_by_the_peers_it_was_left_out_of,
         ),
     ]);
 }
