@@ -404,7 +404,9 @@ const QPS_RTS: i32 = 3;
 /// initiator's and the target's QPs on fake0 are then exactly two, in RTS, none of
 /// them in `before`. The initiator's QP fails, and its peer's set is rebuilt.
 fn break_fake0(fake: &Fake, before: &[u32]) -> Result<(), Failed> {
-    let until = Instant::now() + Duration::from_secs(5);
+    // A rebuild whose exchange failed on a loaded machine is tried again after a
+    // backoff of up to 5 s: leave room for one.
+    let until = Instant::now() + Duration::from_secs(15);
     loop {
         let qps: Vec<u32> = fake
             .device_qps("fake0")
@@ -412,10 +414,10 @@ fn break_fake0(fake: &Fake, before: &[u32]) -> Result<(), Failed> {
             .filter(|q| !before.contains(q))
             .collect();
         let states: Vec<i32> = qps.iter().map(|&q| fake.qp_state(q)).collect();
-        if states == [QPS_RTS, QPS_RTS] {
-            for q in qps {
-                check(fake.qp_fatal(q), format!("QP {q:#x} went away"))?;
-            }
+        // A QP that went away since it was seen (an exchange given up and built again,
+        // on a loaded machine) breaks nothing: look again.
+        if states == [QPS_RTS, QPS_RTS] && qps.iter().fold(false, |hit, &q| fake.qp_fatal(q) | hit)
+        {
             return Ok(());
         }
         if Instant::now() > until {
@@ -439,6 +441,14 @@ fn a_slice_on_a_healthy_path_survives_more_rebuilds_of_its_peers_paths_than_it_h
     // Every work request fake1 runs waits 3 s first: the slice is held posted until its
     // QP leaves RTS (its set is retired), which flushes it back.
     fake.delay_device("fake1", Duration::from_secs(3), 1000);
+    // However the test ends, the next one in this process finds fake1 without delays.
+    struct Undelay<'a>(&'a Fake);
+    impl Drop for Undelay<'_> {
+        fn drop(&mut self) {
+            self.0.clear_faults("fake1");
+        }
+    }
+    let _undelay = Undelay(&fake);
     let (tx, rx) = mpsc::channel();
     let outstanding: unsafe extern "C" fn() -> u64 =
         // SAFETY: the fake's function of this signature.
