@@ -110,12 +110,13 @@ impl Engine {
                 .with_operation(operation)
             })?;
         let peer = self.inner.current(peer, deadline)?;
-        let mut remote = peer.segment().layout(layout).cloned();
-        if remote.is_none() {
+        // The peer's descriptor, held while its layout is planned against (not copied).
+        let mut segment = peer.segment();
+        if segment.layout(layout).is_none() {
             self.inner.refresh(&peer, deadline)?;
-            remote = peer.segment().layout(layout).cloned();
+            segment = peer.segment();
         }
-        let remote = remote.ok_or_else(|| {
+        let remote = segment.layout(layout).ok_or_else(|| {
             Error::new(
                 ErrorKind::NotRegistered,
                 format!("the peer has no layout named `{layout}`"),
@@ -125,7 +126,7 @@ impl Engine {
         let requests = kv::plan(
             op,
             &local,
-            &remote,
+            remote,
             remote_ids,
             local_ids,
             &options.selection,

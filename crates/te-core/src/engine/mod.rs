@@ -59,7 +59,8 @@ pub struct Engine {
 /// A KV layout as registered: the caller's version (for planning local requests) and
 /// the published one, whose slots are views registered as regions of their own.
 struct LayoutEntry {
-    local: KvLayout,
+    /// Shared, so a block transfer plans against it without copying it.
+    local: Arc<KvLayout>,
     published: KvLayout,
     /// `(parent, view)` for every slot.
     views: Vec<(RegionId, RegionId)>,

@@ -188,7 +188,7 @@ impl Inner {
         }
         let mut entry = LayoutEntry {
             published: layout.clone(),
-            local: layout,
+            local: Arc::new(layout),
             views: Vec::new(),
         };
         let deadline = self.deadline(None);
@@ -306,7 +306,7 @@ impl Inner {
         std::mem::forget(unwinding);
         match first_error {
             Some(e) => Err(e.with_operation("deregister layout")),
-            None => Ok(entry.local),
+            None => Ok(Arc::unwrap_or_clone(entry.local)),
         }
     }
 }
