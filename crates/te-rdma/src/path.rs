@@ -179,8 +179,9 @@ pub(crate) enum Failure {
 }
 
 impl Failure {
-    /// Why a job `path` hands back unposted (its QP failed, or was retired) came back:
-    /// moved if the path's set was retired while the path was healthy, else a retry.
+    /// Why a job `path` hands back without landing (flushed, or never posted: its QP
+    /// failed, or was retired) came back: moved if the path's set was retired while the
+    /// path was healthy, else a retry.
     /// Called under the path's state lock, or by the thread that retired it, so that it
     /// sees `replaced` as `retire` set it.
     fn handed_back(path: &Path, why: String) -> Failure {
@@ -315,11 +316,9 @@ pub(crate) fn drain(path: &Arc<Path>, wc: &mut [verbs::ibv_wc]) {
                 st.sq.complete(c.wr_id, ok, |job, outcome| match outcome {
                     Outcome::Done => done.push(job),
                     Outcome::Failed => {
-                        let f = if c.status == verbs::IBV_WC_WR_FLUSH_ERR
-                            && path.replaced.load(Ordering::Acquire)
-                        {
-                            // Flushed because its healthy path's set was retired.
-                            Failure::Moved(text())
+                        let f = if c.status == verbs::IBV_WC_WR_FLUSH_ERR {
+                            // Flushed: moved on if its healthy path's set was retired.
+                            Failure::handed_back(path, text())
                         } else if completion::retryable(c.status) {
                             Failure::Retry(text())
                         } else if c.status == verbs::IBV_WC_REM_ACCESS_ERR {

@@ -85,8 +85,8 @@ pub struct TcpConfig {
     /// within microseconds on a VM whose idle CPUs are slow to wake
     /// (`scripts/caller-reads-bench.sh` measures both on a machine). A waiting caller
     /// completes whatever answers it reads, other batches' too, so their callbacks
-    /// (`te_batch_on_complete`, Python's `_on_done`) may run on an application thread blocked in a
-    /// wait, not only on te's.
+    /// (`te_batch_on_complete`, Python's `_on_done`) may run on an application thread
+    /// blocked in a wait, not only on te's.
     pub caller_reads: bool,
     /// For tests only: the target holds every request this long before serving it.
     #[serde(deserialize_with = "te_core::config::de::duration")]

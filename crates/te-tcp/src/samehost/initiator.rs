@@ -158,7 +158,7 @@ pub(crate) struct Link {
 
 impl std::fmt::Debug for Channel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Channel").field("cma", &self.cma).finish()
+        self.0.fmt(f)
     }
 }
 
@@ -579,7 +579,7 @@ fn receive(link: &Link) {
                     // A driver reads; it rings the bell if it leaves an answer due.
                     break;
                 }
-                match readable(&link.stream, None) {
+                match readable(&link.stream, Duration::ZERO) {
                     Ok(true) => st.reading = true,
                     Ok(false) => break,
                     Err(e) => {
@@ -692,15 +692,15 @@ impl Link {
     }
 
     /// Reads one answer and dispatches it (by the caller holding `reading`); with
-    /// `until`, waits for one no later than that, and returns `Ok(false)` if none came.
-    fn read_one(&self, until: Option<te_core::Deadline>) -> Result<bool> {
+    /// `until`, waits for one no later than that, and reads nothing if none came.
+    fn read_one(&self, until: Option<te_core::Deadline>) -> Result<()> {
         let s = &self.stream;
         if let Some(until) = until {
             let left = until.remaining();
             if left.is_zero()
-                || !readable(s, Some(left)).map_err(|e| io_error("waiting for an answer", e))?
+                || !readable(s, left).map_err(|e| io_error("waiting for an answer", e))?
             {
-                return Ok(false);
+                return Ok(());
             }
         }
         let mut h = [0u8; HEADER_LEN];
@@ -733,7 +733,7 @@ impl Link {
             }
             drop(st);
             self.acked.notify_all();
-            return Ok(true);
+            return Ok(());
         }
         let waiting = self.state.lock().waiting.remove(&m.id);
         let Some(batches) = waiting else {
@@ -745,7 +745,7 @@ impl Link {
             }
             b.finish_slice(result.clone());
         }
-        Ok(true)
+        Ok(())
     }
 }
 
@@ -785,32 +785,9 @@ impl Drop for Reading<'_> {
     }
 }
 
-/// Whether `s` has bytes to read (or has ended), waiting up to `wait` for them (`None`:
-/// not at all). A signal ends the wait early, as if it had timed out.
-fn readable(s: &UnixStream, wait: Option<Duration>) -> std::io::Result<bool> {
-    use std::os::fd::AsRawFd;
-    let wait = wait.unwrap_or_default();
-    let mut p = libc::pollfd {
-        fd: s.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    let ts = libc::timespec {
-        tv_sec: libc::time_t::try_from(wait.as_secs()).unwrap_or(libc::time_t::MAX),
-        tv_nsec: wait.subsec_nanos().into(),
-    };
-    // SAFETY: one valid pollfd and a valid timespec, both live for the call; no
-    // signal mask is passed.
-    let n = unsafe { libc::ppoll(&mut p, 1, &ts, std::ptr::null()) };
-    if n < 0 {
-        let e = std::io::Error::last_os_error();
-        return if e.kind() == std::io::ErrorKind::Interrupted {
-            Ok(false)
-        } else {
-            Err(e)
-        };
-    }
-    Ok(n > 0)
+/// Whether `s` has bytes to read (or has ended), waiting up to `wait` for them.
+fn readable(s: &UnixStream, wait: Duration) -> std::io::Result<bool> {
+    Ok(poll(s, libc::POLLIN, wait)? != 0)
 }
 
 /// Where a channel's receiving thread sleeps: an epoll set holding the channel's

@@ -198,6 +198,34 @@ fn monotonic_us() -> u64 {
     (t.tv_sec as u64) * 1_000_000 + (t.tv_nsec as u64) / 1_000
 }
 
+/// Which of `events` (and of the hang-up and error events, always reported) `s` has,
+/// waiting up to `wait` for one (zero: not at all); none where the wait ended first or
+/// a signal interrupted it.
+pub(crate) fn poll(s: &UnixStream, events: i16, wait: Duration) -> std::io::Result<i16> {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd {
+        fd: s.as_raw_fd(),
+        events,
+        revents: 0,
+    };
+    let ts = libc::timespec {
+        tv_sec: libc::time_t::try_from(wait.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: wait.subsec_nanos().into(),
+    };
+    // SAFETY: one valid pollfd and a valid timespec, both live for the call; no
+    // signal mask is passed.
+    let n = unsafe { libc::ppoll(&mut p, 1, &ts, std::ptr::null()) };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        return if e.kind() == std::io::ErrorKind::Interrupted {
+            Ok(0)
+        } else {
+            Err(e)
+        };
+    }
+    Ok(if n > 0 { p.revents } else { 0 })
+}
+
 fn io_error(what: &str, e: std::io::Error) -> Error {
     Error::new(
         ErrorKind::PeerUnreachable,

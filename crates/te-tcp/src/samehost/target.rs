@@ -346,7 +346,7 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
                     ));
                 }
                 let op = if m.kind == WRITE { Op::Write } else { Op::Read };
-                let r = run(shared, s, pid, cma, &imports, op, &entries, m.a);
+                let r = run(shared, pid, cma, &imports, op, &entries, &|| wanted(s, m.a));
                 // What a channel keeps between requests stays small whatever a peer
                 // sent: the buffers of a request larger than KEPT_ENTRIES go with it.
                 if n > KEPT_ENTRIES {
@@ -369,18 +369,27 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
     }
 }
 
-/// Whether the initiator has shut the channel down or closed it (requests it sent
-/// before may still be unread in the socket).
-fn hung_up(s: &UnixStream) -> bool {
-    use std::os::fd::AsRawFd;
-    let mut p = libc::pollfd {
-        fd: s.as_raw_fd(),
-        events: libc::POLLRDHUP,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd, live for the call; a zero timeout never blocks.
-    let n = unsafe { libc::poll(&mut p, 1, 0) };
-    n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+/// Whether a request on channel `s` with deadline `deadline_us` (0: none) may still be
+/// copied: never after its batch was handed back.
+fn wanted(s: &UnixStream, deadline_us: u64) -> Result<()> {
+    // On the clock both processes share: a request read late (this process was busy or
+    // stopped) is refused.
+    if deadline_us != 0 && monotonic_us() >= deadline_us {
+        return Err(Error::new(
+            ErrorKind::Timeout,
+            "the batch's deadline passed before its copies started",
+        ));
+    }
+    // Nor after the initiator closed the channel (its engine closed, the peer was
+    // dropped): its batches were handed back then, whatever is still in the socket.
+    let gone = libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR;
+    if poll(s, libc::POLLRDHUP, Duration::ZERO).is_ok_and(|r| r & gone != 0) {
+        return Err(Error::new(
+            ErrorKind::Cancelled,
+            "the initiator closed the channel before the request's copies started",
+        ));
+    }
+    Ok(())
 }
 
 /// The answer to message `id`: kind `ok` with code 0, or kind `failed` with the error's
@@ -420,17 +429,16 @@ fn welcome(status: u16, cma: bool) -> [u8; WELCOME_LEN] {
 }
 
 /// One request: every entry admitted as a served frame's are (its region pinned), then
-/// the copies, then the pins released.
-#[allow(clippy::too_many_arguments)]
+/// `wanted` asked whether the request may still be copied, then the copies, then the
+/// pins released.
 fn run(
     shared: &Shared,
-    s: &UnixStream,
     pid: i32,
     cma: bool,
     imports: &HashMap<u64, std::result::Result<Arc<Import>, Error>>,
     op: Op,
     entries: &[Range],
-    deadline_us: u64,
+    wanted: &dyn Fn() -> Result<()>,
 ) -> Result<()> {
     // Each entry's region, as an index into the regions named (in the order first
     // named): a request's entries come grouped by region, so the last one is tried
@@ -531,22 +539,7 @@ fn run(
             }
         }
     }
-    // On the clock both processes share: a request read late (this process was busy or
-    // stopped) is refused, never copied after its batch was handed back.
-    if deadline_us != 0 && monotonic_us() >= deadline_us {
-        return Err(Error::new(
-            ErrorKind::Timeout,
-            "the batch's deadline passed before its copies started",
-        ));
-    }
-    // Nor after the initiator closed the channel (its engine closed, the peer was
-    // dropped): its batches were handed back then, whatever is still in the socket.
-    if hung_up(s) {
-        return Err(Error::new(
-            ErrorKind::Cancelled,
-            "the initiator closed the channel before the request's copies started",
-        ));
-    }
+    wanted()?;
     if !host_here.is_empty() {
         // SAFETY: every local range was admitted inside a region the pins keep
         // registered until after the call; for a READ we only read them.

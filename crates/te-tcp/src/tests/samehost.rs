@@ -253,18 +253,11 @@ fn closed(s: &mut std::os::unix::net::UnixStream) -> bool {
 
 /// Whether the target hangs up `s` within `limit`, seen without reading from it.
 fn hung_up(s: &std::os::unix::net::UnixStream, limit: Duration) -> bool {
-    use std::os::fd::AsRawFd;
+    let gone = libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR;
     let end = std::time::Instant::now() + limit;
     loop {
         let left = end.saturating_duration_since(std::time::Instant::now());
-        let mut p = libc::pollfd {
-            fd: s.as_raw_fd(),
-            events: libc::POLLRDHUP,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd, for a socket `s` keeps open.
-        let n = unsafe { libc::poll(&mut p, 1, left.as_millis() as libc::c_int) };
-        if n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+        if crate::samehost::poll(s, libc::POLLRDHUP, left).is_ok_and(|r| r & gone != 0) {
             return true;
         }
         if left.is_zero() {
