@@ -2,7 +2,8 @@
 # Everything te checks on an NVIDIA GPU, in one command: the GPU tests (tests/gpu.rs,
 # every byte of staged, device-to-device, mixed, KV and two-process transfers verified
 # on cuda:0), the list-copy kernel assembled by ptxas for three GPU generations where
-# the toolkit is installed, then scripts/gpu-bench.sh's table (staged, as between
+# the toolkit is installed, `te probe` (thread wake-ups, socket round trips and device
+# copies timed alone), then scripts/gpu-bench.sh's table (staged, as between
 # hosts), scripts/same-host-bench.sh's (two processes of this host),
 # scripts/caller-reads-bench.sh's (the same-host channel with and without
 # `caller_reads`) and scripts/kv-per-request.sh's (te's CPU cost per request of a KV
@@ -60,6 +61,9 @@ if [ -x "$dir/te-core" ] && [ -n "$ptxas" ]; then
   echo "== the list-copy kernel through $ptxas"
   TE_PTXAS=$ptxas timeout 120 "$dir/te-core" ptxas_accepts --nocapture || fail=1
 fi
+
+echo "== te probe: what the steps of a small transfer cost here, each alone"
+timeout 180 scripts/round-trips.sh "$dir/te" "${TE_GPU_MEM:-cuda:0}" || fail=1
 
 echo "== te bench: this te, staged as between hosts"
 scripts/gpu-bench.sh "$dir/te" "$secs" || fail=1

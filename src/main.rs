@@ -1,4 +1,4 @@
-//! The `te` command line: `info`, `check`, `serve`, `bench`, `peers`.
+//! The `te` command line: `info`, `check`, `serve`, `bench`, `probe`, `stats`, `peers`.
 //!
 //! Exit codes: 0 on success, 1 with a one-line cause on stderr on error, 2 for
 //! command-line usage errors.
@@ -12,6 +12,7 @@ use te::Config;
 use te_core::Registry;
 
 mod bench;
+mod probe;
 mod serve;
 mod stats;
 
@@ -47,6 +48,9 @@ enum Command {
     Serve(Box<serve::ServeArgs>),
     /// Measure throughput and latency over loopback or against a `te serve`.
     Bench(Box<bench::BenchArgs>),
+    /// Time the steps of a small transfer alone on this machine: thread wake-ups,
+    /// socket round trips, and device copies launched and waited for.
+    Probe(probe::ProbeArgs),
     /// Print a running engine's metrics as a live table, from its metrics endpoint.
     Stats(stats::StatsArgs),
     /// List the engines published in the configuration's metadata store (etcd).
@@ -89,6 +93,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve::run(*args),
         Command::Bench(args) => bench::run(*args),
         Command::Stats(args) => stats::run(args),
+        Command::Probe(args) => probe::run(args),
         Command::Peers { config, json } => peers(config, json),
     };
     match result {

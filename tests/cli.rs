@@ -24,6 +24,20 @@ fn target_dir() -> PathBuf {
         .to_path_buf()
 }
 
+/// Runs `cmd`, which must succeed, and parses each line it printed as JSON.
+fn json_lines(cmd: &mut Command) -> Vec<serde_json::Value> {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 fn json(out: &std::process::Output) -> serde_json::Value {
     serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
@@ -207,8 +221,8 @@ fn serve_refuses_bad_sizes_with_one_line() {
 
 #[test]
 fn bench_kv_reports_contiguous_random_and_plain_modes() {
-    let out = te()
-        .args([
+    let lines = json_lines(
+        te().args([
             "bench",
             "--kv",
             "--backend",
@@ -218,18 +232,8 @@ fn bench_kv_reports_contiguous_random_and_plain_modes() {
             "--kv-blocks",
             "16",
         ])
-        .args(["--batch", "4", "--duration", "200ms", "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        .args(["--batch", "4", "--duration", "200ms", "--json"]),
     );
-    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
     let modes: Vec<&str> = lines.iter().map(|v| v["mode"].as_str().unwrap()).collect();
     assert_eq!(modes, ["contiguous", "random", "plain-1MiB"]);
     for v in &lines {
@@ -256,4 +260,60 @@ fn bench_kv_reports_contiguous_random_and_plain_modes() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("more blocks than the cache has"));
+}
+
+#[test]
+fn probe_times_each_step_and_counts_one_device_call_per_group() {
+    let steps = json_lines(te().args(["probe", "--mem", "fakedev:0", "--rounds", "20", "--json"]));
+    assert_eq!(steps.len(), 10, "{steps:?}");
+    for s in &steps {
+        assert_eq!(s["rounds"], 20, "{s}");
+        assert!(s["p50_us"].as_f64().unwrap() > 0.0, "{s}");
+        assert!(s["p99_us"].as_f64() >= s["p50_us"].as_f64(), "{s}");
+    }
+    let device: Vec<_> = steps.iter().filter(|s| s["bytes"] != 0).collect();
+    assert_eq!(device.len(), 7);
+    for s in &device {
+        // fakedev groups a direction's copies into one launch, waited for once: 128
+        // scattered blocks included.
+        assert_eq!(s["device_calls_per_round"], 1.0, "{s}");
+        assert_eq!(s["device_syncs_per_round"], 1.0, "{s}");
+    }
+    let scattered = device
+        .iter()
+        .find(|s| s["step"].as_str().unwrap().contains("scattered"))
+        .unwrap();
+    assert_eq!(scattered["bytes"], 128 * 32 * 1024);
+    // A driver without a batched call launches once per copy.
+    let cfg = config("probe", "[runtimes.fakedev]\nbatch = false\n");
+    let scattered = json_lines(
+        te().args([
+            "probe",
+            "--mem",
+            "fakedev:0",
+            "--rounds",
+            "5",
+            "--json",
+            "--config",
+        ])
+        .arg(&cfg),
+    )
+    .into_iter()
+    .find(|s| s["step"].as_str().unwrap().contains("scattered"))
+    .unwrap();
+    assert_eq!(scattered["device_calls_per_round"], 128.0, "{scattered}");
+}
+
+#[test]
+fn probe_refuses_bad_options_with_one_line() {
+    for (args, says) in [
+        (&["probe", "--mem", "nodev:0"][..], "nodev"),
+        (&["probe", "--rounds", "0"][..], "--rounds"),
+    ] {
+        let out = te().args(args).output().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+    }
 }

@@ -19,7 +19,7 @@ mod plan;
 mod plot;
 mod report;
 mod runner;
-mod stats;
+pub(crate) mod stats;
 
 /// Options of `te bench`.
 ///
