@@ -12,7 +12,9 @@
 #
 # It also prints `te info`'s copy path (which driver calls carry a group) and, per
 # point, the device calls, copies and synchronisations per batch that `te bench --json`
-# reports. Exits 1 if a target is missed (the table is printed either way).
+# reports, and where a batch's time went (its telemetry's stages: post, queued, wire,
+# device, and the waiting thread's wake-up). Exits 1 if a target is missed (the table
+# is printed either way).
 #
 # Needs: an NVIDIA driver, python3, and the prebuilt binary (cargo build --release).
 # Usage: scripts/gpu-bench.sh [path/to/te] [seconds per point]   (default:
@@ -128,5 +130,17 @@ for op in ["read", "write"]:
     else:
         ok = False
         print(f"kv {op}: no result")
+print()
+print("where a batch's time went (medians in µs of the last run of each point; stages overlap):")
+print(f"{'shape':<17}{'op':<7}{'memory':<8}{'latency':>9}{'post':>8}{'queued':>8}{'wire':>8}{'device':>8}{'wake':>8}")
+for shape in ["32KiB x 128", "64KiB x 128", "1MiB x 64", "4KiB x 1"]:
+    for op in ["write", "read"]:
+        for mem in ["host", "device"]:
+            r = [r["r"] for r in rows if r.get("mem") == mem and r.get("shape") == shape and r["r"]["op"] == op]
+            if not r:
+                continue
+            r = r[-1]
+            f = lambda k: "-" if r.get(k) is None else f"{r[k]:.1f}"
+            print(f"{shape:<17}{op:<7}{mem:<8}{f('lat_us_p50'):>9}{f('post_us_p50'):>8}{f('queued_us_p50'):>8}{f('wire_us_p50'):>8}{f('device_us_p50'):>8}{f('wake_us_p50'):>8}")
 sys.exit(0 if ok else 1)
 PY

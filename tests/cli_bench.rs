@@ -5,7 +5,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Output, Stdio};
 
 /// Every field of a `--json` result line.
-const FIELDS: [&str; 15] = [
+const FIELDS: [&str; 20] = [
     "backend",
     "op",
     "block_size",
@@ -21,6 +21,11 @@ const FIELDS: [&str; 15] = [
     "device_calls_per_batch",
     "device_copies_per_batch",
     "device_syncs_per_batch",
+    "post_us_p50",
+    "queued_us_p50",
+    "wire_us_p50",
+    "device_us_p50",
+    "wake_us_p50",
 ];
 
 fn te() -> Command {
@@ -106,6 +111,12 @@ fn the_acceptance_command_prints_valid_json_lines_and_verifies() {
         p50 > 0.0 && p50 <= v["lat_us_p99"].as_f64().unwrap() && p999 >= p50,
         "{v}"
     );
+    // The stub times its worker's copy as the wire, and copies no device memory.
+    for stage in ["post_us_p50", "queued_us_p50", "wire_us_p50", "wake_us_p50"] {
+        let us = v[stage].as_f64().unwrap_or_else(|| panic!("{stage}: {v}"));
+        assert!((0.0..=p999).contains(&us), "{stage}: {v}");
+    }
+    assert!(v["device_us_p50"].is_null(), "{v}");
 }
 
 #[test]
@@ -394,6 +405,9 @@ fn fakedev_memory_moves_over_tcp_verified_in_one_process_and_across_two() {
         let v = &json_lines(&bench(&args(op)))[0];
         assert_eq!(v["backend"], "tcp");
         assert!(v["gb_per_s"].as_f64().unwrap() > 0.0, "{v}");
+        // A peer in the process gets device copies, which te-tcp times; no wire.
+        assert!(v["device_us_p50"].as_f64().unwrap_or(0.0) > 0.0, "{v}");
+        assert!(v["wire_us_p50"].is_null(), "{v}");
     }
     let serve = Serve::start_on("tcp", "16MiB", "fakedev:0");
     for op in ["write", "read"] {

@@ -253,6 +253,7 @@ fn qperf(path: &PathBuf, block: u64, time: Duration) -> std::result::Result<Reco
                 device_calls_per_batch: None,
                 device_copies_per_batch: None,
                 device_syncs_per_batch: None,
+                stages: super::stats::StageSummary::default(),
             });
         }
         // The server may not listen yet.

@@ -18,7 +18,7 @@ use super::pattern::{self, Pattern};
 use super::plan::{human_size, Layout, Plan, Stop};
 use super::plot;
 use super::report::{self, Progress};
-use super::stats::{self, Record};
+use super::stats::{self, Record, Stages};
 
 /// How often the progress display is refreshed while a point runs.
 const REFRESH: Duration = Duration::from_millis(100);
@@ -112,6 +112,7 @@ struct Phase {
     batches: u64,
     seconds: f64,
     latencies_ns: Vec<u64>,
+    stages: Stages,
 }
 
 impl<'p> Bench<'p> {
@@ -282,7 +283,8 @@ impl<'p> Bench<'p> {
             phase.seconds,
             stats::summarise(&mut phase.latencies_ns),
         )
-        .with_device(&device, phase.batches))
+        .with_device(&device, phase.batches)
+        .with_stages(phase.stages))
     }
 
     /// Runs every thread's batches until `stop`; the time is from the first thread's
@@ -338,13 +340,15 @@ impl<'p> Bench<'p> {
             let mut first = None::<Instant>;
             let mut last = None::<Instant>;
             let mut latencies_ns = Vec::new();
+            let mut stages = Stages::default();
             let mut error = None;
             for w in workers {
                 match w.join() {
-                    Ok(Ok((start, end, lat))) => {
+                    Ok(Ok((start, end, lat, st))) => {
                         first = Some(first.map_or(start, |f| f.min(start)));
                         last = Some(last.map_or(end, |l| l.max(end)));
                         latencies_ns.extend(lat);
+                        stages.extend(st);
                     }
                     Ok(Err(e)) => {
                         // The first failure is the cause; the others were told to stop.
@@ -371,6 +375,7 @@ impl<'p> Bench<'p> {
                 batches: batches.load(Ordering::Relaxed),
                 seconds,
                 latencies_ns,
+                stages,
             })
         })
     }
@@ -384,7 +389,7 @@ impl<'p> Bench<'p> {
         barrier: &Barrier,
         abort: &AtomicBool,
         batches: &AtomicU64,
-    ) -> Result<(Instant, Instant, Vec<u64>)> {
+    ) -> Result<(Instant, Instant, Vec<u64>, Stages)> {
         let mut latencies = Vec::with_capacity(match stop {
             Stop::Iters(n) => usize::try_from(n).unwrap_or(usize::MAX).min(1 << 24),
             Stop::After(_) => 1 << 16,
@@ -392,6 +397,7 @@ impl<'p> Bench<'p> {
         barrier.wait();
         let start = Instant::now();
         let mut done = 0u64;
+        let mut stages = Stages::default();
         loop {
             if abort.load(Ordering::Relaxed) {
                 return Err(Error::new(ErrorKind::Cancelled, "another thread failed"));
@@ -400,13 +406,20 @@ impl<'p> Bench<'p> {
             let result = self
                 .initiator
                 .transfer_with(&self.peer, requests, options)
-                .and_then(|h| h.wait());
+                .and_then(|h| h.wait().map(|()| h));
             let t1 = Instant::now();
-            if let Err(e) = result {
-                abort.store(true, Ordering::Relaxed);
-                return Err(e.with_context("batch", done));
+            let handle = match result {
+                Ok(h) => h,
+                Err(e) => {
+                    abort.store(true, Ordering::Relaxed);
+                    return Err(e.with_context("batch", done));
+                }
+            };
+            let latency = u64::try_from((t1 - t0).as_nanos()).unwrap_or(u64::MAX);
+            latencies.push(latency);
+            if let Some(t) = handle.telemetry() {
+                stages.add(latency, &t);
             }
-            latencies.push(u64::try_from((t1 - t0).as_nanos()).unwrap_or(u64::MAX));
             batches.fetch_add(1, Ordering::Relaxed);
             done += 1;
             let finished = match stop {
@@ -414,7 +427,7 @@ impl<'p> Bench<'p> {
                 Stop::After(d) => t1 - start >= d,
             };
             if finished {
-                return Ok((start, t1, latencies));
+                return Ok((start, t1, latencies, stages));
             }
         }
     }

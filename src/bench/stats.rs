@@ -1,5 +1,7 @@
 //! Results: per-batch latencies, their summary, and the record printed for a point.
 
+use std::time::Duration;
+
 use serde::Serialize;
 
 /// Per-batch latency summary, in microseconds.
@@ -73,6 +75,87 @@ pub(crate) struct Record {
     pub(crate) device_copies_per_batch: Option<f64>,
     /// Device synchronisations per batch.
     pub(crate) device_syncs_per_batch: Option<f64>,
+    /// Where a batch's time went, from its telemetry.
+    #[serde(flatten)]
+    pub(crate) stages: StageSummary,
+}
+
+/// Medians of where batches' time went, in microseconds, from each batch's
+/// [`te::BatchTelemetry`] and the bench's own clock; `None` where nothing timed it.
+/// The stages may overlap (a backend that sends while it posts starts the wire before
+/// posting ends), so they need not add up to the latency.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub(crate) struct StageSummary {
+    /// Submission until the backend had taken the batch (checks, pins, posting).
+    pub(crate) post_us_p50: Option<f64>,
+    /// The backend having taken it until its first byte went out.
+    pub(crate) queued_us_p50: Option<f64>,
+    /// First byte out until the last answer.
+    pub(crate) wire_us_p50: Option<f64>,
+    /// First device copy submitted until the last completed.
+    pub(crate) device_us_p50: Option<f64>,
+    /// The batch's end until the thread waiting for it had it back.
+    pub(crate) wake_us_p50: Option<f64>,
+}
+
+/// Per-batch samples of [`StageSummary`]'s parts, in nanoseconds.
+#[derive(Debug, Default)]
+pub(crate) struct Stages {
+    post: Vec<u64>,
+    queued: Vec<u64>,
+    wire: Vec<u64>,
+    device: Vec<u64>,
+    wake: Vec<u64>,
+}
+
+impl Stages {
+    /// Adds a batch that took `latency_ns` on the waiting thread's clock.
+    pub(crate) fn add(&mut self, latency_ns: u64, t: &te::BatchTelemetry) {
+        self.push(latency_ns, t.post, t.duration, [t.queued, t.wire, t.device]);
+    }
+
+    /// Adds a batch: its latency, its telemetry's `post` and `duration`, and its
+    /// timed stages (queued, wire, device).
+    fn push(
+        &mut self,
+        latency_ns: u64,
+        post: Duration,
+        duration: Duration,
+        stages: [Option<Duration>; 3],
+    ) {
+        let ns = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.post.push(ns(post));
+        self.wake.push(latency_ns.saturating_sub(ns(duration)));
+        for (d, v) in stages
+            .into_iter()
+            .zip([&mut self.queued, &mut self.wire, &mut self.device])
+        {
+            if let Some(d) = d {
+                v.push(ns(d));
+            }
+        }
+    }
+
+    /// Adds another thread's samples.
+    pub(crate) fn extend(&mut self, o: Stages) {
+        self.post.extend(o.post);
+        self.queued.extend(o.queued);
+        self.wire.extend(o.wire);
+        self.device.extend(o.device);
+        self.wake.extend(o.wake);
+    }
+
+    /// The medians.
+    pub(crate) fn summary(mut self) -> StageSummary {
+        let p50 = |v: &mut Vec<u64>| summarise(v).map(|s| s.p50);
+        StageSummary {
+            post_us_p50: p50(&mut self.post),
+            queued_us_p50: p50(&mut self.queued),
+            wire_us_p50: p50(&mut self.wire),
+            device_us_p50: p50(&mut self.device),
+            wake_us_p50: p50(&mut self.wake),
+        }
+    }
 }
 
 impl Record {
@@ -104,6 +187,7 @@ impl Record {
             device_calls_per_batch: None,
             device_copies_per_batch: None,
             device_syncs_per_batch: None,
+            stages: StageSummary::default(),
         }
     }
 
@@ -117,6 +201,12 @@ impl Record {
         self.device_calls_per_batch = per(device.calls);
         self.device_copies_per_batch = per(device.copies);
         self.device_syncs_per_batch = per(device.syncs);
+        self
+    }
+
+    /// The record with the medians of where its batches' time went.
+    pub(crate) fn with_stages(mut self, stages: Stages) -> Record {
+        self.stages = stages.summary();
         self
     }
 
@@ -179,6 +269,11 @@ mod tests {
             "device_calls_per_batch",
             "device_copies_per_batch",
             "device_syncs_per_batch",
+            "post_us_p50",
+            "queued_us_p50",
+            "wire_us_p50",
+            "device_us_p50",
+            "wake_us_p50",
         ];
         want.sort_unstable();
         let mut keys = keys;
@@ -197,5 +292,29 @@ mod tests {
         assert_eq!(v["device_calls_per_batch"], 3.0);
         assert_eq!(v["device_copies_per_batch"], 128.0);
         assert_eq!(v["device_syncs_per_batch"], 2.0);
+    }
+
+    #[test]
+    fn stages_split_a_batch_by_its_telemetry_and_the_waiting_threads_clock() {
+        let us = Duration::from_micros;
+        let mut s = Stages::default();
+        s.push(
+            70_000,
+            us(5),
+            us(50),
+            [Some(us(2)), Some(us(30)), Some(us(10))],
+        );
+        let mut other = Stages::default();
+        other.push(20_000, us(5), us(50), [None; 3]);
+        s.extend(other);
+        let v = s.summary();
+        assert_eq!(v.post_us_p50, Some(5.0));
+        assert_eq!(v.queued_us_p50, Some(2.0));
+        assert_eq!(v.wire_us_p50, Some(30.0));
+        assert_eq!(v.device_us_p50, Some(10.0));
+        // Nearest rank of [0, 20]: the waiting thread had one batch back 20 µs after
+        // its end, the other (its clock shorter than the engine's) at once.
+        assert_eq!(v.wake_us_p50, Some(0.0));
+        assert_eq!(Stages::default().summary(), StageSummary::default());
     }
 }
