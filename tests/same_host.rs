@@ -29,6 +29,11 @@ impl Drop for Server {
 /// `te serve` on the tcp backend with a `size` buffer named `buffer` in `mem`; `wrap`
 /// is a command it runs under (e.g. `setpriv …`), if any.
 fn serve(mem: &str, size: &str, wrap: &[&str]) -> Server {
+    serve_with(mem, size, wrap, None)
+}
+
+/// As [`serve`], with configuration `toml` (through `TE_CONFIG`) if given.
+fn serve_with(mem: &str, size: &str, wrap: &[&str], toml: Option<&str>) -> Server {
     let te = env!("CARGO_BIN_EXE_te");
     let mut args: Vec<&str> = wrap.to_vec();
     args.extend([
@@ -41,7 +46,17 @@ fn serve(mem: &str, size: &str, wrap: &[&str]) -> Server {
         "--mem",
         mem,
     ]);
-    let mut child = Command::new(args[0])
+    let mut cmd = Command::new(args[0]);
+    if let Some(text) = toml {
+        let f = std::env::temp_dir().join(format!(
+            "te-same-host-{}-{:x}.toml",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        std::fs::write(&f, text).unwrap();
+        cmd.env("TE_CONFIG", f);
+    }
+    let mut child = cmd
         .args(&args[1..])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -301,17 +316,7 @@ fn a_request_left_in_a_channel_the_initiator_closed_is_not_served() {
     dst.write(0, &vec![0x11; 1 << 20]).unwrap();
     let pid = server.child.id() as i32;
     stop(pid);
-    let opts = te::TransferOptions {
-        timeout: Some(Duration::from_secs(20)),
-        ..Default::default()
-    };
-    let h = e
-        .transfer_with(
-            &peer,
-            &[TransferRequest::read(dst.id(), 0, remote, 0, 1 << 20)],
-            &opts,
-        )
-        .unwrap();
+    let h = read_mib(&e, &peer, &dst, remote, Duration::from_secs(20));
     std::thread::sleep(Duration::from_millis(100));
     drop(peer);
     drop(e);
@@ -366,4 +371,91 @@ fn closing_the_engine_frees_a_caller_waiting_on_a_stopped_same_host_target() {
     );
     drop(src);
     drop(server);
+}
+
+/// A target whose device copies start with a 1.5 s launch: a request it has begun to
+/// copy is still being copied long after its batch's deadline.
+const SLOW_COPIES: &str = "[runtimes.fakedev]\nlaunch_cost = \"1500ms\"\n";
+
+/// A 1 MiB READ into fresh fakedev memory (filled with 0x11) from a target whose
+/// copies are slow, with `timeout`: the engine, the handle, the memory and when the
+/// batch was submitted.
+fn slow_read(
+    server: &Server,
+    timeout: Duration,
+) -> (
+    Engine,
+    Peer,
+    te::TransferHandle,
+    te::Buffer,
+    std::time::Instant,
+) {
+    let e = engine(true);
+    let kind: te::MemoryKind = "fakedev:0".parse().unwrap();
+    let dst = e.alloc_on(&kind, "dst", 1 << 20, Access::LOCAL).unwrap();
+    dst.write(0, &vec![0x11; 1 << 20]).unwrap();
+    let peer = e.connect(&server.addr).unwrap();
+    assert!(matches!(path(&peer, true), PeerPath::SameHost { .. }));
+    let remote = peer.region("buffer").unwrap().id;
+    let start = std::time::Instant::now();
+    let h = read_mib(&e, &peer, &dst, remote, timeout);
+    (e, peer, h, dst, start)
+}
+
+/// Submits a READ of the first MiB of `peer`'s region `remote` into `dst`, with
+/// `timeout`.
+fn read_mib(
+    e: &Engine,
+    peer: &Peer,
+    dst: &te::Buffer,
+    remote: te::RegionId,
+    timeout: Duration,
+) -> te::TransferHandle {
+    let opts = te::TransferOptions {
+        timeout: Some(timeout),
+        ..Default::default()
+    };
+    e.transfer_with(
+        peer,
+        &[TransferRequest::read(dst.id(), 0, remote, 0, 1 << 20)],
+        &opts,
+    )
+    .unwrap()
+}
+
+/// The caller, given `dst` back at `handed_back` after `start`, fills it with 0x22 and
+/// finds it unchanged once any copy the target ran has long ended.
+fn untouched_after_hand_back(dst: &te::Buffer, start: std::time::Instant, handed_back: Duration) {
+    assert!(
+        handed_back >= Duration::from_millis(1400),
+        "handed back after {handed_back:?}, while the target's copy (1.5 s) ran"
+    );
+    dst.write(0, &vec![0x22; 1 << 20]).unwrap();
+    std::thread::sleep(Duration::from_millis(2500).saturating_sub(start.elapsed()));
+    let changed = dst.to_vec().unwrap().iter().filter(|&&b| b != 0x22).count();
+    assert_eq!(changed, 0, "bytes landed after the batch was handed back");
+}
+
+#[test]
+fn a_batch_past_its_deadline_is_handed_back_only_once_the_targets_copy_has_ended() {
+    // The target has begun the copy when the deadline passes; the channel is stopped a
+    // grace later, but the batch waits for the copy: its bytes cannot land after.
+    let server = serve_with("fakedev:0", "1MiB", &[], Some(SLOW_COPIES));
+    let (_e, _peer, h, dst, start) = slow_read(&server, Duration::from_millis(500));
+    let err = h.wait().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
+    untouched_after_hand_back(&dst, start, start.elapsed());
+}
+
+#[test]
+fn closing_the_engine_while_the_target_copies_hands_the_batch_back_after_the_copy() {
+    let server = serve_with("fakedev:0", "1MiB", &[], Some(SLOW_COPIES));
+    let (e, peer, h, dst, start) = slow_read(&server, Duration::from_secs(20));
+    // The target has read the request and is in its copy's launch.
+    std::thread::sleep(Duration::from_millis(300));
+    drop(peer);
+    drop(e);
+    // The copy ran to its end: the batch may have completed, or be cancelled.
+    let _ = h.wait();
+    untouched_after_hand_back(&dst, start, start.elapsed());
 }

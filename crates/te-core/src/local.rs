@@ -16,6 +16,9 @@
 //!   attach): one copy, no socket. The kernel allows it where this process may ptrace
 //!   the peer (same user and a permissive Yama scope, or `CAP_SYS_PTRACE`); where it
 //!   refuses, the caller moves the bytes over its socket instead.
+//! - **Words both see.** A [`SharedPage`] is one page of memory mapped by two processes
+//!   (a sealed memfd passed over the channel): atomics in it order what each side may
+//!   do without a message, as a target telling its initiator that it is copying.
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -202,6 +205,121 @@ pub fn recv_with_fd(s: &UnixStream, buf: &mut [u8]) -> io::Result<Option<OwnedFd
     Ok(fd)
 }
 
+/// One page of memory that two processes of this host map, for words both read and
+/// write atomically ([`SharedPage::word`]): a memfd, sealed so that its size can never
+/// change (a peer that could shrink it would make the other's next access fault),
+/// passed to the peer over a Unix socket ([`send_with_fd`]).
+#[derive(Debug)]
+pub struct SharedPage {
+    ptr: std::ptr::NonNull<std::sync::atomic::AtomicU32>,
+    fd: OwnedFd,
+}
+
+// SAFETY: the page is only ever accessed through atomics, from any thread.
+unsafe impl Send for SharedPage {}
+// SAFETY: as above.
+unsafe impl Sync for SharedPage {}
+
+impl SharedPage {
+    /// Bytes in the page.
+    pub const LEN: usize = 4096;
+
+    /// A new page of zeros, sealed against any change of size.
+    ///
+    /// # Errors
+    /// The system's error.
+    pub fn new() -> io::Result<SharedPage> {
+        let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+        // SAFETY: a valid C string and flags; the result is checked.
+        let raw = unsafe { libc::memfd_create(c"te-shared-page".as_ptr(), flags) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `raw` was just created and is owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: plain calls on an open memfd; results checked.
+        let sized = unsafe {
+            libc::ftruncate(fd.as_raw_fd(), Self::LEN as libc::off_t) == 0
+                && libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) == 0
+        };
+        if !sized {
+            return Err(io::Error::last_os_error());
+        }
+        SharedPage::map(fd)
+    }
+
+    /// The page a peer sent: refused unless it is a memfd of exactly one page that can
+    /// never shrink.
+    ///
+    /// # Errors
+    /// `InvalidData` for a descriptor that is not such a page; the system's error.
+    pub fn open(fd: OwnedFd) -> io::Result<SharedPage> {
+        // SAFETY: a plain call on an open descriptor.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        // SAFETY: an all-zero stat is a valid out-parameter.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `st` is valid for the call; the descriptor is open.
+        let stat = unsafe { libc::fstat(fd.as_raw_fd(), &mut st) };
+        if seals < 0
+            || seals & libc::F_SEAL_SHRINK == 0
+            || stat != 0
+            || st.st_size != Self::LEN as libc::off_t
+        {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "the peer's shared page is not a sealed memfd of one page",
+            ));
+        }
+        SharedPage::map(fd)
+    }
+
+    fn map(fd: OwnedFd) -> io::Result<SharedPage> {
+        // SAFETY: mapping LEN bytes of an open memfd that is at least that long and
+        // cannot shrink; the result is checked.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                Self::LEN,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = std::ptr::NonNull::new(p.cast()).ok_or_else(io::Error::last_os_error)?;
+        Ok(SharedPage { ptr, fd })
+    }
+
+    /// The descriptor to send to the peer.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.fd.as_fd()
+    }
+
+    /// Word `i` of the page (`i < LEN / 4`).
+    ///
+    /// # Panics
+    /// If `i` is outside the page.
+    pub fn word(&self, i: usize) -> &std::sync::atomic::AtomicU32 {
+        assert!(i < Self::LEN / 4, "word {i} is outside the shared page");
+        // SAFETY: the page is mapped for LEN bytes while `self` lives, aligned to a
+        // page, so word `i` lies inside it, aligned; it is only accessed atomically.
+        unsafe { &*self.ptr.as_ptr().add(i) }
+    }
+}
+
+impl Drop for SharedPage {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map`, LEN bytes, no longer referenced (every
+        // word borrowed from `self` is gone).
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), Self::LEN) };
+    }
+}
+
 /// The most ranges one `process_vm_*` call takes (`IOV_MAX`).
 const IOV_MAX: usize = 1024;
 
@@ -338,6 +456,48 @@ unsafe fn cma(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_shared_page_is_seen_by_both_mappings_and_cannot_change_size() {
+        use std::sync::atomic::Ordering;
+        let a = SharedPage::new().unwrap();
+        let dup = a.fd().try_clone_to_owned().unwrap();
+        let b = SharedPage::open(dup).unwrap();
+        a.word(3).store(7, Ordering::SeqCst);
+        assert_eq!(b.word(3).load(Ordering::SeqCst), 7);
+        for len in [0, 2 * SharedPage::LEN] {
+            // SAFETY: a plain call on an open descriptor.
+            let r = unsafe { libc::ftruncate(a.fd().as_raw_fd(), len as libc::off_t) };
+            assert_eq!(r, -1, "resized to {len}");
+        }
+        assert_eq!(b.word(3).load(Ordering::SeqCst), 7);
+    }
+
+    #[test]
+    fn a_page_that_could_shrink_or_is_not_one_page_is_refused() {
+        let memfd = |len: usize, seal: bool| {
+            let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+            // SAFETY: plain calls; results checked.
+            unsafe {
+                let fd = OwnedFd::from_raw_fd(libc::memfd_create(c"t".as_ptr(), flags));
+                assert_eq!(libc::ftruncate(fd.as_raw_fd(), len as libc::off_t), 0);
+                if seal {
+                    assert_eq!(
+                        libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK),
+                        0
+                    );
+                }
+                fd
+            }
+        };
+        for (len, seal) in [(SharedPage::LEN, false), (1 << 20, true), (16, true)] {
+            let e = SharedPage::open(memfd(len, seal)).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{len} {seal}");
+        }
+        assert!(SharedPage::open(memfd(SharedPage::LEN, true)).is_ok());
+        let file = std::fs::File::open("/proc/self/stat").unwrap();
+        assert!(SharedPage::open(file.into()).is_err());
+    }
 
     #[test]
     fn the_boot_id_is_read_as_16_bytes() {

@@ -20,6 +20,10 @@ struct ChannelState {
     drivers: usize,
     /// The owner let go of the channel: its receiving thread ends.
     closed: bool,
+    /// The channel was stopped (`dead` or `closed`) while the target copied one of its
+    /// requests: what waits on it is handed back only once that copy has ended, so the
+    /// channel is read on until then ([`Link::settle`]).
+    draining: bool,
 }
 
 impl ChannelState {
@@ -35,7 +39,7 @@ impl ChannelState {
 
     /// Whether nothing more will be read from the channel.
     fn ended(&self) -> bool {
-        self.closed || self.dead.is_some()
+        (self.closed || self.dead.is_some()) && !self.draining
     }
 }
 
@@ -149,6 +153,9 @@ pub(crate) struct Link {
     /// answer, blocked on the socket, and no caller drives.
     bell: Option<Bell>,
     exports: Arc<Mutex<Exports>>,
+    /// The page this channel shares with the target: the initiator sets
+    /// [`CLOSED`] when it stops the channel, the target [`BUSY`] while it copies.
+    fence: local::SharedPage,
     /// The target can copy host memory with this process (cross-memory attach).
     pub(crate) cma: bool,
     dead: AtomicBool,
@@ -192,6 +199,7 @@ impl Channel {
     ) -> Result<Arc<Channel>> {
         let s = local::connect(&socket_name(instance), timeout)
             .map_err(|e| io_error("no same-host listener for the peer", e))?;
+        let fence = local::SharedPage::new().map_err(|e| io_error("no shared page", e))?;
         // The target reads this copy of the nonce from our memory to learn whether it
         // can reach it; it lives until the welcome has come.
         let probe = Box::new(nonce);
@@ -202,8 +210,7 @@ impl Channel {
         hello[16..48].copy_from_slice(&nonce);
         hello[48..56].copy_from_slice(&(probe.as_ptr() as u64).to_le_bytes());
         hello[56..64].copy_from_slice(&exports.lock().id.to_le_bytes());
-        (&mut &s)
-            .write_all(&hello)
+        local::send_with_fd(&s, &hello, Some(fence.fd()))
             .map_err(|e| io_error("sending the hello", e))?;
         let mut w = [0u8; WELCOME_LEN];
         (&mut &s)
@@ -219,12 +226,14 @@ impl Channel {
         let cma = u16::from_le_bytes([w[6], w[7]]) & 1 != 0;
         s.set_read_timeout(None)
             .map_err(|e| io_error("cannot set timeouts", e))?;
-        Channel::start(s, cma, exports, caller_reads)
+        Channel::start(s, fence, cma, exports, caller_reads)
     }
 
-    /// The channel over `s`, welcomed, with its receiving thread started.
+    /// The channel over `s`, welcomed, sharing `fence` with the target, with its
+    /// receiving thread started.
     pub(crate) fn start(
         s: UnixStream,
+        fence: local::SharedPage,
         cma: bool,
         exports: &Arc<Mutex<Exports>>,
         caller_reads: bool,
@@ -245,11 +254,13 @@ impl Channel {
                 reading: false,
                 drivers: 0,
                 closed: false,
+                draining: false,
             }),
             acked: Condvar::new(),
             turn: Condvar::new(),
             bell,
             exports: exports.clone(),
+            fence,
             cma,
             dead: AtomicBool::new(false),
             progress: std::sync::atomic::AtomicU64::new(0),
@@ -266,12 +277,65 @@ impl Channel {
 }
 
 impl Link {
-    /// Ends the channel for its owner: the receiving thread and any driver stop.
+    /// Ends the channel for its owner: the receiving thread and any driver stop, once
+    /// no copy of the target's can touch what waits here (whose batches then go with
+    /// the channel, as `Cancelled`).
     fn close(&self) {
-        self.state.lock().closed = true;
+        let copying = self.fence_close();
+        let hold = {
+            let mut st = self.state.lock();
+            st.closed = true;
+            st.draining = copying && !st.waiting.is_empty();
+            st.draining
+        };
+        self.stopped(hold);
+    }
+
+    /// Tells the target that no request here may start copying any more, and returns
+    /// whether it copies one now. Each side writes its word before it reads the
+    /// other's, so at least one sees the other's: a target that sees `CLOSED` refuses,
+    /// and one that set `BUSY` first is seen copying.
+    fn fence_close(&self) -> bool {
+        self.fence.word(CLOSED).store(1, Ordering::SeqCst);
+        self.fence.word(BUSY).load(Ordering::SeqCst) != 0
+    }
+
+    /// After the channel stopped: what reads it is told, and the socket shut — only
+    /// our sending side where the channel drains (`hold`), so the target's answer to
+    /// the copy it runs, and its end, still come.
+    fn stopped(&self, hold: bool) {
+        self.acked.notify_all();
         self.turn.notify_all();
         self.ring();
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        let how = match hold {
+            true => std::net::Shutdown::Write,
+            false => std::net::Shutdown::Both,
+        };
+        let _ = self.stream.shutdown(how);
+    }
+
+    /// While the channel drains: once the target no longer copies (it answered the
+    /// request it ran, or closed its end, or died), what waits here is handed back —
+    /// with the error the channel died of, or dropped with a channel its owner closed.
+    fn settle(&self, ended: bool) {
+        if !ended && self.fence.word(BUSY).load(Ordering::SeqCst) != 0 {
+            return;
+        }
+        let (waiting, dead) = {
+            let mut st = self.state.lock();
+            if !st.draining {
+                return;
+            }
+            st.draining = false;
+            let w: Vec<Waiting> = st.waiting.drain().map(|(_, w)| w).collect();
+            (w, if st.closed { None } else { st.dead.clone() })
+        };
+        self.stopped(false);
+        if let Some(e) = dead {
+            for b in waiting.into_iter().flatten() {
+                b.finish_slice(Err(e.clone()));
+            }
+        }
     }
 
     /// Tells the target that the allocation shared under `key` is gone (its region was
@@ -532,18 +596,23 @@ impl Link {
         Some(now)
     }
 
-    /// Marks the channel dead and fails every request waiting on it.
+    /// Marks the channel dead and fails every request waiting on it: at once, or,
+    /// where the target copies one of them now, once it has finished (the channel
+    /// drains: [`Link::settle`]).
     fn fail(&self, e: Error) {
         self.dead.store(true, Ordering::Release);
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
-        let waiting: Vec<Waiting> = {
+        let copying = self.fence_close();
+        let (e, waiting, hold) = {
             let mut st = self.state.lock();
-            st.dead.get_or_insert(e.clone());
-            st.waiting.drain().map(|(_, w)| w).collect()
+            let e = st.dead.get_or_insert(e).clone();
+            st.draining = copying && !st.waiting.is_empty();
+            let w: Vec<Waiting> = match st.draining {
+                true => Vec::new(),
+                false => st.waiting.drain().map(|(_, w)| w).collect(),
+            };
+            (e, w, st.draining)
         };
-        self.acked.notify_all();
-        self.turn.notify_all();
-        self.ring();
+        self.stopped(hold);
         for b in waiting.into_iter().flatten() {
             b.finish_slice(Err(e.clone()));
         }
@@ -642,10 +711,18 @@ impl Link {
         true
     }
 
-    /// Fails the channel with `e`, unless its owner closed it (its batches then go
-    /// with it, as `Cancelled`, whoever was reading).
+    /// Reading the channel ended with `e` (the target closed its end, or broke the
+    /// protocol): a draining channel hands back what waits (the target copies nothing
+    /// more of ours); otherwise the channel fails with `e`, unless its owner closed it
+    /// (its batches then go with it, as `Cancelled`, whoever was reading).
     fn end(&self, e: Error) {
-        if !self.state.lock().closed {
+        let (draining, closed) = {
+            let st = self.state.lock();
+            (st.draining, st.closed)
+        };
+        if draining {
+            self.settle(true);
+        } else if !closed {
             self.fail(e);
         }
     }
@@ -735,7 +812,10 @@ impl Link {
             self.acked.notify_all();
             return Ok(());
         }
-        let waiting = self.state.lock().waiting.remove(&m.id);
+        let (waiting, draining) = {
+            let mut st = self.state.lock();
+            (st.waiting.remove(&m.id), st.draining)
+        };
         let Some(batches) = waiting else {
             return Err(protocol("an answer to no request"));
         };
@@ -744,6 +824,9 @@ impl Link {
                 b.stage_ended(BatchStage::Wire);
             }
             b.finish_slice(result.clone());
+        }
+        if draining {
+            self.settle(false);
         }
         Ok(())
     }

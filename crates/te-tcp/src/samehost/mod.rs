@@ -30,16 +30,29 @@
 //! `TransferBackend::drive`); otherwise the channel's receiving thread reads them all.
 //! The initiator's memory is touched only while its batch waits for the
 //! answer: the batch's pins hold its regions. A request carries its batch's deadline on
-//! the host's monotonic clock, and the target refuses one it reads after it, or after
-//! the initiator closed the channel (its batches were handed back then); at the
-//! deadline the watcher (`watch`) closes a channel that answered nothing for a grace,
+//! the host's monotonic clock, and the target refuses one it reads after it; at the
+//! deadline the watcher (`watch`) stops a channel that answered nothing for a grace,
 //! as it closes a stalled data connection. What the target mapped is unmapped when the
 //! channel closes (the peer disconnected, exited or was killed).
+//!
+//! **The fence.** Each channel shares one page (`local::SharedPage`, sent with the
+//! hello) holding two words: `CLOSED`, which the initiator sets when it stops the
+//! channel (a cut at a deadline, a failure, its owner's close), and `BUSY`, which the
+//! target sets while it copies a request. Each side writes its word, then reads the
+//! other's (both sequentially consistent), so they cannot both miss each other: a
+//! target that sees `CLOSED` refuses the request without touching the initiator's
+//! memory, and an initiator that sees `BUSY` hands nothing back until that copy has
+//! ended — it reads the channel on (the target answers the request it ran, refuses the
+//! rest, then closes its end) and hands back what waits once `BUSY` is clear or the
+//! target's end closed. So no copy of the target's touches memory after its batch was
+//! handed back, however late or stopped the target is; a target stopped in the middle
+//! of a copy holds that batch until it resumes or exits.
 //!
 //! Channel messages (little-endian): the initiator's `Hello` (64 bytes: magic `TELC`,
 //! version u16, flags u16, the target instance u64, the challenge nonce \[32\], the
 //! address u64 of a copy of the nonce in the initiator's memory, the initiator's
-//! random id u64, which with its pid names its allocation keys) and the target's
+//! random id u64, which with its pid names its allocation keys; the fence page's
+//! descriptor attached) and the target's
 //! `Welcome` (8 bytes: magic, status u16 (0 = open), flags u16 (1 = cross-memory
 //! attach works)); then 40-byte headers (kind u8, 3 zero bytes, code u32, id u64, and
 //! three u64 fields `a`, `b`, `c`):
@@ -75,7 +88,7 @@ use crate::state::Shared;
 use crate::wire::{Entry, Header, Kind, NONCE_LEN};
 
 const MAGIC: [u8; 4] = *b"TELC";
-pub(crate) const VERSION: u16 = 4;
+pub(crate) const VERSION: u16 = 5;
 const HELLO_LEN: usize = 64;
 const WELCOME_LEN: usize = 8;
 const HEADER_LEN: usize = 40;
@@ -106,6 +119,12 @@ const FAIL: u8 = 5;
 const UNSHARE: u8 = 6;
 /// The target's answer to a share (by its key): mapped (code 0), or why not.
 const SHARED: u8 = 7;
+
+/// The fence page's word the initiator sets (to 1) when it stops the channel: no
+/// request of it may start copying after that.
+const CLOSED: usize = 0;
+/// The fence page's word the target sets (to 1) while it copies a request's bytes.
+const BUSY: usize = 1;
 
 /// The abstract socket name of backend instance `instance`'s channel listener.
 pub(crate) fn socket_name(instance: u64) -> String {

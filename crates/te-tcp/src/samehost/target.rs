@@ -181,9 +181,7 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
         .map_err(|e| io_error("cannot set timeouts", e))?;
     let (pid, uid) = local::peer_cred(s).map_err(|e| io_error("no peer credentials", e))?;
     let mut hello = [0u8; HELLO_LEN];
-    (&mut &*s)
-        .read_exact(&mut hello)
-        .map_err(|e| io_error("reading the hello", e))?;
+    let page = local::recv_with_fd(s, &mut hello).map_err(|e| io_error("reading the hello", e))?;
     opened();
     let instance = u64::from_le_bytes(hello[8..16].try_into().unwrap_or_default());
     let nonce: [u8; NONCE_LEN] = hello[16..48].try_into().unwrap_or_default();
@@ -200,11 +198,20 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
     } else {
         None
     };
-    if let Some(why) = refused {
+    let fence = match (refused, page.map(local::SharedPage::open)) {
+        (None, Some(Ok(f))) => Some(Fence(f)),
+        _ => None,
+    };
+    let refused = match (refused, &fence) {
+        (None, None) => Some("no shared page (a sealed memfd of one page) with the hello"),
+        (r, _) => r,
+    };
+    let (None, Some(fence)) = (refused, fence) else {
+        let why = refused.unwrap_or_default();
         tracing::warn!(pid, uid, why, "refused a same-host channel");
         let _ = (&mut &*s).write_all(&welcome(1, false));
         return Ok(());
-    }
+    };
     // Cross-memory attach, tried once: the nonce must be where the initiator said.
     let mut seen = [0u8; NONCE_LEN];
     // SAFETY: `seen` is ours and untouched during the call.
@@ -346,7 +353,9 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
                     ));
                 }
                 let op = if m.kind == WRITE { Op::Write } else { Op::Read };
-                let r = run(shared, pid, cma, &imports, op, &entries, &|| wanted(s, m.a));
+                let r = run(shared, pid, cma, &imports, op, &entries, &|| {
+                    fence.begin(m.a)
+                });
                 // What a channel keeps between requests stays small whatever a peer
                 // sent: the buffers of a request larger than KEPT_ENTRIES go with it.
                 if n > KEPT_ENTRIES {
@@ -369,27 +378,40 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
     }
 }
 
-/// Whether a request on channel `s` with deadline `deadline_us` (0: none) may still be
-/// copied: never after its batch was handed back.
-fn wanted(s: &UnixStream, deadline_us: u64) -> Result<()> {
-    // On the clock both processes share: a request read late (this process was busy or
-    // stopped) is refused.
-    if deadline_us != 0 && monotonic_us() >= deadline_us {
-        return Err(Error::new(
-            ErrorKind::Timeout,
-            "the batch's deadline passed before its copies started",
-        ));
+/// The target's side of a channel's fence page (see the module's docs).
+struct Fence(local::SharedPage);
+
+impl Fence {
+    /// Marks a request with deadline `deadline_us` (0: none) copying, until the guard
+    /// drops — unless its batch may have been handed back: its deadline passed (on the
+    /// clock both processes share: this process was busy or stopped), or the initiator
+    /// stopped the channel.
+    fn begin(&self, deadline_us: u64) -> Result<Copying<'_>> {
+        if deadline_us != 0 && monotonic_us() >= deadline_us {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                "the batch's deadline passed before its copies started",
+            ));
+        }
+        self.0.word(BUSY).store(1, Ordering::SeqCst);
+        let copying = Copying(self);
+        if self.0.word(CLOSED).load(Ordering::SeqCst) != 0 {
+            return Err(Error::new(
+                ErrorKind::Cancelled,
+                "the initiator stopped the channel before the request's copies started",
+            ));
+        }
+        Ok(copying)
     }
-    // Nor after the initiator closed the channel (its engine closed, the peer was
-    // dropped): its batches were handed back then, whatever is still in the socket.
-    let gone = libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR;
-    if poll(s, libc::POLLRDHUP, Duration::ZERO).is_ok_and(|r| r & gone != 0) {
-        return Err(Error::new(
-            ErrorKind::Cancelled,
-            "the initiator closed the channel before the request's copies started",
-        ));
+}
+
+/// A request's copies running: `BUSY` is cleared when this drops.
+struct Copying<'a>(&'a Fence);
+
+impl Drop for Copying<'_> {
+    fn drop(&mut self) {
+        self.0 .0.word(BUSY).store(0, Ordering::SeqCst);
     }
-    Ok(())
 }
 
 /// The answer to message `id`: kind `ok` with code 0, or kind `failed` with the error's
@@ -429,16 +451,16 @@ fn welcome(status: u16, cma: bool) -> [u8; WELCOME_LEN] {
 }
 
 /// One request: every entry admitted as a served frame's are (its region pinned), then
-/// `wanted` asked whether the request may still be copied, then the copies, then the
-/// pins released.
-fn run(
+/// `begin` asked whether the request may still be copied (and told the initiator it
+/// is, until its guard drops), then the copies, then the pins released.
+fn run<'f>(
     shared: &Shared,
     pid: i32,
     cma: bool,
     imports: &HashMap<u64, std::result::Result<Arc<Import>, Error>>,
     op: Op,
     entries: &[Range],
-    wanted: &dyn Fn() -> Result<()>,
+    begin: &dyn Fn() -> Result<Copying<'f>>,
 ) -> Result<()> {
     // Each entry's region, as an index into the regions named (in the order first
     // named): a request's entries come grouped by region, so the last one is tried
@@ -539,7 +561,7 @@ fn run(
             }
         }
     }
-    wanted()?;
+    let copying = begin()?;
     if !host_here.is_empty() {
         // SAFETY: every local range was admitted inside a region the pins keep
         // registered until after the call; for a READ we only read them.
@@ -563,6 +585,7 @@ fn run(
         // until this request is answered.
         unsafe { rt.copy_group_wait(&copies) }?;
     }
+    drop(copying);
     drop(pins);
     Ok(())
 }

@@ -215,9 +215,22 @@ fn raw(target: &TcpBackend) -> std::os::unix::net::UnixStream {
 }
 
 /// A proven channel's raw stream: the hello with a nonce the target gave (and where to
-/// find it, so host memory may move by cross-memory attach), welcome read.
+/// find it, so host memory may move by cross-memory attach) and a fence page, welcome
+/// read.
 fn proven_raw(target: &TcpBackend) -> std::os::unix::net::UnixStream {
-    use std::io::{Read, Write};
+    let page = te_core::local::SharedPage::new().unwrap();
+    let (s, w) = hello_with(target, Some(page.fd()));
+    assert_eq!(&w[4..6], &[0, 0], "welcomed");
+    s
+}
+
+/// A raw channel to `target` after a good hello with descriptor `fd` attached (the
+/// fence page, or anything else), and the target's welcome.
+fn hello_with(
+    target: &TcpBackend,
+    fd: Option<std::os::fd::BorrowedFd<'_>>,
+) -> (std::os::unix::net::UnixStream, [u8; 8]) {
+    use std::io::Read;
     let instance = decode_endpoint(&target.endpoint()).unwrap().instance;
     let n = nonce(target);
     let mut s = raw(target);
@@ -229,11 +242,10 @@ fn proven_raw(target: &TcpBackend) -> std::os::unix::net::UnixStream {
     // Where the target finds the nonce by cross-memory attach: `n` lives until the
     // welcome has come.
     hello[48..56].copy_from_slice(&(n.as_ptr() as u64).to_le_bytes());
-    s.write_all(&hello).unwrap();
+    te_core::local::send_with_fd(&s, &hello, fd).unwrap();
     let mut w = [0u8; 8];
     s.read_exact(&mut w).unwrap();
-    assert_eq!(&w[4..6], &[0, 0], "welcomed");
-    s
+    (s, w)
 }
 
 /// Whether the target closed `s` within 5 s (read returns end of file or a reset; a
@@ -285,6 +297,15 @@ fn hostile_channels_are_closed_and_the_listener_keeps_serving_good_peers() {
     let mut s = raw(&target);
     s.write_all(&[0x55; 64]).unwrap();
     assert!(closed(&mut s));
+
+    // A good hello without a fence page, or with a file that could change size in its
+    // place: refused (the target would fault on a page its peer shrank).
+    let file = std::fs::File::open("/proc/self/stat").unwrap();
+    for fd in [None, Some(std::os::fd::AsFd::as_fd(&file))] {
+        let (mut s, w) = hello_with(&target, fd);
+        assert_eq!(&w[4..6], &[1, 0], "refused");
+        assert!(closed(&mut s));
+    }
 
     // A proven channel that sends a message of no kind, a request of too many entries,
     // or a share whose runtime and device name is longer than any: closed before
@@ -614,9 +635,25 @@ fn dev(region: u64, len: u64, addr: *const u8) -> Range {
 /// A channel with `caller_reads` to a fake target: the test plays the target on the
 /// other end of `peer`.
 fn fake_channel() -> (Arc<Channel>, std::os::unix::net::UnixStream) {
-    let (ours, peer) = std::os::unix::net::UnixStream::pair().unwrap();
-    let ch = Channel::start(ours, true, &Default::default(), true).unwrap();
+    let (ch, peer, _) = fenced_channel(true);
     (ch, peer)
+}
+
+/// A channel to a fake target, with the fake target's mapping of the channel's fence
+/// page: word 0 is the initiator's `CLOSED`, word 1 the target's `BUSY`.
+fn fenced_channel(
+    caller_reads: bool,
+) -> (
+    Arc<Channel>,
+    std::os::unix::net::UnixStream,
+    te_core::local::SharedPage,
+) {
+    let (ours, peer) = std::os::unix::net::UnixStream::pair().unwrap();
+    let fence = te_core::local::SharedPage::new().unwrap();
+    let theirs =
+        te_core::local::SharedPage::open(fence.fd().try_clone_to_owned().unwrap()).unwrap();
+    let ch = Channel::start(ours, fence, true, &Default::default(), caller_reads).unwrap();
+    (ch, peer, theirs)
 }
 
 /// The fake target reads one request and returns its id.
@@ -645,6 +682,17 @@ fn submit_traced(
     ch: &Channel,
     range: Range,
 ) -> mpsc::Receiver<(Result<()>, std::thread::ThreadId)> {
+    submit_batch(ch, range).1
+}
+
+/// As [`submit_traced`], with the batch.
+fn submit_batch(
+    ch: &Channel,
+    range: Range,
+) -> (
+    Arc<Batch>,
+    mpsc::Receiver<(Result<()>, std::thread::ThreadId)>,
+) {
     let (tx, rx) = mpsc::channel();
     let done = Completion::new(Duration::from_secs(30), move |r, _| {
         let _ = tx.send((r, std::thread::current().id()));
@@ -653,9 +701,82 @@ fn submit_traced(
     ch.submit(vec![Frame {
         op: Op::Write,
         ranges: vec![range],
-        batch,
+        batch: batch.clone(),
     }]);
-    rx
+    (batch, rx)
+}
+
+/// Stops `ch` as the deadline watcher does once a batch's channel answered nothing
+/// for a grace.
+fn cut(ch: &Channel, batch: &Arc<Batch>) {
+    let seen = ch.cut(batch, None).expect("the batch waits on the channel");
+    assert_eq!(ch.cut(batch, Some(seen)), None, "stopped");
+}
+
+#[test]
+fn a_channel_stopped_while_the_target_copies_hands_back_nothing_until_the_copy_ends() {
+    use std::sync::atomic::Ordering::SeqCst;
+    for caller_reads in [false, true] {
+        let (ch, mut peer, fence) = fenced_channel(caller_reads);
+        let src = [1u8; 16];
+        let (a, copied) = submit_batch(&ch, dev(1, 16, src.as_ptr()));
+        let (_, unread) = submit_batch(&ch, dev(1, 16, src.as_ptr()));
+        let id = read_request(&mut peer);
+        // The target copies the first request; the second is still in the socket.
+        fence.word(1).store(1, SeqCst);
+        cut(&ch, &a);
+        assert_eq!(fence.word(0).load(SeqCst), 1, "the target is told");
+        for rx in [&copied, &unread] {
+            assert!(
+                rx.recv_timeout(Duration::from_millis(300)).is_err(),
+                "nothing is handed back while the target copies"
+            );
+        }
+        // The copy ends and is answered: both are handed back, the unread one failed.
+        fence.word(1).store(0, SeqCst);
+        answer_done(&mut peer, id);
+        let wait = Duration::from_secs(5);
+        copied.recv_timeout(wait).unwrap().0.unwrap();
+        let e = unread.recv_timeout(wait).unwrap().0.unwrap_err();
+        assert_eq!(e.kind(), te_core::ErrorKind::Timeout, "{e}");
+        assert!(!ch.is_alive());
+    }
+}
+
+#[test]
+fn a_channel_stopped_while_the_target_is_idle_hands_back_at_once() {
+    let (ch, mut peer, _fence) = fenced_channel(false);
+    let src = [1u8; 16];
+    let (a, done) = submit_batch(&ch, dev(1, 16, src.as_ptr()));
+    read_request(&mut peer);
+    cut(&ch, &a);
+    let e = done
+        .recv_timeout(Duration::from_secs(1))
+        .unwrap()
+        .0
+        .unwrap_err();
+    assert_eq!(e.kind(), te_core::ErrorKind::Timeout, "{e}");
+}
+
+#[test]
+fn a_channel_its_owner_drops_while_the_target_copies_keeps_the_batch_until_the_copy_ends() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let (ch, mut peer, fence) = fenced_channel(false);
+    let src = [1u8; 16];
+    let done = submit_traced(&ch, dev(1, 16, src.as_ptr()));
+    let id = read_request(&mut peer);
+    fence.word(1).store(1, SeqCst);
+    drop(ch);
+    assert!(
+        done.recv_timeout(Duration::from_millis(300)).is_err(),
+        "the batch is kept while the target copies"
+    );
+    fence.word(1).store(0, SeqCst);
+    answer_done(&mut peer, id);
+    done.recv_timeout(Duration::from_secs(5))
+        .unwrap()
+        .0
+        .unwrap();
 }
 
 fn in_10s() -> te_core::Deadline {
@@ -694,13 +815,7 @@ fn a_caller_driving_the_channel_reads_its_own_answer_and_the_receiving_thread_th
     assert_ne!(by, driver);
     assert_ne!(by, std::thread::current().id());
     // Without `caller_reads` no caller is lent the channel: its thread reads all.
-    let (plain, mut peer2) = {
-        let (ours, peer) = std::os::unix::net::UnixStream::pair().unwrap();
-        (
-            Channel::start(ours, true, &Default::default(), false).unwrap(),
-            peer,
-        )
-    };
+    let (plain, mut peer2, _) = fenced_channel(false);
     let done = submit_traced(&plain, dev(1, 16, src.as_ptr()));
     assert!(!plain.drive(te_core::BatchId(0), in_10s()));
     let id = read_request(&mut peer2);
