@@ -5,19 +5,17 @@
 //!
 //! Also here, since they move fakedev bytes too: every byte of both ops with both sides
 //! on the device and with host and device memory mixed in one batch; a failed copy
-//! group failing exactly its batch and giving its staging back.
+//! group, of either op on either side, failing exactly its batch and giving its staging
+//! back.
 
 mod common;
 
 use std::sync::Arc;
 
-use common::{backend, connect, deregister, pattern, run, DevMem};
+use common::{backend, connect, deregister, host, pattern, run, DevMem};
 use te_core::device::fakedev::FakeDev;
 use te_core::device::CopyStats;
-use te_core::{
-    Access, ErrorKind, MemoryDesc, MemoryKind, Op, RegionId, TransferBackend, TransferRequest,
-};
-use te_tcp::TcpBackend;
+use te_core::{Access, ErrorKind, Op, RegionId, TransferRequest};
 
 const SMALL: u64 = 4 << 10;
 /// 128 blocks of 4 KiB: one 512 KiB frame of 128 entries.
@@ -58,19 +56,6 @@ fn assert_landed(landed: &[u8], data: &[u8], first: u64) {
             "block {i} landed intact"
         );
     }
-}
-
-/// Host memory registered with a backend (kept alive by the caller).
-fn host(b: &TcpBackend, id: u64, v: &mut [u8], access: Access) {
-    let mem = MemoryDesc {
-        name: "h".into(),
-        addr: v.as_mut_ptr() as u64,
-        len: v.len() as u64,
-        kind: MemoryKind::Host,
-        access,
-    };
-    b.register(RegionId(id), &mem)
-        .expect("register host memory");
 }
 
 #[test]
@@ -173,28 +158,31 @@ fn a_frame_of_128_device_slices_costs_each_side_at_most_two_device_calls() {
         );
     }
 
-    // A failed copy group fails its batch alone, and gives its staging back: the
-    // initiator's gather fails once, then the target's scatter.
-    for (side, ordinal) in [("initiator", 0), ("target", 1)] {
-        dev.fail_next(ordinal, 1);
-        let e = run(&init, peer, &scattered(Op::Write, 1, 1, 0)).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::Backend, "{side}: {e}");
-        assert!(e.to_string().contains("injected"), "{side}: {e}");
-        // 32 MiB in 64 frames of 512 KiB: eight times the staging ring of each
-        // direction, so a range the failure kept would stop the ring coming round.
-        let whole = TransferRequest {
-            op: Op::Write,
-            local: RegionId(1),
-            local_offset: 0,
-            remote: RegionId(1),
-            remote_offset: 0,
-            len: (2 * total) as u64,
-        };
-        let big = vec![whole; 32];
-        run(&init, peer, &big).expect("the staging came back: a batch of 4 rings goes through");
-        run(&init, peer, &scattered(Op::Write, 1, 1, 0)).expect("the next batch succeeds");
-        assert_landed(&remote.read(), &data, 0);
+    // A failed copy group fails its batch alone, and gives its staging back: for each
+    // op, a copy group fails once at the initiator, then once at the target (a WRITE's
+    // gather there and scatter here, a READ's the other way round).
+    for (op, local) in [(Op::Write, 1), (Op::Read, 2)] {
+        for (side, ordinal) in [("initiator", 0), ("target", 1)] {
+            dev.fail_next(ordinal, 1);
+            let e = run(&init, peer, &scattered(op, local, 1, 0)).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Backend, "{op:?} {side}: {e}");
+            assert!(e.to_string().contains("injected"), "{op:?} {side}: {e}");
+            // 32 MiB in 64 frames of 512 KiB: eight times the staging ring of each
+            // direction, so a range the failure kept would stop the ring coming round.
+            let whole = TransferRequest {
+                op,
+                local: RegionId(local),
+                local_offset: 0,
+                remote: RegionId(1),
+                remote_offset: 0,
+                len: (2 * total) as u64,
+            };
+            let big = vec![whole; 32];
+            run(&init, peer, &big).expect("the staging came back: a batch of 4 rings goes through");
+            run(&init, peer, &scattered(op, local, 1, 0)).expect("the next batch succeeds");
+        }
     }
+    assert_landed(&remote.read(), &data, 0);
 
     deregister(&init, &[1, 2, 3, 4]);
     deregister(&target, &[1]);

@@ -9,7 +9,6 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::{assert_scattered, backend_with, requests, run, Pair, BLOCK, BLOCKS, SLICE};
@@ -19,13 +18,7 @@ const LATENCY: Duration = Duration::from_millis(40);
 
 #[test]
 fn a_staged_batch_keeps_its_frames_copies_in_flight_together() {
-    let table: toml::Table = format!(
-        "launch_cost = \"0us\"\nsync_cost = \"0us\"\ncompletion_latency = \"{}ms\"",
-        LATENCY.as_millis()
-    )
-    .parse()
-    .unwrap();
-    te_core::device::configure(&BTreeMap::from([("fakedev".to_string(), table)]));
+    common::fakedev_costs(Duration::ZERO, LATENCY);
     // Staged over the socket on both sides, as to a peer on another host, and on
     // one connection, so that its frames have only each other to overlap with.
     let p = Pair::with(|| {

@@ -6,7 +6,8 @@
 //! Failure: whoever sees the connection break marks it dead and shuts the socket down;
 //! every slice on it then fails, exactly once, by whichever of the writer and the
 //! receiver leaves last, so no slice is failed (and its memory released) while a
-//! task still reads or writes that memory.
+//! task still reads or writes that memory. A device WRITE slice whose staging copy
+//! still reads the caller's memory fails when that copy ends.
 
 use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpStream};
@@ -62,12 +63,28 @@ struct ToStage {
 }
 
 impl Tx {
-    /// Everything still on the connection, once it is dead and nobody writes.
+    /// Everything still on the connection, once it is dead and nobody writes, but the
+    /// slices whose staging copy runs: they stay in `unsent` until the copy ends
+    /// ([`Conn::copy_ended`]).
     fn drain(&mut self) -> Vec<Slice> {
         self.carry.clear();
         self.to_stage.clear();
         self.out_staged.clear();
-        self.sent.drain(..).chain(self.unsent.drain(..)).collect()
+        let (copying, left): (VecDeque<Slice>, VecDeque<Slice>) = std::mem::take(&mut self.unsent)
+            .into_iter()
+            .partition(Slice::is_copying);
+        self.unsent = copying;
+        self.sent.drain(..).chain(left).collect()
+    }
+
+    /// What [`Tx::drain`] gives once the connection is dead and no writer holds it;
+    /// nothing otherwise (a writer drains when it sees the connection dead).
+    fn drain_if_idle(&mut self) -> Vec<Slice> {
+        if self.dead.is_some() && !self.busy {
+            self.drain()
+        } else {
+            Vec::new()
+        }
     }
 }
 
@@ -258,14 +275,9 @@ impl Conn {
         }
         let mine = |s: &Slice| Arc::ptr_eq(&s.batch, batch);
         // A slice whose device copy runs stays: the writer drops it once the copy ends.
-        let copying = |s: &Slice| {
-            s.stage
-                .as_ref()
-                .is_some_and(|st| matches!(*st.lock(), Stage::Copying))
-        };
         let (gone, kept): (VecDeque<Slice>, VecDeque<Slice>) = std::mem::take(&mut tx.unsent)
             .into_iter()
-            .partition(|s| mine(s) && !copying(s));
+            .partition(|s| mine(s) && !s.is_copying());
         tx.unsent = kept;
         let on_wire = tx.sent.iter().any(mine)
             || tx.receiving.as_ref().is_some_and(|b| Arc::ptr_eq(b, batch));
@@ -299,16 +311,21 @@ impl Conn {
                 tx.dead = Some(e.clone());
             }
             self.dead.store(true, Ordering::Release);
-            if tx.busy {
-                Vec::new()
-            } else {
-                tx.drain()
-            }
+            tx.drain_if_idle()
         };
         self.sock.shutdown();
         self.wake.notify_one();
         let e = self.dead_error();
         self.fail(left, e);
+    }
+
+    /// A device WRITE slice's staging copy has ended: wakes the writer, which sends
+    /// its frame. On a dead connection that nobody writes on any more, the slices
+    /// whose copy has ended fail here.
+    fn copy_ended(&self) {
+        let left = self.lock().drain_if_idle();
+        self.wake.notify_one();
+        self.fail(left, self.dead_error());
     }
 
     /// Fails slices that were queued on this connection, each with its own error.

@@ -138,6 +138,14 @@ impl Slice {
         }
     }
 
+    /// Whether the slice's staging copy runs: until it ends, it reads the caller's
+    /// device memory, so the slice may not end before it.
+    pub(crate) fn is_copying(&self) -> bool {
+        self.stage
+            .as_ref()
+            .is_some_and(|st| matches!(*st.lock(), Stage::Copying))
+    }
+
     /// The local ranges (address, bytes) the slice moves, in wire order.
     pub(crate) fn pieces(&self) -> Vec<(usize, usize)> {
         if self.parts.is_empty() {

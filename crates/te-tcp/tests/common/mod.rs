@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -81,6 +82,26 @@ impl Drop for DevMem {
     fn drop(&mut self) {
         let _ = self.rt.free(self.ordinal, self.addr);
     }
+}
+
+/// Registers host memory `v` (kept alive by the caller) as region `id` of `b`.
+pub fn host(b: &TcpBackend, id: u64, v: &mut [u8], access: Access) {
+    b.register(RegionId(id), &testkit::host_memory(v, access))
+        .expect("register host memory");
+}
+
+/// Sets what this process's fakedev copies cost: `launch` on a group's queue thread
+/// before it copies, and `latency` before its end is reported. The settings hold for
+/// the whole process.
+pub fn fakedev_costs(launch: Duration, latency: Duration) {
+    let table: toml::Table = format!(
+        "launch_cost = \"{}us\"\nsync_cost = \"0us\"\ncompletion_latency = \"{}us\"",
+        launch.as_micros(),
+        latency.as_micros()
+    )
+    .parse()
+    .expect("fakedev settings");
+    te_core::device::configure(&BTreeMap::from([("fakedev".to_string(), table)]));
 }
 
 /// A tcp backend with `SLICE`-byte slices; `local_copies` as given.

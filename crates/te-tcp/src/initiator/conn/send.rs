@@ -30,8 +30,7 @@ impl Conn {
     pub(super) fn hand_off(&self) {
         let mut tx = self.lock();
         tx.busy = false;
-        let dead = tx.dead.is_some();
-        let left = if dead { tx.drain() } else { Vec::new() };
+        let left = tx.drain_if_idle();
         drop(tx);
         self.wake.notify_one();
         self.fail(left, self.dead_error());
@@ -286,7 +285,7 @@ impl Conn {
                     };
                 }
                 if let Some(conn) = me.upgrade() {
-                    conn.wake.notify_one();
+                    conn.copy_ended();
                 }
             };
             // SAFETY: the device ranges lie in a region the batch's pins (held by
