@@ -42,7 +42,11 @@
 //! duplicate of the descriptor (to pass over a Unix socket), and
 //! [`DeviceRuntime::ipc_import`] maps one at a fresh fake address of this process, so
 //! bytes one process copies in are the bytes the other copies out. Nothing orders two
-//! processes' copies to the same bytes: as on a GPU, the transfer protocol must.
+//! processes' copies to the same bytes: as on a GPU, the transfer protocol must. Each
+//! memfd is sealed when it is made (`F_SEAL_SHRINK`, `F_SEAL_GROW`, `F_SEAL_SEAL`), and
+//! an import refuses a descriptor without `F_SEAL_SHRINK`: so no process, however
+//! hostile, can shrink an allocation under another's mapping, whose next copy would
+//! otherwise fault (`SIGBUS`) and kill that process.
 //!
 //! What it cannot prove: DMA behaviour, a real driver's alignment or pinning rules,
 //! copy bandwidth, or anything about GPUDirect; nor a real driver's IPC rules — that
@@ -159,8 +163,9 @@ impl Mapping {
                 format!("cannot allocate {len} bytes"),
             )
         })?;
+        let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
         // SAFETY: the name is a valid C string; the call only creates a descriptor.
-        let raw = unsafe { libc::memfd_create(c"te-fakedev".as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe { libc::memfd_create(c"te-fakedev".as_ptr(), flags) };
         if raw < 0 {
             return Err(os_error("memfd_create"));
         }
@@ -169,6 +174,13 @@ impl Mapping {
         // SAFETY: `fd` is an open memfd; a new one reads as zeros up to `size`.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
             return Err(os_error("ftruncate of a memfd"));
+        }
+        // Its size is final: no process that holds it can shrink it under another's
+        // mapping (see the module's docs), nor add seals of its own.
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: `fd` is an open memfd made with sealing allowed.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+            return Err(os_error("sealing a memfd"));
         }
         Mapping::map(fd, len)
     }
@@ -896,6 +908,16 @@ impl DeviceRuntime for FakeDev {
                     format!("cannot import {len} bytes of fakedev memory"),
                 )
             })?;
+        // Sealed, its size cannot drop below what the check below sees.
+        // SAFETY: `fd` is an open descriptor; the call only reads its seals.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidRequest,
+                "cannot import fakedev memory whose descriptor is not a memfd sealed with \
+                 F_SEAL_SHRINK: its owner could shrink it under the mapping",
+            ));
+        }
         // SAFETY: an all-zero `stat` is a valid value for the out-parameter.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: `fd` is an open descriptor and `st` a valid out-parameter.
@@ -1317,6 +1339,36 @@ mod tests {
         );
         let e = rt.ipc_export(0x1000).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidRequest);
+    }
+
+    #[test]
+    fn an_import_needs_a_memfd_sealed_against_shrinking_and_an_export_cannot_shrink() {
+        let rt = fresh();
+        // A peer's memfd that nothing stops it from shrinking.
+        // SAFETY: the name is a valid C string; the call only creates a descriptor.
+        let raw = unsafe { libc::memfd_create(c"unsealed".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(raw >= 0, "{}", std::io::Error::last_os_error());
+        // SAFETY: `raw` is a descriptor just opened and owned by nothing else.
+        let unsealed = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: `unsealed` is an open memfd.
+        assert_eq!(unsafe { libc::ftruncate(unsealed.as_raw_fd(), 4096) }, 0);
+        let e = rt.ipc_import(0, &[], Some(unsealed), 4096).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidRequest);
+        assert!(e.to_string().contains("F_SEAL_SHRINK"), "{e}");
+
+        // fakedev's own export: the exporting peer cannot shrink it under the import.
+        let dev = rt.alloc(0, 4096).unwrap();
+        let fd = rt.ipc_export(dev).unwrap().fd.expect("a memfd");
+        let peers = fd.try_clone().unwrap();
+        let imported = rt.ipc_import(1, &[], Some(fd), 4096).unwrap();
+        // SAFETY: `peers` is an open descriptor; a refused call changes nothing.
+        let shrunk = unsafe { libc::ftruncate(peers.as_raw_fd(), 0) };
+        let errno = std::io::Error::last_os_error().raw_os_error();
+        assert_eq!((shrunk, errno), (-1, Some(libc::EPERM)));
+        write(&rt, 1, imported, &[5; 4096]).unwrap();
+        assert_eq!(read_back(&rt, 0, dev, 4096), vec![5; 4096]);
+        rt.ipc_close(imported).unwrap();
+        rt.free(0, dev).unwrap();
     }
 
     #[test]
