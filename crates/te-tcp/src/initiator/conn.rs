@@ -325,7 +325,9 @@ impl Conn {
     fn copy_ended(&self) {
         let left = self.lock().drain_if_idle();
         self.wake.notify_one();
-        self.fail(left, self.dead_error());
+        if !left.is_empty() {
+            self.fail(left, self.dead_error());
+        }
     }
 
     /// Fails slices that were queued on this connection, each with its own error.
