@@ -77,9 +77,15 @@ fn engine(local_ipc: bool) -> Engine {
 
 /// An engine on tcp, with `caller_reads` as given.
 fn engine_with(local_ipc: bool, caller_reads: bool) -> Engine {
-    let text = format!(
-        "[engine]\nbackend = \"tcp\"\ndefault_timeout = \"30s\"\n[backends.tcp]\nlocal_ipc = {local_ipc}\ncaller_reads = {caller_reads}\n"
-    );
+    engine_tcp(&format!(
+        "local_ipc = {local_ipc}\ncaller_reads = {caller_reads}\n"
+    ))
+}
+
+/// An engine on tcp with `[backends.tcp]` lines `tcp`.
+fn engine_tcp(tcp: &str) -> Engine {
+    let text =
+        format!("[engine]\nbackend = \"tcp\"\ndefault_timeout = \"30s\"\n[backends.tcp]\n{tcp}");
     let c = Config::from_toml(&text, "same_host.toml", std::path::Path::new(".")).unwrap();
     Engine::from_config(&c).expect("engine")
 }
@@ -458,4 +464,52 @@ fn closing_the_engine_while_the_target_copies_hands_the_batch_back_after_the_cop
     // The copy ran to its end: the batch may have completed, or be cancelled.
     let _ = h.wait();
     untouched_after_hand_back(&dst, start, start.elapsed());
+}
+
+#[test]
+fn submitting_to_a_stopped_target_never_waits_and_a_batch_ends_at_its_deadline() {
+    // One channel; the target stops reading. A request larger than the socket holds is
+    // left to the channel's writing thread, so neither its caller nor the next batch's
+    // waits for the target, and the next batch ends at its own deadline.
+    let server = serve("host", "4MiB", &[]);
+    let e = engine_tcp("connections_per_peer = 1\n");
+    let src = e.alloc("src", 4 << 20, Access::LOCAL).unwrap();
+    let peer = e.connect(&server.addr).unwrap();
+    assert!(matches!(path(&peer, true), PeerPath::SameHost { .. }));
+    let remote = peer.region("buffer").unwrap().id;
+    let write = |at: u64| TransferRequest::write(src.id(), at, remote, at, 8);
+    e.transfer(&peer, &[write(0)]).unwrap().wait().unwrap();
+    let pid = server.child.id() as i32;
+    stop(pid);
+    let opts = |timeout| te::TransferOptions {
+        timeout: Some(timeout),
+        ..Default::default()
+    };
+    // 40,000 entries: a request of 1.6 MB.
+    let many: Vec<_> = (0..40_000).map(|i| write(i * 64)).collect();
+    let start = std::time::Instant::now();
+    let big = e
+        .transfer_with(&peer, &many, &opts(Duration::from_secs(20)))
+        .unwrap();
+    let submitted = start.elapsed();
+    let start = std::time::Instant::now();
+    let r = e
+        .transfer_with(&peer, &[write(0)], &opts(Duration::from_millis(500)))
+        .unwrap()
+        .wait();
+    let ended = start.elapsed();
+    // SAFETY: signals the child this test started and still owns.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert!(
+        submitted < Duration::from_secs(1),
+        "submitting took {submitted:?}"
+    );
+    let err = r.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
+    assert!(
+        ended < Duration::from_millis(2500),
+        "a batch with a 500 ms deadline ended after {ended:?}"
+    );
+    // The stalled channel was stopped: the large batch went with it.
+    assert!(big.wait().is_err());
 }

@@ -107,17 +107,50 @@ pub fn my_uid() -> u32 {
 /// # Errors
 /// The system's error.
 pub fn send_with_fd(s: &UnixStream, bytes: &[u8], fd: Option<BorrowedFd<'_>>) -> io::Result<()> {
+    let sent = match fd {
+        Some(_) => sendmsg(s, bytes, fd, 0)?,
+        None => 0,
+    };
+    let mut w = s;
+    io::Write::write_all(&mut w, &bytes[sent..])
+}
+
+/// Sends what of `bytes` `s` takes without waiting, with `fd` (if any) attached to the
+/// first byte: the bytes sent, 0 where the socket is full (then `fd` was not sent).
+///
+/// # Errors
+/// The system's error (`BrokenPipe` for a socket shut for writing, never a signal).
+pub fn send_nowait(s: &UnixStream, bytes: &[u8], fd: Option<BorrowedFd<'_>>) -> io::Result<usize> {
     let mut sent = 0;
+    let mut fd = fd;
+    while sent < bytes.len() {
+        match sendmsg(s, &bytes[sent..], fd.take(), libc::MSG_DONTWAIT) {
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(sent)
+}
+
+/// One `sendmsg` of `bytes` with `flags` (and `MSG_NOSIGNAL`), with `fd` attached if
+/// given: the bytes sent.
+fn sendmsg(
+    s: &UnixStream,
+    bytes: &[u8],
+    fd: Option<BorrowedFd<'_>>,
+    flags: i32,
+) -> io::Result<usize> {
+    // Room for one descriptor, aligned as cmsghdr needs.
+    let mut space = [0u64; 4];
+    let iov = [IoSlice::new(bytes)];
+    // SAFETY: an all-zero msghdr is a valid empty message; the fields set below
+    // point at `iov` and `space`, which outlive the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = 1;
     if let Some(fd) = fd {
-        let raw = fd.as_raw_fd();
-        // Room for one descriptor, aligned as cmsghdr needs.
-        let mut space = [0u64; 4];
-        let iov = [IoSlice::new(bytes)];
-        // SAFETY: an all-zero msghdr is a valid empty message; the fields set below
-        // point at `iov` and `space`, which outlive the call.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
-        msg.msg_iovlen = 1;
         msg.msg_control = space.as_mut_ptr().cast();
         // SAFETY: CMSG_SPACE is a pure size computation.
         msg.msg_controllen = unsafe { libc::CMSG_SPACE(std::mem::size_of::<i32>() as u32) } as _;
@@ -128,17 +161,15 @@ pub fn send_with_fd(s: &UnixStream, bytes: &[u8], fd: Option<BorrowedFd<'_>>) ->
             (*c).cmsg_level = libc::SOL_SOCKET;
             (*c).cmsg_type = libc::SCM_RIGHTS;
             (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<i32>() as u32) as _;
-            std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<i32>(), raw);
+            std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<i32>(), fd.as_raw_fd());
         }
-        // SAFETY: `msg` is fully initialised above and points at live buffers.
-        let n = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        sent = n as usize;
     }
-    let mut w = s;
-    io::Write::write_all(&mut w, &bytes[sent..])
+    // SAFETY: `msg` is fully initialised above and points at live buffers.
+    let n = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL | flags) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
 }
 
 /// Reads exactly `buf.len()` bytes from `s`, and the descriptor attached to them, if
@@ -456,6 +487,26 @@ unsafe fn cma(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sending_without_waiting_stops_where_the_socket_is_full_and_carries_the_descriptor() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let page = SharedPage::new().unwrap();
+        let big = vec![7u8; 16 << 20];
+        let sent = send_nowait(&a, &big, Some(page.fd())).unwrap();
+        assert!(sent > 0 && sent < big.len(), "{sent} of {}", big.len());
+        // Full: nothing more goes, and no descriptor either.
+        assert_eq!(send_nowait(&a, &big, Some(page.fd())).unwrap(), 0);
+        let mut head = [0u8; 8];
+        let fd = recv_with_fd(&b, &mut head)
+            .unwrap()
+            .expect("the descriptor came");
+        assert!(SharedPage::open(fd).is_ok());
+        b.shutdown(std::net::Shutdown::Read).unwrap();
+        drop(b);
+        let e = send_nowait(&a, &big, None).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::BrokenPipe, "{e}");
+    }
 
     #[test]
     fn a_shared_page_is_seen_by_both_mappings_and_cannot_change_size() {

@@ -6,6 +6,25 @@ use super::*;
 /// A request on the channel, waiting for its answer: the batch of each frame it carries.
 type Waiting = Vec<Arc<Batch>>;
 
+/// What waits to be written on a channel ([`Link::post`]).
+#[derive(Default)]
+struct Outbox {
+    queue: VecDeque<Out>,
+    /// The writing thread writes a message it took from the queue.
+    writing: bool,
+    /// The channel stopped: nothing more is written.
+    stopped: bool,
+}
+
+/// A message for the target: its bytes, how many went out, and the allocation whose
+/// descriptor goes with its first byte (a share of a runtime whose handles are
+/// descriptors).
+struct Out {
+    bytes: Vec<u8>,
+    sent: usize,
+    fd: Option<Arc<te_core::device::IpcExport>>,
+}
+
 struct ChannelState {
     next_id: u64,
     waiting: HashMap<u64, Waiting>,
@@ -138,10 +157,14 @@ impl Channel {
 /// rings it.
 pub(crate) struct Link {
     stream: UnixStream,
-    /// Held while a message is written, so shares, requests and unshares go out in
-    /// order; taken before `state` and never under it, so a write that blocks on a
-    /// peer that stopped reading never holds up the thread receiving answers.
-    send: Mutex<()>,
+    /// Messages for the target, in order (shares, requests, unshares): a caller
+    /// sends its message itself while the socket takes it without waiting, and leaves
+    /// what it does not take here for the channel's writing thread, so no caller
+    /// waits for a target that stopped reading — the deadline watcher can then stop
+    /// the channel under a batch whose request is still queued.
+    outbox: Mutex<Outbox>,
+    /// Signalled for the writing thread: messages queued, or the channel stopped.
+    posted: Condvar,
     state: Mutex<ChannelState>,
     /// Signalled when the target answers a share, and when the channel dies.
     acked: Condvar,
@@ -224,7 +247,10 @@ impl Channel {
             ));
         }
         let cma = u16::from_le_bytes([w[6], w[7]]) & 1 != 0;
+        // Nothing waits on the socket with a timeout of its own: the callers wait
+        // until their deadlines, and the writing thread until the channel stops.
         s.set_read_timeout(None)
+            .and_then(|()| s.set_write_timeout(None))
             .map_err(|e| io_error("cannot set timeouts", e))?;
         Channel::start(s, fence, cma, exports, caller_reads)
     }
@@ -243,7 +269,8 @@ impl Channel {
             false => None,
         };
         let link = Arc::new(Link {
-            send: Mutex::new(()),
+            outbox: Mutex::new(Outbox::default()),
+            posted: Condvar::new(),
             stream: s,
             state: Mutex::new(ChannelState {
                 next_id: 1,
@@ -265,13 +292,19 @@ impl Channel {
             dead: AtomicBool::new(false),
             progress: std::sync::atomic::AtomicU64::new(0),
         });
-        let rx = link.clone();
-        std::thread::Builder::new()
-            .name("te-tcp-channel-rx".into())
-            .spawn(move || receive(&rx))
-            .map_err(|e| {
-                Error::new(ErrorKind::Io, format!("cannot start a channel thread: {e}"))
-            })?;
+        let thread = |name: &str, run: fn(&Link), link: Arc<Link>| {
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(move || run(&link))
+                .map_err(|e| {
+                    Error::new(ErrorKind::Io, format!("cannot start a channel thread: {e}"))
+                })
+        };
+        thread("te-tcp-channel-rx", receive, link.clone())?;
+        if let Err(e) = thread("te-tcp-channel-tx", write, link.clone()) {
+            link.close();
+            return Err(e);
+        }
         Ok(Arc::new(Channel(link)))
     }
 }
@@ -304,6 +337,8 @@ impl Link {
     /// our sending side where the channel drains (`hold`), so the target's answer to
     /// the copy it runs, and its end, still come.
     fn stopped(&self, hold: bool) {
+        self.outbox.lock().stopped = true;
+        self.posted.notify_all();
         self.acked.notify_all();
         self.turn.notify_all();
         self.ring();
@@ -342,7 +377,6 @@ impl Link {
     /// deregistered here, so no request names it any more): the target unmaps it once
     /// none of this peer's channels holds it.
     pub(crate) fn unshare(&self, key: u64) {
-        let _order = self.send.lock();
         let mut st = self.state.lock();
         st.acks.remove(&key);
         if !st.sent.remove(&key) || st.dead.is_some() {
@@ -358,10 +392,35 @@ impl Link {
             c: 0,
         }
         .encode();
-        let sent = (&mut &self.stream).write_all(&msg);
-        if let Err(e) = sent {
-            self.fail(io_error("send failed", e));
+        self.post(msg.to_vec(), None);
+    }
+
+    /// Sends `bytes` (with `fd`'s descriptor on the first byte) after every message
+    /// posted before: at once, as far as the socket takes it without waiting, and the
+    /// rest by the writing thread. A broken socket fails the channel.
+    fn post(&self, bytes: Vec<u8>, fd: Option<Arc<te_core::device::IpcExport>>) {
+        let mut out = self.outbox.lock();
+        if out.stopped {
+            return;
         }
+        let mut sent = 0;
+        if !out.writing && out.queue.is_empty() {
+            let desc = fd.as_ref().and_then(|x| x.fd.as_ref()).map(|f| f.as_fd());
+            match local::send_nowait(&self.stream, &bytes, desc) {
+                Ok(n) if n == bytes.len() => return,
+                Ok(n) => sent = n,
+                Err(e) => {
+                    drop(out);
+                    self.fail(io_error("send failed", e));
+                    return;
+                }
+            }
+        }
+        // The descriptor went with the first byte, if any byte went.
+        let fd = if sent == 0 { fd } else { None };
+        out.queue.push_back(Out { bytes, sent, fd });
+        drop(out);
+        self.posted.notify_all();
     }
 
     /// Requests waiting for their answers on this channel.
@@ -415,7 +474,6 @@ impl Link {
             }
         };
         {
-            let _order = self.send.lock();
             let mut st = self.state.lock();
             if st.dead.is_some() {
                 return None;
@@ -424,7 +482,7 @@ impl Link {
                 st.sent.insert(key);
                 st.acks.insert(key, None);
                 drop(st);
-                self.share(rt, key, &export)?;
+                self.share(rt, key, export);
             }
         }
         match self.ack(key, deadline) {
@@ -442,13 +500,13 @@ impl Link {
         }
     }
 
-    /// Sends the share of `export` under `key`; `None` if the channel broke.
+    /// Sends the share of `export` under `key`.
     fn share(
         &self,
         rt: &Arc<dyn DeviceRuntime>,
         key: u64,
-        export: &te_core::device::IpcExport,
-    ) -> Option<()> {
+        export: Arc<te_core::device::IpcExport>,
+    ) {
         // The runtime's name, then (after a NUL) the device's host-wide name where the
         // runtime has one: the target may number the device otherwise.
         let mut name = rt.name().as_bytes().to_vec();
@@ -468,12 +526,7 @@ impl Link {
         .to_vec();
         msg.extend_from_slice(&export.handle);
         msg.extend_from_slice(&name);
-        let sent = local::send_with_fd(&self.stream, &msg, export.fd.as_ref().map(|f| f.as_fd()));
-        if let Err(e) = sent {
-            self.fail(io_error("send failed", e));
-            return None;
-        }
-        Some(())
+        self.post(msg, Some(export));
     }
 
     /// Waits until the target has said whether it mapped the allocation shared under
@@ -534,7 +587,6 @@ impl Link {
             .map(|f| f.batch.deadline().saturating_duration_since(now))
             .min()
             .unwrap_or_default();
-        let _order = self.send.lock();
         let mut st = self.state.lock();
         if let Some(e) = st.dead.clone() {
             drop(st);
@@ -564,12 +616,7 @@ impl Link {
         }
         st.waiting.insert(id, batches);
         drop(st);
-        // Written under `send` alone: requests and shares keep their order, and the
-        // receiving thread can take answers meanwhile.
-        let sent = (&mut &self.stream).write_all(&msg);
-        if let Err(e) = sent {
-            self.fail(io_error("send failed", e));
-        }
+        self.post(msg, None);
     }
 
     /// At `batch`'s deadline (`seen`: `None` the first time, then what this returned):
@@ -668,6 +715,31 @@ fn receive(link: &Link) {
             link.fail(io_error("waiting for answers", e));
             return;
         }
+    }
+}
+
+/// The writing thread: writes what callers left in the outbox, in order, waiting for
+/// the socket as long as it takes (the channel stops under it when a batch's deadline
+/// passes), until the channel stops.
+fn write(link: &Link) {
+    let mut out = link.outbox.lock();
+    loop {
+        if out.stopped {
+            return;
+        }
+        let Some(m) = out.queue.pop_front() else {
+            out = link.posted.wait(out);
+            continue;
+        };
+        out.writing = true;
+        drop(out);
+        let desc = m.fd.as_ref().and_then(|x| x.fd.as_ref()).map(|f| f.as_fd());
+        if let Err(e) = local::send_with_fd(&link.stream, &m.bytes[m.sent..], desc) {
+            link.fail(io_error("send failed", e));
+            return;
+        }
+        out = link.outbox.lock();
+        out.writing = false;
     }
 }
 

@@ -25,7 +25,9 @@
 //!   kernel on one GPU, not one driver call per block.
 //!
 //! Everything else (host on one side and device on the other, another runtime) goes over
-//! the socket. With `caller_reads`, a caller waiting for its batch on the initiator reads
+//! the socket. A caller sends its request itself as far as the socket takes it without
+//! waiting, and leaves the rest to the channel's writing thread: no caller waits for a
+//! target that stopped reading, so a batch still ends at its deadline. With `caller_reads`, a caller waiting for its batch on the initiator reads
 //! that batch's answers itself (`Link::drive`, through te-core's
 //! `TransferBackend::drive`); otherwise the channel's receiving thread reads them all.
 //! The initiator's memory is touched only while its batch waits for the
