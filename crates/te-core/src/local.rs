@@ -21,7 +21,7 @@
 //!   do without a message, as a target telling its initiator that it is copying.
 
 use std::io::{self, IoSlice, IoSliceMut};
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::time::Duration;
@@ -236,6 +236,67 @@ pub fn recv_with_fd(s: &UnixStream, buf: &mut [u8]) -> io::Result<Option<OwnedFd
     Ok(fd)
 }
 
+/// A new memfd of `len` zero bytes, sealed so that its size can never change: a process
+/// it is sent to that could shrink it would make every other mapping's next access past
+/// the new end fault (`SIGBUS`).
+///
+/// # Errors
+/// The system's error.
+pub fn sealed_memfd(name: &std::ffi::CStr, len: usize) -> io::Result<OwnedFd> {
+    let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+    // SAFETY: a valid C string and flags; the result is checked.
+    let raw = unsafe { libc::memfd_create(name.as_ptr(), flags) };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `raw` was just created and is owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    let len = libc::off_t::try_from(len).map_err(|_| bad_data("memfd size out of range"))?;
+    // SAFETY: plain calls on an open memfd; results checked.
+    let sized = unsafe {
+        libc::ftruncate(fd.as_raw_fd(), len) == 0
+            && libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) == 0
+    };
+    if !sized {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// Checks that `fd`, received from a peer, is a memfd of exactly `len` bytes sealed
+/// against shrinking (as [`sealed_memfd`] makes them), so that a mapping of `len` bytes
+/// of it can never fault whatever its sender does afterwards.
+///
+/// # Errors
+/// `InvalidData` naming what is wrong with it.
+pub fn check_sealed(fd: BorrowedFd<'_>, len: usize) -> io::Result<()> {
+    // SAFETY: a plain call on an open descriptor.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(bad_data(
+            "the peer's memfd is not sealed against shrinking (F_SEAL_SHRINK): its sender could shrink it under the mapping",
+        ));
+    }
+    // SAFETY: an all-zero stat is a valid out-parameter.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is valid for the call; the descriptor is open.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if u64::try_from(st.st_size).ok() != Some(len as u64) {
+        return Err(bad_data(&format!(
+            "the peer's memfd holds {} bytes, not {len}",
+            st.st_size
+        )));
+    }
+    Ok(())
+}
+
+fn bad_data(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what.to_string())
+}
+
 /// One page of memory that two processes of this host map, for words both read and
 /// write atomically ([`SharedPage::word`]): a memfd, sealed so that its size can never
 /// change (a peer that could shrink it would make the other's next access fault),
@@ -260,24 +321,7 @@ impl SharedPage {
     /// # Errors
     /// The system's error.
     pub fn new() -> io::Result<SharedPage> {
-        let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
-        // SAFETY: a valid C string and flags; the result is checked.
-        let raw = unsafe { libc::memfd_create(c"te-shared-page".as_ptr(), flags) };
-        if raw < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `raw` was just created and is owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-        // SAFETY: plain calls on an open memfd; results checked.
-        let sized = unsafe {
-            libc::ftruncate(fd.as_raw_fd(), Self::LEN as libc::off_t) == 0
-                && libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) == 0
-        };
-        if !sized {
-            return Err(io::Error::last_os_error());
-        }
-        SharedPage::map(fd)
+        SharedPage::map(sealed_memfd(c"te-shared-page", Self::LEN)?)
     }
 
     /// The page a peer sent: refused unless it is a memfd of exactly one page that can
@@ -286,22 +330,8 @@ impl SharedPage {
     /// # Errors
     /// `InvalidData` for a descriptor that is not such a page; the system's error.
     pub fn open(fd: OwnedFd) -> io::Result<SharedPage> {
-        // SAFETY: a plain call on an open descriptor.
-        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-        // SAFETY: an all-zero stat is a valid out-parameter.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: `st` is valid for the call; the descriptor is open.
-        let stat = unsafe { libc::fstat(fd.as_raw_fd(), &mut st) };
-        if seals < 0
-            || seals & libc::F_SEAL_SHRINK == 0
-            || stat != 0
-            || st.st_size != Self::LEN as libc::off_t
-        {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "the peer's shared page is not a sealed memfd of one page",
-            ));
-        }
+        check_sealed(fd.as_fd(), Self::LEN)
+            .map_err(|_| bad_data("the peer's shared page is not a sealed memfd of one page"))?;
         SharedPage::map(fd)
     }
 
@@ -327,7 +357,6 @@ impl SharedPage {
 
     /// The descriptor to send to the peer.
     pub fn fd(&self) -> BorrowedFd<'_> {
-        use std::os::fd::AsFd;
         self.fd.as_fd()
     }
 

@@ -20,11 +20,11 @@
 //! sent, so a forged or stale descriptor cannot reach outside a region (or a KV slot,
 //! which is a region of its own).
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 
-use te_core::{Error, ErrorKind, Result};
+use te_core::{local, Error, ErrorKind, Result};
 
 const MAGIC: u64 = 0x7465_6d6c_7574_6232; // "temlutb2"
 /// Regions one backend instance can register.
@@ -87,7 +87,8 @@ fn io(what: String) -> Error {
 }
 
 fn map(fd: &OwnedFd) -> Result<*mut u8> {
-    // SAFETY: a fresh shared mapping of a file of at least SIZE bytes.
+    // SAFETY: a fresh shared mapping of a memfd of SIZE bytes that is sealed against
+    // shrinking (`create` seals it, `open` checks the seal), so no access faults.
     let p = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
@@ -105,21 +106,17 @@ fn map(fd: &OwnedFd) -> Result<*mut u8> {
 }
 
 impl Table {
-    /// A new, empty table for backend instance `instance`.
+    /// A new, empty table for backend instance `instance`, sealed against any change
+    /// of size: every peer of this user may receive it, and one that shrank it would
+    /// make this process's next touch of its own table fault.
     pub(crate) fn create(instance: u64) -> Result<Table> {
-        // SAFETY: a NUL-terminated name; MFD_CLOEXEC keeps it out of child processes.
-        let raw = unsafe { libc::memfd_create(c"te-mlu-regions".as_ptr(), libc::MFD_CLOEXEC) };
-        if raw < 0 {
-            return Err(io(
-                "cannot create the mlu region table (memfd_create)".into()
-            ));
-        }
-        // SAFETY: `raw` is a new descriptor we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: plain call on our descriptor.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), SIZE as libc::off_t) } != 0 {
-            return Err(io("cannot size the mlu region table".into()));
-        }
+        let fd = local::sealed_memfd(c"te-mlu-regions", SIZE).map_err(|e| {
+            Error::new(
+                ErrorKind::Io,
+                format!("cannot create the mlu region table: {e}"),
+            )
+            .with_source(e)
+        })?;
         let t = Table {
             base: map(&fd)?,
             fd,
@@ -129,20 +126,19 @@ impl Table {
         Ok(t)
     }
 
-    /// Maps the table of instance `instance`, received from its owner as `fd`.
+    /// Maps the table of instance `instance`, received from its owner as `fd`: only a
+    /// memfd of the table's size sealed against shrinking, so the owner cannot make
+    /// this process fault by shrinking it under the mapping.
     pub(crate) fn open(fd: OwnedFd, instance: u64) -> Result<Table> {
-        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
-        // SAFETY: `st` is a valid out-parameter.
-        if unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) } != 0 {
-            return Err(io("cannot inspect the peer's region table".into()));
-        }
-        // SAFETY: initialised by the successful fstat.
-        if (unsafe { st.assume_init() }.st_size as usize) < SIZE {
-            return Err(Error::new(
+        local::check_sealed(fd.as_fd(), SIZE).map_err(|e| {
+            Error::new(
                 ErrorKind::Protocol,
-                "the peer's region table is too small: not a te-mlu peer of this version",
-            ));
-        }
+                format!(
+                    "the peer's region table is refused: {e} (not a te-mlu peer of this version?)"
+                ),
+            )
+            .with_source(e)
+        })?;
         let t = Table {
             base: map(&fd)?,
             fd,

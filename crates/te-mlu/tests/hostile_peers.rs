@@ -1,0 +1,236 @@
+//! What a process of this user can do to an mlu backend through what the backend
+//! hands it (its region table, its endpoint), and what it must not achieve: crash the
+//! backend's process, or make it copy anywhere a registered region does not allow.
+//!
+//! The hostile peer is played by the test itself, with forged endpoints and region
+//! tables (mirrors of te-mlu's private layouts below). Tests whose failure would crash
+//! or starve their process run their body in a child: this binary again, with
+//! `TE_MLU_TEST_ROLE` naming the test, running only that test.
+
+mod common;
+
+use std::io::Read;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::process::{Command, Stdio};
+use std::sync::Once;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde::{Deserialize, Serialize};
+use te_core::{
+    Access, BackendContext, Deadline, ErrorKind, MemoryDesc, MemoryKind, RegionDesc, RegionId,
+    SegmentDesc, TransferBackend,
+};
+use te_mlu::{MluBackend, MluConfig};
+
+fn setup() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| use_fake_cnrt(&[]));
+}
+
+/// Mirror of te-mlu's endpoint (same fields, same order, te's codec).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Endpoint {
+    instance: u64,
+    process: u64,
+    socket: String,
+    host: String,
+    buses: Vec<String>,
+}
+const ENDPOINT_MAGIC: &[u8; 6] = b"TEMLU\x03";
+
+fn decode_endpoint(b: &[u8]) -> Endpoint {
+    let rest = b
+        .strip_prefix(ENDPOINT_MAGIC.as_slice())
+        .expect("mlu endpoint");
+    te_core::codec::decode(rest, "endpoint").expect("the endpoint mirror matches")
+}
+
+fn encode_endpoint(e: &Endpoint) -> Vec<u8> {
+    let mut v = ENDPOINT_MAGIC.to_vec();
+    v.extend_from_slice(&te_core::codec::encode(e));
+    v
+}
+
+/// te-mlu's region table layout: a header {magic, instance}, then 8192 slots of
+/// {region u64, state u32, inflight u32, waiters u32, access u32, addr, offset, len}.
+const MAGIC: u64 = 0x7465_6d6c_7574_6232;
+const HEADER: usize = 16;
+const SLOT: usize = 48;
+const SLOTS: usize = 8192;
+const TABLE_SIZE: usize = HEADER + SLOTS * SLOT;
+
+fn socket_name(instance: u64) -> String {
+    format!("te-mlu-{instance:016x}")
+}
+
+/// A memfd laid out as instance `instance`'s region table, with `region` live in
+/// `slot` at `addr` for `len` bytes, readable and writable; sealed against resizing
+/// as te-mlu's own tables are, or not.
+fn forged_table(
+    instance: u64,
+    slot: u32,
+    region: u64,
+    addr: u64,
+    len: u64,
+    sealed: bool,
+) -> OwnedFd {
+    let fd = if sealed {
+        te_core::local::sealed_memfd(c"forged-table", TABLE_SIZE).unwrap()
+    } else {
+        // SAFETY: a valid name and flags; the result is checked.
+        let raw = unsafe { libc::memfd_create(c"forged-table".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(raw >= 0, "memfd_create");
+        // SAFETY: a fresh descriptor nobody else owns.
+        unsafe { std::os::fd::FromRawFd::from_raw_fd(raw) }
+    };
+    let mut img = vec![0u8; TABLE_SIZE];
+    img[0..8].copy_from_slice(&MAGIC.to_ne_bytes());
+    img[8..16].copy_from_slice(&instance.to_ne_bytes());
+    let s = HEADER + slot as usize * SLOT;
+    img[s..s + 8].copy_from_slice(&region.to_ne_bytes());
+    img[s + 8..s + 12].copy_from_slice(&2u32.to_ne_bytes()); // live
+    img[s + 20..s + 24].copy_from_slice(&3u32.to_ne_bytes()); // read | write
+    img[s + 24..s + 32].copy_from_slice(&addr.to_ne_bytes());
+    img[s + 40..s + 48].copy_from_slice(&len.to_ne_bytes());
+    let mut f = std::fs::File::from(fd.try_clone().unwrap());
+    std::io::Write::write_all(&mut f, &img).unwrap();
+    fd
+}
+
+/// Serves `fd` as instance `instance`'s table on the socket `name` to the first `n`
+/// peers that ask.
+fn serve_table(name: &str, instance: u64, fd: OwnedFd, n: usize) -> std::thread::JoinHandle<()> {
+    let l = te_core::local::listen(name).expect("listen");
+    std::thread::spawn(move || {
+        for _ in 0..n {
+            let Ok((s, _)) = l.accept() else { return };
+            let _ = te_core::local::send_with_fd(&s, &instance.to_le_bytes(), Some(fd.as_fd()));
+        }
+    })
+}
+
+fn backend(epoch: u64) -> MluBackend {
+    let ctx = BackendContext {
+        epoch,
+        ..BackendContext::default()
+    };
+    MluBackend::new(MluConfig::default(), &ctx).expect("the fake libcnrt loads")
+}
+
+fn seg(endpoint: Vec<u8>, regions: Vec<RegionDesc>) -> SegmentDesc {
+    SegmentDesc {
+        engine: "peer".into(),
+        epoch: 1,
+        address: String::new(),
+        backend: te_mlu::NAME.into(),
+        endpoint,
+        regions,
+        layouts: Vec::new(),
+    }
+}
+
+fn soon() -> Deadline {
+    Deadline::after(Duration::from_secs(10))
+}
+
+/// `a`'s endpoint as another process's instance would claim it: a new instance
+/// number, with the socket named after it.
+fn other_process(a: &MluBackend) -> Endpoint {
+    let mut ep = decode_endpoint(&a.endpoint());
+    let h = rand::random::<u64>() | 1;
+    ep.instance = h;
+    ep.socket = socket_name(h);
+    ep.process ^= 2;
+    ep
+}
+
+/// True in the child that runs test `test`'s body.
+fn is_child(test: &str) -> bool {
+    std::env::var("TE_MLU_TEST_ROLE").as_deref() == Ok(test)
+}
+
+/// Runs test `test` in a child process (at most 60 s); returns its status and output.
+fn in_child(test: &str) -> (std::process::ExitStatus, String) {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env("TE_MLU_TEST_ROLE", test)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn the child");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            break child.wait().unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut out = String::new();
+    let _ = child.stdout.take().unwrap().read_to_string(&mut out);
+    let _ = child.stderr.take().unwrap().read_to_string(&mut out);
+    (status, out)
+}
+
+fn host_mem(buf: &mut [u8], access: Access) -> MemoryDesc {
+    MemoryDesc {
+        name: "h".into(),
+        addr: buf.as_mut_ptr() as u64,
+        len: buf.len() as u64,
+        kind: MemoryKind::Host,
+        access,
+    }
+}
+
+#[test]
+fn a_process_that_shrinks_our_region_table_cannot_crash_us() {
+    const NAME: &str = "a_process_that_shrinks_our_region_table_cannot_crash_us";
+    setup();
+    if is_child(NAME) {
+        let epoch = rand::random::<u64>() | 1;
+        let b = backend(epoch);
+        // What any process of this user can do: ask the table server for the table,
+        // as connect does, and shrink it.
+        let s = te_core::local::connect(&socket_name(epoch), Duration::from_secs(5)).unwrap();
+        let mut buf = [0u8; 8];
+        let fd = te_core::local::recv_with_fd(&s, &mut buf)
+            .unwrap()
+            .expect("the table's descriptor");
+        // SAFETY: a plain call on a descriptor we own.
+        let r = unsafe { libc::ftruncate(fd.as_raw_fd(), 0) };
+        println!("ftruncate of the received table: {r}");
+        let mut mem = vec![0u8; 4096];
+        let res = b.register(RegionId(1), &host_mem(&mut mem, Access::LOCAL));
+        println!("SURVIVED register: {:?}", res.map(|_| ()));
+        return;
+    }
+    let (status, out) = in_child(NAME);
+    assert!(
+        status.success() && out.contains("SURVIVED"),
+        "the backend's process died after another process shrank the region table it was handed: {status:?}\n{out}"
+    );
+}
+
+#[test]
+fn a_peer_table_is_accepted_only_if_it_can_never_shrink() {
+    setup();
+    let a = backend(rand::random::<u64>() | 1);
+    for sealed in [false, true] {
+        let ep = other_process(&a);
+        // Unsealed, its owner could shrink it under our mapping after we connected.
+        let table = forged_table(ep.instance, 0, 77, 0x1000, 4096, sealed);
+        let _srv = serve_table(&ep.socket, ep.instance, table, 1);
+        let r = a.connect(&seg(encode_endpoint(&ep), Vec::new()), soon());
+        if sealed {
+            r.expect("a sealed table of te-mlu's size is accepted");
+        } else {
+            let e = r.expect_err("a region table without F_SEAL_SHRINK was accepted");
+            assert_eq!(e.kind(), ErrorKind::Protocol, "{e}");
+            assert!(e.to_string().contains("F_SEAL_SHRINK"), "{e}");
+        }
+    }
+}
