@@ -247,8 +247,8 @@ impl TransferBackend for MluBackend {
         .with_operation("deregister"))
     }
 
-    fn connect(&self, peer: &SegmentDesc, _deadline: Deadline) -> Result<PeerId> {
-        self.connect_peer(peer)
+    fn connect(&self, peer: &SegmentDesc, deadline: Deadline) -> Result<PeerId> {
+        self.connect_peer(peer, deadline)
     }
 
     fn disconnect(&self, peer: PeerId, _deadline: Deadline) -> Result<()> {

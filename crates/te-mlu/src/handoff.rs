@@ -16,7 +16,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use te_core::local;
-use te_core::{Error, ErrorKind, Result};
+use te_core::{Deadline, Error, ErrorKind, Result};
 
 /// The socket name (abstract namespace) of instance `instance`'s table.
 pub(crate) fn socket_name(instance: u64) -> String {
@@ -148,15 +148,15 @@ fn hand_over(peer: &UnixStream, table: &OwnedFd, instance: u64) -> io::Result<()
     local::send_with_fd(peer, &instance.to_le_bytes(), Some(table.as_fd()))
 }
 
-/// Receives instance `instance`'s table descriptor from the socket `name`, waiting at
-/// most `timeout`.
+/// Receives instance `instance`'s table descriptor from the socket `name`, before
+/// `deadline`.
 ///
 /// # Errors
 /// `PeerUnreachable` if nobody serves `name` here (the peer is gone, or in another
-/// network namespace), `PeerRestarted` if another instance answers, `Io`/`Protocol`
-/// for a broken exchange.
-pub(crate) fn fetch(name: &str, instance: u64, timeout: Duration) -> Result<OwnedFd> {
-    let s = local::connect(name, timeout).map_err(|e| {
+/// network namespace), `PeerRestarted` if another instance answers, `Timeout` if the
+/// table has not come by `deadline`, `Io`/`Protocol` for a broken exchange.
+pub(crate) fn fetch(name: &str, instance: u64, deadline: Deadline) -> Result<OwnedFd> {
+    let s = local::connect(name, deadline.left("connect")?).map_err(|e| {
         Error::new(
             ErrorKind::PeerUnreachable,
             format!(
@@ -175,6 +175,14 @@ pub(crate) fn fetch(name: &str, instance: u64, timeout: Duration) -> Result<Owne
     let fd = match local::recv_with_fd(&s, &mut payload) {
         Ok(fd) => fd.ok_or_else(no_table)?,
         Err(e) if e.kind() == IoKind::UnexpectedEof => return Err(no_table()),
+        Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::TimedOut) => {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!("the peer's mlu table server at @{name} did not answer by the deadline"),
+            )
+            .with_operation("connect")
+            .with_source(e))
+        }
         Err(e) => {
             return Err(Error::new(
                 ErrorKind::PeerUnreachable,

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 use te_core::sync::{Mutex, RwLock};
 
-use te_core::{Error, ErrorKind, MemoryKind, PeerId, RegionId, Result, SegmentDesc};
+use te_core::{Deadline, Error, ErrorKind, MemoryKind, PeerId, RegionId, Result, SegmentDesc};
 
 use crate::backend::{Mem, MluBackend};
 use crate::config::IpcMode;
@@ -17,9 +17,6 @@ use crate::ffi::IpcHandle;
 use crate::handoff;
 use crate::runtime::{MluRuntime, RUNTIME};
 use crate::shm::Table;
-
-/// How long `connect` waits for a peer's table server to answer.
-const TABLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A peer's allocation mapped into this process; unmapped when the last user goes.
 #[derive(Debug)]
@@ -59,8 +56,9 @@ pub(crate) struct PeerState {
 
 impl MluBackend {
     /// `TransferBackend::connect`: the peer's table and regions, kept where they are
-    /// known already (a peer that reconnects with the same endpoint keeps its mappings).
-    pub(crate) fn connect_peer(&self, peer: &SegmentDesc) -> Result<PeerId> {
+    /// known already (a peer that reconnects with the same endpoint keeps its mappings),
+    /// fetched before `deadline`.
+    pub(crate) fn connect_peer(&self, peer: &SegmentDesc, deadline: Deadline) -> Result<PeerId> {
         let ep = Endpoint::decode(&peer.endpoint)?;
         if ep.host != self.endpoint.host {
             return Err(Error::new(
@@ -79,7 +77,7 @@ impl MluBackend {
                 let table = if ep.instance == self.endpoint.instance {
                     self.table.clone()
                 } else {
-                    let fd = handoff::fetch(&ep.socket, ep.instance, TABLE_TIMEOUT)?;
+                    let fd = handoff::fetch(&ep.socket, ep.instance, deadline)?;
                     Arc::new(Table::open(fd, ep.instance)?)
                 };
                 Arc::new(PeerState {

@@ -1,8 +1,10 @@
-//! What a process of this user can do to an mlu backend through what the backend
-//! hands it (its region table, its endpoint), and what it must not achieve: crash the
-//! backend's process, or make it copy anywhere a registered region does not allow.
+//! What a peer that misbehaves, or any process of this user, can do to an mlu backend
+//! through what the backend hands it (its region table, its endpoint, its table
+//! server), and what it must not achieve: crash or starve the backend's process, hold
+//! up a caller past its deadline, or make it copy anywhere a registered region does not
+//! allow.
 //!
-//! The hostile peer is played by the test itself, with forged endpoints and region
+//! The peer is played by the test itself, with forged endpoints and region
 //! tables (mirrors of te-mlu's private layouts below). Tests whose failure would crash
 //! or starve their process run their body in a child: this binary again, with
 //! `TE_MLU_TEST_ROLE` naming the test, running only that test.
@@ -233,4 +235,26 @@ fn a_peer_table_is_accepted_only_if_it_can_never_shrink() {
             assert!(e.to_string().contains("F_SEAL_SHRINK"), "{e}");
         }
     }
+}
+
+#[test]
+fn connect_returns_by_its_deadline_when_the_peers_table_server_is_stuck() {
+    setup();
+    let a = backend(rand::random::<u64>() | 1);
+    let ep = other_process(&a);
+    // A table server that never answers (its process stopped, its thread stuck): the
+    // kernel completes the connection in the backlog, and nothing more comes.
+    let _stuck = te_core::local::listen(&ep.socket).unwrap();
+    let start = Instant::now();
+    let r = a.connect(
+        &seg(encode_endpoint(&ep), Vec::new()),
+        Deadline::after(Duration::from_millis(300)),
+    );
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_millis(1500),
+        "connect with 300 ms left returned after {took:?}: {:?}",
+        r.map(|_| ())
+    );
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::Timeout);
 }
