@@ -87,24 +87,36 @@ impl Drop for Server {
     }
 }
 
+/// The longest pause after a failed `accept`.
+const MAX_PAUSE_MS: i32 = 1000;
+
 /// Waits (in `poll`, no spinning) for a peer or the stop event; hands each peer of
-/// this user the table.
+/// this user the table. After an `accept` that failed (out of descriptors, most
+/// likely), the peer stays in the backlog and the listener stays readable, so the
+/// server waits for the stop event alone for a pause that doubles up to
+/// `MAX_PAUSE_MS` while `accept` keeps failing, instead of polling the listener again
+/// at once.
 fn serve(listener: &UnixListener, stop: RawFd, table: &OwnedFd, instance: u64) {
+    let mut pause: Option<i32> = None;
     loop {
         let mut fds = [
-            libc::pollfd {
-                fd: listener.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
             libc::pollfd {
                 fd: stop,
                 events: libc::POLLIN,
                 revents: 0,
             },
+            libc::pollfd {
+                fd: listener.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
         ];
-        // SAFETY: two valid pollfd entries; no timeout.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        let (nfds, timeout) = match pause {
+            Some(ms) => (1, ms),
+            None => (2, -1),
+        };
+        // SAFETY: `nfds` valid pollfd entries.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), nfds, timeout) };
         if n < 0 {
             if io::Error::last_os_error().kind() == IoKind::Interrupted {
                 continue;
@@ -112,12 +124,13 @@ fn serve(listener: &UnixListener, stop: RawFd, table: &OwnedFd, instance: u64) {
             tracing::warn!(error = %io::Error::last_os_error(), "the mlu table server stopped");
             return;
         }
-        if fds[1].revents != 0 {
+        if fds[0].revents != 0 {
             return;
         }
         loop {
             match listener.accept() {
                 Ok((peer, _)) => {
+                    pause = None;
                     if let Err(e) = hand_over(&peer, table, instance) {
                         tracing::debug!(error = %e, "an mlu peer did not get the region table");
                     }
@@ -125,8 +138,12 @@ fn serve(listener: &UnixListener, stop: RawFd, table: &OwnedFd, instance: u64) {
                 Err(e) if e.kind() == IoKind::WouldBlock => break,
                 Err(e) if e.kind() == IoKind::Interrupted => {}
                 Err(e) => {
-                    // Out of descriptors, most likely: let the peer retry later.
-                    tracing::warn!(error = %e, "the mlu table server could not accept a peer");
+                    // Out of descriptors, most likely: the peer waits in the backlog
+                    // (or gives up at its deadline); try again after a pause.
+                    if pause.is_none() {
+                        tracing::warn!(error = %e, "the mlu table server could not accept a peer; retrying");
+                    }
+                    pause = Some(pause.map_or(10, |ms| (ms * 2).min(MAX_PAUSE_MS)));
                     break;
                 }
             }

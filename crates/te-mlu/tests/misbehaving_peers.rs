@@ -147,13 +147,14 @@ fn other_process(a: &MluBackend) -> Endpoint {
     ep
 }
 
-/// True in the child that runs test `test`'s body.
-fn is_child(test: &str) -> bool {
-    std::env::var("TE_MLU_TEST_ROLE").as_deref() == Ok(test)
-}
-
-/// Runs test `test` in a child process (at most 60 s); returns its status and output.
-fn in_child(test: &str) -> (std::process::ExitStatus, String) {
+/// Runs `body` as test `test` in a child process (at most 60 s) and returns the
+/// child's status and output; in that child, runs `body` and returns `None`.
+fn in_child(test: &str, body: impl FnOnce()) -> Option<(std::process::ExitStatus, String)> {
+    setup();
+    if std::env::var("TE_MLU_TEST_ROLE").as_deref() == Ok(test) {
+        body();
+        return None;
+    }
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([test, "--exact", "--nocapture", "--test-threads=1"])
         .env("TE_MLU_TEST_ROLE", test)
@@ -175,7 +176,7 @@ fn in_child(test: &str) -> (std::process::ExitStatus, String) {
     let mut out = String::new();
     let _ = child.stdout.take().unwrap().read_to_string(&mut out);
     let _ = child.stderr.take().unwrap().read_to_string(&mut out);
-    (status, out)
+    Some((status, out))
 }
 
 fn host_mem(buf: &mut [u8], access: Access) -> MemoryDesc {
@@ -191,8 +192,7 @@ fn host_mem(buf: &mut [u8], access: Access) -> MemoryDesc {
 #[test]
 fn a_process_that_shrinks_our_region_table_cannot_crash_us() {
     const NAME: &str = "a_process_that_shrinks_our_region_table_cannot_crash_us";
-    setup();
-    if is_child(NAME) {
+    let child = in_child(NAME, || {
         let epoch = rand::random::<u64>() | 1;
         let b = backend(epoch);
         // What any process of this user can do: ask the table server for the table,
@@ -208,9 +208,8 @@ fn a_process_that_shrinks_our_region_table_cannot_crash_us() {
         let mut mem = vec![0u8; 4096];
         let res = b.register(RegionId(1), &host_mem(&mut mem, Access::LOCAL));
         println!("SURVIVED register: {:?}", res.map(|_| ()));
-        return;
-    }
-    let (status, out) = in_child(NAME);
+    });
+    let Some((status, out)) = child else { return };
     assert!(
         status.success() && out.contains("SURVIVED"),
         "the backend's process died after another process shrank the region table it was handed: {status:?}\n{out}"
@@ -257,4 +256,83 @@ fn connect_returns_by_its_deadline_when_the_peers_table_server_is_stuck() {
         r.map(|_| ())
     );
     assert_eq!(r.unwrap_err().kind(), ErrorKind::Timeout);
+}
+
+/// CPU time of the whole process (read without a descriptor, unlike /proc).
+fn process_cpu() -> Duration {
+    // SAFETY: an all-zero timespec is a valid out-parameter.
+    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid out-parameter.
+    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+#[test]
+fn the_table_server_does_not_spin_when_out_of_descriptors() {
+    const NAME: &str = "the_table_server_does_not_spin_when_out_of_descriptors";
+    let child = in_child(NAME, || {
+        let epoch = rand::random::<u64>() | 1;
+        let _b = backend(epoch);
+        // A client socket, made while descriptors remain.
+        // SAFETY: a plain call.
+        let c = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+        assert!(c >= 0);
+        // Lower the soft limit, then use up what is left of it.
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: a valid out-parameter.
+        unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
+        let low = libc::rlimit {
+            rlim_cur: 512,
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: a valid in-parameter.
+        unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &low) };
+        let mut hog = Vec::new();
+        for _ in 0..1024 {
+            // SAFETY: a plain call.
+            let d = unsafe { libc::dup(c) };
+            if d < 0 {
+                break;
+            }
+            hog.push(d);
+        }
+        // Connecting needs no new descriptor here; the server's accept needs one.
+        let name = socket_name(epoch);
+        // SAFETY: an all-zero sockaddr_un is valid; filled with an abstract name below.
+        let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+        addr.sun_family = libc::AF_UNIX as _;
+        for (i, b) in name.bytes().enumerate() {
+            addr.sun_path[i + 1] = b as _;
+        }
+        let alen = (std::mem::size_of::<libc::sa_family_t>() + 1 + name.len()) as u32;
+        // SAFETY: a valid address of the given length.
+        let r = unsafe { libc::connect(c, (&addr as *const libc::sockaddr_un).cast(), alen) };
+        assert_eq!(r, 0, "connect: {}", std::io::Error::last_os_error());
+        std::thread::sleep(Duration::from_millis(200));
+        let t0 = process_cpu();
+        std::thread::sleep(Duration::from_millis(1000));
+        let t1 = process_cpu();
+        for d in hog {
+            // SAFETY: our own descriptors.
+            unsafe { libc::close(d) };
+        }
+        // SAFETY: a valid in-parameter.
+        unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) };
+        // SAFETY: our own descriptor.
+        unsafe { libc::close(c) };
+        println!("TABLE_CPU_MS {}", (t1 - t0).as_millis());
+    });
+    let Some((status, out)) = child else { return };
+    let ms: u64 = out
+        .lines()
+        .find_map(|l| l.find("TABLE_CPU_MS ").map(|i| &l[i + 13..]))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("the child said nothing useful: {status:?}\n{out}"));
+    assert!(
+        ms < 100,
+        "out of descriptors, with one peer waiting to be accepted, the process (idle otherwise) burnt {ms} ms of CPU in 1 s: the mlu table server spins on accept\n{out}"
+    );
 }
