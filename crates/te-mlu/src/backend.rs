@@ -1,8 +1,7 @@
 //! The mlu backend's `TransferBackend`: one-sided copies between MLU memory of engines
 //! on one host, over MLU-Link.
 //!
-//! - Endpoint: the backend instance's id, a random id of its process (PIDs repeat across
-//!   PID namespaces), the abstract socket that hands out its region table (see `shm`
+//! - Endpoint: the backend instance's id, the abstract socket that hands out its region table (see `shm`
 //!   and `handoff`), the host's identity (host name and boot id) and the PCI bus ids of
 //!   the MLUs this process sees (ordinals differ between processes with different
 //!   `MLU_VISIBLE_DEVICES`; bus ids do not).
@@ -41,7 +40,7 @@ use te_core::{
 };
 
 use crate::config::MluConfig;
-use crate::endpoint::{host_identity, process_id, Endpoint, Key};
+use crate::endpoint::{host_identity, Endpoint, Key};
 use crate::ffi::dir;
 use crate::handoff::{self, Server};
 use crate::peers::PeerState;
@@ -127,9 +126,9 @@ impl MluBackend {
         let instance = ctx.epoch_or_random();
         let table = Arc::new(Table::create(instance)?);
         let server = Server::start(instance, table.fd())?;
+        crate::peers::publish(instance, &table);
         let endpoint = Endpoint {
             instance,
-            process: process_id(),
             socket: handoff::socket_name(instance),
             host: host_identity(),
             buses,
@@ -414,6 +413,7 @@ impl TransferBackend for MluBackend {
 
 impl Drop for MluBackend {
     fn drop(&mut self) {
+        crate::peers::withdraw(self.endpoint.instance);
         let jobs = self.shared.stop();
         // Queued batches complete as cancelled when their completions drop here.
         drop(jobs);

@@ -10,9 +10,8 @@ use crate::ffi::IpcHandle;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Endpoint {
     pub(crate) instance: u64,
-    /// Random per process: tells a peer in this process from one in another.
-    pub(crate) process: u64,
-    /// The abstract socket serving the region table.
+    /// The abstract socket serving the region table (always `handoff::socket_name` of
+    /// the instance; a peer's is refused otherwise).
     pub(crate) socket: String,
     /// The host's identity (host name and boot id).
     pub(crate) host: String,
@@ -20,13 +19,7 @@ pub(crate) struct Endpoint {
     pub(crate) buses: Vec<String>,
 }
 
-const ENDPOINT_MAGIC: &[u8; 6] = b"TEMLU\x03";
-
-/// This process's random id.
-pub(crate) fn process_id() -> u64 {
-    static ID: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *ID.get_or_init(|| rand::random::<u64>() | 1)
-}
+const ENDPOINT_MAGIC: &[u8; 6] = b"TEMLU\x04";
 
 /// This host's identity: host name and boot id, so that two containers with one host
 /// name on different machines, or one machine rebooted, never look alike.
@@ -87,7 +80,6 @@ mod tests {
     fn endpoints_and_keys_round_trip() {
         let ep = Endpoint {
             instance: 7,
-            process: 42,
             socket: "te-mlu-0000000000000007".into(),
             host: "h/boot".into(),
             buses: vec!["0000:1a:00.0".into(), "0000:1b:00.0".into()],

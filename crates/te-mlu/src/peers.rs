@@ -3,8 +3,12 @@
 //! an address usable here: mapped from the allocation's IPC handle
 //! (`cnrtMapMemHandle`, once per allocation), or, for a peer in this process, its
 //! address as it is.
+//!
+//! Whether a peer is in this process is never taken from its endpoint, which any
+//! process can forge: it is a peer whose instance is one of this process's live
+//! backends ([`publish`]), and it is then served from that backend's own table.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Weak};
 use te_core::sync::{Mutex, RwLock};
 
@@ -17,6 +21,27 @@ use crate::ffi::IpcHandle;
 use crate::handoff;
 use crate::runtime::{MluRuntime, RUNTIME};
 use crate::shm::Table;
+
+/// The region tables of this process's live backend instances, by instance id.
+static LOCAL_TABLES: Mutex<BTreeMap<u64, Weak<Table>>> = Mutex::new(BTreeMap::new());
+
+/// Makes backend instance `instance`, with `table`, known to this process's other
+/// instances as one of theirs.
+pub(crate) fn publish(instance: u64, table: &Arc<Table>) {
+    let mut tables = LOCAL_TABLES.lock();
+    tables.retain(|_, t| t.strong_count() > 0);
+    tables.insert(instance, Arc::downgrade(table));
+}
+
+/// Forgets backend instance `instance` (it is being dropped).
+pub(crate) fn withdraw(instance: u64) {
+    LOCAL_TABLES.lock().remove(&instance);
+}
+
+/// The table of `instance` if it is a live backend instance of this process.
+fn local_table(instance: u64) -> Option<Arc<Table>> {
+    LOCAL_TABLES.lock().get(&instance).and_then(Weak::upgrade)
+}
 
 /// A peer's allocation mapped into this process; unmapped when the last user goes.
 #[derive(Debug)]
@@ -49,6 +74,8 @@ pub(crate) struct Remote {
 #[derive(Debug)]
 pub(crate) struct PeerState {
     pub(crate) endpoint: Endpoint,
+    /// The peer is a backend instance of this process (found by [`local_table`]).
+    pub(crate) same_process: bool,
     pub(crate) table: Arc<Table>,
     pub(crate) regions: RwLock<HashMap<RegionId, Arc<Remote>>>,
     pub(crate) maps: Mutex<HashMap<IpcHandle, Weak<Mapping>>>,
@@ -69,19 +96,43 @@ impl MluBackend {
                 ),
             ));
         }
+        // The socket is the instance's own (no other process can bind it while the
+        // instance lives), so the table fetched from it is that instance's.
+        if ep.socket != handoff::socket_name(ep.instance) {
+            return Err(Error::new(
+                ErrorKind::Protocol,
+                format!(
+                    "engine `{}` names @{} as the table socket of mlu instance {:#x}, which serves it at @{}",
+                    peer.engine,
+                    ep.socket,
+                    ep.instance,
+                    handoff::socket_name(ep.instance)
+                ),
+            ));
+        }
         let id = PeerId(ep.instance);
-        let existing = self.peers.get(id).ok();
-        let state = match existing {
+        let state = match self.peers.get(id).ok() {
             Some(s) if s.endpoint == ep => s,
-            _ => {
-                let table = if ep.instance == self.endpoint.instance {
-                    self.table.clone()
-                } else {
-                    let fd = handoff::fetch(&ep.socket, ep.instance, deadline)?;
-                    Arc::new(Table::open(fd, ep.instance)?)
+            Some(_) => {
+                return Err(Error::new(
+                    ErrorKind::Protocol,
+                    format!(
+                        "engine `{}` claims mlu instance {:#x}, which is connected already with another endpoint: refused (disconnect that peer first if it really changed)",
+                        peer.engine, ep.instance
+                    ),
+                ));
+            }
+            None => {
+                let (table, same_process) = match local_table(ep.instance) {
+                    Some(t) => (t, true),
+                    None => {
+                        let fd = handoff::fetch(&ep.socket, ep.instance, deadline)?;
+                        (Arc::new(Table::open(fd, ep.instance)?), false)
+                    }
                 };
                 Arc::new(PeerState {
                     endpoint: ep,
+                    same_process,
                     table,
                     regions: RwLock::new(HashMap::new()),
                     maps: Mutex::new(HashMap::new()),
@@ -102,10 +153,11 @@ impl MluBackend {
         Ok(id)
     }
 
-    fn local_ordinal(&self, ep: &Endpoint, remote: u32) -> Result<u32> {
-        if ep.process == self.endpoint.process {
+    fn local_ordinal(&self, peer: &PeerState, remote: u32) -> Result<u32> {
+        if peer.same_process {
             return Ok(remote);
         }
+        let ep = &peer.endpoint;
         let bus = ep.buses.get(remote as usize).ok_or_else(|| {
             Error::new(
                 ErrorKind::Protocol,
@@ -145,7 +197,7 @@ impl MluBackend {
 
     fn remote(&self, peer: &PeerState, r: &te_core::RegionDesc) -> Result<Remote> {
         let key = Key::decode(&r.key)?;
-        let same_process = peer.endpoint.process == self.endpoint.process;
+        let same_process = peer.same_process;
         let direct = same_process && self.config.ipc == IpcMode::Auto;
         let mut remote = Remote {
             addr: Ok(r.addr),
@@ -163,7 +215,7 @@ impl MluBackend {
                 ));
             }
             MemoryKind::Device { runtime, ordinal } if runtime == RUNTIME => {
-                match self.local_ordinal(&peer.endpoint, *ordinal) {
+                match self.local_ordinal(peer, *ordinal) {
                     Ok(local) => {
                         remote.mem = Mem::Mlu(local);
                         if !direct {

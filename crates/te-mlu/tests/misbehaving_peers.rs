@@ -19,9 +19,10 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use serde::{Deserialize, Serialize};
+use te_core::device::{DeviceCopy, DeviceRuntime};
 use te_core::{
-    Access, BackendContext, Deadline, ErrorKind, MemoryDesc, MemoryKind, RegionDesc, RegionId,
-    SegmentDesc, TransferBackend,
+    Access, BackendContext, Completion, Deadline, ErrorKind, MemoryDesc, MemoryKind, PeerId,
+    RegionDesc, RegionId, SegmentDesc, TransferBackend, TransferRequest,
 };
 use te_mlu::{MluBackend, MluConfig};
 
@@ -34,12 +35,11 @@ fn setup() {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Endpoint {
     instance: u64,
-    process: u64,
     socket: String,
     host: String,
     buses: Vec<String>,
 }
-const ENDPOINT_MAGIC: &[u8; 6] = b"TEMLU\x03";
+const ENDPOINT_MAGIC: &[u8; 6] = b"TEMLU\x04";
 
 fn decode_endpoint(b: &[u8]) -> Endpoint {
     let rest = b
@@ -136,15 +136,103 @@ fn soon() -> Deadline {
     Deadline::after(Duration::from_secs(10))
 }
 
-/// `a`'s endpoint as another process's instance would claim it: a new instance
-/// number, with the socket named after it.
+/// `a`'s endpoint as an instance of another process on this host would send it: a new
+/// instance number, with the socket named after it.
 fn other_process(a: &MluBackend) -> Endpoint {
+    claiming(a, rand::random::<u64>() | 1)
+}
+
+/// `a`'s endpoint with instance number `instance`, and the socket named after it.
+fn claiming(a: &MluBackend, instance: u64) -> Endpoint {
     let mut ep = decode_endpoint(&a.endpoint());
-    let h = rand::random::<u64>() | 1;
-    ep.instance = h;
-    ep.socket = socket_name(h);
-    ep.process ^= 2;
+    ep.instance = instance;
+    ep.socket = socket_name(instance);
     ep
+}
+
+/// Region key bytes: table slot `slot` and, for MLU memory, the IPC handle of its
+/// allocation and the offset there.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Key {
+    slot: u32,
+    handle: Option<([u8; 8], u64)>,
+}
+
+fn region(id: u64, addr: u64, len: usize, ordinal: u32, key: Vec<u8>) -> RegionDesc {
+    RegionDesc {
+        id: RegionId(id),
+        name: "kv".into(),
+        addr,
+        len: len as u64,
+        kind: mlu(ordinal),
+        access: Access::REMOTE_READ_WRITE,
+        key,
+    }
+}
+
+fn mlu_mem(addr: u64, len: usize, ordinal: u32, access: Access) -> MemoryDesc {
+    MemoryDesc {
+        name: "m".into(),
+        addr,
+        len: len as u64,
+        kind: mlu(ordinal),
+        access,
+    }
+}
+
+/// MLU memory holding `data`.
+fn device_with(rt: &te_mlu::MluRuntime, ordinal: u32, data: &[u8]) -> u64 {
+    let dev = rt.alloc(ordinal, data.len()).unwrap();
+    // SAFETY: `data` lives across the synchronous copy, which stays inside `dev`.
+    unsafe {
+        (rt as &dyn DeviceRuntime).copy_sync(DeviceCopy::ToDevice {
+            ordinal,
+            device: dev,
+            host: data.as_ptr(),
+            len: data.len(),
+        })
+    }
+    .unwrap();
+    dev
+}
+
+/// The `len` bytes at `dev`.
+fn device_bytes(rt: &te_mlu::MluRuntime, ordinal: u32, dev: u64, len: usize) -> Vec<u8> {
+    let mut back = vec![0u8; len];
+    // SAFETY: `back` lives across the synchronous copy, which stays inside it.
+    unsafe {
+        (rt as &dyn DeviceRuntime).copy_sync(DeviceCopy::ToHost {
+            ordinal,
+            device: dev,
+            host: back.as_mut_ptr(),
+            len,
+        })
+    }
+    .unwrap();
+    back
+}
+
+/// Submits a WRITE of `len` bytes from local region `local` to the peer's region
+/// `remote`; returns the submit's result and the completion's (within 10 s).
+fn write(
+    b: &MluBackend,
+    peer: PeerId,
+    local: u64,
+    remote: u64,
+    len: usize,
+) -> (te_core::Result<()>, Option<te_core::Result<()>>) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let done = Completion::new(Duration::from_secs(10), move |r, _| {
+        let _ = tx.send(r.map(|_| ()));
+    });
+    let req = TransferRequest::write(RegionId(local), 0, RegionId(remote), 0, len as u64);
+    let r = b.submit(peer, &[req], done);
+    let c = if r.is_ok() {
+        rx.recv_timeout(Duration::from_secs(10)).ok()
+    } else {
+        None
+    };
+    (r, c)
 }
 
 /// Runs `body` as test `test` in a child process (at most 60 s) and returns the
@@ -334,5 +422,118 @@ fn the_table_server_does_not_spin_when_out_of_descriptors() {
     assert!(
         ms < 100,
         "out of descriptors, with one peer waiting to be accepted, the process (idle otherwise) burnt {ms} ms of CPU in 1 s: the mlu table server spins on accept\n{out}"
+    );
+}
+
+#[test]
+fn a_peer_naming_our_unregistered_memory_cannot_make_us_write_into_it() {
+    setup();
+    let rt = te_mlu::runtime().unwrap();
+    let a = backend(rand::random::<u64>() | 1);
+    let len = 4096usize;
+    let src = device_with(&rt, 0, &te_core::testkit::pattern(len, 5));
+    let victim = rt.alloc(0, len).unwrap(); // the application's; never registered
+    a.register(RegionId(10), &mlu_mem(src, len, 0, Access::LOCAL))
+        .unwrap();
+    let key = te_core::codec::encode(&Key {
+        slot: 0,
+        handle: None,
+    });
+    // As an instance of another process, with a table that says the victim's address
+    // is its region; and as this very instance, whose table says nothing of it.
+    let foreign = other_process(&a);
+    let _srv = serve_table(
+        &foreign.socket,
+        foreign.instance,
+        forged_table(foreign.instance, 0, 77, victim, len as u64, true),
+        1,
+    );
+    let ours = decode_endpoint(&a.endpoint());
+    let mut results = Vec::new();
+    for ep in [foreign, ours] {
+        let desc = seg(
+            encode_endpoint(&ep),
+            vec![region(77, victim, len, 0, key.clone())],
+        );
+        let peer = a.connect(&desc, soon()).expect("connect");
+        results.push(write(&a, peer, 10, 77, len));
+    }
+    let changed = device_bytes(&rt, 0, victim, len)
+        .iter()
+        .filter(|&&b| b != 0)
+        .count();
+    drop(a);
+    rt.free(0, src).unwrap();
+    rt.free(0, victim).unwrap();
+    assert_eq!(
+        changed, 0,
+        "a peer made us copy into our own unregistered MLU memory at {victim:#x}: {changed} of {len} bytes changed ({results:?})"
+    );
+    assert!(results.iter().all(|(r, _)| r.is_err()), "{results:?}");
+}
+
+#[test]
+fn a_peer_claiming_another_peers_instance_does_not_take_over_its_batches() {
+    setup();
+    let rt = te_mlu::runtime().unwrap();
+    let a = backend(rand::random::<u64>() | 1);
+    let x = rand::random::<u64>() | 1;
+    let b = backend(x);
+    let c = backend(rand::random::<u64>() | 1);
+    let len = 4096usize;
+    let data = te_core::testkit::pattern(len, 9);
+    let src = device_with(&rt, 0, &data);
+    let t = rt.alloc(1, len).unwrap(); // B's region
+    let evil = rt.alloc(1, len).unwrap(); // the impostor's memory
+    a.register(RegionId(10), &mlu_mem(src, len, 0, Access::LOCAL))
+        .unwrap();
+    let bkey = b
+        .register(RegionId(1), &mlu_mem(t, len, 1, Access::REMOTE_READ_WRITE))
+        .unwrap();
+    let pb = a
+        .connect(&seg(b.endpoint(), vec![region(1, t, len, 1, bkey)]), soon())
+        .unwrap();
+    // The impostor: its own allocation (a real handle, taken from C's key), a table of
+    // its own, and B's instance number; with a socket of its own, or with B's and
+    // another endpoint.
+    let ckey = c
+        .register(
+            RegionId(2),
+            &mlu_mem(evil, len, 1, Access::REMOTE_READ_WRITE),
+        )
+        .unwrap();
+    let k: Key = te_core::codec::decode(&ckey, "key").unwrap();
+    let mut own_socket = claiming(&a, x);
+    own_socket.socket = socket_name(rand::random::<u64>() | 1);
+    let _srv = serve_table(
+        &own_socket.socket,
+        x,
+        forged_table(x, k.slot, 1, evil, len as u64, true),
+        1,
+    );
+    let mut other_endpoint = claiming(&a, x);
+    other_endpoint.buses.push("0000:ff:00.0".into());
+    for ep in [own_socket, other_endpoint] {
+        let desc = seg(
+            encode_endpoint(&ep),
+            vec![region(1, evil, len, 1, ckey.clone())],
+        );
+        let e = a
+            .connect(&desc, soon())
+            .expect_err("an impostor of a connected instance was accepted");
+        assert_eq!(e.kind(), ErrorKind::Protocol, "{e}");
+    }
+    let (r, done) = write(&a, pb, 10, 1, len);
+    let (in_b, in_evil) = (
+        device_bytes(&rt, 1, t, len) == data,
+        device_bytes(&rt, 1, evil, len) == data,
+    );
+    drop((a, b, c));
+    for (o, d) in [(0, src), (1, t), (1, evil)] {
+        rt.free(o, d).unwrap();
+    }
+    assert!(
+        in_b && !in_evil,
+        "a WRITE to peer B ({pb:?}) did not land in B's memory alone (in B: {in_b}, in the impostor's: {in_evil}; submit {r:?}, completion {done:?})"
     );
 }
