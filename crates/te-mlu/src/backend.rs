@@ -338,6 +338,10 @@ impl TransferBackend for MluBackend {
                     }
                     if !table.enter(slot, region) {
                         let side = if is_local { "local" } else { "the peer's" };
+                        if !is_local {
+                            drop((remotes, locals));
+                            p.forget(r.remote);
+                        }
                         return Err(region_error(
                             ErrorKind::NotRegistered,
                             format!("{side} region {region} was deregistered"),
@@ -351,12 +355,14 @@ impl TransferBackend for MluBackend {
                 }
                 // Counted in, the slot cannot change under us: check the request
                 // against the owner's own word on the region, not the descriptor.
-                let ext = p.table.extent(rm.slot, r.remote.0).ok_or_else(|| {
-                    region_error(
+                let Some(ext) = p.table.extent(rm.slot, r.remote.0) else {
+                    drop((remotes, locals));
+                    p.forget(r.remote);
+                    return Err(region_error(
                         ErrorKind::NotRegistered,
                         format!("the peer's region {} was deregistered", r.remote),
-                    )
-                })?;
+                    ));
+                };
                 if (ext.addr, ext.offset) != rm.origin {
                     return Err(region_error(
                         ErrorKind::Protocol,

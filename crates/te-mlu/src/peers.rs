@@ -81,6 +81,16 @@ pub(crate) struct PeerState {
     pub(crate) maps: Mutex<HashMap<IpcHandle, Weak<Mapping>>>,
 }
 
+impl PeerState {
+    /// Forgets the peer's region `id`, which its table says it deregistered: a batch
+    /// naming it is refused from now on without entering the table, and the peer's
+    /// allocation is unmapped here once no region or batch of this backend holds it.
+    pub(crate) fn forget(&self, id: RegionId) {
+        self.regions.write().remove(&id);
+        self.maps.lock().retain(|_, m| m.strong_count() > 0);
+    }
+}
+
 impl MluBackend {
     /// `TransferBackend::connect`: the peer's table and regions, kept where they are
     /// known already (a peer that reconnects with the same endpoint keeps its mappings),
@@ -191,6 +201,7 @@ impl MluBackend {
             ordinal,
             addr,
         });
+        maps.retain(|_, m| m.strong_count() > 0);
         maps.insert(handle, Arc::downgrade(&m));
         Ok(m)
     }

@@ -537,3 +537,67 @@ fn a_peer_claiming_another_peers_instance_does_not_take_over_its_batches() {
         "a WRITE to peer B ({pb:?}) did not land in B's memory alone (in B: {in_b}, in the impostor's: {in_evil}; submit {r:?}, completion {done:?})"
     );
 }
+
+/// This process's mappings of the fake libcnrt's allocations.
+fn fake_mappings() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("/memfd:te-fake-cnrt-"))
+        .count()
+}
+
+#[test]
+fn a_peers_deregistered_allocation_is_unmapped_once_a_batch_finds_it_gone() {
+    const NAME: &str = "a_peers_deregistered_allocation_is_unmapped_once_a_batch_finds_it_gone";
+    // A child of its own: it counts this process's mappings.
+    let child = in_child(NAME, || {
+        let rt = te_mlu::runtime().unwrap();
+        let mut always = MluConfig::default();
+        always.ipc = te_mlu::IpcMode::Always;
+        let ctx = BackendContext {
+            epoch: rand::random::<u64>() | 1,
+            ..BackendContext::default()
+        };
+        let a = MluBackend::new(always, &ctx).unwrap();
+        let b = backend(rand::random::<u64>() | 1);
+        let len = 1usize << 20;
+        let src = rt.alloc(0, len).unwrap();
+        let t = rt.alloc(1, len).unwrap();
+        a.register(RegionId(10), &mlu_mem(src, len, 0, Access::LOCAL))
+            .unwrap();
+        let key = b
+            .register(RegionId(1), &mlu_mem(t, len, 1, Access::REMOTE_READ_WRITE))
+            .unwrap();
+        let before = fake_mappings();
+        let peer = a
+            .connect(&seg(b.endpoint(), vec![region(1, t, len, 1, key)]), soon())
+            .unwrap();
+        let imported = fake_mappings();
+        // The peer deregisters the region and frees its memory; a batch finds it gone.
+        b.deregister(RegionId(1), soon()).unwrap();
+        rt.free(1, t).unwrap();
+        let (r, _) = write(&a, peer, 10, 1, len);
+        println!(
+            "MAPPINGS before={before} imported={imported} after={} submit={r:?}",
+            fake_mappings()
+        );
+    });
+    let Some((status, out)) = child else { return };
+    let line = out
+        .lines()
+        .find_map(|l| l.find("MAPPINGS ").map(|i| &l[i..]))
+        .unwrap_or_else(|| panic!("the child said nothing useful: {status:?}\n{out}"));
+    let n = |k: &str| -> usize {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(k))
+            .and_then(|v| v.parse().ok())
+            .unwrap()
+    };
+    assert!(n("imported=") > n("before="), "nothing was mapped: {line}");
+    // The owner's free takes its own mapping away; ours must go too.
+    assert!(
+        n("after=") < n("before="),
+        "the peer's freed allocation is still mapped here after a batch found its region deregistered: {line}"
+    );
+}
