@@ -9,8 +9,8 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use te::{
-    BlockOptions, Engine, ErrorKind, KvGroup, KvLayout, KvSelection, KvSlot, MemoryDesc, Op,
-    RegionId, TransferOptions, TransferRequest,
+    BlockOptions, Engine, ErrorKind, KvGroup, KvLayout, KvSelection, KvSlot, MemoryDesc,
+    MemoryKind, Op, RegionId, TransferOptions, TransferRequest,
 };
 
 use crate::addrs::{find, local_region, remote_regions, AddrMap};
@@ -18,7 +18,7 @@ use crate::args;
 use crate::errors::{te_err, IntoPy};
 use crate::handle::PyHandle;
 use crate::peer::PyPeer;
-use crate::registration::PyRegistration;
+use crate::registration::{Keep, PyRegistration};
 
 /// A layout slot from Python: `(name, region id, offset, bytes per block, blocks)`.
 type SlotSpec = (String, u64, u64, u64, u64);
@@ -81,6 +81,37 @@ impl PyEngine {
             timeout: args::timeout(timeout)?,
             notify,
         })
+    }
+
+    /// Registers `nbytes` at `ptr` and wraps the registration with what it holds.
+    ///
+    /// # Safety
+    /// `ptr .. ptr + nbytes` is `kind` memory that stays valid until the registration
+    /// is deregistered (`keep`, held until then, is what it belongs to).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn register_kept(
+        &self,
+        py: Python<'_>,
+        ptr: u64,
+        nbytes: u64,
+        kind: MemoryKind,
+        name: &str,
+        access: &str,
+        keep: Option<Keep>,
+    ) -> PyResult<PyRegistration> {
+        let engine = self.get()?;
+        let desc = MemoryDesc {
+            name: name.to_string(),
+            addr: ptr,
+            len: nbytes,
+            kind,
+            access: args::access(access)?,
+        };
+        // SAFETY: the memory outlives the registration, by this function's contract.
+        let reg = py
+            .allow_threads(|| unsafe { engine.register(desc) })
+            .py_err()?;
+        Ok(PyRegistration::new(&self.addrs, reg, keep))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -183,26 +214,17 @@ impl PyEngine {
         access: &str,
         keep: Option<PyObject>,
     ) -> PyResult<PyRegistration> {
-        let engine = self.get()?;
-        let desc = MemoryDesc {
-            name: name.to_string(),
-            addr: ptr,
-            len: nbytes,
-            kind: args::device(device)?,
-            access: args::access(access)?,
-        };
+        let kind = args::device(device)?;
         // SAFETY: the caller vouches that `ptr .. ptr + nbytes` is memory of `device`
         // that outlives the registration (the documented contract of this method);
         // `keep` (a buffer or tensor the memory belongs to) is held until deregistration.
-        let reg = py
-            .allow_threads(|| unsafe { engine.register(desc) })
-            .py_err()?;
-        Ok(PyRegistration::new(&self.addrs, reg, keep))
+        unsafe { self.register_kept(py, ptr, nbytes, kind, name, access, keep.map(Keep::Object)) }
     }
 
     /// Registers the memory of a writable, C-contiguous buffer-protocol object (a
-    /// `bytearray`, a numpy array, a writable `memoryview`) and keeps the object alive
-    /// until deregistration.
+    /// `bytearray`, a numpy array, a writable `memoryview`) and holds a buffer export of
+    /// it until deregistration: the object stays alive, and CPython refuses to resize
+    /// or release it (`BufferError`) while te may touch its bytes.
     #[pyo3(signature = (obj, name="", access="rw"))]
     fn register_buffer(
         &self,
@@ -226,16 +248,19 @@ impl PyEngine {
         }
         let ptr = buf.buf_ptr() as u64;
         let len = buf.len_bytes() as u64;
-        drop(buf);
-        self.register(
-            py,
-            ptr,
-            len,
-            "host",
-            name,
-            access,
-            Some(obj.clone().unbind()),
-        )
+        // SAFETY: `ptr .. ptr + len` is the buffer's memory, and the export `buf` that
+        // pins it there (no resize, no release) is held until deregistration.
+        unsafe {
+            self.register_kept(
+                py,
+                ptr,
+                len,
+                MemoryKind::Host,
+                name,
+                access,
+                Some(Keep::Export(buf)),
+            )
+        }
     }
 
     /// Connects to the engine at `addr` (`"host:port"`) within `timeout` seconds

@@ -1,6 +1,7 @@
 //! `te._te.Registration`: registered memory, deregistered on request or when collected,
 //! and kept in its engine's map of local addresses until then.
 
+use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use te::{RegionDesc, Registration};
 use te_core::sync::Mutex;
@@ -14,7 +15,18 @@ pub(crate) struct PyRegistration {
     reg: Mutex<Option<Registration>>,
     region: RegionDesc,
     addrs: AddrMap,
-    keep: Mutex<Option<PyObject>>,
+    keep: Mutex<Option<Keep>>,
+}
+
+/// What a registration holds until te no longer touches its memory.
+#[expect(dead_code, reason = "held for what dropping it does, never read")]
+pub(crate) enum Keep {
+    /// An object the memory belongs to (`register(…, keep=obj)`), held alive.
+    Object(PyObject),
+    /// A buffer export of the object (`register_buffer`): while it is held, CPython
+    /// refuses to resize a `bytearray` or release a `memoryview`, so the bytes stay
+    /// where they were registered. Released with the GIL (PyO3 takes it on drop).
+    Export(PyBuffer<u8>),
 }
 
 #[pymethods]
@@ -93,7 +105,7 @@ impl PyRegistration {
 
 impl PyRegistration {
     /// Wraps `reg`, entering it in `addrs`; `keep` is held until deregistration.
-    pub(crate) fn new(addrs: &AddrMap, reg: Registration, keep: Option<PyObject>) -> Self {
+    pub(crate) fn new(addrs: &AddrMap, reg: Registration, keep: Option<Keep>) -> Self {
         let region = reg.region().clone();
         let mut map = addrs.write();
         map.entry(region.addr)

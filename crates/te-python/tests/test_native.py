@@ -67,6 +67,24 @@ def test_register_takes_raw_pointers_and_tensor_like_objects(pair):
         init.register_tensor(object())
 
 
+def test_registered_buffers_stay_where_they_are_until_deregistered():
+    """A registered bytearray cannot be resized, a registered memoryview not released
+    (the bytes would move under te, and a peer's WRITE land in another object); after
+    deregister() both can."""
+    with te.Engine(config("stub")) as e:
+        ba = bytearray(4096)
+        mv = memoryview(bytearray(4096))
+        regs = [e.register_buffer(ba), e.register_buffer(mv)]
+        with pytest.raises(BufferError):
+            ba.extend(b"x" * (1 << 20))
+        with pytest.raises(BufferError):
+            mv.release()
+        for r in regs:
+            r.deregister()
+        ba.extend(b"x")
+        mv.release()
+
+
 class FakeTensor:
     """What te reads of a torch tensor, over a numpy array (torch is not needed)."""
 
