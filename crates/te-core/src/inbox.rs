@@ -154,15 +154,16 @@ impl<T> Mailbox<T> {
         Some(item)
     }
 
-    /// The next item, waiting at most `timeout`.
+    /// The next item, waiting at most `timeout` (one past the clock's range waits
+    /// without limit).
     pub(crate) fn pop(&self, timeout: Duration) -> Option<T> {
-        let end = Instant::now() + timeout;
+        let end = Instant::now().checked_add(timeout);
         let mut s = self.state.lock();
         loop {
             if let Some(item) = Mailbox::take(&mut s) {
                 return Some(item);
             }
-            let left = end.saturating_duration_since(Instant::now());
+            let left = end.map_or(timeout, |end| end.saturating_duration_since(Instant::now()));
             if left.is_zero() {
                 return None;
             }
@@ -223,6 +224,13 @@ mod tests {
         m.push_within(2, 60, 100).unwrap();
         assert_eq!(m.drain(), vec![2]);
         assert!(m.drain().is_empty());
+    }
+
+    #[test]
+    fn a_timeout_past_the_clocks_range_waits_without_limit() {
+        let m = Mailbox::new();
+        m.push_dropping(7, 3);
+        assert_eq!(m.pop(Duration::MAX), Some(7));
     }
 
     #[test]

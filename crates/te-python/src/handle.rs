@@ -78,12 +78,14 @@ impl PyHandle {
     }
 
     /// Waits for the batch with the GIL released: `True` once it completed, `False` if
-    /// it is still in flight after `timeout` seconds (`None`: until it resolves; the
-    /// batch's own deadline bounds that). Raises the batch's error if it failed, and
+    /// it is still in flight after `timeout` seconds (`None`, or one too large to
+    /// count down: until it resolves; the batch's own deadline bounds that). Raises the batch's error if it failed, and
     /// `KeyboardInterrupt` on Ctrl-C.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
-        let end = crate::args::timeout(timeout)?.map(|t| Instant::now() + t);
+        let timeout = crate::args::timeout(timeout)?;
+        // A timeout past the clock's range is no limit.
+        let end = timeout.and_then(|t| Instant::now().checked_add(t));
         loop {
             let slice = match end {
                 Some(end) => end

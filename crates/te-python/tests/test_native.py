@@ -257,6 +257,17 @@ def test_bad_requests_raise_the_error_of_their_kind(pair):
         init.register(0, 16)
 
 
+def test_a_timeout_too_large_for_the_clock_waits_without_limit(pair):
+    target, init, peer = pair
+    dst = target.register_buffer(bytearray(64), name="dst")
+    src = init.register_buffer(bytearray(b"\x01" * 64))
+    assert init.transfer(peer, [(src.id, 0, dst.id, 0, 64)], notify=b"hi").wait(1e19)
+    # A completed batch's notification is in the target's inbox: this returns at once.
+    assert target.recv_notification(1e19)[2] == b"hi"
+    for r in (dst, src):
+        r.deregister()
+
+
 def test_bad_configs_are_config_errors():
     with pytest.raises(te.ConfigInvalidError, match="nonsense"):
         te.Engine({"engine": {"backend": "stub", "nonsense": 1}})
