@@ -202,6 +202,36 @@ static void null_and_bad_arguments_are_errors(void) {
     te_notification_free(NULL);
 }
 
+/* A count or a length no array can have (more than the address space) is refused with
+ * a message naming the argument, never read. */
+static void lengths_no_array_can_have_are_refused(void) {
+    te_engine *a = engine(TCP), *b = engine(TCP);
+    char address[64];
+    address_of(a, address);
+    uint8_t dst[64] = {0}, src[64] = {0};
+    uint64_t rdst, lsrc, remote, ids[1] = {0};
+    OK(te_engine_register(a, "dst", dst, sizeof dst, NULL, TE_ACCESS_REMOTE_WRITE, &rdst));
+    OK(te_engine_register(b, "src", src, sizeof src, NULL, 0, &lsrc));
+    te_peer *peer = NULL;
+    OK(te_engine_connect(b, address, 0, &peer));
+    OK(te_peer_region(peer, "dst", &remote, NULL));
+    te_request w = {TE_OP_WRITE, 0, lsrc, 0, remote, 0, sizeof dst};
+    te_batch *batch = NULL;
+    FAILS(TE_ERR_INVALID_REQUEST,
+          te_engine_transfer(b, peer, &w, SIZE_MAX / sizeof w, 0, NULL, 0, &batch));
+    if (!strstr(te_last_error(), "requests")) FAIL("argument not named: %s", te_last_error());
+    FAILS(TE_ERR_INVALID_REQUEST, te_engine_transfer(b, peer, NULL, 0, 0, "hi", SIZE_MAX, &batch));
+    if (!strstr(te_last_error(), "notify")) FAIL("argument not named: %s", te_last_error());
+    FAILS(TE_ERR_INVALID_REQUEST, te_engine_push_blocks(b, peer, "kv", ids, ids,
+                                                        SIZE_MAX / sizeof ids[0], 0, NULL, 0, &batch));
+    if (!strstr(te_last_error(), "_ids")) FAIL("argument not named: %s", te_last_error());
+    te_peer_free(peer);
+    OK(te_engine_deregister(b, lsrc));
+    OK(te_engine_deregister(a, rdst));
+    te_engine_free(b);
+    te_engine_free(a);
+}
+
 /* Two processes over TCP: WRITE 4 MiB in four requests, READ 4 MiB back, every byte
  * checked on both sides. */
 static void two_processes_move_every_byte(const char *self) {
@@ -572,6 +602,7 @@ int main(int argc, char **argv) {
 #define RUN(t) (printf("%s\n", #t), fflush(stdout), t)
     RUN(bad_configurations_are_reported_with_their_message());
     RUN(null_and_bad_arguments_are_errors());
+    RUN(lengths_no_array_can_have_are_refused());
     RUN(two_processes_move_every_byte(argv[0]));
     RUN(a_dead_peer_is_reported_within_the_deadline(argv[0]));
     RUN(a_hung_peer_is_reported_within_the_deadline(argv[0]));

@@ -55,7 +55,8 @@ pub(crate) unsafe fn text<'a>(
         .map_err(|_| bad_argument(operation, format!("`{what}` is not UTF-8")))
 }
 
-/// An array argument of `len` elements; NULL is allowed when `len` is 0.
+/// An array argument of `len` elements; NULL is allowed when `len` is 0. A `len` no
+/// array can have (more than `isize::MAX` bytes) is refused, whatever `ptr` is.
 ///
 /// # Safety
 /// `ptr` is NULL or points to `len` initialised `T`s that stay valid for `'a`.
@@ -67,6 +68,12 @@ pub(crate) unsafe fn slice<'a, T>(
 ) -> Result<&'a [T]> {
     if len == 0 {
         return Ok(&[]);
+    }
+    if len > isize::MAX as usize / std::mem::size_of::<T>().max(1) {
+        return Err(bad_argument(
+            operation,
+            format!("`{what}` has {len} elements, more than any array can hold"),
+        ));
     }
     if ptr.is_null() {
         return Err(bad_argument(
