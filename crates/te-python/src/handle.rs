@@ -9,7 +9,7 @@ use te::{TransferHandle, TransferStatus};
 use crate::errors::to_py;
 
 /// How long a GIL-free wait sleeps before it checks for Ctrl-C.
-const SIGNAL_CHECK: Duration = Duration::from_millis(100);
+pub(crate) const SIGNAL_CHECK: Duration = Duration::from_millis(100);
 
 /// A submitted batch. `done()` polls without blocking, `wait(timeout)` blocks with the
 /// GIL released, `await handle` suspends a coroutine, `cancel()` asks the batch to stop.

@@ -4,18 +4,33 @@
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use te::{RegionDesc, Registration};
-use te_core::sync::Mutex;
+use te_core::sync::{Condvar, Mutex};
 
 use crate::addrs::AddrMap;
+use crate::errors::to_py;
+use crate::handle::SIGNAL_CHECK;
 
 /// Registered memory; deregistered by `deregister()`, or when it is garbage-collected
 /// (then errors are only logged).
 #[pyclass(module = "te._te", name = "Registration", frozen)]
 pub(crate) struct PyRegistration {
-    reg: Mutex<Option<Registration>>,
+    state: Mutex<State>,
+    /// Notified when a deregistration under way has its outcome.
+    settled: Condvar,
     region: RegionDesc,
     addrs: AddrMap,
     keep: Mutex<Option<Keep>>,
+}
+
+/// Where a registration stands.
+enum State {
+    /// Registered.
+    Live(Registration),
+    /// A `deregister()` is under way; other callers wait for its outcome.
+    Leaving,
+    /// Deregistered (`None`), or the error its deregistration failed with: te may
+    /// still touch the memory.
+    Gone(Option<te::Error>),
 }
 
 /// What a registration holds until te no longer touches its memory.
@@ -62,22 +77,36 @@ impl PyRegistration {
     }
 
     /// Deregisters: waits for batches using the region, then makes the backend forget
-    /// it. Afterwards te touches the memory no more. A second call does nothing. If it
-    /// raises, te may still touch the memory, so the object it belongs to is never freed.
+    /// it. Afterwards te touches the memory no more. A call while another is under
+    /// way waits for that one (GIL released) and reports its outcome, as later calls
+    /// do. If it raises, te may still touch the memory, so the object it belongs to is
+    /// never freed.
     fn deregister(&self, py: Python<'_>) -> PyResult<()> {
-        let Some(reg) = self.reg.lock().take() else {
-            return Ok(());
+        let reg = {
+            let mut state = self.state.lock();
+            match std::mem::replace(&mut *state, State::Leaving) {
+                State::Live(reg) => reg,
+                other => {
+                    *state = other;
+                    drop(state);
+                    return self.outcome(py);
+                }
+            }
         };
         self.forget();
-        if let Err(e) = py.allow_threads(|| reg.deregister()) {
+        let result = py.allow_threads(|| reg.deregister());
+        let error = result.as_ref().err().cloned();
+        if error.is_some() {
             // te may still touch the memory: never free what it belongs to.
             if let Some(keep) = self.keep.lock().take() {
                 std::mem::forget(keep);
             }
-            return Err(crate::errors::to_py(e));
+        } else {
+            self.keep.lock().take();
         }
-        self.keep.lock().take();
-        Ok(())
+        *self.state.lock() = State::Gone(error);
+        self.settled.notify_all();
+        result.map_err(to_py)
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -112,10 +141,33 @@ impl PyRegistration {
             .or_default()
             .push((region.len, region.id));
         PyRegistration {
-            reg: Mutex::new(Some(reg)),
+            state: Mutex::new(State::Live(reg)),
+            settled: Condvar::new(),
             region,
             addrs: addrs.clone(),
             keep: Mutex::new(keep),
+        }
+    }
+
+    /// The outcome of the deregistration that began first, once it has one; waits for
+    /// it with the GIL released, and raises `KeyboardInterrupt` on Ctrl-C meanwhile.
+    fn outcome(&self, py: Python<'_>) -> PyResult<()> {
+        loop {
+            let settled = py.allow_threads(|| {
+                let state = self.state.lock();
+                let (state, _) = self
+                    .settled
+                    .wait_timeout_while(state, SIGNAL_CHECK, |s| matches!(s, State::Leaving));
+                match &*state {
+                    State::Gone(error) => Some(error.clone()),
+                    State::Live(_) | State::Leaving => None,
+                }
+            });
+            match settled {
+                Some(None) => return Ok(()),
+                Some(Some(e)) => return Err(to_py(e)),
+                None => py.check_signals()?,
+            }
         }
     }
 
@@ -132,7 +184,7 @@ impl PyRegistration {
 
 impl Drop for PyRegistration {
     fn drop(&mut self) {
-        let Some(reg) = self.reg.lock().take() else {
+        let State::Live(reg) = std::mem::replace(&mut *self.state.lock(), State::Gone(None)) else {
             return;
         };
         self.forget();

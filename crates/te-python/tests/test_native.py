@@ -2,6 +2,7 @@
 
 import asyncio
 import socket
+import threading
 import time
 
 import numpy as np
@@ -346,6 +347,21 @@ def test_wait_returns_false_while_pending_and_cancel_resolves_with_cancelled():
         with pytest.raises(te.CancelledError):
             h.wait(10)
         assert h.done() and isinstance(h.error(), te.CancelledError)
+
+
+def test_a_deregister_while_another_is_under_way_returns_after_it():
+    """Neither of two threads deregistering one region returns while a batch still
+    reads it (a caller frees raw memory once deregister() returns)."""
+    a, b, peer, reqs = slow_pair(delay="2s")
+    with a, b:
+        h = b.transfer(peer, reqs)
+        first = threading.Thread(target=b.keep.deregister)
+        first.start()
+        time.sleep(0.3)  # the first deregister now waits for the batch
+        b.keep.deregister()
+        assert h.done()
+        first.join(10)
+        assert not first.is_alive()
 
 
 def test_a_batch_past_its_deadline_raises_te_timeout_error():
