@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 use std::time::Instant;
-use te_core::sync::Mutex;
+use te_core::sync::{Condvar, Mutex};
 
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -16,7 +16,7 @@ use te::{
 use crate::addrs::{find, local_region, remote_regions, AddrMap};
 use crate::args;
 use crate::errors::{te_err, IntoPy};
-use crate::handle::PyHandle;
+use crate::handle::{PyHandle, SIGNAL_CHECK};
 use crate::peer::PyPeer;
 use crate::registration::{Keep, PyRegistration};
 
@@ -26,29 +26,48 @@ type SlotSpec = (String, u64, u64, u64, u64);
 /// A transfer engine: one backend, one control plane, its registrations and peers.
 #[pyclass(module = "te._te", name = "Engine", subclass, frozen)]
 pub(crate) struct PyEngine {
+    /// The engine, until `close()`; methods clone it for their call.
     engine: Mutex<Option<Arc<Engine>>>,
+    /// Notified (under `engine`'s lock) when a method lets go of its clone: `close()`
+    /// waits for them.
+    released: Condvar,
     addrs: AddrMap,
 }
 
-/// A method's reference to the engine. If `close()` ran meanwhile it is the last one,
-/// and the engine closes when it goes: outside the GIL, as `close()` itself does.
-struct EngineRef(std::mem::ManuallyDrop<Arc<Engine>>);
+/// A method's reference to the engine. `close()` waits for it to go; if `close()` gave
+/// up waiting it is the last one, and the engine closes when it goes: outside the GIL,
+/// as `close()` itself does.
+struct EngineRef<'a> {
+    engine: std::mem::ManuallyDrop<Arc<Engine>>,
+    owner: &'a PyEngine,
+}
 
-impl std::ops::Deref for EngineRef {
+impl std::ops::Deref for EngineRef<'_> {
     type Target = Engine;
     fn deref(&self) -> &Engine {
-        &self.0
+        &self.engine
     }
 }
 
-impl Drop for EngineRef {
+impl Drop for EngineRef<'_> {
     fn drop(&mut self) {
-        // SAFETY: taken once, here, and `self.0` is not used again.
-        let engine = unsafe { std::mem::ManuallyDrop::take(&mut self.0) };
-        if Arc::strong_count(&engine) == 1 {
-            Python::with_gil(|py| py.allow_threads(move || drop(engine)));
+        // SAFETY: taken once, here, and `self.engine` is not used again.
+        let engine = unsafe { std::mem::ManuallyDrop::take(&mut self.engine) };
+        if let Some(last) = Arc::into_inner(engine) {
+            Python::with_gil(|py| py.allow_threads(move || drop(last)));
         }
+        let _slot = self.owner.engine.lock();
+        self.owner.released.notify_all();
     }
+}
+
+/// The error of a call on a closed engine.
+fn closed() -> PyErr {
+    te_err(
+        ErrorKind::Cancelled,
+        "engine",
+        "the engine is closed; create a new one".into(),
+    )
 }
 
 impl Drop for PyEngine {
@@ -62,18 +81,12 @@ impl Drop for PyEngine {
 }
 
 impl PyEngine {
-    fn get(&self) -> PyResult<EngineRef> {
-        self.engine
-            .lock()
-            .clone()
-            .map(|e| EngineRef(std::mem::ManuallyDrop::new(e)))
-            .ok_or_else(|| {
-                te_err(
-                    ErrorKind::Cancelled,
-                    "engine",
-                    "the engine is closed; create a new one".into(),
-                )
-            })
+    fn get(&self) -> PyResult<EngineRef<'_>> {
+        let engine = self.engine.lock().clone().ok_or_else(closed)?;
+        Ok(EngineRef {
+            engine: std::mem::ManuallyDrop::new(engine),
+            owner: self,
+        })
     }
 
     fn options(notify: Option<Vec<u8>>, timeout: Option<f64>) -> PyResult<TransferOptions> {
@@ -160,6 +173,7 @@ impl PyEngine {
         let engine = py.allow_threads(|| Engine::from_config(&config)).py_err()?;
         Ok(PyEngine {
             engine: Mutex::new(Some(Arc::new(engine))),
+            released: Condvar::new(),
             addrs: Arc::default(),
         })
     }
@@ -190,12 +204,41 @@ impl PyEngine {
 
     /// Stops the engine (control plane, peers, backend); its batches fail or complete
     /// first, and registrations still open are deregistered (their `deregister` then
-    /// reports how that went).
+    /// reports how that went). Calls in flight on other threads are waited for (GIL
+    /// released): a `recv_notification` stops waiting and raises `te.CancelledError`,
+    /// the others return within their timeouts. Raises `te.TimeoutError` if some are
+    /// still running after the engine's `default_timeout`; the engine then stops when
+    /// the last of them returns.
     /// Further calls raise `te.CancelledError`. Called by `with te.Engine() as e:`.
-    fn close(&self, py: Python<'_>) {
-        let engine = self.engine.lock().take();
-        // Dropping the last reference stops threads and joins them: not under the GIL.
-        py.allow_threads(move || drop(engine));
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(engine) = self.engine.lock().take() else {
+            return Ok(());
+        };
+        let bound = engine.config().default_timeout;
+        // Stopping the engine joins its threads: not under the GIL.
+        let stopped = py.allow_threads(|| {
+            let end = Instant::now().checked_add(bound);
+            let mut slot = self.engine.lock();
+            while Arc::strong_count(&engine) > 1 {
+                let left = end.map_or(bound, |end| end.saturating_duration_since(Instant::now()));
+                if left.is_zero() {
+                    break;
+                }
+                slot = self.released.wait_timeout(slot, left).0;
+            }
+            drop(slot);
+            Arc::into_inner(engine).map(drop).is_some()
+        });
+        if stopped {
+            return Ok(());
+        }
+        Err(te_err(
+            ErrorKind::Timeout,
+            "close",
+            format!(
+                "calls on other threads still used the engine after {bound:?}; it stops when the last of them returns"
+            ),
+        ))
     }
 
     /// Registers `nbytes` of memory at address `ptr` (an int) on `device` (`"host"`,
@@ -526,7 +569,8 @@ impl PyEngine {
     }
 
     /// Waits (GIL released) up to `timeout` seconds for one notification: `(sender
-    /// name, sender address, message)`, or `None`.
+    /// name, sender address, message)`, or `None`. Raises `te.CancelledError` if
+    /// another thread closes the engine meanwhile, `KeyboardInterrupt` on Ctrl-C.
     #[pyo3(signature = (timeout=0.0))]
     fn recv_notification(
         &self,
@@ -535,7 +579,19 @@ impl PyEngine {
     ) -> PyResult<Option<(String, String, Py<PyBytes>)>> {
         let engine = self.get()?;
         let t = args::timeout(Some(timeout))?.unwrap_or_default();
-        let n = py.allow_threads(|| engine.recv_notification(t));
+        let end = Instant::now().checked_add(t);
+        let n = loop {
+            let left = end.map_or(t, |end| end.saturating_duration_since(Instant::now()));
+            let n = py.allow_threads(|| engine.recv_notification(left.min(SIGNAL_CHECK)));
+            if n.is_some() || left <= SIGNAL_CHECK {
+                break n;
+            }
+            // `close()` waits for this call to return.
+            if self.engine.lock().is_none() {
+                return Err(closed());
+            }
+            py.check_signals()?;
+        };
         Ok(n.map(|n| {
             (
                 n.from,

@@ -364,6 +364,65 @@ def test_a_deregister_while_another_is_under_way_returns_after_it():
         assert not first.is_alive()
 
 
+def test_close_stops_the_engine_while_another_thread_waits_in_it():
+    """close() waits for calls in flight on other threads (a notification wait stops
+    with te.CancelledError), so no peer writes into a region once it has returned."""
+    with te.Engine(config("stub")) as init:
+        target = te.Engine(config("stub"))
+        dst = np.zeros(4096, dtype=np.uint8)
+        reg = target.register(dst.ctypes.data, dst.nbytes, name="dst")  # raw, no keep
+        src = init.register_buffer(bytearray(b"\x5a" * 4096))
+        peer = init.connect(target.address, timeout=5)
+        cancelled = []
+
+        def wait():
+            with pytest.raises(te.CancelledError) as e:
+                target.recv_notification(30)
+            cancelled.append(e.value)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.3)  # the waiter is now inside recv_notification
+        t0 = time.monotonic()
+        target.close()
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(te.Error):
+            init.transfer(peer, [(src.id, 0, reg.id, 0, 4096)]).wait(10)
+        waiter.join(10)
+        assert not waiter.is_alive() and len(cancelled) == 1
+        assert not dst.any()
+
+
+def test_close_says_when_a_call_outlasts_the_default_timeout():
+    """A call on another thread that runs past default_timeout: close() raises
+    te.TimeoutError, and the engine stops when that call returns."""
+    cfg = config("stub")
+    cfg["engine"]["default_timeout"] = "0.3s"
+    e = te.Engine(cfg)
+    host, port = e.address.split(":")
+    failed = []
+    with socket.socket() as s:  # accepts, never answers
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+
+        def connect():
+            with pytest.raises(te.Error) as err:
+                e.connect("127.0.0.1:%d" % s.getsockname()[1], timeout=2)
+            failed.append(err.value)
+
+        caller = threading.Thread(target=connect)
+        caller.start()
+        time.sleep(0.3)  # the caller is now inside connect
+        with pytest.raises(te.TimeoutError, match="other threads"):
+            e.close()
+        with pytest.raises(te.CancelledError, match="closed"):
+            e.address
+        caller.join(10)
+        assert not caller.is_alive() and len(failed) == 1
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host, int(port)), timeout=2).close()
+
+
 def test_a_batch_past_its_deadline_raises_te_timeout_error():
     a, b, peer, reqs = slow_pair(delay="3s")
     with a, b:
