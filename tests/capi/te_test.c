@@ -26,6 +26,7 @@ _Static_assert(sizeof(te_request) == 48, "te_request layout (checked from Rust t
 _Static_assert(sizeof(te_peer_event) == 560, "te_peer_event layout (checked from Rust too)");
 
 static const char *TCP = "[engine]\nbackend = \"tcp\"\ndefault_timeout = \"10s\"\n";
+static const char *STUB = "[engine]\nbackend = \"stub\"\ndefault_timeout = \"10s\"\n";
 enum { LEN = 4 << 20, CHUNK = 1 << 20 };
 
 #define FAIL(...)                                                                  \
@@ -202,36 +203,6 @@ static void null_and_bad_arguments_are_errors(void) {
     te_notification_free(NULL);
 }
 
-/* A count or a length no array can have (more than the address space) is refused with
- * a message naming the argument, never read. */
-static void lengths_no_array_can_have_are_refused(void) {
-    te_engine *a = engine(TCP), *b = engine(TCP);
-    char address[64];
-    address_of(a, address);
-    uint8_t dst[64] = {0}, src[64] = {0};
-    uint64_t rdst, lsrc, remote, ids[1] = {0};
-    OK(te_engine_register(a, "dst", dst, sizeof dst, NULL, TE_ACCESS_REMOTE_WRITE, &rdst));
-    OK(te_engine_register(b, "src", src, sizeof src, NULL, 0, &lsrc));
-    te_peer *peer = NULL;
-    OK(te_engine_connect(b, address, 0, &peer));
-    OK(te_peer_region(peer, "dst", &remote, NULL));
-    te_request w = {TE_OP_WRITE, 0, lsrc, 0, remote, 0, sizeof dst};
-    te_batch *batch = NULL;
-    FAILS(TE_ERR_INVALID_REQUEST,
-          te_engine_transfer(b, peer, &w, SIZE_MAX / sizeof w, 0, NULL, 0, &batch));
-    if (!strstr(te_last_error(), "requests")) FAIL("argument not named: %s", te_last_error());
-    FAILS(TE_ERR_INVALID_REQUEST, te_engine_transfer(b, peer, NULL, 0, 0, "hi", SIZE_MAX, &batch));
-    if (!strstr(te_last_error(), "notify")) FAIL("argument not named: %s", te_last_error());
-    FAILS(TE_ERR_INVALID_REQUEST, te_engine_push_blocks(b, peer, "kv", ids, ids,
-                                                        SIZE_MAX / sizeof ids[0], 0, NULL, 0, &batch));
-    if (!strstr(te_last_error(), "_ids")) FAIL("argument not named: %s", te_last_error());
-    te_peer_free(peer);
-    OK(te_engine_deregister(b, lsrc));
-    OK(te_engine_deregister(a, rdst));
-    te_engine_free(b);
-    te_engine_free(a);
-}
-
 /* Two processes over TCP: WRITE 4 MiB in four requests, READ 4 MiB back, every byte
  * checked on both sides. */
 static void two_processes_move_every_byte(const char *self) {
@@ -385,10 +356,12 @@ static void a_silent_peer_times_out_at_the_deadline(void) {
     close(s);
 }
 
+/* What a completion callback saw: how often it ran, the status, te_last_error() in it. */
 struct done {
     pthread_mutex_t lock;
     pthread_cond_t cond;
     int calls, status;
+    char error[256];
 };
 
 static void on_complete(void *user, int status) {
@@ -396,7 +369,19 @@ static void on_complete(void *user, int status) {
     pthread_mutex_lock(&d->lock);
     d->calls++;
     d->status = status;
+    snprintf(d->error, sizeof d->error, "%s", te_last_error());
     pthread_cond_signal(&d->cond);
+    pthread_mutex_unlock(&d->lock);
+}
+
+/* Waits (at most 10 s) for the callback's first call. */
+static void wait_done(struct done *d) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 10;
+    pthread_mutex_lock(&d->lock);
+    while (d->calls == 0)
+        if (pthread_cond_timedwait(&d->cond, &d->lock, &until)) FAIL("no completion callback");
     pthread_mutex_unlock(&d->lock);
 }
 
@@ -417,19 +402,13 @@ static void one_process(void) {
     OK(te_peer_region(peer, "kv", &remote, NULL));
 
     /* A completion callback, called once, from te's thread or this one. */
-    struct done d = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 99};
+    struct done d = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 99, ""};
     te_request w = {TE_OP_WRITE, 0, lsrc, 0, remote, 0, LEN};
     te_batch *batch = NULL;
     OK(te_engine_transfer(b, peer, &w, 1, 0, NULL, 0, &batch));
     OK(te_batch_on_complete(batch, on_complete, &d));
     te_batch_free(batch); /* the callback still comes */
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    until.tv_sec += 10;
-    pthread_mutex_lock(&d.lock);
-    while (d.calls == 0)
-        if (pthread_cond_timedwait(&d.cond, &d.lock, &until)) FAIL("no completion callback");
-    pthread_mutex_unlock(&d.lock);
+    wait_done(&d);
     if (d.status != TE_OK || d.calls != 1) FAIL("callback: status %d, %d calls", d.status, d.calls);
     if (mismatch(kv, LEN, 3) != LEN) FAIL("callback batch: bytes differ");
 
@@ -581,6 +560,162 @@ static void threads_share_an_engine(void) {
     free(src);
 }
 
+/* Two engines of this process, `b` connected to `a`: `a` registers `dst` (LEN bytes,
+ * zeroed, peers may read and write it), `b` registers `src` (LEN bytes of pattern 5). */
+struct pair {
+    te_engine *a, *b;
+    te_peer *peer;
+    uint8_t *dst, *src;
+    uint64_t rdst, lsrc, remote;
+};
+
+static void pair_up(struct pair *p, const char *config) {
+    p->a = engine(config);
+    p->b = engine(config);
+    char address[64];
+    address_of(p->a, address);
+    p->dst = calloc(1, LEN);
+    p->src = malloc(LEN);
+    fill(p->src, LEN, 5);
+    OK(te_engine_register(p->a, "dst", p->dst, LEN, NULL,
+                          TE_ACCESS_REMOTE_READ | TE_ACCESS_REMOTE_WRITE, &p->rdst));
+    OK(te_engine_register(p->b, "src", p->src, LEN, NULL, 0, &p->lsrc));
+    OK(te_engine_connect(p->b, address, 0, &p->peer));
+    OK(te_peer_region(p->peer, "dst", &p->remote, NULL));
+}
+
+/* Frees what pair_up made; an engine already freed is NULL. */
+static void pair_free(struct pair *p) {
+    te_peer_free(p->peer);
+    te_engine_free(p->b);
+    te_engine_free(p->a);
+    free(p->dst);
+    free(p->src);
+}
+
+/* Requests, lengths, strings and enum values no call can take are refused, the
+ * argument named where it is one of the call's arrays; huge timeouts are no limit. */
+static void bad_requests_are_refused(void) {
+    struct pair p;
+    pair_up(&p, STUB);
+    te_request w = {TE_OP_WRITE, 0, p.lsrc, 0, p.remote, 0, 16};
+    te_batch *batch = NULL;
+    uint64_t id, ids[1] = {0};
+    /* A count or length no array can have (more than the address space) is never read. */
+    FAILS(TE_ERR_INVALID_REQUEST,
+          te_engine_transfer(p.b, p.peer, &w, SIZE_MAX / sizeof w, 0, NULL, 0, &batch));
+    if (!strstr(te_last_error(), "requests")) FAIL("argument not named: %s", te_last_error());
+    FAILS(TE_ERR_INVALID_REQUEST, te_engine_transfer(p.b, p.peer, NULL, 0, 0, "hi", SIZE_MAX, &batch));
+    if (!strstr(te_last_error(), "notify")) FAIL("argument not named: %s", te_last_error());
+    FAILS(TE_ERR_INVALID_REQUEST, te_engine_push_blocks(p.b, p.peer, "kv", ids, ids,
+                                                        SIZE_MAX / sizeof ids[0], 0, NULL, 0, &batch));
+    if (!strstr(te_last_error(), "_ids")) FAIL("argument not named: %s", te_last_error());
+    char bad[] = {'k', (char)0xff, (char)0xfe, 0};
+    FAILS(TE_ERR_INVALID_REQUEST, te_engine_register(p.a, bad, p.dst, 16, NULL, 0, &id));
+    FAILS(TE_ERR_INVALID_REQUEST, te_engine_register(p.a, "x", p.dst, 16, "host", 0x80, &id));
+    if (te_engine_register(p.a, "x", p.dst, 16, "gpu:-1", 0, &id) >= 0) FAIL("memory gpu:-1");
+    if (te_engine_register(p.a, "x", (void *)(uintptr_t)-8, 64, NULL, 0, &id) >= 0)
+        FAIL("a region that wraps was registered");
+    te_request reserved = {TE_OP_WRITE, 1, p.lsrc, 0, p.remote, 0, 16};
+    FAILS(TE_ERR_INVALID_REQUEST, te_engine_transfer(p.b, p.peer, &reserved, 1, 0, NULL, 0, &batch));
+    te_request far = {TE_OP_WRITE, 0, p.lsrc, UINT64_MAX, p.remote, 0, 16};
+    if (te_engine_transfer(p.b, p.peer, &far, 1, 0, NULL, 0, &batch) >= 0) FAIL("offset UINT64_MAX");
+    te_request wrap = {TE_OP_WRITE, 0, p.lsrc, 8, p.remote, UINT64_MAX - 4, 16};
+    if (te_engine_transfer(p.b, p.peer, &wrap, 1, 0, NULL, 0, &batch) >= 0)
+        FAIL("a remote offset that wraps");
+    OK(te_engine_transfer(p.b, p.peer, &w, 1, UINT64_MAX, NULL, 0, &batch));
+    OK(te_batch_wait(batch, INT64_MAX));
+    te_batch_free(batch);
+    OK(te_engine_transfer(p.b, p.peer, NULL, 0, UINT64_MAX, "x", 1, &batch));
+    OK(te_batch_wait(batch, INT64_MAX));
+    te_batch_free(batch);
+    te_notification *n = NULL;
+    OK(te_engine_recv_notification(p.a, INT64_MAX, &n));
+    te_notification_free(n);
+    pair_free(&p);
+}
+
+/* A completion callback may submit the next batch (a pipeline): eight in a row. */
+struct chain {
+    struct done done;
+    struct pair *p;
+    int left;
+};
+
+static void next_link(void *user, int status);
+
+static int submit_link(struct chain *c) {
+    te_request w = {TE_OP_WRITE, 0, c->p->lsrc, 0, c->p->remote, 0, LEN};
+    te_batch *b = NULL;
+    int rc = te_engine_transfer(c->p->b, c->p->peer, &w, 1, 0, NULL, 0, &b);
+    if (rc != TE_OK) return rc;
+    rc = te_batch_on_complete(b, next_link, c);
+    te_batch_free(b);
+    return rc;
+}
+
+/* Runs after the batch submitted last: only one link at a time touches `c`, and none
+ * after it reports the end. */
+static void next_link(void *user, int status) {
+    struct chain *c = user;
+    int more = status == TE_OK && --c->left > 0;
+    int rc = more ? submit_link(c) : status;
+    if (!more || rc != TE_OK) on_complete(&c->done, rc);
+}
+
+static void callbacks_may_submit_the_next_batch(const char *config) {
+    struct pair p;
+    pair_up(&p, config);
+    struct chain c = {{PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 99, ""}, &p, 8};
+    OK(submit_link(&c));
+    wait_done(&c.done);
+    if (c.done.status != TE_OK) FAIL("chain (%d left): %s", c.left, c.done.error);
+    if (mismatch(p.dst, LEN, 5) != LEN) FAIL("chain: bytes differ");
+    pair_free(&p);
+}
+
+/* A failed batch's message is readable (te_last_error) inside its callback. */
+static void a_failed_batch_has_its_message_in_the_callback(void) {
+    struct pair p;
+    pair_up(&p, TCP);
+    te_request w = {TE_OP_WRITE, 0, p.lsrc, 0, p.remote, 0, LEN};
+    for (int i = 0; i < 20; i++) {
+        te_batch *b = NULL;
+        OK(te_engine_transfer(p.b, p.peer, &w, 1, 0, NULL, 0, &b));
+        OK(te_batch_cancel(b));
+        struct done d = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 99, ""};
+        OK(te_batch_on_complete(b, on_complete, &d));
+        wait_done(&d);
+        te_batch_free(b);
+        if (d.status < 0 && d.error[0] == '\0')
+            FAIL("callback got %s, and te_last_error() was empty in it", te_status_name(d.status));
+    }
+    pair_free(&p);
+}
+
+/* A batch and a peer handle outlive their engine: the batch resolves, a late callback
+ * comes once with the same status, the peer answers with an error. */
+static void handles_outlive_their_engine(void) {
+    struct pair p;
+    pair_up(&p, TCP);
+    te_request w = {TE_OP_WRITE, 0, p.lsrc, 0, p.remote, 0, LEN};
+    te_batch *batch = NULL;
+    OK(te_engine_transfer(p.b, p.peer, &w, 1, 0, NULL, 0, &batch));
+    te_engine_free(p.b);
+    p.b = NULL;
+    int rc = te_batch_wait(batch, 15000);
+    if (rc == TE_PENDING) FAIL("a batch of a freed engine is still pending after 15 s");
+    struct done d = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 99, ""};
+    OK(te_batch_on_complete(batch, on_complete, &d));
+    wait_done(&d);
+    if (d.calls != 1 || d.status != rc) FAIL("late callback: %d calls, status %d (wait said %d)", d.calls, d.status, rc);
+    uint64_t id = 0;
+    rc = te_peer_region(p.peer, "dst", &id, NULL);
+    if (rc != TE_OK && rc >= 0) FAIL("te_peer_region after the engine's free = %d", rc);
+    te_batch_free(batch);
+    pair_free(&p);
+}
+
 /* An engine from a configuration file. */
 static void an_engine_comes_from_a_file(void) {
     char path[] = "/tmp/te-capi-XXXXXX";
@@ -602,7 +737,7 @@ int main(int argc, char **argv) {
 #define RUN(t) (printf("%s\n", #t), fflush(stdout), t)
     RUN(bad_configurations_are_reported_with_their_message());
     RUN(null_and_bad_arguments_are_errors());
-    RUN(lengths_no_array_can_have_are_refused());
+    RUN(bad_requests_are_refused());
     RUN(two_processes_move_every_byte(argv[0]));
     RUN(a_dead_peer_is_reported_within_the_deadline(argv[0]));
     RUN(a_hung_peer_is_reported_within_the_deadline(argv[0]));
@@ -610,6 +745,10 @@ int main(int argc, char **argv) {
     RUN(one_process());
     RUN(threads_share_an_engine());
     RUN(an_engine_comes_from_a_file());
+    RUN(callbacks_may_submit_the_next_batch(TCP));
+    RUN(callbacks_may_submit_the_next_batch(STUB));
+    RUN(a_failed_batch_has_its_message_in_the_callback());
+    RUN(handles_outlive_their_engine());
     printf("C tests: ok\n");
     return 0;
 }
