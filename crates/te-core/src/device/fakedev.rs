@@ -58,7 +58,7 @@
 use crate::sync::Mutex;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::{Deref, DerefMut};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, OnceLock};
@@ -155,33 +155,17 @@ fn os_error(what: &str) -> Error {
 }
 
 impl Mapping {
-    /// `len` (non-zero) zeroed bytes in a new memfd.
+    /// `len` (non-zero) zeroed bytes in a new memfd, sealed: its size is final, so no
+    /// process that holds it can shrink it under another's mapping (see the module's
+    /// docs), nor add seals of its own.
     fn create(len: usize) -> Result<Mapping> {
-        let size = libc::off_t::try_from(len).map_err(|_| {
+        let fd = crate::local::sealed_memfd(c"te-fakedev", len).map_err(|e| {
             Error::new(
-                ErrorKind::InvalidRequest,
-                format!("cannot allocate {len} bytes"),
+                ErrorKind::Io,
+                format!("fakedev: cannot allocate {len} bytes in a memfd"),
             )
+            .with_source(e)
         })?;
-        let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
-        // SAFETY: the name is a valid C string; the call only creates a descriptor.
-        let raw = unsafe { libc::memfd_create(c"te-fakedev".as_ptr(), flags) };
-        if raw < 0 {
-            return Err(os_error("memfd_create"));
-        }
-        // SAFETY: `raw` is a descriptor just opened and owned by nothing else.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: `fd` is an open memfd; a new one reads as zeros up to `size`.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
-            return Err(os_error("ftruncate of a memfd"));
-        }
-        // Its size is final: no process that holds it can shrink it under another's
-        // mapping (see the module's docs), nor add seals of its own.
-        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-        // SAFETY: `fd` is an open memfd made with sealing allowed.
-        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
-            return Err(os_error("sealing a memfd"));
-        }
         Mapping::map(fd, len)
     }
 
@@ -1051,6 +1035,7 @@ impl DeviceRuntime for FakeDev {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::FromRawFd;
 
     fn fresh() -> Arc<FakeDev> {
         FakeDev::start(FakeDevConfig::default()).unwrap()
