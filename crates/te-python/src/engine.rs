@@ -265,7 +265,8 @@ impl PyEngine {
     }
 
     /// Registers the memory of a writable, C-contiguous buffer-protocol object (a
-    /// `bytearray`, a numpy array, a writable `memoryview`) and holds a buffer export of
+    /// `bytearray`, a numpy array of any item type, a writable `memoryview`) as its
+    /// bytes, and holds a buffer export of
     /// it until deregistration: the object stays alive, and CPython refuses to resize
     /// or release it (`BufferError`) while te may touch its bytes.
     #[pyo3(signature = (obj, name="", access="rw"))]
@@ -276,11 +277,22 @@ impl PyEngine {
         name: &str,
         access: &str,
     ) -> PyResult<PyRegistration> {
-        let buf = PyBuffer::<u8>::get(obj).map_err(|_| {
-            PyTypeError::new_err(
-                "register_buffer needs an object with the buffer protocol (bytearray, numpy array, memoryview)",
-            )
-        })?;
+        let buf = match PyBuffer::<u8>::get(obj) {
+            Ok(b) => b,
+            // Items of another type (a float array): its bytes, through a byte view of
+            // it, whose export holds an export of the object itself.
+            Err(_) => py
+                .import("builtins")?
+                .getattr("memoryview")?
+                .call1((obj,))
+                .and_then(|view| view.call_method1("cast", ("B",)))
+                .and_then(|bytes| PyBuffer::<u8>::get(&bytes))
+                .map_err(|e| {
+                    PyTypeError::new_err(format!(
+                        "register_buffer needs a C-contiguous object with the buffer protocol (bytearray, numpy array, memoryview): {e}"
+                    ))
+                })?,
+        };
         if buf.readonly() {
             return Err(PyTypeError::new_err(
                 "the buffer is read-only (bytes?); register writable memory such as a bytearray",

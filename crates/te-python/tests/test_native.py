@@ -64,6 +64,18 @@ def test_register_takes_raw_pointers_and_tensor_like_objects(pair):
         init.register_tensor(np.zeros((8, 8), dtype=np.uint8)[:, ::2])
     with pytest.raises(TypeError, match="read-only"):
         init.register_buffer(b"immutable")
+    # Any item type registers as its bytes; what is not contiguous, or not a buffer,
+    # is refused saying so.
+    floats = np.arange(1024, dtype=np.float32)
+    fr = target.register_buffer(floats, name="floats")
+    h = init.transfer(peer, [(src.id, 0, fr.id, 0, 4096)])
+    assert h.wait(10)
+    assert floats.tobytes() == pattern(4096, 2).tobytes()
+    with pytest.raises(TypeError, match="C-contiguous"):
+        init.register_buffer(np.zeros((8, 8), dtype=np.float32)[:, ::2])
+    with pytest.raises(TypeError, match="buffer protocol"):
+        init.register_buffer(object())
+    fr.deregister()
     with pytest.raises(TypeError, match="not a tensor"):
         init.register_tensor(object())
 
