@@ -8,25 +8,7 @@ use std::time::Duration;
 
 use common::Serve;
 use te::{Access, Config, Engine, TransferRequest};
-
-/// Context switches so far of every thread of process `pid`.
-fn switches(pid: u32) -> u64 {
-    let mut n = 0;
-    for task in std::fs::read_dir(format!("/proc/{pid}/task"))
-        .unwrap()
-        .flatten()
-    {
-        let Ok(status) = std::fs::read_to_string(task.path().join("status")) else {
-            continue; // a thread that ended meanwhile
-        };
-        n += status
-            .lines()
-            .filter(|l| l.contains("ctxt_switches:"))
-            .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-            .sum::<u64>();
-    }
-    n
-}
+use te_core::testkit::context_switches as switches;
 
 /// Both processes' context switches over `idle`.
 fn while_idle(server: &Serve, idle: Duration) -> (u64, u64) {

@@ -2,7 +2,8 @@
 //! disconnect waits for its flushes, an aborted batch posts none of its waiting slices,
 //! a deregistration waits for the slices that pin its region (or times out), a batch
 //! unpins its regions before its completion runs, and a dropped backend deregisters its
-//! regions before it closes its devices.
+//! regions before it closes its devices; and a connected pair that has moved data and
+//! is left alone wakes no thread.
 //!
 //! Run as `cargo test -p te-rdma --test fake_teardown`.
 
@@ -271,6 +272,25 @@ fn a_backend_dropped_with_regions_registered_deregisters_them_before_closing_its
     )
 }
 
+fn an_idle_connected_pair_wakes_no_thread() -> Result<(), Failed> {
+    let fake = Fake::open();
+    let p = pair()?;
+    let (r, _, _) = run(&p.initiator, p.peer, &[write_all(&p)], &fake);
+    r?;
+    // What the batch set going settles; then the completion threads, the control
+    // plane and the fake's device threads must all sleep.
+    std::thread::sleep(Duration::from_millis(300));
+    let me = std::process::id();
+    let before = te_core::testkit::context_switches(me);
+    std::thread::sleep(Duration::from_secs(2));
+    let n = te_core::testkit::context_switches(me) - before;
+    // A thread polling even every 100 ms makes 20 or more; this one's sleep makes one.
+    check(
+        n <= 8,
+        format!("{n} context switches in 2 s of idle (a thread polls)"),
+    )
+}
+
 fn main() {
     common::use_the_fake();
     common::run_tests(vec![
@@ -293,6 +313,10 @@ fn main() {
         (
             "a_backend_dropped_with_regions_registered_deregisters_them_before_closing_its_devices",
             a_backend_dropped_with_regions_registered_deregisters_them_before_closing_its_devices,
+        ),
+        (
+            "an_idle_connected_pair_wakes_no_thread",
+            an_idle_connected_pair_wakes_no_thread,
         ),
     ]);
 }

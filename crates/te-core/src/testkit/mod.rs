@@ -176,3 +176,24 @@ pub fn trials_everywhere(h: &Harness) -> Vec<Trial> {
 pub fn run(trials: Vec<Trial>) -> ! {
     libtest_mimic::run(&Arguments::from_args(), trials).exit()
 }
+
+/// Context switches so far of every thread of process `pid` (voluntary and not, from
+/// `/proc/PID/task/*/status`): what a test of "idle means no wake-ups" counts over an
+/// idle time. A thread that ends meanwhile is left out.
+///
+/// # Panics
+/// If the process's task directory cannot be read.
+pub fn context_switches(pid: u32) -> u64 {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("the process's tasks");
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("status")).ok())
+        .flat_map(|status| {
+            status
+                .lines()
+                .filter(|l| l.contains("ctxt_switches:"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .collect::<Vec<_>>()
+        })
+        .sum()
+}
