@@ -1,10 +1,10 @@
 //! The mlu backend's `TransferBackend`: one-sided copies between MLU memory of engines
 //! on one host, over MLU-Link.
 //!
-//! - Endpoint: the backend instance's id, the abstract socket that hands out its region table (see `shm`
-//!   and `handoff`), the host's identity (host name and boot id) and the PCI bus ids of
-//!   the MLUs this process sees (ordinals differ between processes with different
-//!   `MLU_VISIBLE_DEVICES`; bus ids do not).
+//! - Endpoint: the backend instance's id, the abstract socket that hands out its region
+//!   table (see `shm` and `handoff`), the host's identity (host name and boot id) and
+//!   the PCI bus ids of the MLUs this process sees (ordinals differ between processes
+//!   with different `MLU_VISIBLE_DEVICES`; bus ids do not).
 //! - `register`: a remotely accessible `mlu:N` region's key carries the IPC handle of
 //!   its allocation (`cnrtAcquireMemHandle`) and the region's offset in it, plus its
 //!   slot in the region table.

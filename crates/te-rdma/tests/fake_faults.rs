@@ -14,16 +14,14 @@ mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::{
-    backend, check, host, pair, pattern, region, run, segment, segment_at, soon, write_all, Fake,
+    backend, check, host, none_outstanding, pair, pattern, region, run, segment, segment_at, soon,
+    traced, write_all, Fake,
 };
 use libtest_mimic::Failed;
-use te_core::{
-    Access, Completion, ErrorKind, PeerId, RegionDesc, RegionId, TransferBackend, TransferRequest,
-};
+use te_core::{Access, ErrorKind, PeerId, RegionDesc, RegionId, TransferBackend, TransferRequest};
 use te_rdma::RdmaBackend;
 
 const RETRY_EXC: u32 = 12;
@@ -148,10 +146,7 @@ fn an_injected_retry_exceeded_on_one_path_moves_the_batch_to_another_and_it_comp
         fake.faults_left("fake0") == 0,
         "the injected RETRY_EXC was never hit".into(),
     )?;
-    check(
-        left == 0,
-        format!("{left} work requests were outstanding when the batch completed"),
-    )?;
+    none_outstanding(left)?;
     check(
         p.dst == p.src,
         "the target's bytes differ from the source".into(),
@@ -314,16 +309,7 @@ fn a_port_that_comes_back_up_is_used_again_by_the_peers_it_was_left_out_of() -> 
     // SAFETY: the target's own buffer; no batch uses it now.
     unsafe { std::ptr::write_bytes(p.dst.as_mut_ptr(), 0, p.dst.len()) };
     fake.delay_device("fake1", Duration::from_secs(3), 1);
-    let (tx, rx) = mpsc::channel();
-    let outstanding: unsafe extern "C" fn() -> u64 =
-        // SAFETY: the fake's function of this signature.
-        unsafe { std::mem::transmute(fake.sym("fakeverbs_outstanding")) };
-    let start = Instant::now();
-    let done = Completion::new(Duration::from_secs(10), move |r, _| {
-        // SAFETY: a plain counter read.
-        let left = unsafe { outstanding() };
-        let _ = tx.send((r, left, start.elapsed()));
-    });
+    let (done, rx) = traced(&fake, Duration::from_secs(10));
     p.initiator.submit(p.peer, &[write_all(&p)], done)?;
     wait_for("the batch's first work request was not held", || {
         fake.faults_left("fake1") == 0
@@ -344,10 +330,7 @@ fn a_port_that_comes_back_up_is_used_again_by_the_peers_it_was_left_out_of() -> 
         took < Duration::from_secs(3),
         format!("the batch took {took:?}: it waited for its held work request"),
     )?;
-    check(
-        left == 0,
-        format!("{left} work requests were outstanding when the batch completed"),
-    )?;
+    none_outstanding(left)?;
     check(
         p.dst == p.src,
         "the bytes of the batch in flight did not land".into(),
@@ -449,21 +432,13 @@ fn a_slice_on_a_healthy_path_survives_more_rebuilds_of_its_peers_paths_than_it_h
         }
     }
     let _undelay = Undelay(&fake);
-    let (tx, rx) = mpsc::channel();
-    let outstanding: unsafe extern "C" fn() -> u64 =
-        // SAFETY: the fake's function of this signature.
-        unsafe { std::mem::transmute(fake.sym("fakeverbs_outstanding")) };
-    let done = Completion::new(Duration::from_secs(30), move |r, _| {
-        // SAFETY: a plain counter read.
-        let left = unsafe { outstanding() };
-        let _ = tx.send((r, left));
-    });
+    let (done, rx) = traced(&fake, Duration::from_secs(30));
     p.initiator.submit(p.peer, &[write_all(&p)], done)?;
     // Ports flapping under the batch: fake0's path breaks, the set is rebuilt and the
     // old one retired, again and again; fake1's path is healthy throughout.
     for round in 0..REBUILDS {
         break_fake0(&fake, &before)?;
-        if let Ok((r, _)) = rx.try_recv() {
+        if let Ok((r, _, _)) = rx.try_recv() {
             return Err(format!(
                 "the batch completed after {round} rebuilds, while its slice was held: {r:?}"
             )
@@ -473,14 +448,11 @@ fn a_slice_on_a_healthy_path_survives_more_rebuilds_of_its_peers_paths_than_it_h
     // Released: the last rebuild moves the slice once more, and it lands at once.
     fake.clear_faults("fake1");
     break_fake0(&fake, &before)?;
-    let (r, left) = rx
+    let (r, left, _) = rx
         .recv_timeout(Duration::from_secs(10))
         .map_err(|_| "the batch did not complete")?;
     r.map_err(|e| format!("after {} rebuilds: {e}", REBUILDS + 1))?;
-    check(
-        left == 0,
-        format!("{left} work requests were outstanding when the batch completed"),
-    )?;
+    none_outstanding(left)?;
     check(p.dst == p.src, "the bytes did not land".into())?;
     drop(p.target);
     Ok(())

@@ -125,7 +125,7 @@ impl Fake {
         let f =
             // SAFETY: as above.
             unsafe { std::mem::transmute::<*mut c_void, F>(self.sym("fakeverbs_device_qps")) };
-        loop {
+        for _ in 0..1000 {
             // SAFETY: a C string; a null buffer of no room, which the fake only counts.
             let n = unsafe { f(d.as_ptr(), std::ptr::null_mut(), 0) };
             assert!(n >= 0, "fakeverbs_device_qps({device})");
@@ -137,6 +137,7 @@ impl Fake {
                 return out;
             }
         }
+        panic!("fakeverbs_device_qps({device}) never gave the same count twice running");
     }
 
     /// The state (`IBV_QPS_*`) of QP `qpn`, or -1 if it is gone.
@@ -223,21 +224,40 @@ pub fn run(
     reqs: &[TransferRequest],
     fake: &Fake,
 ) -> (te_core::Result<()>, u64, Duration) {
-    let (tx, rx) = mpsc::channel();
-    let outstanding: unsafe extern "C" fn() -> u64 =
-        // SAFETY: the fake's function of this signature.
-        unsafe { std::mem::transmute(fake.sym("fakeverbs_outstanding")) };
     let start = Instant::now();
-    let done = Completion::new(Duration::from_secs(5), move |r, _| {
-        // SAFETY: a plain counter read.
-        let left = unsafe { outstanding() };
-        let _ = tx.send((r, left, start.elapsed()));
-    });
+    let (done, rx) = traced(fake, Duration::from_secs(5));
     if let Err(e) = b.submit(peer, reqs, done) {
         return (Err(e), 0, start.elapsed());
     }
     rx.recv_timeout(Duration::from_secs(10))
         .expect("the batch completes")
+}
+
+/// What a [`traced`] completion reports: the batch's result, the work requests the
+/// fake still had outstanding when it completed, and the time since it was made.
+pub type Traced = (te_core::Result<()>, u64, Duration);
+
+/// A completion with `timeout` that reports on the receiver when it runs.
+pub fn traced(fake: &Fake, timeout: Duration) -> (Completion, mpsc::Receiver<Traced>) {
+    let (tx, rx) = mpsc::channel();
+    let outstanding: unsafe extern "C" fn() -> u64 =
+        // SAFETY: the fake's function of this signature.
+        unsafe { std::mem::transmute(fake.sym("fakeverbs_outstanding")) };
+    let start = Instant::now();
+    let done = Completion::new(timeout, move |r, _| {
+        // SAFETY: a plain counter read.
+        let left = unsafe { outstanding() };
+        let _ = tx.send((r, left, start.elapsed()));
+    });
+    (done, rx)
+}
+
+/// Fails unless no work request was outstanding (`left`) when a batch completed.
+pub fn none_outstanding(left: u64) -> Result<(), Failed> {
+    check(
+        left == 0,
+        format!("{left} work requests were outstanding when the batch completed"),
+    )
 }
 
 pub fn check(cond: bool, what: String) -> Result<(), Failed> {
