@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use crate::error::{Error, ErrorKind, Result};
 
@@ -154,16 +154,16 @@ impl<T> Mailbox<T> {
         Some(item)
     }
 
-    /// The next item, waiting at most `timeout` (one past the clock's range waits
-    /// without limit).
+    /// The next item, waiting at most `timeout` (a deadline, so one past the clock's
+    /// range waits without limit).
     pub(crate) fn pop(&self, timeout: Duration) -> Option<T> {
-        let end = Instant::now().checked_add(timeout);
+        let end = crate::Deadline::after(timeout);
         let mut s = self.state.lock();
         loop {
             if let Some(item) = Mailbox::take(&mut s) {
                 return Some(item);
             }
-            let left = end.map_or(timeout, |end| end.saturating_duration_since(Instant::now()));
+            let left = end.remaining();
             if left.is_zero() {
                 return None;
             }

@@ -217,10 +217,10 @@ impl PyEngine {
         let bound = engine.config().default_timeout;
         // Stopping the engine joins its threads: not under the GIL.
         let stopped = py.allow_threads(|| {
-            let end = Instant::now().checked_add(bound);
+            let end = te_core::Deadline::after(bound);
             let mut slot = self.engine.lock();
             while Arc::strong_count(&engine) > 1 {
-                let left = end.map_or(bound, |end| end.saturating_duration_since(Instant::now()));
+                let left = end.remaining();
                 if left.is_zero() {
                     break;
                 }
@@ -591,9 +591,9 @@ impl PyEngine {
     ) -> PyResult<Option<(String, String, Py<PyBytes>)>> {
         let engine = self.get()?;
         let t = args::timeout(Some(timeout))?.unwrap_or_default();
-        let end = Instant::now().checked_add(t);
+        let end = te_core::Deadline::after(t);
         let n = loop {
-            let left = end.map_or(t, |end| end.saturating_duration_since(Instant::now()));
+            let left = end.remaining();
             let n = py.allow_threads(|| engine.recv_notification(left.min(SIGNAL_CHECK)));
             if n.is_some() || left <= SIGNAL_CHECK {
                 break n;

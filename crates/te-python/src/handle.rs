@@ -1,6 +1,6 @@
 //! `te.Handle`: a submitted batch, to poll, wait on, await or cancel.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -78,27 +78,22 @@ impl PyHandle {
     }
 
     /// Waits for the batch with the GIL released: `True` once it completed, `False` if
-    /// it is still in flight after `timeout` seconds (`None`, or one too large to
-    /// count down: until it resolves; the batch's own deadline bounds that). Raises the batch's error if it failed, and
+    /// it is still in flight after `timeout` seconds (`None`: until it resolves; the
+    /// batch's own deadline bounds that). Raises the batch's error if it failed, and
     /// `KeyboardInterrupt` on Ctrl-C.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
         let timeout = crate::args::timeout(timeout)?;
-        // A timeout past the clock's range is no limit.
-        let end = timeout.and_then(|t| Instant::now().checked_add(t));
+        // A deadline saturates: a timeout past the clock's range is no limit.
+        let end = timeout.map(te_core::Deadline::after);
         loop {
-            let slice = match end {
-                Some(end) => end
-                    .saturating_duration_since(Instant::now())
-                    .min(SIGNAL_CHECK),
-                None => SIGNAL_CHECK,
-            };
+            let slice = end.map_or(SIGNAL_CHECK, |end| end.remaining().min(SIGNAL_CHECK));
             let handle = &self.handle;
             let done = py.allow_threads(|| handle.wait_timeout(slice).is_some());
             if done {
                 return self.result();
             }
-            if end.is_some_and(|e| Instant::now() >= e) {
+            if end.is_some_and(te_core::Deadline::is_past) {
                 return Ok(false);
             }
             py.check_signals()?;
