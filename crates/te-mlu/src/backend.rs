@@ -45,7 +45,7 @@ use crate::ffi::dir;
 use crate::handoff::{self, Server};
 use crate::peers::PeerState;
 use crate::runtime::{self, MluRuntime, RUNTIME};
-use crate::shm::{Extent, Table};
+use crate::shm::{handle_word, Extent, Table};
 use crate::worker::{worker, Copy, Guard, Job, Kind};
 
 /// Where a region's bytes are, as this process addresses them.
@@ -210,6 +210,7 @@ impl TransferBackend for MluBackend {
         let extent = Extent {
             addr: mem.addr,
             offset: handle.map_or(0, |(_, off)| off),
+            handle: handle_word(handle),
             len: mem.len,
             read: mem.access.remote_read,
             write: mem.access.remote_write,
@@ -363,7 +364,7 @@ impl TransferBackend for MluBackend {
                         format!("the peer's region {} was deregistered", r.remote),
                     ));
                 };
-                if (ext.addr, ext.offset) != rm.origin {
+                if (ext.addr, ext.offset, ext.handle) != rm.origin {
                     return Err(region_error(
                         ErrorKind::Protocol,
                         format!("the descriptor of the peer's region {} disagrees with the peer's own region table (a stale or forged descriptor): connect again", r.remote),

@@ -20,7 +20,7 @@ use crate::endpoint::{Endpoint, Key};
 use crate::ffi::IpcHandle;
 use crate::handoff;
 use crate::runtime::{MluRuntime, RUNTIME};
-use crate::shm::Table;
+use crate::shm::{handle_word, Table};
 
 /// The region tables of this process's live backend instances, by instance id.
 static LOCAL_TABLES: Mutex<BTreeMap<u64, Weak<Table>>> = Mutex::new(BTreeMap::new());
@@ -66,9 +66,9 @@ pub(crate) struct Remote {
     pub(crate) mapping: Option<Arc<Mapping>>,
     pub(crate) mem: Mem,
     pub(crate) slot: u32,
-    /// The descriptor's address and the key's offset in the allocation, which must
-    /// agree with the peer's own region table.
-    pub(crate) origin: (u64, u64),
+    /// The descriptor's address, and the key's offset in the allocation and its IPC
+    /// handle (as `shm::handle_word`), which must agree with the peer's own region table.
+    pub(crate) origin: (u64, u64, u64),
 }
 
 #[derive(Debug)]
@@ -215,7 +215,11 @@ impl MluBackend {
             mapping: None,
             mem: Mem::Host,
             slot: key.slot,
-            origin: (r.addr, key.handle.map_or(0, |(_, off)| off)),
+            origin: (
+                r.addr,
+                key.handle.map_or(0, |(_, off)| off),
+                handle_word(key.handle),
+            ),
         };
         match &r.kind {
             MemoryKind::Host if same_process => {}

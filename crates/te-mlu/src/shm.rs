@@ -14,8 +14,9 @@
 //! the region dead and fails with `NotRegistered`, or `deregister` sees the batch and
 //! waits for it.
 //!
-//! The table is also the owner's word on each region's extent: its address, its offset
-//! in its allocation, its length and its rights, written before the region goes live.
+//! The table is also the owner's word on each region's extent: its address, its
+//! allocation's IPC handle and its offset there, its length and its rights, written
+//! before the region goes live.
 //! An initiator checks every request against these, not against the descriptor it was
 //! sent, so a forged or stale descriptor cannot reach outside a region (or a KV slot,
 //! which is a region of its own).
@@ -26,7 +27,9 @@ use std::time::{Duration, Instant};
 
 use te_core::{local, Error, ErrorKind, Result};
 
-const MAGIC: u64 = 0x7465_6d6c_7574_6232; // "temlutb2"
+use crate::ffi::IpcHandle;
+
+const MAGIC: u64 = 0x7465_6d6c_7574_6233; // "temlutb3"
 /// Regions one backend instance can register.
 pub(crate) const SLOTS: usize = 8192;
 
@@ -51,6 +54,7 @@ struct Slot {
     addr: AtomicU64,
     offset: AtomicU64,
     len: AtomicU64,
+    handle: AtomicU64,
 }
 
 /// A live region's extent, as its owner registered it.
@@ -62,10 +66,20 @@ pub(crate) struct Extent {
     pub(crate) offset: u64,
     /// Length in bytes.
     pub(crate) len: u64,
+    /// The IPC handle of its allocation (its 8 bytes as a native-order word, see
+    /// [`handle_word`]), 0 for host memory: a descriptor naming another allocation's
+    /// handle for this region is refused.
+    pub(crate) handle: u64,
     /// Peers may read it.
     pub(crate) read: bool,
     /// Peers may write it.
     pub(crate) write: bool,
+}
+
+/// A region key's IPC handle as the word the table keeps: its bytes in native order,
+/// 0 without one.
+pub(crate) fn handle_word(handle: Option<(IpcHandle, u64)>) -> u64 {
+    handle.map_or(0, |(h, _)| u64::from_ne_bytes(h))
 }
 
 const SIZE: usize = std::mem::size_of::<Header>() + SLOTS * std::mem::size_of::<Slot>();
@@ -188,6 +202,7 @@ impl Table {
                 s.addr.store(extent.addr, SeqCst);
                 s.offset.store(extent.offset, SeqCst);
                 s.len.store(extent.len, SeqCst);
+                s.handle.store(extent.handle, SeqCst);
                 s.access.store(
                     u32::from(extent.read) | u32::from(extent.write) << 1,
                     SeqCst,
@@ -227,6 +242,7 @@ impl Table {
             addr: s.addr.load(SeqCst),
             offset: s.offset.load(SeqCst),
             len: s.len.load(SeqCst),
+            handle: s.handle.load(SeqCst),
             read: access & 1 != 0,
             write: access & 2 != 0,
         })

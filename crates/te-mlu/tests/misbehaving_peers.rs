@@ -55,10 +55,11 @@ fn encode_endpoint(e: &Endpoint) -> Vec<u8> {
 }
 
 /// te-mlu's region table layout: a header {magic, instance}, then 8192 slots of
-/// {region u64, state u32, inflight u32, waiters u32, access u32, addr, offset, len}.
-const MAGIC: u64 = 0x7465_6d6c_7574_6232;
+/// {region u64, state u32, inflight u32, waiters u32, access u32, addr, offset, len,
+/// handle}.
+const MAGIC: u64 = 0x7465_6d6c_7574_6233;
 const HEADER: usize = 16;
-const SLOT: usize = 48;
+const SLOT: usize = 56;
 const SLOTS: usize = 8192;
 const TABLE_SIZE: usize = HEADER + SLOTS * SLOT;
 
@@ -470,6 +471,64 @@ fn a_peer_naming_our_unregistered_memory_cannot_make_us_write_into_it() {
         "a peer made us copy into our own unregistered MLU memory at {victim:#x}: {changed} of {len} bytes changed ({results:?})"
     );
     assert!(results.iter().all(|(r, _)| r.is_err()), "{results:?}");
+}
+
+#[test]
+fn a_descriptor_carrying_another_allocations_handle_cannot_make_us_write_there() {
+    setup();
+    let rt = te_mlu::runtime().unwrap();
+    let mut always = MluConfig::default();
+    always.ipc = te_mlu::IpcMode::Always;
+    let ctx = BackendContext {
+        epoch: rand::random::<u64>() | 1,
+        ..BackendContext::default()
+    };
+    let a = MluBackend::new(always, &ctx).unwrap();
+    let b = backend(rand::random::<u64>() | 1);
+    let len = 4096usize;
+    let src = device_with(&rt, 0, &te_core::testkit::pattern(len, 3));
+    let t = rt.alloc(1, len).unwrap(); // B's region
+    let victim = rt.alloc(1, len).unwrap(); // B's too, registered once, then no more
+    a.register(RegionId(10), &mlu_mem(src, len, 0, Access::LOCAL))
+        .unwrap();
+    let key = b
+        .register(RegionId(1), &mlu_mem(t, len, 1, Access::REMOTE_READ_WRITE))
+        .unwrap();
+    let old = b
+        .register(
+            RegionId(2),
+            &mlu_mem(victim, len, 1, Access::REMOTE_READ_WRITE),
+        )
+        .unwrap();
+    b.deregister(RegionId(2), soon()).unwrap();
+    // Region 1's descriptor, exact in all but the handle: the victim allocation's.
+    let mut forged: Key = te_core::codec::decode(&key, "key").unwrap();
+    let theirs: Key = te_core::codec::decode(&old, "key").unwrap();
+    forged.handle = theirs.handle;
+    let peer = a
+        .connect(
+            &seg(
+                b.endpoint(),
+                vec![region(1, t, len, 1, te_core::codec::encode(&forged))],
+            ),
+            soon(),
+        )
+        .unwrap();
+    let (r, done) = write(&a, peer, 10, 1, len);
+    let changed = device_bytes(&rt, 1, victim, len)
+        .iter()
+        .filter(|&&b| b != 0)
+        .count();
+    drop((a, b));
+    for (o, d) in [(0, src), (1, t), (1, victim)] {
+        rt.free(o, d).unwrap();
+    }
+    assert_eq!(
+        changed, 0,
+        "a descriptor naming another allocation's IPC handle made us write into memory its owner no longer registers: {changed} of {len} bytes changed (submit {r:?}, completion {done:?})"
+    );
+    let e = r.err().or(done.and_then(|d| d.err())).expect("refused");
+    assert_eq!(e.kind(), ErrorKind::Protocol, "{e}");
 }
 
 #[test]
