@@ -174,6 +174,28 @@ fn a_staged_write_whose_peer_goes_away_is_handed_back_only_after_its_gather_copy
     p.init.deregister(RegionId(1), soon()).expect("deregister");
 }
 
+/// The target goes away while a WRITE's gather copy waits to run, and the initiator
+/// lets go of the dead connection (here by disconnecting; a reconnect drops it too):
+/// the batch still ends after its copy, with the connection's error.
+#[test]
+fn a_staged_write_on_a_dead_connection_let_go_of_during_its_copy_fails_with_the_connections_error()
+{
+    let (_g, dev) = serial();
+    let p = staged(FRAME, |_| {});
+    let before = dev.device_stats(0).syncs;
+    let (c, rx, _a) = completion(&dev, 0, Duration::from_secs(20));
+    p.init
+        .submit(p.peer, &[req(Op::Write, 1, 0, FRAME)], c)
+        .expect("submit");
+    std::thread::sleep(Duration::from_millis(150));
+    drop(p.target);
+    std::thread::sleep(Duration::from_millis(150));
+    p.init.disconnect(p.peer, soon()).expect("disconnect");
+    let r = handed_back_after_its_copy(&p.init, &rx, before, "its connection was let go of");
+    assert_eq!(r.map_err(|e| e.kind()), Err(ErrorKind::PeerUnreachable));
+    p.init.deregister(RegionId(1), soon()).expect("deregister");
+}
+
 /// A WRITE's deadline passes while its gather copy waits to run and its other frame
 /// stalls at the target: the connection that holds it is closed, and the batch is
 /// still handed back only after the copy.

@@ -266,7 +266,10 @@ impl Conn {
                 }
                 continue;
             }
-            let me = self.me.clone();
+            // The copy holds its connection until it ends, so that a connection let
+            // go of meanwhile (dead, then dropped by a reconnect or a disconnect) still
+            // fails the slice with its own error once the copy no longer reads.
+            let conn = self.me.upgrade();
             let Staging {
                 copies,
                 rt,
@@ -284,7 +287,7 @@ impl Conn {
                         Err(e) => Stage::Failed(e),
                     };
                 }
-                if let Some(conn) = me.upgrade() {
+                if let Some(conn) = conn {
                     conn.copy_ended();
                 }
             };
