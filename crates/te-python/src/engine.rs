@@ -1,6 +1,9 @@
 //! `te._te.Engine`: registration, connection, transfers, layouts and notifications.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Instant;
 use te_core::sync::{Condvar, Mutex};
 
@@ -16,9 +19,10 @@ use te::{
 use crate::addrs::{find, local_region, remote_regions, AddrMap};
 use crate::args;
 use crate::errors::{te_err, IntoPy};
-use crate::handle::{PyHandle, SIGNAL_CHECK};
+use crate::handle::PyHandle;
 use crate::peer::PyPeer;
 use crate::registration::{Keep, PyRegistration};
+use crate::wait::Latch;
 
 /// A layout slot from Python: `(name, region id, offset, bytes per block, blocks)`.
 type SlotSpec = (String, u64, u64, u64, u64);
@@ -31,6 +35,8 @@ pub(crate) struct PyEngine {
     /// Notified (under `engine`'s lock) when a method lets go of its clone: `close()`
     /// waits for them.
     released: Condvar,
+    /// Thrown by `close()`: a `recv_notification` waiting on another thread ends.
+    closing: Latch,
     addrs: AddrMap,
 }
 
@@ -174,6 +180,7 @@ impl PyEngine {
         Ok(PyEngine {
             engine: Mutex::new(Some(Arc::new(engine))),
             released: Condvar::new(),
+            closing: Latch::default(),
             addrs: Arc::default(),
         })
     }
@@ -214,6 +221,7 @@ impl PyEngine {
         let Some(engine) = self.engine.lock().take() else {
             return Ok(());
         };
+        self.closing.set();
         let bound = engine.config().default_timeout;
         // Stopping the engine joins its threads: not under the GIL.
         let stopped = py.allow_threads(|| {
@@ -591,18 +599,18 @@ impl PyEngine {
     ) -> PyResult<Option<(String, String, Py<PyBytes>)>> {
         let engine = self.get()?;
         let t = args::timeout(Some(timeout))?.unwrap_or_default();
-        let end = te_core::Deadline::after(t);
-        let n = loop {
-            let left = end.remaining();
-            let n = py.allow_threads(|| engine.recv_notification(left.min(SIGNAL_CHECK)));
-            if n.is_some() || left <= SIGNAL_CHECK {
-                break n;
-            }
+        let mut next = engine.next_notification();
+        let n = crate::wait::block_on(py, Some(te_core::Deadline::after(t)), |cx| {
             // `close()` waits for this call to return.
-            if self.engine.lock().is_none() {
-                return Err(closed());
+            if self.closing.poll_set(cx) {
+                return Poll::Ready(None);
             }
-            py.check_signals()?;
+            Pin::new(&mut next).poll(cx).map(Some)
+        })?;
+        let n = match n {
+            Some(None) => return Err(closed()),
+            Some(Some(n)) => Some(n),
+            None => None,
         };
         Ok(n.map(|n| {
             (

@@ -1,5 +1,7 @@
 //! `te.Handle`: a submitted batch, to poll, wait on, await or cancel.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use pyo3::prelude::*;
@@ -8,8 +10,10 @@ use te::{TransferHandle, TransferStatus};
 
 use crate::errors::to_py;
 
-/// How long a GIL-free wait sleeps before it checks for Ctrl-C.
-pub(crate) const SIGNAL_CHECK: Duration = Duration::from_millis(100);
+/// How long `wait` first waits in te's own way, which may read a same-host answer on
+/// this thread instead of being woken by the thread that would; it then sleeps until
+/// woken (`crate::wait`), where Ctrl-C reaches it. Ctrl-C waits at most this long.
+const DRIVE: Duration = Duration::from_millis(100);
 
 /// A submitted batch. `done()` polls without blocking, `wait(timeout)` blocks with the
 /// GIL released, `await handle` suspends a coroutine, `cancel()` asks the batch to stop.
@@ -86,17 +90,16 @@ impl PyHandle {
         let timeout = crate::args::timeout(timeout)?;
         // A deadline saturates: a timeout past the clock's range is no limit.
         let end = timeout.map(te_core::Deadline::after);
-        loop {
-            let slice = end.map_or(SIGNAL_CHECK, |end| end.remaining().min(SIGNAL_CHECK));
-            let handle = &self.handle;
-            let done = py.allow_threads(|| handle.wait_timeout(slice).is_some());
-            if done {
-                return self.result();
-            }
-            if end.is_some_and(te_core::Deadline::is_past) {
-                return Ok(false);
-            }
-            py.check_signals()?;
+        let first = end.map_or(DRIVE, |end| end.remaining().min(DRIVE));
+        let handle = &self.handle;
+        if py.allow_threads(|| handle.wait_timeout(first).is_some()) {
+            return self.result();
+        }
+        py.check_signals()?;
+        let mut handle = self.handle.clone();
+        match crate::wait::block_on(py, end, |cx| Pin::new(&mut handle).poll(cx))? {
+            Some(_) => self.result(),
+            None => Ok(false),
         }
     }
 

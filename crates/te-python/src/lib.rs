@@ -17,6 +17,7 @@ mod notifier;
 mod peer;
 mod registration;
 mod testing;
+mod wait;
 
 use pyo3::prelude::*;
 

@@ -3,20 +3,21 @@
 
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
+use std::task::Poll;
 use te::{RegionDesc, Registration};
-use te_core::sync::{Condvar, Mutex};
+use te_core::sync::Mutex;
 
 use crate::addrs::AddrMap;
 use crate::errors::to_py;
-use crate::handle::SIGNAL_CHECK;
+use crate::wait::{self, Latch};
 
 /// Registered memory; deregistered by `deregister()`, or when it is garbage-collected
 /// (then errors are only logged).
 #[pyclass(module = "te._te", name = "Registration", frozen)]
 pub(crate) struct PyRegistration {
     state: Mutex<State>,
-    /// Notified when a deregistration under way has its outcome.
-    settled: Condvar,
+    /// Thrown when a deregistration under way has its outcome.
+    settled: Latch,
     region: RegionDesc,
     addrs: AddrMap,
     keep: Mutex<Option<Keep>>,
@@ -94,8 +95,16 @@ impl PyRegistration {
             }
         };
         self.forget();
-        let result = py.allow_threads(|| reg.deregister());
-        let error = result.as_ref().err().cloned();
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            py.allow_threads(|| reg.deregister())
+        }));
+        let error = match &result {
+            Ok(r) => r.as_ref().err().cloned(),
+            Err(_) => Some(te::Error::new(
+                te::ErrorKind::Backend,
+                "te failed inside this region's deregistration (a panic; see the log): te may still touch its memory",
+            )),
+        };
         if error.is_some() {
             // te may still touch the memory: never free what it belongs to.
             if let Some(keep) = self.keep.lock().take() {
@@ -104,9 +113,13 @@ impl PyRegistration {
         } else {
             self.keep.lock().take();
         }
+        // Callers waiting for this outcome learn it, even when te panicked.
         *self.state.lock() = State::Gone(error);
-        self.settled.notify_all();
-        result.map_err(to_py)
+        self.settled.set();
+        match result {
+            Ok(r) => r.map_err(to_py),
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -142,7 +155,7 @@ impl PyRegistration {
             .push((region.len, region.id));
         PyRegistration {
             state: Mutex::new(State::Live(reg)),
-            settled: Condvar::new(),
+            settled: Latch::default(),
             region,
             addrs: addrs.clone(),
             keep: Mutex::new(keep),
@@ -152,22 +165,17 @@ impl PyRegistration {
     /// The outcome of the deregistration that began first, once it has one; waits for
     /// it with the GIL released, and raises `KeyboardInterrupt` on Ctrl-C meanwhile.
     fn outcome(&self, py: Python<'_>) -> PyResult<()> {
-        loop {
-            let settled = py.allow_threads(|| {
-                let state = self.state.lock();
-                let (state, _) = self
-                    .settled
-                    .wait_timeout_while(state, SIGNAL_CHECK, |s| matches!(s, State::Leaving));
-                match &*state {
-                    State::Gone(error) => Some(error.clone()),
-                    State::Live(_) | State::Leaving => None,
-                }
-            });
-            match settled {
-                Some(None) => return Ok(()),
-                Some(Some(e)) => return Err(to_py(e)),
-                None => py.check_signals()?,
+        let settled = wait::block_on(py, None, |cx| {
+            // Watch first: an outcome set after the look below wakes this wait.
+            self.settled.poll_set(cx);
+            match &*self.state.lock() {
+                State::Gone(error) => Poll::Ready(error.clone()),
+                State::Live(_) | State::Leaving => Poll::Pending,
             }
+        })?;
+        match settled.flatten() {
+            None => Ok(()),
+            Some(e) => Err(to_py(e)),
         }
     }
 

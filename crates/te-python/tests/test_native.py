@@ -1,6 +1,7 @@
 """te's native Python API: two engines in one process, over tcp and the stub."""
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -374,6 +375,81 @@ def test_a_deregister_while_another_is_under_way_returns_after_it():
         assert h.done()
         first.join(10)
         assert not first.is_alive()
+
+
+def switches(tid):
+    """The context switches thread `tid` of this process has made."""
+    n = 0
+    with open("/proc/self/task/%d/status" % tid) as f:
+        for line in f:
+            if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                n += int(line.split()[1])
+    return n
+
+
+def test_a_thread_waiting_in_te_is_not_woken_until_its_wait_ends():
+    """A batch's wait, a notification's and a second deregister's sleep until their
+    event: the waiting thread makes no context switch meanwhile (it used to wake ten
+    times a second to look for Ctrl-C)."""
+    a, b, peer, reqs = slow_pair(delay="3s")
+    with a, b:
+        h = b.transfer(peer, reqs)
+        waits = {
+            "Handle.wait": lambda: h.wait(20),
+            "recv_notification": lambda: a.recv_notification(2.5),
+            "deregister": b.keep.deregister,
+        }
+        first = threading.Thread(target=b.keep.deregister)  # waits for the batch
+        first.start()
+        time.sleep(0.2)
+        tids, threads = {}, []
+        for name, wait in waits.items():
+            def run(name=name, wait=wait):
+                tids[name] = threading.get_native_id()
+                wait()
+            threads.append(threading.Thread(target=run))
+            threads[-1].start()
+        time.sleep(0.5)  # past the batch wait's first, driving slice
+        before = {n: switches(t) for n, t in tids.items()}
+        time.sleep(1.5)
+        woken = {n: switches(t) - before[n] for n, t in tids.items()}
+        for t in threads + [first]:
+            t.join(20)
+            assert not t.is_alive()
+        assert h.done()
+        assert all(n <= 1 for n in woken.values()), woken
+
+
+@pytest.mark.parametrize("wait", ["Handle.wait", "recv_notification", "deregister"])
+def test_ctrl_c_interrupts_a_wait_on_the_main_thread(wait):
+    """SIGINT reaches the main thread asleep in a wait, which raises KeyboardInterrupt
+    at once; the batch and the engine are unharmed."""
+    import signal
+
+    assert threading.current_thread() is threading.main_thread()
+    a, b, peer, reqs = slow_pair(delay="3s")
+    with a, b:
+        h = b.transfer(peer, reqs)
+        first = None
+        if wait == "deregister":
+            first = threading.Thread(target=b.keep.deregister)
+            first.start()
+            time.sleep(0.2)
+        calls = {
+            "Handle.wait": lambda: h.wait(20),
+            "recv_notification": lambda: a.recv_notification(20),
+            "deregister": b.keep.deregister,
+        }
+        timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+        t0 = time.monotonic()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            calls[wait]()
+        assert time.monotonic() - t0 < 2.5
+        timer.join()
+        assert h.wait(20)
+        if first:
+            first.join(20)
 
 
 def test_close_stops_the_engine_while_another_thread_waits_in_it():
