@@ -180,7 +180,7 @@ impl RdmaBackend {
             closed: AtomicBool::new(false),
             hook: hook.clone(),
             next_set: AtomicU64::new(1),
-            served: Mutex::new(HashMap::new()),
+            served: Mutex::new(Served::default()),
             threads: Mutex::new(Vec::new()),
             repairs: Mutex::new(VecDeque::new()),
             repair_wake: Condvar::new(),
@@ -269,6 +269,15 @@ impl TransferBackend for RdmaBackend {
             .regions
             .iter()
             .map(|r| {
+                if r.addr.checked_add(r.len).is_none() {
+                    return Err(Error::new(
+                        ErrorKind::Protocol,
+                        format!(
+                            "the peer's region {} at {:#x} of {} bytes runs past the end of the address space: the descriptor is forged or corrupt",
+                            r.id, r.addr, r.len
+                        ),
+                    ));
+                }
                 let rkeys = endpoint::decode_key(&r.key, ep.devices.len())?;
                 Ok((
                     r.id,
@@ -281,6 +290,22 @@ impl TransferBackend for RdmaBackend {
             .collect::<Result<HashMap<_, _>>>()?;
         let known = self.shared.by_instance.lock().get(&ep.instance).copied();
         if let Some(peer) = known.and_then(|id| self.shared.peer(id)) {
+            // One instance has one endpoint and one address for its whole life: a
+            // descriptor that names it with others is not that peer, and must neither
+            // reach its paths nor replace its regions.
+            if peer.endpoint != ep || peer.address != segment.address {
+                return Err(Error::new(
+                    ErrorKind::Protocol,
+                    format!(
+                        "the descriptor names rdma instance {:#x}, connected at {} with {} devices, but comes from {} with {}: a forged or corrupt descriptor",
+                        ep.instance,
+                        peer.address,
+                        peer.endpoint.devices.len(),
+                        segment.address,
+                        ep.devices.len()
+                    ),
+                ));
+            }
             if !peer.dead.load(Ordering::Acquire) && !peer.healthy().is_empty() {
                 *peer.regions.write() = regions;
                 return Ok(peer.id);
@@ -451,7 +476,7 @@ impl Drop for RdmaBackend {
         }
         // The QPs this backend holds as a target go; their initiators see their work
         // fail (as when this process exits).
-        let served: Vec<Served> = self.shared.served.lock().drain().map(|(_, s)| s).collect();
+        let served = std::mem::take(&mut *self.shared.served.lock());
         drop(served);
         let peers = self.shared.peers.drain();
         // Every peer's QPs go to ERR and their flush completions are taken (the

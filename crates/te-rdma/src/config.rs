@@ -38,6 +38,12 @@ pub struct RdmaConfig {
     /// Kinds not named here use the NICs nearest to the device on the PCIe tree (read
     /// from sysfs); host memory, and memory whose device cannot be placed, uses every NIC.
     pub nic_affinity: BTreeMap<String, Vec<String>>,
+    /// The most QPs this backend holds, as the target, for all its initiators together.
+    /// Beyond it the oldest set goes, those of initiators that have since come back with
+    /// another epoch (restarted) first; an initiator still using an evicted set sees
+    /// its paths fail and rebuilds them. Bounds what initiators that vanish without
+    /// releasing their sets can hold.
+    pub max_served_qps: usize,
     /// Limit for the connect exchange with one peer.
     #[serde(deserialize_with = "te_core::config::de::duration")]
     pub connect_timeout: Duration,
@@ -66,6 +72,7 @@ impl Default for RdmaConfig {
             advertise: None,
             slice_size: 64 << 10,
             qps_per_path: 2,
+            max_served_qps: 8192,
             max_outstanding: 128,
             signal_every: 16,
             nic_affinity: BTreeMap::new(),
@@ -110,6 +117,9 @@ impl te_core::BackendConfig for RdmaConfig {
                 "qps_per_path = {} is outside 1..=16",
                 self.qps_per_path
             ));
+        }
+        if self.max_served_qps == 0 {
+            return bad("max_served_qps = 0: a target must hold its initiators' QPs".into());
         }
         if !(1..=16384).contains(&self.max_outstanding) {
             return bad(format!(

@@ -6,9 +6,10 @@
 //! The target builds at most `qps_per_path` × device pairs QPs for one request (the
 //! device pairs being the larger of its device count and the initiator devices the
 //! request names) and holds at most [`SETS_PER_PEER`] sets per initiator (its
-//! control-plane address): a set goes when the initiator releases it, when the
-//! initiator comes back at that address with another epoch (it restarted), when a newer
-//! set pushes it out, or when the backend closes.
+//! control-plane address and epoch), and `max_served_qps` QPs in all: a set goes when
+//! the initiator releases it, when a newer set of its pushes it out, when the table is
+//! full and it is the oldest (an initiator that came back at its address with another
+//! epoch, having restarted, loses its old sets first), or when the backend closes.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -49,13 +50,100 @@ pub(crate) fn unlist_local(instance: u64) {
         .retain(|(i, w)| *i != instance && w.strong_count() > 0);
 }
 
-/// The QP sets a target holds for one initiator (by its control-plane address).
+/// The QP sets a target holds for its initiators, each known by its control-plane
+/// address and epoch together: an address is only what the initiator claims, so
+/// another engine claiming it (or two engines given one address by mistake) must not
+/// take the first one's sets away.
+#[derive(Default)]
 pub(crate) struct Served {
-    /// The initiator's epoch; a request from another epoch at the same address means it
-    /// restarted, and its previous life's sets go.
-    epoch: u64,
-    /// Oldest first: (set id, the target's half of its paths).
-    sets: VecDeque<(u64, Vec<Arc<Path>>)>,
+    by: HashMap<(String, u64), Initiator>,
+    /// Numbers the sets in the order they were built.
+    seq: u64,
+}
+
+/// One initiator's sets.
+struct Initiator {
+    /// Oldest first: (set id, its number in [`Served::seq`]'s order, the target's half
+    /// of its paths).
+    sets: VecDeque<(u64, u64, Vec<Arc<Path>>)>,
+    /// Another epoch has come from this address since: the initiator most likely
+    /// restarted, so these sets are the first to go when the table is full.
+    superseded: bool,
+}
+
+impl Served {
+    /// Keeps `paths` as set `set` of the initiator at `address` with `epoch`: its
+    /// oldest set beyond [`SETS_PER_PEER`] goes, and while all sets together hold more
+    /// than `max_qps` QPs, the oldest of the superseded initiators' sets goes, else the
+    /// oldest of all (never this one). Returns what went, to be dropped outside the lock.
+    fn hold(
+        &mut self,
+        (address, epoch): (&str, u64),
+        set: u64,
+        paths: Vec<Arc<Path>>,
+        max_qps: usize,
+    ) -> Vec<Vec<Arc<Path>>> {
+        let mut gone = Vec::new();
+        for ((a, e), i) in &mut self.by {
+            if a == address && *e != epoch && !i.superseded {
+                tracing::info!(peer = %address, "an rdma peer came back with a new epoch; its previous QP sets go first when the target's table is full");
+                i.superseded = true;
+            }
+        }
+        self.seq += 1;
+        let key = (address.to_string(), epoch);
+        let me = self.by.entry(key.clone()).or_insert(Initiator {
+            sets: VecDeque::new(),
+            superseded: false,
+        });
+        if let Some(i) = me.sets.iter().position(|(id, ..)| *id == set) {
+            gone.extend(me.sets.remove(i).map(|(.., p)| p));
+        }
+        while me.sets.len() >= SETS_PER_PEER {
+            tracing::warn!(peer = %address, "an rdma peer holds {SETS_PER_PEER} QP sets already; its oldest goes");
+            gone.extend(me.sets.pop_front().map(|(.., p)| p));
+        }
+        me.sets.push_back((set, self.seq, paths));
+        let mine = self.seq;
+        let mut qps: usize = self
+            .by
+            .values()
+            .flat_map(|i| &i.sets)
+            .map(|s| s.2.len())
+            .sum();
+        while qps > max_qps {
+            let Some(victim) = self
+                .by
+                .iter()
+                .filter_map(|(k, i)| {
+                    let (_, n, _) = i.sets.front()?;
+                    (*n != mine).then_some((!i.superseded, *n, k.clone()))
+                })
+                .min()
+            else {
+                break;
+            };
+            let i = self.by.get_mut(&victim.2).expect("found above");
+            let (.., paths) = i.sets.pop_front().expect("found above");
+            tracing::warn!(peer = %victim.2 .0, "the rdma target holds more than max_served_qps = {max_qps} QPs; an initiator's oldest set goes");
+            qps -= paths.len();
+            gone.push(paths);
+        }
+        self.by.retain(|_, i| !i.sets.is_empty());
+        gone
+    }
+
+    /// Takes set `set` of the initiator at `address` with `epoch`, if it holds it.
+    fn release(&mut self, (address, epoch): (&str, u64), set: u64) -> Option<Vec<Arc<Path>>> {
+        let key = (address.to_string(), epoch);
+        let i = self.by.get_mut(&key)?;
+        let at = i.sets.iter().position(|(id, ..)| *id == set)?;
+        let (.., paths) = i.sets.remove(at)?;
+        if i.sets.is_empty() {
+            self.by.remove(&key);
+        }
+        Some(paths)
+    }
 }
 
 impl Shared {
@@ -396,18 +484,28 @@ pub(crate) fn repair_loop(shared: &Weak<Shared>) {
                 {
                     break q.remove(i).expect("found");
                 }
-                let wake = backoff
-                    .values()
+                // Queued peers wait out their back-off; with none queued, only a
+                // `repair` or the backend closing wakes this thread.
+                let next = q
+                    .iter()
+                    .filter_map(|id| backoff.get(id))
                     .map(|(_, at)| *at)
-                    .min()
-                    .map_or(Duration::from_secs(1), |at| {
-                        at.saturating_duration_since(now)
-                    })
-                    .max(Duration::from_millis(1));
-                q = s.repair_wake.wait_timeout(q, wake).0;
+                    .min();
+                q = match next {
+                    Some(at) => {
+                        let wait = at
+                            .saturating_duration_since(now)
+                            .max(Duration::from_millis(1));
+                        s.repair_wake.wait_timeout(q, wait).0
+                    }
+                    None => s.repair_wake.wait(q),
+                };
             }
         };
-        let Some(old) = s.peer(id) else { continue };
+        let Some(old) = s.peer(id) else {
+            backoff.remove(&id);
+            continue;
+        };
         if old.dead.load(Ordering::Acquire) || !s.degraded(&old) {
             backoff.remove(&id);
             continue;
@@ -425,7 +523,25 @@ pub(crate) fn repair_loop(shared: &Weak<Shared>) {
                 backoff.remove(&id);
                 let regions = old.regions.read().clone();
                 *new.regions.write() = regions;
-                s.peers.insert(id, new);
+                // Put back only in place of the set it rebuilt: a disconnect (or a
+                // connect that replaced it) while it was built wins.
+                let put = {
+                    let mut peers = s.peers.write();
+                    match peers.get(&id) {
+                        Some(p) if Arc::ptr_eq(p, &old) => {
+                            peers.insert(id, new.clone());
+                            true
+                        }
+                        _ => false,
+                    }
+                };
+                if !put {
+                    new.kill("its peer was disconnected while its paths were rebuilt".into());
+                    path::retire(&new, Instant::now() + RETIRE_WAIT);
+                    // As long as the exchange that built it may take.
+                    s.release(&new, bound);
+                    continue;
+                }
                 tracing::info!(peer = %old.address, "RDMA paths rebuilt");
                 // The old set's work moves to the new set; it is not dead.
                 *old.why.lock() = "replaced by rebuilt paths".into();
@@ -505,18 +621,10 @@ impl MessageHandler for Target {
                 Ok(exchange::encode(&Message::Accept { paths: answer }))
             }
             Message::Release { set, .. } => {
-                let gone = {
-                    let mut served = shared.served.lock();
-                    let gone = served
-                        .get_mut(&from.address)
-                        .filter(|s| s.epoch == from.epoch)
-                        .and_then(|s| {
-                            let i = s.sets.iter().position(|(id, _)| *id == set)?;
-                            s.sets.remove(i)
-                        });
-                    served.retain(|_, s| !s.sets.is_empty());
-                    gone
-                };
+                let gone = shared
+                    .served
+                    .lock()
+                    .release((&from.address, from.epoch), set);
                 // The QPs are destroyed outside the table's lock.
                 drop(gone);
                 Ok(Vec::new())
@@ -527,30 +635,15 @@ impl MessageHandler for Target {
 }
 
 impl Shared {
-    /// Keeps `paths` as set `set` of the initiator `from`: its sets of another epoch
-    /// go (it restarted), and so does its oldest set beyond [`SETS_PER_PEER`].
+    /// Keeps `paths` as set `set` of the initiator `from` (see [`Served::hold`]).
     fn hold(&self, from: &PeerInfo, set: u64, paths: Vec<Arc<Path>>) {
-        let mut gone = Vec::new();
-        {
-            let mut served = self.served.lock();
-            let entry = served.entry(from.address.clone()).or_insert(Served {
-                epoch: from.epoch,
-                sets: VecDeque::new(),
-            });
-            if entry.epoch != from.epoch {
-                tracing::info!(peer = %from.address, "an rdma peer came back with a new epoch; its previous QPs go");
-                gone.extend(entry.sets.drain(..));
-                entry.epoch = from.epoch;
-            }
-            if let Some(i) = entry.sets.iter().position(|(id, _)| *id == set) {
-                gone.extend(entry.sets.remove(i));
-            }
-            while entry.sets.len() >= SETS_PER_PEER {
-                tracing::warn!(peer = %from.address, "an rdma peer holds {SETS_PER_PEER} QP sets already; its oldest goes");
-                gone.extend(entry.sets.pop_front());
-            }
-            entry.sets.push_back((set, paths));
-        }
+        let gone = self.served.lock().hold(
+            (&from.address, from.epoch),
+            set,
+            paths,
+            self.config.max_served_qps,
+        );
+        // The QPs are destroyed outside the table's lock.
         drop(gone);
     }
 }
@@ -562,6 +655,19 @@ fn build(
     asked: &[exchange::PathInfo],
     deadline: Deadline,
 ) -> Result<(Vec<exchange::PathInfo>, Vec<Arc<Path>>)> {
+    if let Some(p) = asked
+        .iter()
+        .find(|p| p.local_device as usize >= crate::endpoint::MAX_DEVICES)
+    {
+        return Err(Error::new(
+            ErrorKind::InvalidRequest,
+            format!(
+                "the request names initiator device {}; an rdma endpoint has at most {} devices",
+                p.local_device,
+                crate::endpoint::MAX_DEVICES
+            ),
+        ));
+    }
     let theirs: HashSet<u8> = asked.iter().map(|p| p.local_device).collect();
     let pairs = shared.devices.len().max(theirs.len());
     let cap = shared.config.qps_per_path * pairs;

@@ -37,8 +37,8 @@ pub(crate) struct Shared {
     pub(crate) hook: ControlHook,
     /// The next QP set id this backend asks a target for.
     pub(crate) next_set: AtomicU64,
-    /// The QP sets this backend holds as the target, per initiator address.
-    pub(crate) served: Mutex<HashMap<String, Served>>,
+    /// The QP sets this backend holds as the target, per initiator.
+    pub(crate) served: Mutex<Served>,
     pub(crate) threads: Mutex<Vec<JoinHandle<()>>>,
     /// Peers whose paths the repair thread should rebuild.
     pub(crate) repairs: Mutex<VecDeque<PeerId>>,

@@ -1,0 +1,561 @@
+//! te-rdma against the fake verbs provider, with peers that lie and races that bite:
+//! hostile descriptors and exchange requests (regions at the top of the address space,
+//! another engine's instance or address, more devices than an endpoint has), initiators
+//! that vanish without releasing their QPs, and the repair thread racing a disconnect,
+//! or waking while it has nothing to do.
+//!
+//! The tests serialize themselves: the fake's devices and counters are the process's.
+
+mod common;
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Once};
+use std::time::Duration;
+
+use common::{backend, host, node_with, pattern, region, run, segment, segment_at, soon, Fake};
+use libtest_mimic::Failed;
+use te_core::{
+    Access, ControlHook, Deadline, EngineConfig, ErrorKind, MessageHandler, PeerInfo, RegionId,
+    StandaloneControl, TransferBackend, TransferRequest,
+};
+use te_rdma::RdmaConfig;
+
+/// `IBV_QPS_RTS`, as `fakeverbs_qp_state` reports it.
+const QPS_RTS: i32 = 3;
+
+static LOCK: Mutex<()> = Mutex::new(());
+
+/// Points te-rdma at the fake (once) and runs the tests one at a time.
+fn setup() -> MutexGuard<'static, ()> {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        common::use_the_fake();
+        te_rdma::probe().expect("the fake verbs provider loads");
+    });
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn config(devices: &[&str]) -> RdmaConfig {
+    let mut c = RdmaConfig::default();
+    c.devices = devices.iter().map(|d| d.to_string()).collect();
+    c.qps_per_path = 1;
+    c
+}
+
+/// The live QPs of `device` that are not in `old`.
+fn new_qps(fake: &Fake, device: &str, old: &[u32]) -> Vec<u32> {
+    fake.device_qps(device)
+        .into_iter()
+        .filter(|q| !old.contains(q))
+        .collect()
+}
+
+/// A connect request as the exchange encodes it (version 3): one copy of `path` (a
+/// genuine path's 33 bytes) per entry of `initiator_devices`, each naming that
+/// initiator device.
+fn request(
+    initiator: u64,
+    target: u64,
+    set: u64,
+    path: &[u8],
+    initiator_devices: &[u8],
+) -> Vec<u8> {
+    let mut v = b"TERC".to_vec();
+    v.extend_from_slice(&3u16.to_le_bytes());
+    v.push(1);
+    v.extend_from_slice(&initiator.to_le_bytes());
+    v.extend_from_slice(&target.to_le_bytes());
+    v.extend_from_slice(&set.to_le_bytes());
+    v.extend_from_slice(&(initiator_devices.len() as u16).to_le_bytes());
+    for d in initiator_devices {
+        v.push(*d);
+        v.extend_from_slice(&path[1..]);
+    }
+    v
+}
+
+/// Records what it relays.
+struct Recorder {
+    via: ControlHook,
+    to: String,
+    seen: Arc<Mutex<Vec<Vec<u8>>>>,
+}
+
+impl MessageHandler for Recorder {
+    fn handle(
+        &self,
+        _from: &PeerInfo,
+        request: &[u8],
+        deadline: Deadline,
+    ) -> te_core::Result<Vec<u8>> {
+        self.seen
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(request.to_vec());
+        self.via.call(&self.to, request, deadline)
+    }
+}
+
+/// The 33 bytes of a genuine path towards `target`'s device 0 (from the request of an
+/// initiator on fake0, recorded on its way), for hostile requests to build on.
+fn genuine_path(target: &common::Node) -> Result<Vec<u8>, Failed> {
+    let epoch = te_core::random_nonzero();
+    let initiator = node_with(config(&["fake0"]), epoch)?;
+    let via = StandaloneControl::start(&EngineConfig::default(), epoch)?;
+    let relay = StandaloneControl::start(&EngineConfig::default(), te_core::random_nonzero())?;
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    relay.hook().serve(Arc::new(Recorder {
+        via: via.hook(),
+        to: target.control.address().to_string(),
+        seen: seen.clone(),
+    }))?;
+    let seg = segment_at(target.endpoint(), relay.address().to_string(), Vec::new());
+    let peer = initiator.connect(&seg, soon())?;
+    initiator.disconnect(peer, soon())?;
+    let first = seen.lock().unwrap_or_else(|e| e.into_inner())[0].clone();
+    let at = 4 + 2 + 1 + 8 + 8 + 8 + 2;
+    Ok(first[at..at + 33].to_vec())
+}
+
+fn instance(endpoint: &[u8]) -> u64 {
+    u64::from_le_bytes(endpoint[1..9].try_into().expect("8 bytes"))
+}
+
+/// A peer's region address near the top of the address space (its descriptor is the
+/// peer's to write; the engine checks only offset + len against the region's length)
+/// must be refused, at connect or submit, never panic on `addr + offset`.
+#[test]
+fn a_peer_region_at_the_top_of_the_address_space_is_refused_without_a_panic() -> Result<(), Failed>
+{
+    let _g = setup();
+    let fake = Fake::open();
+    let target = backend(&["fake0"]);
+    let dst = vec![0u8; 8192];
+    let key = target.register(RegionId(1), &host(&dst, Access::REMOTE_READ_WRITE))?;
+    let initiator = backend(&["fake0"]);
+    let src = pattern(4096, 1);
+    initiator.register(RegionId(1), &host(&src, Access::LOCAL))?;
+    let mut forged = region(1, &dst, key);
+    forged.addr = u64::MAX - 100;
+    let peer = match initiator.connect(&segment(&target, vec![forged]), soon()) {
+        Ok(p) => p,
+        Err(_) => return Ok(()), // refused at connect: fine
+    };
+    // In range as the engine checks it: 200 + 4096 <= 8192.
+    let req = TransferRequest::write(RegionId(1), 0, RegionId(1), 200, 4096);
+    let r = catch_unwind(AssertUnwindSafe(|| run(&initiator, peer, &[req], &fake).0));
+    match r {
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            Err(format!("submit panicked on a peer-supplied region address: {msg}").into())
+        }
+        Ok(Ok(())) => Err("a write to a region at 0xffff_ffff_ffff_ff9b + 200 succeeded".into()),
+        Ok(Err(_)) => Ok(()),
+    }
+}
+
+/// A descriptor that names a connected peer's instance in its endpoint bytes but comes
+/// from another engine (another control-plane address) is not that peer: connect must
+/// not hand back the connected peer's id, nor replace that peer's regions with the
+/// descriptor's.
+#[test]
+fn a_descriptor_from_another_address_naming_a_connected_peers_instance_does_not_take_over_that_peer(
+) -> Result<(), Failed> {
+    let _g = setup();
+    let fake = Fake::open();
+    let a = backend(&["fake0"]);
+    let dst = vec![0u8; 64 << 10];
+    let decoy = vec![0u8; 64 << 10];
+    let key = a.register(RegionId(1), &host(&dst, Access::REMOTE_READ_WRITE))?;
+    let decoy_key = a.register(RegionId(2), &host(&decoy, Access::REMOTE_READ_WRITE))?;
+    let initiator = backend(&["fake0"]);
+    let src = pattern(64 << 10, 9);
+    initiator.register(RegionId(1), &host(&src, Access::LOCAL))?;
+    let peer_a = initiator.connect(&segment(&a, vec![region(1, &dst, key)]), soon())?;
+    // Another engine, B, whose descriptor carries A's endpoint bytes, and a region 1
+    // that is really A's decoy buffer.
+    let b = backend(&["fake0"]);
+    let forged = segment_at(
+        a.endpoint(),
+        b.control.address().to_string(),
+        vec![region(1, &decoy, decoy_key)],
+    );
+    let hijacked = initiator.connect(&forged, soon());
+    // What the initiator now writes to A's region 1 goes where B's descriptor said.
+    let req = TransferRequest::write(RegionId(1), 0, RegionId(1), 0, src.len() as u64);
+    let r = run(&initiator, peer_a, &[req], &fake).0;
+    let into_decoy = decoy == src;
+    match hijacked {
+        Ok(id) if id == peer_a => Err(format!(
+            "connect to B's descriptor (at {}) returned A's peer id {id:?}; A's next write {r:?} landed in the decoy: {into_decoy}",
+            b.control.address()
+        )
+        .into()),
+        _ if into_decoy => Err("A's regions were replaced by B's descriptor".into()),
+        _ => Ok(()),
+    }
+}
+
+/// A descriptor naming a connected peer's instance with fewer devices (and region keys
+/// with fewer rkeys) must be refused or leave the peer's regions alone: the peer's paths
+/// index the region keys by the peer device they reach.
+#[test]
+fn a_descriptor_with_fewer_devices_for_a_connected_instance_does_not_panic_the_data_path(
+) -> Result<(), Failed> {
+    let _g = setup();
+    let fake = Fake::open();
+    let a = backend(&["fake0", "fake1"]);
+    let dst = vec![0u8; 1 << 20];
+    let key = a.register(RegionId(1), &host(&dst, Access::REMOTE_READ_WRITE))?;
+    let initiator = backend(&["fake0", "fake1"]);
+    let src = pattern(1 << 20, 5);
+    initiator.register(RegionId(1), &host(&src, Access::LOCAL))?;
+    let seg = segment(&a, vec![region(1, &dst, key.clone())]);
+    let peer = initiator.connect(&seg, soon())?;
+    // A's endpoint, cut to its first device; its key, cut to its first rkey.
+    let ep = a.endpoint();
+    let name_len = ep[12] as usize;
+    let mut short = ep[..10].to_vec();
+    short[9] = 1;
+    short.extend_from_slice(&ep[10..13 + name_len]);
+    let mut short_key = vec![1u8, 1];
+    short_key.extend_from_slice(&key[2..6]);
+    let mut forged = seg.clone();
+    forged.endpoint = short;
+    forged.regions = vec![region(1, &dst, short_key)];
+    let again = initiator.connect(&forged, soon());
+    let req = TransferRequest::write(RegionId(1), 0, RegionId(1), 0, src.len() as u64);
+    let r = catch_unwind(AssertUnwindSafe(|| run(&initiator, peer, &[req], &fake).0));
+    match r {
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            Err(format!(
+                "after connect({again:?}) with a one-device endpoint, submit panicked: {msg}"
+            )
+            .into())
+        }
+        Ok(_) => Ok(()),
+    }
+}
+
+/// A request that names 200 distinct initiator devices (an endpoint names at most 32)
+/// makes the target build 200 QPs for one initiator: the cap must not grow with what
+/// the request claims beyond what any initiator can have.
+#[test]
+fn a_request_naming_more_initiator_devices_than_an_endpoint_can_have_is_refused(
+) -> Result<(), Failed> {
+    let _g = setup();
+    let fake = Fake::open();
+    let target = backend(&["fake0"]); // qps_per_path = 1, one device
+    let address = target.control.address().to_string();
+    let inst = instance(&target.endpoint());
+    let path = genuine_path(&target)?;
+    let before = fake.device_qps("fake0");
+    let epoch = te_core::random_nonzero();
+    let hostile = StandaloneControl::start(&EngineConfig::default(), epoch)?;
+    let devices: Vec<u8> = (0..200u16).map(|d| d as u8).collect();
+    let r = hostile
+        .hook()
+        .call(&address, &request(epoch, inst, 1, &path, &devices), soon());
+    let built = new_qps(&fake, "fake0", &before).len();
+    match r {
+        Err(e) if e.kind() == ErrorKind::InvalidRequest => Ok(()),
+        other => Err(format!(
+            "a request naming 200 initiator devices (at most 32 exist per endpoint) was answered {:?}; the target built {built} QPs for it",
+            other.map(|v| v.len())
+        )
+        .into()),
+    }
+}
+
+/// The target binds an initiator's QP sets to the control-plane address the initiator
+/// *claims* in its hello. Another engine that claims the same address with its own
+/// epoch must not destroy the first initiator's QPs.
+#[test]
+fn another_engine_claiming_an_initiators_address_does_not_destroy_its_qps() -> Result<(), Failed> {
+    let _g = setup();
+    let fake = Fake::open();
+    let target = backend(&["fake0"]);
+    let dst = vec![0u8; 64 << 10];
+    let key = target.register(RegionId(1), &host(&dst, Access::REMOTE_READ_WRITE))?;
+    let path = genuine_path(&target)?;
+    let before = fake.device_qps("fake0");
+    let good = backend(&["fake0"]);
+    let src = pattern(64 << 10, 3);
+    good.register(RegionId(1), &host(&src, Access::LOCAL))?;
+    let peer = good.connect(&segment(&target, vec![region(1, &dst, key)]), soon())?;
+    let req = TransferRequest::write(RegionId(1), 0, RegionId(1), 0, src.len() as u64);
+    run(&good, peer, &[req], &fake).0?;
+    let goods = new_qps(&fake, "fake0", &before);
+    if goods.len() != 2 {
+        return Err(format!("expected 2 QPs for the good pair, got {goods:x?}").into());
+    }
+    // A hostile engine on 127.0.0.2 at the good initiator's port, advertising
+    // 127.0.0.1: it claims the good initiator's address, with an epoch of its own.
+    let good_addr = good.control.address();
+    let port = good_addr.port();
+    let epoch = te_core::random_nonzero();
+    let cfg = EngineConfig {
+        listen: format!("127.0.0.2:{port}"),
+        advertise: Some("127.0.0.1".into()),
+        ..Default::default()
+    };
+    let hostile = StandaloneControl::start(&cfg, epoch)?;
+    if hostile.address() != good_addr {
+        return Err(format!(
+            "setup: the hostile engine claims {} (wanted {good_addr})",
+            hostile.address()
+        )
+        .into());
+    }
+    let inst = instance(&target.endpoint());
+    let answer = hostile.hook().call(
+        &target.control.address().to_string(),
+        &request(epoch, inst, 1, &path, &[0]),
+        soon(),
+    );
+    std::thread::sleep(Duration::from_millis(100));
+    let gone: Vec<u32> = goods
+        .iter()
+        .copied()
+        .filter(|&q| fake.qp_state(q) != QPS_RTS)
+        .collect();
+    if !gone.is_empty() {
+        return Err(format!(
+            "a request from an engine claiming {good_addr} (answered {:?}) tore down the good initiator's QPs {gone:x?} (states {:?})",
+            answer.map(|v| v.len()),
+            gone.iter().map(|&q| fake.qp_state(q)).collect::<Vec<_>>()
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// Initiators that die without releasing their sets (a crash: the release never
+/// arrives) and come back at other addresses (port 0, as by default) leave their sets
+/// on the target; the target holds at most `max_served_qps` QPs for them all, the
+/// oldest going first, and a live initiator's newest set is kept and works.
+#[test]
+fn qp_sets_of_initiators_that_died_without_releasing_them_stay_within_the_targets_cap(
+) -> Result<(), Failed> {
+    let _g = setup();
+    let fake = Fake::open();
+    const CAP: usize = 3;
+    let before = fake.device_qps("fake0");
+    let mut cfg = config(&["fake0"]);
+    cfg.max_served_qps = CAP;
+    let target = node_with(cfg, te_core::random_nonzero())?;
+    let dst = vec![0u8; 64 << 10];
+    let key = target.register(RegionId(1), &host(&dst, Access::REMOTE_READ_WRITE))?;
+    const LIVES: usize = 5;
+    for life in 0..LIVES {
+        let g = node_with(config(&["fake0"]), te_core::random_nonzero())?;
+        let src = pattern(64 << 10, life as u8);
+        g.register(RegionId(1), &host(&src, Access::LOCAL))?;
+        let peer = g.connect(
+            &segment(&target, vec![region(1, &dst, key.clone())]),
+            soon(),
+        )?;
+        let req = TransferRequest::write(RegionId(1), 0, RegionId(1), 0, src.len() as u64);
+        run(&g, peer, &[req], &fake).0?;
+        // A crash: the control plane goes first, so the backend's release cannot reach
+        // the target.
+        let common::Node { backend, control } = g;
+        drop(control);
+        drop(backend);
+    }
+    let held = new_qps(&fake, "fake0", &before);
+    if held.len() > CAP {
+        return Err(format!(
+            "the target holds {} QPs for {LIVES} initiators that are gone, past max_served_qps = {CAP}: {held:x?}",
+            held.len()
+        )
+        .into());
+    }
+    let live = node_with(config(&["fake0"]), te_core::random_nonzero())?;
+    let src = pattern(64 << 10, 9);
+    live.register(RegionId(1), &host(&src, Access::LOCAL))?;
+    let peer = live.connect(&segment(&target, vec![region(1, &dst, key)]), soon())?;
+    let req = TransferRequest::write(RegionId(1), 0, RegionId(1), 0, src.len() as u64);
+    run(&live, peer, &[req], &fake).0?;
+    if dst != src {
+        return Err("a live initiator's write did not land whole".into());
+    }
+    Ok(())
+}
+
+/// Forwards connect-exchange messages to `to` through `via` (an engine with the
+/// initiator's epoch), after `delay` milliseconds: a slow path to the target.
+struct Slow {
+    via: ControlHook,
+    to: String,
+    delay: Arc<AtomicU64>,
+}
+
+impl MessageHandler for Slow {
+    fn handle(
+        &self,
+        _from: &PeerInfo,
+        request: &[u8],
+        deadline: Deadline,
+    ) -> te_core::Result<Vec<u8>> {
+        std::thread::sleep(Duration::from_millis(self.delay.load(Ordering::Acquire)));
+        self.via.call(&self.to, request, deadline)
+    }
+}
+
+/// A disconnect that lands while the repair thread rebuilds the peer's paths must win:
+/// the rebuilt set must not be put back under the disconnected id (which would bring
+/// the peer back, with QPs on both sides that nothing releases).
+#[test]
+fn a_disconnect_during_a_background_rebuild_is_not_undone_by_the_rebuild() -> Result<(), Failed> {
+    let _g = setup();
+    let fake = Fake::open();
+    let target = backend(&["fake0", "fake1"]);
+    let dst = vec![0u8; 256 << 10];
+    let key = target.register(RegionId(1), &host(&dst, Access::REMOTE_READ_WRITE))?;
+    let before0 = fake.device_qps("fake0");
+    let before1 = fake.device_qps("fake1");
+    let epoch = te_core::random_nonzero();
+    let initiator = node_with(config(&["fake0", "fake1"]), epoch)?;
+    let src = pattern(256 << 10, 7);
+    initiator.register(RegionId(1), &host(&src, Access::LOCAL))?;
+    // The initiator reaches the target through a relay that can be made slow.
+    let via = StandaloneControl::start(&EngineConfig::default(), epoch)?;
+    let relay = StandaloneControl::start(&EngineConfig::default(), te_core::random_nonzero())?;
+    let delay = Arc::new(AtomicU64::new(0));
+    relay.hook().serve(Arc::new(Slow {
+        via: via.hook(),
+        to: target.control.address().to_string(),
+        delay: delay.clone(),
+    }))?;
+    let seg = segment_at(
+        target.endpoint(),
+        relay.address().to_string(),
+        vec![region(1, &dst, key)],
+    );
+    let peer = initiator.connect(&seg, soon())?;
+    let req = TransferRequest::write(RegionId(1), 0, RegionId(1), 0, src.len() as u64);
+    run(&initiator, peer, &[req], &fake).0?;
+    // Break the paths on fake0: the repair thread rebuilds the set, slowly.
+    delay.store(1500, Ordering::Release);
+    let on0 = new_qps(&fake, "fake0", &before0);
+    for q in &on0 {
+        fake.qp_fatal(*q);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    initiator.disconnect(peer, soon())?;
+    delay.store(0, Ordering::Release);
+    // The rebuild's exchange answers meanwhile.
+    std::thread::sleep(Duration::from_millis(2500));
+    let r = run(&initiator, peer, &[req], &fake).0;
+    let live0: Vec<u32> = new_qps(&fake, "fake0", &before0)
+        .into_iter()
+        .filter(|&q| fake.qp_state(q) == QPS_RTS)
+        .collect();
+    let live1: Vec<u32> = new_qps(&fake, "fake1", &before1)
+        .into_iter()
+        .filter(|&q| fake.qp_state(q) == QPS_RTS)
+        .collect();
+    if r.is_ok() || !live0.is_empty() || !live1.is_empty() {
+        return Err(format!(
+            "after disconnect returned Ok, a batch to the disconnected peer gave {r:?}, and QPs {live0:x?} (fake0) {live1:x?} (fake1) are in RTS"
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// Context switches of this process's threads named `name`, in all.
+fn switches_of(name: &str) -> (usize, u64) {
+    let mut threads = 0;
+    let mut total = 0;
+    for task in std::fs::read_dir("/proc/self/task")
+        .expect("tasks")
+        .flatten()
+    {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.trim() != name {
+            continue;
+        }
+        threads += 1;
+        let status = std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
+        total += status
+            .lines()
+            .filter(|l| l.contains("ctxt_switches:"))
+            .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .sum::<u64>();
+    }
+    (threads, total)
+}
+
+/// Idle means no wake-up: a connected pair with nothing to do, and nothing to repair,
+/// must not wake its repair threads.
+#[test]
+fn an_idle_backends_repair_thread_does_not_wake() -> Result<(), Failed> {
+    let _g = setup();
+    let fake = Fake::open();
+    let p = common::pair()?;
+    run(&p.initiator, p.peer, &[common::write_all(&p)], &fake).0?;
+    std::thread::sleep(Duration::from_millis(300));
+    let (n, before) = switches_of("te-rdma-repair");
+    std::thread::sleep(Duration::from_secs(3));
+    let (_, after) = switches_of("te-rdma-repair");
+    let woke = after - before;
+    if woke > 0 {
+        return Err(format!(
+            "{n} idle repair threads woke {woke} times in 3 s (a 1 s wait_timeout when nothing is queued)"
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// A peer whose rebuild failed (its target is gone) and that is then disconnected
+/// leaves nothing for the repair thread to do: it must go back to sleep, not spin.
+#[test]
+fn a_disconnected_peer_whose_rebuild_failed_does_not_make_the_repair_thread_spin(
+) -> Result<(), Failed> {
+    let _g = setup();
+    let fake = Fake::open();
+    let before = fake.device_qps("fake0");
+    let target = backend(&["fake0"]);
+    let dst = vec![0u8; 64 << 10];
+    let key = target.register(RegionId(1), &host(&dst, Access::REMOTE_READ_WRITE))?;
+    let initiator = backend(&["fake0"]);
+    let src = pattern(64 << 10, 2);
+    initiator.register(RegionId(1), &host(&src, Access::LOCAL))?;
+    let peer = initiator.connect(&segment(&target, vec![region(1, &dst, key)]), soon())?;
+    let req = TransferRequest::write(RegionId(1), 0, RegionId(1), 0, src.len() as u64);
+    run(&initiator, peer, &[req], &fake).0?;
+    // The target goes (its control plane with it); the initiator's QP then fails, and
+    // its rebuild cannot reach the target.
+    drop(target);
+    for q in new_qps(&fake, "fake0", &before) {
+        fake.qp_fatal(q);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    initiator.disconnect(peer, soon())?;
+    // Past the rebuild's backoff (50 ms, then 100 ms, …).
+    std::thread::sleep(Duration::from_millis(500));
+    let (n, a) = switches_of("te-rdma-repair");
+    std::thread::sleep(Duration::from_secs(1));
+    let (_, b) = switches_of("te-rdma-repair");
+    let woke = b - a;
+    if woke > 20 {
+        return Err(format!(
+            "{n} repair thread(s) woke {woke} times in 1 s with no peer left to repair (a backoff entry of a peer that is gone)"
+        )
+        .into());
+    }
+    Ok(())
+}
