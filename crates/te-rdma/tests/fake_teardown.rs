@@ -284,9 +284,10 @@ fn an_idle_connected_pair_wakes_no_thread() -> Result<(), Failed> {
     let before = te_core::testkit::context_switches(me);
     std::thread::sleep(Duration::from_secs(2));
     let n = te_core::testkit::context_switches(me) - before;
-    // A thread polling even every 100 ms makes 20 or more; this one's sleep makes one.
+    // A thread polling even every 100 ms makes 20 or more, each backend's repair
+    // thread on a 1 s timer 2; this one's sleep makes one (3 leaves room for one more).
     check(
-        n <= 8,
+        n <= 3,
         format!("{n} context switches in 2 s of idle (a thread polls)"),
     )
 }
