@@ -315,8 +315,25 @@ impl TransferBackend for RdmaBackend {
         let id = known.unwrap_or_else(|| self.shared.peers.next_id());
         let peer = self.shared.establish(&ep, &segment.address, id, deadline)?;
         *peer.regions.write() = regions;
-        let old = self.shared.peers.insert(id, peer);
-        self.shared.by_instance.lock().insert(ep.instance, id);
+        let (old, won) = {
+            let mut by = self.shared.by_instance.lock();
+            match by.get(&ep.instance).copied() {
+                // A concurrent connect to this instance finished first: one peer each.
+                Some(other) if Some(other) != known && self.shared.peer(other).is_some() => {
+                    (None, Some(other))
+                }
+                _ => {
+                    by.insert(ep.instance, id);
+                    (self.shared.peers.insert(id, peer.clone()), None)
+                }
+            }
+        };
+        if let Some(other) = won {
+            peer.kill("a concurrent connect to the peer finished first".into());
+            path::retire(&peer, deadline.instant());
+            self.shared.release(&peer, deadline);
+            return Ok(other);
+        }
         if let Some(old) = old {
             // Its QPs go to ERR first; what they held is flushed back before it fails.
             old.kill("replaced by a new connection after its QPs failed".into());

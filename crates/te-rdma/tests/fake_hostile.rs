@@ -1,8 +1,8 @@
 //! te-rdma against the fake verbs provider, with peers that lie and races that bite:
 //! hostile descriptors and exchange requests (regions at the top of the address space,
 //! another engine's instance or address, more devices than an endpoint has), initiators
-//! that vanish without releasing their QPs, and the repair thread racing a disconnect,
-//! or waking while it has nothing to do.
+//! that vanish without releasing their QPs, the repair thread racing a disconnect, or
+//! waking while it has nothing to do, and two connects racing each other.
 //!
 //! The tests serialize themselves: the fake's devices and counters are the process's.
 
@@ -11,7 +11,7 @@ mod common;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Once};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::{backend, host, node_with, pattern, region, run, segment, segment_at, soon, Fake};
 use libtest_mimic::Failed;
@@ -558,4 +558,47 @@ fn a_disconnected_peer_whose_rebuild_failed_does_not_make_the_repair_thread_spin
         .into());
     }
     Ok(())
+}
+
+/// Two connects to one new instance at once end with one peer: both callers get its
+/// id, and the QPs the slower one built are released on both sides.
+#[test]
+fn concurrent_connects_to_one_instance_make_one_peer() -> Result<(), Failed> {
+    let _g = setup();
+    let fake = Fake::open();
+    let before = fake.device_qps("fake0");
+    let target = backend(&["fake0"]);
+    let dst = vec![0u8; 64 << 10];
+    let key = target.register(RegionId(1), &host(&dst, Access::REMOTE_READ_WRITE))?;
+    let init = node_with(config(&["fake0"]), te_core::random_nonzero())?;
+    let seg = segment(&target, vec![region(1, &dst, key)]);
+    let ids: Vec<_> = std::thread::scope(|sc| {
+        let calls: Vec<_> = (0..2)
+            .map(|_| sc.spawn(|| init.connect(&seg, soon())))
+            .collect();
+        calls.into_iter().map(|c| c.join().unwrap()).collect()
+    });
+    let ids = ids.into_iter().collect::<te_core::Result<Vec<_>>>()?;
+    if ids[0] != ids[1] {
+        return Err(format!("two connects to one instance made two peers: {ids:?}").into());
+    }
+    // One QP a side (qps_per_path = 1, one device each).
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let live: Vec<u32> = new_qps(&fake, "fake0", &before)
+            .into_iter()
+            .filter(|&q| fake.qp_state(q) == QPS_RTS)
+            .collect();
+        if live.len() == 2 {
+            return Ok(());
+        }
+        if Instant::now() > until {
+            return Err(format!(
+                "{} QPs in RTS for one peer, 2 wanted: {live:x?}",
+                live.len()
+            )
+            .into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
