@@ -493,7 +493,11 @@ class TransferEngine:
         if self._engine is None or length == 0:
             _log.error("allocate_managed_buffer(%d): not initialized or zero bytes", length)
             return 0
-        buf = (ctypes.c_uint8 * length)()
+        try:
+            buf = (ctypes.c_uint8 * length)()
+        except (MemoryError, OverflowError) as e:
+            _log.error("allocate_managed_buffer(%d): cannot allocate: %r", length, e)
+            return 0
         addr = ctypes.addressof(buf)
         try:
             reg = self._engine.register(addr, length, name=f"mc:{addr:#x}", keep=buf)
