@@ -700,7 +700,7 @@ fn receive(link: &Link) {
                     Ok(false) => break,
                     Err(e) => {
                         drop(st);
-                        link.fail(io_error("waiting for answers", e));
+                        link.end(io_error("waiting for answers", e));
                         return;
                     }
                 }
@@ -712,7 +712,7 @@ fn receive(link: &Link) {
             }
         }
         if let Err(e) = bell.wait() {
-            link.fail(io_error("waiting for answers", e));
+            link.end(io_error("waiting for answers", e));
             return;
         }
     }
@@ -783,20 +783,24 @@ impl Link {
         true
     }
 
-    /// Reading the channel ended with `e` (the target closed its end, or broke the
-    /// protocol): a draining channel hands back what waits (the target copies nothing
-    /// more of ours); otherwise the channel fails with `e`, unless its owner closed it
-    /// (its batches then go with it, as `Cancelled`, whoever was reading).
+    /// Reading the channel ended with `e` (the target closed its end or died, the read
+    /// failed, or the target broke the protocol): the channel fails with `e`, unless it
+    /// is stopped already (its owner closed it: its batches then go with it, as
+    /// `Cancelled`, whoever was reading), and what waits is handed back at once, even
+    /// where the fence still says `BUSY`: nothing more will be read, so nothing else
+    /// could ever hand it back. A target killed inside a copy leaves `BUSY` set, and the
+    /// end of its socket is the end of that copy; one that broke the protocol is not
+    /// trusted to copy correctly anyway (it holds the initiator's shared memory).
     fn end(&self, e: Error) {
-        let (draining, closed) = {
+        let stopped = {
             let st = self.state.lock();
-            (st.draining, st.closed)
+            st.closed || st.dead.is_some()
         };
-        if draining {
-            self.settle(true);
-        } else if !closed {
+        if !stopped {
+            // It may leave the channel draining (`BUSY` set): settled below.
             self.fail(e);
         }
+        self.settle(true);
     }
 
     /// Rings the receiving thread's bell, where it has one.
