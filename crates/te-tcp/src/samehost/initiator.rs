@@ -32,6 +32,9 @@ struct ChannelState {
     sent: std::collections::HashSet<u64>,
     /// Per key shared: whether the target could map it (`None` until it has said).
     acks: HashMap<u64, Option<std::result::Result<(), Error>>>,
+    /// Keys unshared while the target's answer to their share was still due: that
+    /// answer is still read (and dropped), not taken for an answer to no share.
+    unshared_due: HashSet<u64>,
     dead: Option<Error>,
     /// Someone reads the socket now: the receiving thread, or a caller driving it.
     reading: bool,
@@ -48,7 +51,9 @@ struct ChannelState {
 impl ChannelState {
     /// Whether an answer is due: a request or a share not yet answered.
     fn expecting(&self) -> bool {
-        !self.waiting.is_empty() || self.acks.values().any(Option::is_none)
+        !self.waiting.is_empty()
+            || !self.unshared_due.is_empty()
+            || self.acks.values().any(Option::is_none)
     }
 
     /// Whether batch `batch` waits for an answer here.
@@ -277,6 +282,7 @@ impl Channel {
                 waiting: HashMap::new(),
                 sent: Default::default(),
                 acks: HashMap::new(),
+                unshared_due: HashSet::new(),
                 dead: None,
                 reading: false,
                 drivers: 0,
@@ -378,7 +384,10 @@ impl Link {
     /// none of this peer's channels holds it.
     pub(crate) fn unshare(&self, key: u64) {
         let mut st = self.state.lock();
-        st.acks.remove(&key);
+        if let Some(None) = st.acks.remove(&key) {
+            // The target answers the share still (a draining channel reads it too).
+            st.unshared_due.insert(key);
+        }
         if !st.sent.remove(&key) || st.dead.is_some() {
             return;
         }
@@ -879,12 +888,15 @@ impl Link {
         self.progress.fetch_add(1, Ordering::AcqRel);
         if m.kind == SHARED {
             // An answer to a share, by its key.
-            let mut st = self.state.lock();
+            let mut guard = self.state.lock();
+            let st = &mut *guard;
             match st.acks.get_mut(&m.id) {
                 Some(answer @ None) => *answer = Some(result),
+                // Its region was deregistered meanwhile: nobody asks any more.
+                _ if st.unshared_due.remove(&m.id) => {}
                 _ => return Err(protocol("an answer to no share")),
             }
-            drop(st);
+            drop(guard);
             self.acked.notify_all();
             return Ok(());
         }

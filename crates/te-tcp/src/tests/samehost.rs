@@ -779,6 +779,55 @@ fn a_channel_its_owner_drops_while_the_target_copies_keeps_the_batch_until_the_c
         .unwrap();
 }
 
+/// The fake target reads one share and returns its key.
+fn read_share(peer: &mut std::os::unix::net::UnixStream) -> u64 {
+    use std::io::Read;
+    let mut h = [0u8; 40];
+    peer.read_exact(&mut h).unwrap();
+    assert_eq!(h[0], 1, "a share");
+    let handle = u32::from_le_bytes(h[4..8].try_into().unwrap()) as usize;
+    let name = (u64::from_le_bytes(h[32..40].try_into().unwrap()) & 0xffff_ffff) as usize;
+    let mut tail = vec![0u8; handle + name];
+    peer.read_exact(&mut tail).unwrap();
+    u64::from_le_bytes(h[8..16].try_into().unwrap())
+}
+
+#[test]
+fn a_late_answer_to_a_share_of_a_deregistered_region_does_not_kill_the_channel() {
+    use std::io::{Read, Write};
+    use te_core::RegionId;
+    let rt = te_core::device::runtime("fakedev").expect("fakedev");
+    let mine = rt.alloc(0, 4096).unwrap();
+    let (ch, mut peer, _fence) = fenced_channel(false);
+    peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    // The share goes out; the target has not answered it when the region is
+    // deregistered (its batch gave up on the answer), which unshares it.
+    let _ = ch.key(
+        &rt,
+        RegionId(8),
+        mine,
+        std::time::Instant::now() + Duration::from_millis(50),
+    );
+    let key = read_share(&mut peer);
+    ch.unshare(key);
+    let mut unshare = [0u8; 40];
+    peer.read_exact(&mut unshare).unwrap();
+    assert_eq!((unshare[0], &unshare[8..16]), (6, &key.to_le_bytes()[..]));
+    // Now the target's answer to the share comes, then a request is served.
+    let mut shared = [0u8; 40];
+    shared[0] = 7;
+    shared[8..16].copy_from_slice(&key.to_le_bytes());
+    peer.write_all(&shared).unwrap();
+    let src = [1u8; 16];
+    let done = submit_traced(&ch, host(1, 0, 16, src.as_ptr()));
+    let id = read_request(&mut peer);
+    answer_done(&mut peer, id);
+    let r = done.recv_timeout(Duration::from_secs(5)).unwrap().0;
+    assert!(r.is_ok(), "the request failed: {}", r.unwrap_err());
+    assert!(ch.is_alive(), "the late answer killed the channel");
+    rt.free(0, mine).unwrap();
+}
+
 fn in_10s() -> te_core::Deadline {
     te_core::Deadline::after(Duration::from_secs(10))
 }
