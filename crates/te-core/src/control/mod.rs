@@ -91,10 +91,44 @@ pub(crate) trait Handler: Send + Sync + 'static {
 }
 
 /// The sessions' and connections' view of which peers are up, for peer events.
+///
+/// A name can have more than one life up at once: a peer that restarted before its old
+/// sessions were found dead, or another engine claiming its name. Each life is counted
+/// apart, so none hides another's end: the newer life is reported as a restart only
+/// when the older one ends, and a life that ends while an older one of its name is up
+/// is reported as nothing.
 #[derive(Default)]
 struct Links {
-    /// Per peer name: its epoch and how many live sessions or connections it has.
-    peers: HashMap<String, (u64, usize)>,
+    /// Per name with links up: its lives, oldest first, each with how many live
+    /// sessions or connections it has.
+    live: HashMap<String, Vec<(Identity, usize)>>,
+    /// The last epoch of names whose links all ended, by a hash of the name, so that a
+    /// name back with another epoch after a gap is a restart: at most [`DEPARTED`],
+    /// the oldest forgotten first, in a few bytes each whatever the names' length.
+    departed: HashMap<u64, u64>,
+    departed_order: std::collections::VecDeque<u64>,
+    hasher: std::hash::RandomState,
+}
+
+/// Names whose last epoch [`Links`] remembers after they left.
+const DEPARTED: usize = 65_536;
+
+impl Links {
+    fn hash(&self, name: &str) -> u64 {
+        std::hash::BuildHasher::hash_one(&self.hasher, name)
+    }
+
+    fn depart(&mut self, name: &str, epoch: u64) {
+        let h = self.hash(name);
+        if self.departed.insert(h, epoch).is_none() {
+            self.departed_order.push_back(h);
+        }
+        while self.departed_order.len() > DEPARTED {
+            if let Some(old) = self.departed_order.pop_front() {
+                self.departed.remove(&old);
+            }
+        }
+    }
 }
 
 /// What the engine's parts share: the runtime's handle, settings, the handler, events.
@@ -121,43 +155,61 @@ impl Shared {
         self.handler.get().and_then(Weak::upgrade)
     }
 
-    /// A peer's session or connection came up. A new epoch under a known name is a
-    /// restart.
+    /// A peer's session or connection came up. A name back with a new epoch, none of
+    /// its lives being up, is a restart.
     fn link_up(&self, peer: &Identity) {
         let mut links = self.links.lock();
-        let entry = links
-            .peers
-            .entry(peer.name.clone())
-            .or_insert((peer.epoch, 0));
-        if entry.0 != peer.epoch {
-            let previous = entry.0;
-            if entry.1 > 0 {
-                self.counters.peers.fetch_sub(1, Ordering::Relaxed);
+        if let Some(lives) = links.live.get_mut(&peer.name) {
+            match lives.iter_mut().find(|(l, _)| l.epoch == peer.epoch) {
+                Some((_, n)) => *n += 1,
+                // Reported when one of the two ends (`link_down`).
+                None => lives.push((peer.clone(), 1)),
             }
-            *entry = (peer.epoch, 0);
+            return;
+        }
+        let h = links.hash(&peer.name);
+        let previous = links.departed.remove(&h);
+        links
+            .live
+            .insert(peer.name.clone(), vec![(peer.clone(), 1)]);
+        self.counters.peers.fetch_add(1, Ordering::Relaxed);
+        if let Some(previous) = previous.filter(|&p| p != peer.epoch) {
             self.counters.restarted.fetch_add(1, Ordering::Relaxed);
             self.event(PeerEventKind::Restarted, peer, Some(previous));
         }
-        if entry.1 == 0 {
-            self.counters.peers.fetch_add(1, Ordering::Relaxed);
-        }
-        entry.1 += 1;
     }
 
-    /// A peer's session or connection ended; the last one of its life to end says how.
+    /// A peer's session or connection ended; the last one of its life to end says how:
+    /// the name left or was lost if no other life of it is up, it restarted if a newer
+    /// one is.
     fn link_down(&self, peer: &Identity, graceful: bool) {
         let mut links = self.links.lock();
-        let Some(entry) = links.peers.get_mut(&peer.name) else {
+        let Some(lives) = links.live.get_mut(&peer.name) else {
             return;
         };
-        if entry.0 != peer.epoch || entry.1 == 0 {
+        let Some(i) = lives.iter().position(|(l, _)| l.epoch == peer.epoch) else {
+            return;
+        };
+        lives[i].1 -= 1;
+        if lives[i].1 > 0 {
             return;
         }
-        entry.1 -= 1;
-        if entry.1 == 0 {
-            self.counters.peers.fetch_sub(1, Ordering::Relaxed);
+        lives.remove(i);
+        let closed = self.closed.load(Ordering::Acquire);
+        if let Some((newest, _)) = lives.last() {
+            // Another life is up: newer than this one, it is the restart; older, this
+            // one was the newcomer, and the name stays up as it was.
+            if i < lives.len() && !closed {
+                let newest = newest.clone();
+                self.counters.restarted.fetch_add(1, Ordering::Relaxed);
+                self.event(PeerEventKind::Restarted, &newest, Some(peer.epoch));
+            }
+            return;
         }
-        if entry.1 == 0 && !self.closed.load(Ordering::Acquire) {
+        links.live.remove(&peer.name);
+        links.depart(&peer.name, peer.epoch);
+        self.counters.peers.fetch_sub(1, Ordering::Relaxed);
+        if !closed {
             let (kind, counter) = if graceful {
                 (PeerEventKind::Left, &self.counters.left)
             } else {

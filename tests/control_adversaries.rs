@@ -1,0 +1,180 @@
+//! Peers of the control plane that lie, flood or dawdle, and what the engine must still
+//! do: keep its memory bounded, report each peer's own life and end, hold every caller
+//! to its own deadline, and serve everyone else.
+//!
+//! The tests run one at a time (they share the heap counter).
+
+mod common;
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use ciborium::value::Value;
+use common::{kind, Counting, MIB};
+use te::{Config, Engine, EngineConfig, PeerEventKind};
+
+#[global_allocator]
+static HEAP: Counting = Counting;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn engine(set: impl FnOnce(&mut EngineConfig)) -> Engine {
+    let mut c = Config::defaults();
+    set(&mut c.engine);
+    Engine::from_config(&c).unwrap()
+}
+
+/// A raw peer's handshake with an engine that has `token`: hello, welcome, proof,
+/// ready. Returns the stream, or the engine's error message.
+fn handshake_with_token(
+    addr: &str,
+    token: &str,
+    name: &str,
+    epoch: u64,
+) -> Result<TcpStream, String> {
+    let mut s = common::raw(addr);
+    let nonce = vec![7u8; 32]; // what common::hello sends
+    s.write_all(&common::frame(
+        kind::HELLO,
+        0,
+        &common::hello((2, 2), name, epoch),
+    ))
+    .map_err(|e| e.to_string())?;
+    let (k, _, p) = common::read_frame(&mut s).map_err(|e| e.to_string())?;
+    if k == kind::ERROR {
+        return Err(common::error_message(&p));
+    }
+    assert_eq!(k, kind::WELCOME);
+    let theirs = common::field(&p, "nonce")
+        .and_then(|v| v.into_bytes().ok())
+        .expect("a welcome carries a nonce");
+    let proof = te_core::auth::prove(token.as_bytes(), "te-client", &nonce, &theirs);
+    let body = common::cbor(vec![("proof", Value::Bytes(proof.to_vec()))]);
+    s.write_all(&common::frame(kind::PROOF, 0, &body))
+        .map_err(|e| e.to_string())?;
+    let (k, _, p) = common::read_frame(&mut s).map_err(|e| e.to_string())?;
+    if k == kind::ERROR {
+        return Err(common::error_message(&p));
+    }
+    assert_eq!(k, kind::READY);
+    Ok(s)
+}
+
+/// Every peer-event the engine is holding, after waiting up to `wait` for the first.
+fn events(e: &Engine, wait: Duration) -> Vec<te::PeerEvent> {
+    let mut out: Vec<te::PeerEvent> = e.recv_event(wait).into_iter().collect();
+    std::thread::sleep(Duration::from_millis(200));
+    out.extend(e.try_recv_events());
+    out
+}
+
+#[test]
+fn a_flood_of_short_visits_under_new_names_leaves_no_memory_behind() {
+    let _s = serial();
+    let target = engine(|_| {});
+    let addr = target.address().to_string();
+    // Settle the engine's own allocations first.
+    drop(common::handshake(&addr, "warm-up", 1).unwrap());
+    assert!(common::eventually(Duration::from_secs(5), || target
+        .metrics()
+        .peers_connected
+        == 0));
+    let _ = target.try_recv_events();
+    let before = common::heap();
+
+    // Each visitor: a hello under a fresh ~3.9 KB name (within the hello's 4 KiB),
+    // then goodbye. Nothing about a visitor that has left needs to be kept.
+    const VISITS: usize = 4000;
+    let start = Instant::now();
+    for i in 0..VISITS {
+        if start.elapsed() > Duration::from_secs(60) {
+            panic!("only {i} visits within 60 s");
+        }
+        let name = format!("{i:08}-{}", "v".repeat(3900));
+        let (mut s, _) = common::handshake(&addr, &name, i as u64 + 1)
+            .unwrap_or_else(|e| panic!("visit {i} refused: {e}"));
+        s.write_all(&common::frame(kind::BYE, 0, &[])).unwrap();
+        // Wait for the server to close its side.
+        let _ = common::frames_until_closed(&mut s);
+        // Read the events as a user does, so the bounded event queue holds nothing.
+        if i % 256 == 0 {
+            let _ = target.try_recv_events();
+        }
+    }
+    assert!(
+        common::eventually(Duration::from_secs(10), || target.metrics().peers_connected
+            == 0),
+        "every visitor left"
+    );
+    let _ = target.try_recv_events();
+    std::thread::sleep(Duration::from_millis(300));
+    let _ = target.try_recv_events();
+    let growth = common::heap_growth(before);
+    println!(
+        "{VISITS} visits in {:?}: the heap grew {:.2} MiB and stays so",
+        start.elapsed(),
+        growth as f64 / MIB as f64
+    );
+    assert!(
+        growth < 4 * MIB,
+        "{VISITS} visitors that all left keep {:.2} MiB of the engine's heap (control/mod.rs Links::peers is never pruned)",
+        growth as f64 / MIB as f64
+    );
+}
+
+#[test]
+fn a_peer_claiming_a_live_peers_name_neither_fakes_its_restart_nor_hides_its_departure() {
+    let _s = serial();
+    let token = "s3cret";
+    let with_token = |c: &mut EngineConfig| c.auth_token = Some(token.into());
+    let target = engine(with_token);
+    let addr = target.address().to_string();
+    let prefill = engine(|c| {
+        with_token(c);
+        c.name = "prefill-0".into();
+    });
+    let _peer = prefill.connect(&addr).unwrap();
+    let real_epoch = prefill.epoch();
+    assert!(common::eventually(Duration::from_secs(5), || target
+        .metrics()
+        .peers_connected
+        == 1));
+    assert!(target.try_recv_events().is_empty());
+
+    // Another holder of the token says it is prefill-0, in another life, while
+    // prefill-0 is up and connected.
+    let forger = handshake_with_token(&addr, token, "prefill-0", prefill.epoch() ^ 0x5a5a)
+        .expect("the forger's handshake");
+    let during = events(&target, Duration::from_millis(500));
+    println!("while prefill-0 is up: {during:?}");
+    drop(forger);
+    let _ = events(&target, Duration::from_millis(300));
+
+    // prefill-0 shuts down: its departure is reported.
+    drop(_peer);
+    drop(prefill);
+    let after = events(&target, Duration::from_secs(3));
+    println!("after prefill-0 shut down: {after:?}");
+    let fake_restart = during
+        .iter()
+        .any(|e| e.kind == PeerEventKind::Restarted && e.name == "prefill-0");
+    let departure = after.iter().any(|e| {
+        e.name == "prefill-0"
+            && matches!(e.kind, PeerEventKind::Left | PeerEventKind::Lost)
+            && e.epoch == real_epoch
+    });
+    assert!(
+        !fake_restart && departure,
+        "a second session claiming prefill-0's name with another epoch, while prefill-0 was \
+         connected, was reported as prefill-0 restarting ({fake_restart}), and prefill-0's \
+         own departure was {}reported (control/mod.rs link_up/link_down track one epoch \
+         per name)",
+        if departure { "" } else { "never " }
+    );
+}
