@@ -145,3 +145,64 @@ fn a_target_killed_inside_a_copy_hands_the_batch_back_at_once() {
 fn a_target_killed_inside_a_copy_hands_the_batch_back_at_once_when_callers_read() {
     killed_inside_a_copy(true);
 }
+
+/// Stops process `pid` (a `te serve` the test started) and waits until the kernel
+/// shows it stopped: the signal is delivered asynchronously.
+fn stop(pid: i32) {
+    // SAFETY: signals a child the calling test started and still owns.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let stopped = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit(") ").next().map(|r| r.starts_with('T')))
+            .unwrap_or(false)
+    };
+    let until = Instant::now() + Duration::from_secs(5);
+    while !stopped() {
+        assert!(Instant::now() < until, "te serve did not stop");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The first batch from a fakedev allocation shares it on the channel; a stopped
+/// target never answers that share. Submitting returns at once (the request waits
+/// behind the share, not the caller), and the batch fails by its deadline.
+#[test]
+fn submitting_device_memory_to_a_stopped_target_never_waits_for_the_share() {
+    let server = serve("fakedev:0", "1MiB", None);
+    let e = engine_tcp("local_ipc = true\nconnections_per_peer = 1\n");
+    let kind: te::MemoryKind = "fakedev:0".parse().unwrap();
+    let src = e.alloc_on(&kind, "src", 1 << 20, Access::LOCAL).unwrap();
+    let peer = e.connect(&server.addr).unwrap();
+    assert!(matches!(path(&peer), PeerPath::SameHost { .. }));
+    let remote = peer.region("buffer").unwrap().id;
+    let pid = server.child.id() as i32;
+    stop(pid);
+    let opts = te::TransferOptions {
+        timeout: Some(Duration::from_secs(4)),
+        ..Default::default()
+    };
+    let start = Instant::now();
+    let h = e
+        .transfer_with(
+            &peer,
+            &[TransferRequest::write(src.id(), 0, remote, 0, 1 << 20)],
+            &opts,
+        )
+        .unwrap();
+    let submitted = start.elapsed();
+    let r = h.wait_timeout(Duration::from_secs(10));
+    let ended = start.elapsed();
+    // SAFETY: signals the child this test started and still owns.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert!(
+        submitted < Duration::from_secs(1),
+        "submitting a batch with a 4 s deadline to a stopped target took {submitted:?}"
+    );
+    let err = r.expect("the batch ends").unwrap_err();
+    assert_eq!(err.kind(), te::ErrorKind::Timeout, "{err}");
+    assert!(
+        ended < Duration::from_millis(5500),
+        "a batch with a 4 s deadline ended after {ended:?}"
+    );
+}

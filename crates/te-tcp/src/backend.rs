@@ -653,10 +653,7 @@ fn channel_frame(
             else {
                 return Err(slice);
             };
-            let deadline = slice.batch.deadline();
-            let key = *keys
-                .entry(region)
-                .or_insert_with(|| ch.key(rt, region, at, deadline));
+            let key = *keys.entry(region).or_insert_with(|| ch.key(rt, region, at));
             match key {
                 Some(k) => k,
                 None => return Err(slice),

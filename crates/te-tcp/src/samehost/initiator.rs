@@ -171,8 +171,6 @@ pub(crate) struct Link {
     /// Signalled for the writing thread: messages queued, or the channel stopped.
     posted: Condvar,
     state: Mutex<ChannelState>,
-    /// Signalled when the target answers a share, and when the channel dies.
-    acked: Condvar,
     /// Signalled, for drivers waiting to read, when a reader let go, an answer was
     /// dispatched while several callers drive, a driver left, the channel died or
     /// closed.
@@ -289,7 +287,6 @@ impl Channel {
                 closed: false,
                 draining: false,
             }),
-            acked: Condvar::new(),
             turn: Condvar::new(),
             bell,
             exports: exports.clone(),
@@ -345,7 +342,6 @@ impl Link {
     fn stopped(&self, hold: bool) {
         self.outbox.lock().stopped = true;
         self.posted.notify_all();
-        self.acked.notify_all();
         self.turn.notify_all();
         self.ring();
         let how = match hold {
@@ -408,21 +404,25 @@ impl Link {
     /// posted before: at once, as far as the socket takes it without waiting, and the
     /// rest by the writing thread. A broken socket fails the channel.
     fn post(&self, bytes: Vec<u8>, fd: Option<Arc<te_core::device::IpcExport>>) {
+        if let Err(e) = self.enqueue(bytes, fd) {
+            self.fail(e);
+        }
+    }
+
+    /// As [`Link::post`], but a broken socket is the caller's to fail the channel
+    /// with, so the caller may hold the channel's state meanwhile.
+    fn enqueue(&self, bytes: Vec<u8>, fd: Option<Arc<te_core::device::IpcExport>>) -> Result<()> {
         let mut out = self.outbox.lock();
         if out.stopped {
-            return;
+            return Ok(());
         }
         let mut sent = 0;
         if !out.writing && out.queue.is_empty() {
             let desc = fd.as_ref().and_then(|x| x.fd.as_ref()).map(|f| f.as_fd());
             match local::send_nowait(&self.stream, &bytes, desc) {
-                Ok(n) if n == bytes.len() => return,
+                Ok(n) if n == bytes.len() => return Ok(()),
                 Ok(n) => sent = n,
-                Err(e) => {
-                    drop(out);
-                    self.fail(io_error("send failed", e));
-                    return;
-                }
+                Err(e) => return Err(io_error("send failed", e)),
             }
         }
         // The descriptor went with the first byte, if any byte went.
@@ -430,6 +430,7 @@ impl Link {
         out.queue.push_back(Out { bytes, sent, fd });
         drop(out);
         self.posted.notify_all();
+        Ok(())
     }
 
     /// Requests waiting for their answers on this channel.
@@ -443,15 +444,16 @@ impl Link {
     }
 
     /// The key of the allocation holding `addr` (device memory of `rt` in local region
-    /// `region`), shared with the target first if it is not yet, and mapped there;
-    /// `None` where `rt` cannot export it, or the target cannot map it, or says
-    /// neither before `deadline` (the frame then goes over the socket).
+    /// `region`), shared with the target first if it is not yet; `None` where `rt`
+    /// cannot export it, or the target said it cannot map it (the frame then goes over
+    /// the socket). Nothing waits for the target's answer to a share: a request that
+    /// names the key is sent after the share, so the target reads the share first and
+    /// refuses the request, with its reason, where it could not map the allocation.
     pub(crate) fn key(
         &self,
         rt: &Arc<dyn DeviceRuntime>,
         region: RegionId,
         addr: u64,
-        deadline: Instant,
     ) -> Option<u64> {
         let (key, export) = {
             let mut ex = self.exports.lock();
@@ -482,40 +484,56 @@ impl Link {
                 }
             }
         };
-        {
-            let mut st = self.state.lock();
-            if st.dead.is_some() {
-                return None;
-            }
-            if !st.sent.contains(&key) {
-                st.sent.insert(key);
-                st.acks.insert(key, None);
-                drop(st);
-                self.share(rt, key, export);
-            }
+        let mut st = self.state.lock();
+        if st.dead.is_some() {
+            return None;
         }
-        match self.ack(key, deadline) {
-            Some(Ok(())) => Some(key),
-            Some(Err(e)) => {
-                // The target cannot map it: this region's frames take the socket. The
-                // export stays known, so the region's deregistration still unshares it
-                // on every channel it was sent on (the target forgets its refusal then).
-                tracing::info!(runtime = rt.name(), %region, error = %e, "the same-host peer cannot map this memory; this region's frames go over the socket");
-                let id = (rt.name().to_string(), region);
-                self.exports.lock().unshareable.insert(id);
-                None
-            }
-            None => None,
+        if st.sent.insert(key) {
+            st.acks.insert(key, None);
+            // Posted before the state is let go: whoever finds the key sent (this
+            // caller or another) posts its request after the share.
+            let posted = self.share(rt, key, export);
+            drop(st);
+            return match posted {
+                Ok(()) => Some(key),
+                Err(e) => {
+                    self.fail(e);
+                    None
+                }
+            };
+        }
+        match st.acks.get(&key) {
+            // The target cannot map it ([`Link::refused`]).
+            Some(Some(Err(_))) => None,
+            // Mapped, or its answer is still due: the request goes behind the share.
+            _ => Some(key),
         }
     }
 
-    /// Sends the share of `export` under `key`.
+    /// The target could not map the allocation shared under `key` (`e`): the local
+    /// region it is in takes the socket from now on, on every channel to the peer. The
+    /// export stays known, so the region's deregistration still unshares it on every
+    /// channel it was sent on (the target forgets its refusal then).
+    fn refused(&self, key: u64, e: &Error) {
+        let mut ex = self.exports.lock();
+        let id = ex
+            .by
+            .iter()
+            .find(|(_, exported)| exported.iter().any(|(k, _)| *k == key))
+            .map(|(id, _)| id.clone());
+        if let Some(id) = id {
+            tracing::info!(runtime = %id.0, region = %id.1, error = %e, "the same-host peer cannot map this memory; this region's frames go over the socket");
+            ex.unshareable.insert(id);
+        }
+    }
+
+    /// Sends the share of `export` under `key` ([`Link::enqueue`]).
     fn share(
         &self,
         rt: &Arc<dyn DeviceRuntime>,
         key: u64,
         export: Arc<te_core::device::IpcExport>,
-    ) {
+    ) -> Result<()> {
         // The runtime's name, then (after a NUL) the device's host-wide name where the
         // runtime has one: the target may number the device otherwise.
         let mut name = rt.name().as_bytes().to_vec();
@@ -535,23 +553,7 @@ impl Link {
         .to_vec();
         msg.extend_from_slice(&export.handle);
         msg.extend_from_slice(&name);
-        self.post(msg, Some(export));
-    }
-
-    /// Waits until the target has said whether it mapped the allocation shared under
-    /// `key`: its answer, or `None` if the channel died or `deadline` passed first.
-    fn ack(&self, key: u64, deadline: Instant) -> Option<std::result::Result<(), Error>> {
-        let mut st = self.state.lock();
-        loop {
-            if let Some(Some(answer)) = st.acks.get(&key) {
-                return Some(answer.clone());
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if st.dead.is_some() || left.is_zero() {
-                return None;
-            }
-            st = self.acked.wait_timeout(st, left).0;
-        }
+        self.enqueue(msg, Some(export))
     }
 
     /// Sends `frames` as requests, one op each, at most [`MAX_ENTRIES`] ranges each;
@@ -891,13 +893,15 @@ impl Link {
             let mut guard = self.state.lock();
             let st = &mut *guard;
             match st.acks.get_mut(&m.id) {
-                Some(answer @ None) => *answer = Some(result),
+                Some(answer @ None) => *answer = Some(result.clone()),
                 // Its region was deregistered meanwhile: nobody asks any more.
-                _ if st.unshared_due.remove(&m.id) => {}
+                _ if st.unshared_due.remove(&m.id) => return Ok(()),
                 _ => return Err(protocol("an answer to no share")),
             }
             drop(guard);
-            self.acked.notify_all();
+            if let Err(e) = &result {
+                self.refused(m.id, e);
+            }
             return Ok(());
         }
         let (waiting, draining) = {

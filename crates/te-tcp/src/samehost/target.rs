@@ -311,8 +311,9 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
                 if let Err(e) = &import {
                     tracing::warn!(runtime = name, error = %e, "same-host channel: the peer's memory could not be mapped");
                 }
-                // The initiator waits for this before naming the allocation; one we
-                // could not map it sends over the socket instead.
+                // The initiator does not wait for this: requests naming the allocation
+                // may follow at once, and are refused where we could not map it (it
+                // sends the later ones over the socket).
                 let answer = answer(SHARED, SHARED, m.id, import.as_ref().map(|_| ()));
                 imports.insert(m.id, import);
                 (&mut &*s)
@@ -519,7 +520,12 @@ fn run<'f>(
                         last_import = Some((key, i));
                         i
                     }
-                    (_, Some(Err(err))) => return Err(err.clone()),
+                    (_, Some(Err(err))) => {
+                        return Err(Error::new(
+                            err.kind(),
+                            format!("the initiator's memory (shared allocation {key}) could not be mapped here: {}", err.message()),
+                        ))
+                    }
                     (_, None) => return Err(protocol(format!("a request naming allocation {key}, never shared"))),
                 };
                 if import.rt.name() != rt.name() {

@@ -46,11 +46,6 @@ fn request(ch: &Channel, op: Op, ranges: Vec<Range>) -> Result<()> {
     rx.recv_timeout(Duration::from_secs(10)).expect("answered")
 }
 
-/// A deadline for a share's answer.
-fn soon() -> std::time::Instant {
-    std::time::Instant::now() + Duration::from_secs(10)
-}
-
 fn host(region: u64, offset: u64, len: u64, addr: *const u8) -> Range {
     Range {
         region,
@@ -496,17 +491,17 @@ fn memory_the_runtime_will_not_export_takes_the_socket_alone() {
     let shared = rt.alloc(0, 4096).unwrap();
     let ch = channel(&target);
     assert_eq!(
-        ch.key(&rt, RegionId(8), private, soon()),
+        ch.key(&rt, RegionId(8), private),
         None,
         "an allocation the runtime will not export goes over the socket"
     );
     assert_eq!(
-        ch.key(&rt, RegionId(8), private, soon()),
+        ch.key(&rt, RegionId(8), private),
         None,
         "and is not asked again"
     );
     assert!(
-        ch.key(&rt, RegionId(9), shared, soon()).is_some(),
+        ch.key(&rt, RegionId(9), shared).is_some(),
         "another region of the same runtime is still shared"
     );
     for addr in [private, shared] {
@@ -519,32 +514,45 @@ fn memory_the_runtime_will_not_export_takes_the_socket_alone() {
 static IMPORTS: te_core::sync::Mutex<()> = te_core::sync::Mutex::new(());
 
 #[test]
-fn memory_the_target_cannot_map_takes_the_socket_and_is_not_offered_again() {
+fn memory_the_target_cannot_map_fails_the_requests_sent_behind_its_share_then_takes_the_socket() {
     use te_core::RegionId;
     let _alone = IMPORTS.lock();
     let rt = te_core::device::runtime("fakedev").expect("fakedev");
     let dev = te_core::device::fakedev::process().expect("fakedev runs");
     let target = backend(|_| {});
+    fakedev_region(&target, 1, 4096);
     let (mine, other) = (rt.alloc(0, 4096).unwrap(), rt.alloc(0, 4096).unwrap());
+    let write = |key, addr| Range {
+        region: 1,
+        offset: 0,
+        len: 4096,
+        key,
+        addr,
+    };
     let ch = channel(&target);
     dev.refuse_imports(1);
-    assert_eq!(
-        ch.key(&rt, RegionId(8), mine, soon()),
-        None,
-        "the target said it could not map it: the socket"
-    );
+    // Nothing waits for the target's answer: the request goes behind the share, and
+    // the target, which could not map the allocation, refuses it and says why.
+    let k = ch
+        .key(&rt, RegionId(8), mine)
+        .expect("shared, the answer still due");
+    let e = request(&ch, Op::Write, vec![write(k, mine)]).unwrap_err();
+    assert!(e.to_string().contains("could not be mapped"), "{e}");
+    assert!(ch.is_alive(), "the channel goes on");
     let before = dev.imported();
     assert_eq!(
-        ch.key(&rt, RegionId(8), mine, soon()),
+        ch.key(&rt, RegionId(8), mine),
         None,
-        "not offered again"
+        "then the socket: not offered again"
     );
-    let k = ch.key(&rt, RegionId(9), other, soon());
+    let k = ch.key(&rt, RegionId(9), other);
     assert!(k.is_some(), "another region is still shared");
+    request(&ch, Op::Write, vec![write(k.unwrap(), other)]).unwrap();
     assert_eq!(dev.imported(), before + 1, "and mapped once");
     for addr in [mine, other] {
         rt.free(0, addr).unwrap();
     }
+    target.deregister(RegionId(1), super::soon()).unwrap();
 }
 
 #[test]
@@ -582,10 +590,10 @@ fn a_peers_allocation_is_mapped_once_for_its_channels_and_unmapped_when_unshared
     let (a, b) = (open(), open());
     let before = dev.imported();
     let k = a
-        .key(&rt, RegionId(9), mine, soon())
+        .key(&rt, RegionId(9), mine)
         .expect("fakedev memory is shared");
     assert_eq!(
-        b.key(&rt, RegionId(9), mine, soon()),
+        b.key(&rt, RegionId(9), mine),
         Some(k),
         "one key for the peer"
     );
@@ -801,13 +809,8 @@ fn a_late_answer_to_a_share_of_a_deregistered_region_does_not_kill_the_channel()
     let (ch, mut peer, _fence) = fenced_channel(false);
     peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     // The share goes out; the target has not answered it when the region is
-    // deregistered (its batch gave up on the answer), which unshares it.
-    let _ = ch.key(
-        &rt,
-        RegionId(8),
-        mine,
-        std::time::Instant::now() + Duration::from_millis(50),
-    );
+    // deregistered, which unshares it.
+    assert!(ch.key(&rt, RegionId(8), mine).is_some());
     let key = read_share(&mut peer);
     ch.unshare(key);
     let mut unshare = [0u8; 40];
