@@ -7,7 +7,7 @@
 mod common;
 
 use std::io::Write;
-use std::net::TcpStream;
+use std::net::{TcpListener, TcpStream};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -177,4 +177,70 @@ fn a_peer_claiming_a_live_peers_name_neither_fakes_its_restart_nor_hides_its_dep
          per name)",
         if departure { "" } else { "never " }
     );
+}
+
+/// A TCP relay to `to` that holds each new connection `delay` before relaying it.
+/// Returns its address; it relays until the process ends.
+fn slow_relay(to: String, delay: Duration) -> String {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for c in l.incoming().take(64) {
+            let Ok(c) = c else { continue };
+            let to = to.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(delay);
+                let Ok(up) = TcpStream::connect(&to) else {
+                    return;
+                };
+                let (mut a, mut b) = (c.try_clone().unwrap(), up.try_clone().unwrap());
+                let (mut c2, mut up2) = (c, up);
+                let t = std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut a, &mut up2);
+                    let _ = up2.shutdown(std::net::Shutdown::Write);
+                });
+                let _ = std::io::copy(&mut b, &mut c2);
+                let _ = c2.shutdown(std::net::Shutdown::Write);
+                let _ = t.join();
+            });
+        }
+    });
+    addr
+}
+
+#[test]
+fn a_caller_with_a_long_deadline_is_not_failed_by_a_concurrent_callers_short_one() {
+    let _s = serial();
+    let target = engine(|_| {});
+    let _dst = target
+        .alloc("dst", 4096, te::Access::REMOTE_READ_WRITE)
+        .unwrap();
+    // The peer's control plane answers after 400 ms (a loaded or distant peer).
+    let relay = slow_relay(target.address().to_string(), Duration::from_millis(400));
+    let me = engine(|_| {});
+    std::thread::scope(|scope| {
+        let hasty = scope.spawn(|| {
+            let start = Instant::now();
+            let r = me.connect_with(&relay, Duration::from_millis(150));
+            (r.map(|_| ()), start.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(30));
+        let start = Instant::now();
+        let patient = me.connect_with(&relay, Duration::from_secs(10));
+        let took = start.elapsed();
+        let (h, h_took) = hasty.join().unwrap();
+        println!("hasty caller (150 ms): {h:?} after {h_took:?}");
+        println!(
+            "patient caller (10 s): {:?} after {took:?}",
+            patient.as_ref().map(|_| ())
+        );
+        let e = patient.err();
+        assert!(
+            e.is_none(),
+            "a connect given 10 s failed after {took:?}, at the deadline of another caller's \
+             connect (control/session.rs: the session opens within its first request's deadline \
+             and fails every request queued on it with that error): {}",
+            e.unwrap()
+        );
+    });
 }

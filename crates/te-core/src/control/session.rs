@@ -345,9 +345,39 @@ async fn run(
 ) {
     let addr = session.addr.clone();
     let mut closing = shared.closing.subscribe();
-    let opened = tokio::select! {
-        r = open(&shared, &addr, deadline) => r,
-        _ = closed(&mut closing) => Err(shared.shut_down_error()),
+    // The opening is the session's, not its first caller's: bounded by the handshake
+    // limit (or the first caller's time, if longer), while each request that waits for
+    // it ends at its own deadline.
+    let bound = Deadline::after(shared.settings.handshake_timeout.max(deadline.remaining()));
+    let opening = open(&shared, &addr, bound);
+    tokio::pin!(opening);
+    let mut early: Vec<Request> = Vec::new();
+    let opened = loop {
+        let first_due = early.iter().map(|r| r.deadline.instant()).min();
+        let due = async move {
+            match first_due {
+                Some(t) => tokio::time::sleep_until(tokio::time::Instant::from_std(t)).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            r = &mut opening => break r,
+            _ = closed(&mut closing) => break Err(shared.shut_down_error()),
+            Some(req) = rx.recv() => early.push(req),
+            _ = due => {
+                let (late, waiting): (Vec<_>, Vec<_>) =
+                    early.into_iter().partition(|r| r.deadline.is_past());
+                early = waiting;
+                for req in late {
+                    (req.reply)(Err(Error::new(
+                        ErrorKind::Timeout,
+                        "the deadline passed while the session to the peer's control plane was opening",
+                    )
+                    .with_operation("connect")
+                    .with_context("peer", &addr)));
+                }
+            }
+        }
     };
     let (stream, peer) = match opened {
         Ok(v) => v,
@@ -356,6 +386,9 @@ async fn run(
             *session.failure.lock() = Some(e.clone());
             end(&shared, &session);
             rx.close();
+            for req in early {
+                (req.reply)(Err(e.clone()));
+            }
             while let Ok(req) = rx.try_recv() {
                 (req.reply)(Err(e.clone()));
             }
@@ -413,7 +446,15 @@ async fn run(
     let mut tick = tokio::time::interval(heartbeat);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut next_id = 1u64;
+    let mut early = early.into_iter();
     let outcome: std::result::Result<bool, Error> = loop {
+        // What came while the session opened goes first, in order.
+        if let Some(req) = early.next() {
+            if let Err(e) = post(req, &peer, &mut next_id, &pending, &mut writer, idle).await {
+                break Err(e);
+            }
+            continue;
+        }
         tokio::select! {
             r = &mut reading => break match r {
                 Ok(Ok(())) => Ok(true),
@@ -422,18 +463,7 @@ async fn run(
             },
             req = rx.recv() => {
                 let Some(req) = req else { break Ok(false) };
-                if req.deadline.is_past() {
-                    (req.reply)(Err(Error::new(ErrorKind::Timeout, "the deadline passed before the request was sent")));
-                    continue;
-                }
-                if let Err(e) = fits(&peer, req.kind, req.body.len()) {
-                    (req.reply)(Err(e));
-                    continue;
-                }
-                let id = next_id;
-                next_id += 1;
-                pending.lock().insert(id, (req.deadline, req.reply));
-                if let Err(e) = send(&mut writer, &wire::frame(req.kind, id, &req.body), idle).await {
+                if let Err(e) = post(req, &peer, &mut next_id, &pending, &mut writer, idle).await {
                     break Err(e);
                 }
             }
@@ -483,6 +513,33 @@ async fn run(
     // A goodbye from the peer, or our own shutdown, is not a loss.
     let graceful = matches!(outcome, Ok(true)) || shared.closed.load(Ordering::Acquire);
     shared.link_down(&peer, graceful);
+}
+
+/// Sends `req` on the session (answered through `pending`), unless its deadline has
+/// passed or it is larger than the peer accepts; an error is the connection's.
+async fn post(
+    req: Request,
+    peer: &Identity,
+    next_id: &mut u64,
+    pending: &Pending,
+    writer: &mut tokio::net::tcp::OwnedWriteHalf,
+    idle: Duration,
+) -> Result<()> {
+    if req.deadline.is_past() {
+        (req.reply)(Err(Error::new(
+            ErrorKind::Timeout,
+            "the deadline passed before the request was sent",
+        )));
+        return Ok(());
+    }
+    if let Err(e) = fits(peer, req.kind, req.body.len()) {
+        (req.reply)(Err(e));
+        return Ok(());
+    }
+    let id = *next_id;
+    *next_id += 1;
+    pending.lock().insert(id, (req.deadline, req.reply));
+    send(writer, &wire::frame(req.kind, id, &req.body), idle).await
 }
 
 /// What a notice's encoding adds to its message, at most.
