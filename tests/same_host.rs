@@ -126,6 +126,30 @@ fn pattern(len: usize, seed: usize) -> Vec<u8> {
     te_core::testkit::pattern(len, seed as u8)
 }
 
+/// Moves a block of each of `bufs` to and from the target until it takes the channel:
+/// the first transfer of an allocation shares it with the target and goes over the
+/// socket, as do those before the target has answered the share.
+fn shared_with_target(e: &Engine, peer: &Peer, bufs: &[&te::Buffer]) {
+    let remote = peer.region("buffer").unwrap().id;
+    let dev = te_core::device::fakedev::process().expect("fakedev");
+    for buf in bufs {
+        for i in 0.. {
+            assert!(
+                i < 100,
+                "the target never took {:?} on the channel",
+                buf.id()
+            );
+            let before = dev.stats();
+            let w = TransferRequest::write(buf.id(), 0, remote, 0, 4096);
+            e.transfer(peer, &[w]).unwrap().wait().unwrap();
+            if dev.stats().since(&before).copies == 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
 /// Writes `src`'s blocks scattered into the target's buffer (block i to block i * 37
 /// mod n), reads them back into `back` in order, and checks both; returns what this
 /// process's fakedev copied during the two transfers.
@@ -195,6 +219,7 @@ fn fakedev_memory_moves_between_processes_as_device_copies_in_the_target() {
     let back = e.alloc_on(&kind, "back", 8 << 20, Access::LOCAL).unwrap();
     let peer = e.connect(&server.addr).unwrap();
     assert!(matches!(path(&peer, true), PeerPath::SameHost { .. }));
+    shared_with_target(&e, &peer, &[&src, &back]);
     // The target maps our memory and copies on its side: this process copies nothing.
     let moved = round_trip(&e, &peer, &src, &back, 32 << 10, 256);
     assert_eq!(
@@ -402,6 +427,10 @@ fn slow_read(
     dst.write(0, &vec![0x11; 1 << 20]).unwrap();
     let peer = e.connect(&server.addr).unwrap();
     assert!(matches!(path(&peer, true), PeerPath::SameHost { .. }));
+    // Shared first (its own transfers pay the target's slow copies): the READ below
+    // must take the channel.
+    shared_with_target(&e, &peer, &[&dst]);
+    dst.write(0, &vec![0x11; 1 << 20]).unwrap();
     let remote = peer.region("buffer").unwrap().id;
     let start = std::time::Instant::now();
     let h = read_mib(&e, &peer, &dst, remote, timeout);

@@ -444,11 +444,10 @@ impl Link {
     }
 
     /// The key of the allocation holding `addr` (device memory of `rt` in local region
-    /// `region`), shared with the target first if it is not yet; `None` where `rt`
-    /// cannot export it, or the target said it cannot map it (the frame then goes over
-    /// the socket). Nothing waits for the target's answer to a share: a request that
-    /// names the key is sent after the share, so the target reads the share first and
-    /// refuses the request, with its reason, where it could not map the allocation.
+    /// `region`) once the target has mapped it; `None` (the frame then goes over the
+    /// socket) where `rt` cannot export it, the target said it cannot map it, or has not
+    /// answered yet. The first call shares it with the target; nothing waits for the
+    /// answer, so a target that is slow or stopped never holds up a submission.
     pub(crate) fn key(
         &self,
         rt: &Arc<dyn DeviceRuntime>,
@@ -490,23 +489,19 @@ impl Link {
         }
         if st.sent.insert(key) {
             st.acks.insert(key, None);
-            // Posted before the state is let go: whoever finds the key sent (this
-            // caller or another) posts its request after the share.
             let posted = self.share(rt, key, export);
             drop(st);
-            return match posted {
-                Ok(()) => Some(key),
-                Err(e) => {
-                    self.fail(e);
-                    None
-                }
-            };
+            if let Err(e) = posted {
+                self.fail(e);
+            }
+            // Nothing waits for the target's answer: this frame takes the socket.
+            return None;
         }
         match st.acks.get(&key) {
-            // The target cannot map it ([`Link::refused`]).
-            Some(Some(Err(_))) => None,
-            // Mapped, or its answer is still due: the request goes behind the share.
-            _ => Some(key),
+            Some(Some(Ok(()))) => Some(key),
+            // Its answer is still due (the socket meanwhile), or the target cannot map
+            // it ([`Link::refused`]).
+            _ => None,
         }
     }
 
@@ -834,6 +829,17 @@ impl Link {
         if due {
             self.ring();
         }
+    }
+
+    /// Shares whose answer the target still owes (for tests).
+    #[cfg(test)]
+    pub(crate) fn answers_due(&self) -> usize {
+        self.state
+            .lock()
+            .acks
+            .values()
+            .filter(|a| a.is_none())
+            .count()
     }
 
     /// Callers driving the channel now (for tests).
