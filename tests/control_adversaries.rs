@@ -1,12 +1,13 @@
-//! Peers of the control plane that lie, flood or dawdle, and what the engine must still
-//! do: keep its memory bounded, report each peer's own life and end, hold every caller
-//! to its own deadline, and serve everyone else.
+//! Peers of the control plane, and metadata stores, that lie, flood, dawdle or go
+//! silent, and what the engine must still do: keep its memory bounded, report each
+//! peer's own life and end, hold every caller to its own deadline, not trust a stale
+//! entry for ever, and serve everyone else.
 //!
 //! The tests run one at a time (they share the heap counter).
 
 mod common;
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -123,7 +124,7 @@ fn a_flood_of_short_visits_under_new_names_leaves_no_memory_behind() {
     );
     assert!(
         growth < 4 * MIB,
-        "{VISITS} visitors that all left keep {:.2} MiB of the engine's heap (control/mod.rs Links::peers is never pruned)",
+        "{VISITS} visitors that all left keep {:.2} MiB of the engine's heap",
         growth as f64 / MIB as f64
     );
 }
@@ -173,8 +174,7 @@ fn a_peer_claiming_a_live_peers_name_neither_fakes_its_restart_nor_hides_its_dep
         !fake_restart && departure,
         "a second session claiming prefill-0's name with another epoch, while prefill-0 was \
          connected, was reported as prefill-0 restarting ({fake_restart}), and prefill-0's \
-         own departure was {}reported (control/mod.rs link_up/link_down track one epoch \
-         per name)",
+         own departure was {}reported",
         if departure { "" } else { "never " }
     );
 }
@@ -238,9 +238,200 @@ fn a_caller_with_a_long_deadline_is_not_failed_by_a_concurrent_callers_short_one
         assert!(
             e.is_none(),
             "a connect given 10 s failed after {took:?}, at the deadline of another caller's \
-             connect (control/session.rs: the session opens within its first request's deadline \
-             and fails every request queued on it with that error): {}",
+             connect: {}",
             e.unwrap()
         );
     });
+}
+
+fn trickling_store(every: Duration, bound: Duration) -> String {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for c in l.incoming().take(8) {
+            let Ok(mut c) = c else { continue };
+            std::thread::spawn(move || {
+                let start = Instant::now();
+                // Take the request, as a server would.
+                let mut buf = [0u8; 4096];
+                c.set_read_timeout(Some(Duration::from_millis(200)))
+                    .unwrap();
+                let _ = c.read(&mut buf);
+                let line = b"HTTP/1.1 200 OK and this line goes on and on and on and on\r\n";
+                for b in line.iter().cycle() {
+                    if start.elapsed() > bound || c.write_all(&[*b]).is_err() {
+                        return;
+                    }
+                    std::thread::sleep(every);
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[test]
+fn a_metadata_store_that_trickles_its_answer_cannot_hold_resolve_past_its_deadline() {
+    let _s = serial();
+    let store_addr = trickling_store(Duration::from_millis(200), Duration::from_secs(8));
+    let mut c = Config::defaults();
+    c.engine.metadata = format!("etcd://{store_addr}");
+    let store = te_core::metadata::open(&c.engine).unwrap();
+    let start = Instant::now();
+    let r = store.resolve("decode-0", te_core::Deadline::after(Duration::from_secs(1)));
+    let took = start.elapsed();
+    println!(
+        "resolve with a 1 s deadline: {:?} after {took:?}",
+        r.as_ref().map(|_| ())
+    );
+    assert!(
+        took < Duration::from_secs(3),
+        "resolve given 1 s returned after {took:?}: a store that sends a byte now and then \
+         kept it going"
+    );
+    assert!(r.is_err());
+}
+
+fn b64(data: &[u8]) -> String {
+    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for c in data.chunks(3) {
+        let n = (c[0] as u32) << 16
+            | (*c.get(1).unwrap_or(&0) as u32) << 8
+            | *c.get(2).unwrap_or(&0) as u32;
+        for i in 0..4 {
+            if i <= c.len() {
+                out.push(T[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// A fake etcd gateway: `/v3/kv/range` answers the entry `epoch` names now,
+/// `/v3/watch` answers its headers and its "created" message, then says nothing more
+/// and never closes (as a partitioned etcd's socket does). Returns its address and
+/// the shared epoch.
+fn silent_watch_store() -> (String, std::sync::Arc<std::sync::atomic::AtomicU64>) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let epoch = Arc::new(AtomicU64::new(1));
+    let e = epoch.clone();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in l.incoming().take(256) {
+            let Ok(mut c) = c else { continue };
+            c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            let mut req = Vec::new();
+            let mut buf = [0u8; 4096];
+            // The head, then the body its Content-Length announces.
+            let (head, body_len) = loop {
+                let Ok(n) = c.read(&mut buf) else {
+                    break (String::new(), 0);
+                };
+                if n == 0 {
+                    break (String::new(), 0);
+                }
+                req.extend_from_slice(&buf[..n]);
+                if let Some(end) = req.windows(4).position(|w| w == b"\r\n\r\n") {
+                    let head = String::from_utf8_lossy(&req[..end]).to_string();
+                    let len = head
+                        .lines()
+                        .find_map(|l| {
+                            l.to_ascii_lowercase()
+                                .strip_prefix("content-length:")
+                                .map(|v| v.trim().parse::<usize>().unwrap_or(0))
+                        })
+                        .unwrap_or(0);
+                    while req.len() < end + 4 + len {
+                        match c.read(&mut buf) {
+                            Ok(n) if n > 0 => req.extend_from_slice(&buf[..n]),
+                            _ => break,
+                        }
+                    }
+                    break (head, len);
+                }
+            };
+            let _ = body_len;
+            let path = head.split(' ').nth(1).unwrap_or("").to_string();
+            if path == "/v3/watch" {
+                let created = r#"{"result":{"header":{},"created":true}}"#;
+                let _ = write!(
+                    c,
+                    "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{created}\r\n",
+                    created.len()
+                );
+                held.push(c); // silent from now on, never closed
+                continue;
+            }
+            let body = if path == "/v3/kv/range" {
+                let n = e.load(Ordering::SeqCst);
+                let entry = serde_json::json!({
+                    "name": "decode-0",
+                    "epoch": n,
+                    "address": format!("127.0.0.1:{}", 40000 + n),
+                    "backend": "tcp",
+                });
+                serde_json::json!({"kvs": [{
+                    "key": b64(b"/te/engines/decode-0"),
+                    "value": b64(entry.to_string().as_bytes()),
+                }]})
+                .to_string()
+            } else {
+                "{}".to_string()
+            };
+            let _ = write!(
+                c,
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    (addr, epoch)
+}
+
+#[test]
+fn a_silent_watch_stream_does_not_make_resolve_trust_a_stale_entry_forever() {
+    use std::sync::atomic::Ordering;
+    let _s = serial();
+    let (store_addr, epoch) = silent_watch_store();
+    let mut c = Config::defaults();
+    c.engine.metadata = format!("etcd://{store_addr}");
+    c.engine.metadata_ttl = Duration::from_secs(2);
+    let store = te_core::metadata::open(&c.engine).unwrap();
+    let key_prefix = c.engine.metadata_prefix.clone();
+    assert_eq!(
+        key_prefix, "/te/",
+        "the fake store serves /te/engines/decode-0"
+    );
+    let deadline = || te_core::Deadline::after(Duration::from_secs(2));
+    let first = store
+        .resolve("decode-0", deadline())
+        .unwrap()
+        .expect("found");
+    assert_eq!(first.epoch, 1);
+    // Let the watcher start (and go silent).
+    std::thread::sleep(Duration::from_millis(500));
+    // decode-0 restarts elsewhere; etcd would say so on the watch, but the watch is
+    // silent. A bounded staleness (a few TTLs) is acceptable, forever is not.
+    epoch.store(2, Ordering::SeqCst);
+    let start = Instant::now();
+    let mut seen = first.epoch;
+    while start.elapsed() < Duration::from_secs(15) && seen != 2 {
+        seen = store
+            .resolve("decode-0", deadline())
+            .unwrap()
+            .expect("found")
+            .epoch;
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(
+        seen, 2,
+        "15 s (7 metadata TTLs) after decode-0 restarted, resolve still answers its previous \
+         life from the cache, trusted while a silent watch stream stays open"
+    );
 }

@@ -12,7 +12,7 @@ use std::net::TcpStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine as _;
@@ -39,8 +39,9 @@ struct Shared {
     ttl: Duration,
     state: Mutex<State>,
     wake: Condvar,
-    /// Entries resolved, by name: the ones whose changes are reported.
-    cache: Mutex<HashMap<String, EngineEntry>>,
+    /// Entries resolved, by name (the ones whose changes are reported), and when the
+    /// store last confirmed each.
+    cache: Mutex<HashMap<String, (EngineEntry, Instant)>>,
     on_stale: Mutex<Option<Arc<OnStale>>>,
     /// The endpoint that answered last, tried first.
     preferred: AtomicUsize,
@@ -116,15 +117,25 @@ impl MetadataStore for Etcd {
     }
 
     fn resolve(&self, name: &str, deadline: Deadline) -> Result<Option<EngineEntry>> {
-        // While the watch is up, what it has not reported stale is current.
+        // While the watch is up, what it has not reported stale is current, for one
+        // TTL: a watch stream can go silent without breaking (etcd's host gone, a
+        // partition), and then it reports nothing again.
         if self.shared.state.lock().watch.is_some() {
-            if let Some(e) = self.shared.cache.lock().get(name) {
-                return Ok(Some(e.clone()));
+            if let Some((e, at)) = self.shared.cache.lock().get(name) {
+                if at.elapsed() < self.shared.ttl {
+                    return Ok(Some(e.clone()));
+                }
             }
         }
         let found = self.shared.get(name, deadline)?;
+        if found.is_none() {
+            self.shared.cache.lock().remove(name);
+        }
         if let Some(e) = &found {
-            self.shared.cache.lock().insert(name.to_string(), e.clone());
+            self.shared
+                .cache
+                .lock()
+                .insert(name.to_string(), (e.clone(), Instant::now()));
             let start = {
                 let mut st = self.shared.state.lock();
                 !std::mem::replace(&mut st.watching, true)
@@ -276,7 +287,7 @@ impl Shared {
         let old = {
             let mut cache = self.cache.lock();
             match cache.get(name) {
-                Some(old) if now.as_ref() != Some(old) => cache.remove(name),
+                Some((old, _)) if now.as_ref() != Some(old) => cache.remove(name).map(|(e, _)| e),
                 _ => None,
             }
         };

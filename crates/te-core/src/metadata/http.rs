@@ -52,7 +52,6 @@ pub(super) fn post(
         });
     };
     let timeout = deadline.remaining().max(Duration::from_millis(1));
-    let _ = stream.set_read_timeout(Some(timeout));
     let _ = stream.set_write_timeout(Some(timeout));
     let _ = stream.set_nodelay(true);
     let body = body.to_string();
@@ -63,7 +62,10 @@ pub(super) fn post(
     stream
         .write_all(request.as_bytes())
         .map_err(|e| unreachable(endpoint, "cannot send a request", e))?;
-    let mut reader = BufReader::new(stream);
+    let mut reader = BufReader::new(Timed {
+        stream,
+        deadline: Some(deadline),
+    });
     let mut line = String::new();
     read_line(&mut reader, &mut line, endpoint)?;
     let status: u16 = line
@@ -97,6 +99,42 @@ pub(super) fn post(
     })
 }
 
+/// A socket whose reads end at a deadline: each read waits only for what is left of
+/// it, so a store that trickles its answer a byte at a time cannot stretch a call past
+/// its deadline (a read timeout alone applies afresh to every read).
+pub(super) struct Timed {
+    stream: TcpStream,
+    /// `None`: reads wait as long as it takes (a watch stream).
+    deadline: Option<Deadline>,
+}
+
+impl Read for Timed {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if let Some(deadline) = self.deadline {
+            let left = deadline.remaining();
+            if left.is_zero() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the deadline passed while the answer was read",
+                ));
+            }
+            self.stream.set_read_timeout(Some(left))?;
+        }
+        self.stream.read(buf)
+    }
+}
+
+/// A failed read of an answer: `Timeout` where the deadline ended it.
+fn broke(endpoint: &str, e: std::io::Error) -> Error {
+    match e.kind() {
+        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => Error::new(
+            ErrorKind::Timeout,
+            format!("metadata store at {endpoint}: the deadline passed before it answered"),
+        ),
+        _ => unreachable(endpoint, "the connection broke", e),
+    }
+}
+
 fn protocol(endpoint: &str, what: String) -> Error {
     Error::new(
         ErrorKind::Protocol,
@@ -109,7 +147,7 @@ fn read_line(r: &mut impl BufRead, line: &mut String, endpoint: &str) -> Result<
         .by_ref()
         .take(64 << 10)
         .read_line(line)
-        .map_err(|e| unreachable(endpoint, "the connection broke", e))?;
+        .map_err(|e| broke(endpoint, e))?;
     if n == 0 {
         return Err(unreachable(
             endpoint,
@@ -126,7 +164,7 @@ pub(super) struct Response {
     status: u16,
     length: Option<usize>,
     chunked: bool,
-    reader: BufReader<TcpStream>,
+    reader: BufReader<Timed>,
 }
 
 impl Response {
@@ -146,7 +184,7 @@ impl Response {
             (&mut self.reader)
                 .take(limit as u64)
                 .read_to_end(&mut body)
-                .map_err(|e| unreachable(&self.endpoint, "the connection broke", e))?;
+                .map_err(|e| broke(&self.endpoint, e))?;
         }
         let value: serde_json::Value = serde_json::from_slice(&body).map_err(|e| {
             protocol(
@@ -184,7 +222,7 @@ impl Response {
         let mut chunk = vec![0; size + 2];
         self.reader
             .read_exact(&mut chunk)
-            .map_err(|e| unreachable(&self.endpoint, "the connection broke", e))?;
+            .map_err(|e| broke(&self.endpoint, e))?;
         chunk.truncate(size);
         Ok((size > 0).then_some(chunk))
     }
@@ -193,7 +231,8 @@ impl Response {
     /// ends, breaks, or `f` returns false. Blocks between values; the read timeout is
     /// lifted, so only the stream's end or a shutdown of its socket ends the wait.
     pub(super) fn stream(mut self, mut f: impl FnMut(serde_json::Value) -> bool) -> Result<()> {
-        let _ = self.reader.get_ref().set_read_timeout(None);
+        self.reader.get_mut().deadline = None;
+        let _ = self.reader.get_ref().stream.set_read_timeout(None);
         if self.status != 200 {
             return self.json().map(drop);
         }
@@ -227,6 +266,6 @@ impl Response {
 
     /// A second handle on the socket, to shut it down from another thread.
     pub(super) fn socket(&self) -> Option<TcpStream> {
-        self.reader.get_ref().try_clone().ok()
+        self.reader.get_ref().stream.try_clone().ok()
     }
 }
