@@ -135,7 +135,8 @@ impl FlagcxBackend {
     /// calls for one peer share it.
     ///
     /// # Errors
-    /// `Protocol` for an endpoint that is not text; the shim's error if the connection
+    /// `Protocol` for an endpoint that is not text or a region that runs past the end
+    /// of the address space; the shim's error if the connection
     /// fails (`PeerUnreachable`, …); `Timeout` if it is not up by `deadline` (it goes
     /// on: batches submitted meanwhile wait for it).
     pub fn connect_within(&self, peer: &SegmentDesc, deadline: Instant) -> Result<PeerId> {
@@ -148,8 +149,21 @@ impl FlagcxBackend {
         let remote: Table = Arc::new(
             peer.regions
                 .iter()
-                .map(|r| (r.id, (r.addr, r.len)))
-                .collect(),
+                .map(|r| {
+                    if r.addr.checked_add(r.len).is_none() {
+                        return Err(Error::new(
+                            ErrorKind::Protocol,
+                            format!(
+                                "the peer's region {} at {:#x} of {} bytes runs past the end of the address space: the descriptor is forged or corrupt",
+                                r.id, r.addr, r.len
+                            ),
+                        )
+                        .with_operation("connect")
+                        .with_context("endpoint", endpoint));
+                    }
+                    Ok((r.id, (r.addr, r.len)))
+                })
+                .collect::<Result<_>>()?,
         );
         let (id, state) = {
             let mut peers = self.peers.write();

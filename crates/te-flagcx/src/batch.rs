@@ -220,20 +220,37 @@ impl Poster {
                 Op::Write => &mut scratch.writes,
                 Op::Read => &mut scratch.reads,
             };
-            split(
-                out,
-                mr,
-                addr + r.local_offset,
-                remote_addr + r.remote_offset,
-                r.len,
-                self.max_desc,
-            );
+            // Both ranges must lie inside the address space: a peer's descriptor is
+            // checked at connect, but a range is never trusted to fit.
+            let (Some(local), Some(remote)) = (
+                addr.checked_add(r.local_offset),
+                remote_addr.checked_add(r.remote_offset),
+            ) else {
+                return fail(
+                    ErrorKind::OutOfBounds,
+                    format!(
+                        "{} of {} bytes at local {}+{} or remote {}+{} runs past the end of the address space",
+                        r.op, r.len, r.local, r.local_offset, r.remote, r.remote_offset
+                    ),
+                );
+            };
+            if split(out, mr, local, remote, r.len, self.max_desc).is_none() {
+                return fail(
+                    ErrorKind::OutOfBounds,
+                    format!(
+                        "{} of {} bytes at local {:#x} or remote {:#x} runs past the end of the address space",
+                        r.op, r.len, local, remote
+                    ),
+                );
+            }
         }
         Ok(())
     }
 }
 
-/// Appends descriptors covering `len` bytes, none longer than `max`.
+/// Appends descriptors covering `len` bytes, none longer than `max`. `None`, with
+/// nothing appended, if either range runs past the end of the address space or `max`
+/// is 0.
 pub(crate) fn split(
     out: &mut Vec<Desc>,
     mr: u64,
@@ -241,7 +258,13 @@ pub(crate) fn split(
     remote_addr: u64,
     len: u64,
     max: u64,
-) {
+) -> Option<()> {
+    local_addr.checked_add(len)?;
+    remote_addr.checked_add(len)?;
+    if max == 0 {
+        return None;
+    }
+    // No sum below overflows: both ends were checked above.
     let mut done = 0;
     while done < len {
         let n = max.min(len - done);
@@ -253,6 +276,7 @@ pub(crate) fn split(
         });
         done += n;
     }
+    Some(())
 }
 
 #[cfg(test)]
@@ -270,7 +294,7 @@ mod tests {
             (1, GIB, 1),
         ] {
             let mut out = Vec::new();
-            split(&mut out, 7, 0x1000, 0x9000_0000, len, max);
+            split(&mut out, 7, 0x1000, 0x9000_0000, len, max).expect("in the address space");
             assert_eq!(out.len(), expect, "{len} bytes at most {max} each");
             assert_eq!(out.iter().map(|d| d.len).sum::<u64>(), len);
             assert!(out
@@ -284,5 +308,16 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_range_running_past_the_address_space_is_refused_not_split() {
+        let mut out = Vec::new();
+        assert!(split(&mut out, 7, 0x1000, u64::MAX - 4095, 8192, 4096).is_none());
+        assert!(split(&mut out, 7, u64::MAX - 10, 0x1000, 100, 4096).is_none());
+        assert!(split(&mut out, 7, 0x1000, 0x2000, 100, 0).is_none());
+        assert!(out.is_empty());
+        assert!(split(&mut out, 7, 0x1000, u64::MAX - 8191, 4096, 4096).is_some());
+        assert_eq!(out.len(), 1);
     }
 }
