@@ -435,3 +435,52 @@ fn a_silent_watch_stream_does_not_make_resolve_trust_a_stale_entry_forever() {
          life from the cache, trusted while a silent watch stream stays open"
     );
 }
+
+#[test]
+fn one_senders_flood_of_notifications_does_not_lock_every_other_sender_out() {
+    let _s = serial();
+    const BUDGET: u64 = 256 << 10;
+    let target = engine(|c| {
+        c.notification_bytes = BUDGET;
+        c.notification_max = 4 << 10;
+    });
+    let addr = target.address().to_string();
+    let epoch = target.epoch();
+    // The flooder sends 1 KiB notifications, one at a time, until it is refused.
+    let (mut s, _) = common::handshake(&addr, "flooder", 1).unwrap();
+    // The flooder sends 1 KiB notifications, one at a time, until it is refused, then
+    // empty ones until those are refused too: the inbox is full to the byte.
+    let mut acked = 0u64;
+    let mut id = 0u64;
+    for size in [1024usize, 0] {
+        let mut refused = false;
+        for _ in 0..20_000 {
+            id += 1;
+            s.write_all(&common::frame(
+                kind::NOTIFY,
+                id,
+                &common::notice(epoch, &vec![1; size], vec![]),
+            ))
+            .unwrap();
+            let (k, _, _) = common::read_frame(&mut s).unwrap();
+            if k != kind::ACK {
+                refused = true;
+                break;
+            }
+            acked += 1;
+        }
+        assert!(refused, "the flooder was never refused");
+    }
+    println!("the flooder had {acked} notifications accepted");
+    // A genuine sender, with its first small notification.
+    let me = engine(|c| c.name = "genuine".into());
+    let peer = me.connect(&addr).unwrap();
+    let r = me.notify(&peer, b"hello".to_vec()).unwrap().wait();
+    assert!(
+        r.is_ok(),
+        "a peer's first 5-byte notification is refused because another sender filled the \
+         whole inbox (inbox.rs / engine/mod.rs keep_notification: one budget for all \
+         senders, none per sender): {}",
+        r.unwrap_err()
+    );
+}

@@ -78,8 +78,11 @@ pub struct PeerEvent {
 }
 
 struct State<T> {
-    items: VecDeque<(T, usize)>,
+    /// Each item with its size and its sender's key (0: not counted per sender).
+    items: VecDeque<(T, usize, u64)>,
     bytes: usize,
+    /// Bytes held per sender key.
+    per_sender: std::collections::HashMap<u64, usize>,
     dropped: u64,
     wakers: Vec<Waker>,
 }
@@ -96,6 +99,7 @@ impl<T> Mailbox<T> {
             state: Mutex::new(State {
                 items: VecDeque::new(),
                 bytes: 0,
+                per_sender: std::collections::HashMap::new(),
                 dropped: 0,
                 wakers: Vec::new(),
             }),
@@ -112,9 +116,26 @@ impl<T> Mailbox<T> {
         }
     }
 
-    /// Queues `item` of `size` bytes unless that would pass `budget` bytes in all.
-    pub(crate) fn push_within(&self, item: T, size: usize, budget: usize) -> Result<()> {
+    /// Queues `item` of `size` bytes from the sender keyed `sender` unless that would
+    /// pass `budget` bytes in all, or `share` bytes from that sender: one sender cannot
+    /// take the whole budget and lock the others out.
+    pub(crate) fn push_within(
+        &self,
+        item: T,
+        size: usize,
+        (budget, share): (usize, usize),
+        sender: u64,
+    ) -> Result<()> {
         let mut s = self.state.lock();
+        let theirs = s.per_sender.get(&sender).copied().unwrap_or(0);
+        if theirs + size > share {
+            return Err(Error::new(
+                ErrorKind::Busy,
+                format!(
+                    "the receiver holds {theirs} bytes of this sender's unread notifications, its share of the budget is {share}; it must read them (or raise notification_bytes)"
+                ),
+            ));
+        }
         if s.bytes + size > budget {
             return Err(Error::new(
                 ErrorKind::Busy,
@@ -125,7 +146,8 @@ impl<T> Mailbox<T> {
             ));
         }
         s.bytes += size;
-        s.items.push_back((item, size));
+        *s.per_sender.entry(sender).or_default() += size;
+        s.items.push_back((item, size, sender));
         self.wake(s);
         Ok(())
     }
@@ -134,12 +156,12 @@ impl<T> Mailbox<T> {
     pub(crate) fn push_dropping(&self, item: T, capacity: usize) {
         let mut s = self.state.lock();
         while s.items.len() >= capacity.max(1) {
-            if let Some((_, size)) = s.items.pop_front() {
-                s.bytes -= size;
+            if let Some((_, size, sender)) = s.items.pop_front() {
+                Mailbox::uncount(&mut *s, size, sender);
                 s.dropped += 1;
             }
         }
-        s.items.push_back((item, 0));
+        s.items.push_back((item, 0, 0));
         self.wake(s);
     }
 
@@ -148,9 +170,21 @@ impl<T> Mailbox<T> {
         self.state.lock().dropped
     }
 
-    fn take(s: &mut State<T>) -> Option<T> {
-        let (item, size) = s.items.pop_front()?;
+    fn uncount(s: &mut State<T>, size: usize, sender: u64) {
         s.bytes -= size;
+        if size > 0 {
+            if let std::collections::hash_map::Entry::Occupied(mut e) = s.per_sender.entry(sender) {
+                *e.get_mut() -= size;
+                if *e.get() == 0 {
+                    e.remove();
+                }
+            }
+        }
+    }
+
+    fn take(s: &mut State<T>) -> Option<T> {
+        let (item, size, sender) = s.items.pop_front()?;
+        Mailbox::uncount(s, size, sender);
         Some(item)
     }
 
@@ -175,7 +209,8 @@ impl<T> Mailbox<T> {
     pub(crate) fn drain(&self) -> Vec<T> {
         let mut s = self.state.lock();
         s.bytes = 0;
-        s.items.drain(..).map(|(item, _)| item).collect()
+        s.per_sender.clear();
+        s.items.drain(..).map(|(item, ..)| item).collect()
     }
 
     /// A future of the next item.
@@ -217,13 +252,26 @@ mod tests {
     #[test]
     fn a_byte_budget_refuses_with_busy_and_reading_frees_it() {
         let m = Mailbox::new();
-        m.push_within(1, 60, 100).unwrap();
-        let e = m.push_within(2, 60, 100).unwrap_err();
+        m.push_within(1, 60, (100, 100), 1).unwrap();
+        let e = m.push_within(2, 60, (100, 100), 2).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Busy);
         assert_eq!(m.pop(Duration::ZERO), Some(1));
-        m.push_within(2, 60, 100).unwrap();
+        m.push_within(2, 60, (100, 100), 2).unwrap();
         assert_eq!(m.drain(), vec![2]);
         assert!(m.drain().is_empty());
+    }
+
+    #[test]
+    fn a_sender_past_its_share_is_refused_while_others_still_fit() {
+        let m = Mailbox::new();
+        m.push_within(1, 40, (100, 50), 7).unwrap();
+        let e = m.push_within(2, 20, (100, 50), 7).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Busy);
+        assert!(e.to_string().contains("share"), "{e}");
+        m.push_within(3, 40, (100, 50), 8).unwrap();
+        assert_eq!(m.pop(Duration::ZERO), Some(1));
+        m.push_within(2, 20, (100, 50), 7).unwrap();
+        assert_eq!(m.drain(), vec![3, 2]);
     }
 
     #[test]

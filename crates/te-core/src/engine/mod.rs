@@ -496,6 +496,14 @@ impl Inner {
             + from.name.len()
             + from.address.len()
             + message.len();
+        // One sender (by name) holds at most a quarter of the budget, or one largest
+        // notification: a flood from one peer leaves room for the others.
+        let budget = self.config.notification_bytes as usize;
+        let share = (budget / 4).max(self.config.notification_max as usize);
+        let sender = std::hash::BuildHasher::hash_one(
+            &std::hash::BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default(),
+            &from.name,
+        );
         self.inbox.push_within(
             Notification {
                 from: from.name.clone(),
@@ -505,7 +513,8 @@ impl Inner {
                 message,
             },
             size,
-            self.config.notification_bytes as usize,
+            (budget, share),
+            sender,
         )
     }
 }
