@@ -23,9 +23,9 @@
 //!   fakedev's memfd over `SCM_RIGHTS`), the target maps it once
 //!   (`ipc_import`), and a request's copies run as one device group — CUDA's list-copy
 //!   kernel on one GPU, not one driver call per block. No caller waits for the answer
-//!   to a share: requests naming the allocation follow it at once, and the target
-//!   refuses them where it could not map it (the initiator then sends that region's
-//!   frames over the socket).
+//!   to a share: an allocation's frames go over the socket until the target has
+//!   answered, then over the channel, or over the socket for good where the target
+//!   could not map it (it also refuses a request naming such an allocation).
 //!
 //! Everything else (host on one side and device on the other, another runtime) goes over
 //! the socket. A caller sends its request itself as far as the socket takes it without
