@@ -135,8 +135,10 @@ impl FlagcxBackend {
     /// calls for one peer share it.
     ///
     /// # Errors
-    /// `Protocol` for an endpoint that is not text or a region that runs past the end
-    /// of the address space; the shim's error if the connection
+    /// `Protocol` for an endpoint that is not text, a region that runs past the end of
+    /// the address space, or an instance (its epoch) already known with another
+    /// endpoint or control-plane address (the known peer is left as it was); the
+    /// shim's error if the connection
     /// fails (`PeerUnreachable`, …); `Timeout` if it is not up by `deadline` (it goes
     /// on: batches submitted meanwhile wait for it).
     pub fn connect_within(&self, peer: &SegmentDesc, deadline: Instant) -> Result<PeerId> {
@@ -169,12 +171,29 @@ impl FlagcxBackend {
             let mut peers = self.peers.write();
             let known = peers
                 .iter()
-                .find(|(_, p)| p.endpoint == endpoint && p.epoch == peer.epoch)
+                .find(|(_, p)| p.epoch == peer.epoch)
                 .map(|(id, p)| (*id, p.clone()));
+            if let Some((_, p)) = &known {
+                // One instance (its epoch, random at every start) has one endpoint and
+                // one control-plane address for its whole life: a descriptor naming it
+                // with others is not that peer, and must neither reach its connection
+                // nor replace the regions its batches are posted with.
+                if p.endpoint != endpoint || p.address != peer.address {
+                    return Err(Error::new(
+                        ErrorKind::Protocol,
+                        format!(
+                            "the descriptor names FlagCX instance (epoch {:#x}) connected at {} with endpoint {}, but comes from {} with endpoint {}: a forged or corrupt descriptor",
+                            peer.epoch, p.address, p.endpoint, peer.address, endpoint
+                        ),
+                    )
+                    .with_operation("connect"));
+                }
+            }
             known.unwrap_or_else(|| {
                 let id = self.peers.next_id();
                 let state = Arc::new(PeerState::new(
                     endpoint,
+                    &peer.address,
                     peer.epoch,
                     self.engine.clone(),
                     self.progress.handle().clone(),

@@ -77,6 +77,8 @@ pub(crate) enum State {
 /// A connected (or connecting) peer.
 pub(crate) struct PeerState {
     pub(crate) endpoint: String,
+    /// The control-plane address its first descriptor came from.
+    pub(crate) address: String,
     pub(crate) epoch: u64,
     engine: Arc<ffi::Engine>,
     progress: Handle,
@@ -88,6 +90,7 @@ impl std::fmt::Debug for PeerState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PeerState")
             .field("endpoint", &self.endpoint)
+            .field("address", &self.address)
             .field("epoch", &self.epoch)
             .finish()
     }
@@ -96,12 +99,14 @@ impl std::fmt::Debug for PeerState {
 impl PeerState {
     pub(crate) fn new(
         endpoint: &str,
+        address: &str,
         epoch: u64,
         engine: Arc<ffi::Engine>,
         progress: Handle,
     ) -> PeerState {
         PeerState {
             endpoint: endpoint.to_string(),
+            address: address.to_string(),
             epoch,
             engine,
             progress,

@@ -78,3 +78,63 @@ fn a_descriptor_running_past_the_address_space_is_refused_and_kills_no_thread() 
     drop(target);
     assert!(problems.is_empty(), "{}", problems.join("; "));
 }
+
+/// A descriptor naming a connected peer's instance (its epoch and endpoint) from
+/// another control-plane address is forged or corrupt: it must be refused, and must not
+/// replace the region table the connected peer's batches are posted with.
+#[test]
+fn a_descriptor_naming_a_connected_instance_from_another_address_is_refused() {
+    let _g = serial();
+    let target = backend("");
+    let dst = Mem::new(LEN);
+    let ro = Mem::new(LEN);
+    ro.write(&vec![0x11; LEN]);
+    let d1 = register(&target, 1, &dst, Access::REMOTE_READ_WRITE);
+    let d2 = register(&target, 2, &ro, Access::REMOTE_READ);
+    let initiator = backend("");
+    let src = Mem::new(LEN);
+    register(&initiator, 10, &src, Access::LOCAL);
+    let legit = segment(
+        target.endpoint(),
+        "127.0.0.1:7001",
+        vec![d1.clone(), d2.clone()],
+    );
+    let peer = connect(&initiator, &legit);
+
+    // Same instance and endpoint, another address; its region 1 points at the
+    // read-only region, and a new id forces a new connection.
+    let forged = segment(
+        target.endpoint(),
+        "10.66.66.66:7001",
+        vec![
+            region(1, ro.addr(), LEN as u64, Access::REMOTE_READ_WRITE),
+            region(3, dst.addr(), LEN as u64, Access::REMOTE_READ_WRITE),
+        ],
+    );
+    let r = initiator.connect_within(&forged, Instant::now() + Duration::from_secs(5));
+    let mut problems = Vec::new();
+    if !matches!(&r, Err(e) if e.kind() == ErrorKind::Protocol) {
+        problems.push(format!(
+            "a descriptor naming connected instance (epoch 1, endpoint {}) from another address was not refused: {r:?}",
+            String::from_utf8_lossy(&target.endpoint())
+        ));
+    }
+    // The legit peer's WRITE to its region 1 (remote-writable in its descriptor).
+    src.write(&vec![0xAB; LEN]);
+    let w = run(
+        &initiator,
+        peer,
+        TransferRequest::write(RegionId(10), 0, RegionId(1), 0, LEN as u64),
+    );
+    if ro.read() != vec![0x11; LEN] {
+        problems.push(format!(
+            "the legit peer's WRITE to region 1 ({w:?}) landed in the target's read-only region 2"
+        ));
+    }
+    if dst.read() != vec![0xAB; LEN] {
+        problems.push("the legit peer's WRITE did not land in its region 1".into());
+    }
+    drop(initiator);
+    drop(target);
+    assert!(problems.is_empty(), "{}", problems.join("; "));
+}
