@@ -484,3 +484,21 @@ fn one_senders_flood_of_notifications_does_not_lock_every_other_sender_out() {
         r.unwrap_err()
     );
 }
+
+/// A peer that claims a long heartbeat (its hello says 60 s) and then says nothing is
+/// closed after three of the engine's own heartbeats: the peer's claim does not hold a
+/// silent session, and its slot, open for minutes.
+#[test]
+fn a_silent_peer_claiming_a_long_heartbeat_is_closed_after_three_of_ours() {
+    let _s = serial();
+    let target = engine(|c| c.heartbeat = Duration::from_millis(200));
+    let addr = target.address().to_string();
+    let (mut s, _) = common::handshake(&addr, "quiet", 7).expect("handshake");
+    let start = Instant::now();
+    let _ = common::frames_until_closed(&mut s);
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_secs(3),
+        "a silent session was kept {took:?} with the engine's heartbeat at 200 ms"
+    );
+}

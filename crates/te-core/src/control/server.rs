@@ -288,8 +288,10 @@ async fn session(
     let (tx, mut rx) = mpsc::channel::<Queued>(REPLIES);
     let budget = Arc::new(Semaphore::new(REPLY_BYTES));
     let share = Arc::new(Semaphore::new(BACKEND_SHARE));
-    let heartbeat = Duration::from_millis(peer.heartbeat_ms.clamp(50, 600_000));
-    let idle = 3 * heartbeat.max(shared.settings.heartbeat);
+    // A peer pings at the faster of its heartbeat and ours (ours is in `Ready`), so
+    // three of ours without a frame is silence, whatever heartbeat the peer claims: a
+    // claimed 600 s would hold a silent session, and its per-source slot, for 30 min.
+    let idle = 3 * shared.settings.heartbeat;
     let stall = 3 * shared.settings.heartbeat;
     let mut closing = shared.closing.subscribe();
     let writing = async {
@@ -379,7 +381,7 @@ async fn session(
     tokio::select! {
         graceful = &mut reading => {
             // Let the last replies (and a goodbye) go out, within a heartbeat.
-            let _ = tokio::time::timeout(heartbeat, &mut writing).await;
+            let _ = tokio::time::timeout(shared.settings.heartbeat, &mut writing).await;
             graceful
         }
         () = &mut writing => false,
