@@ -118,7 +118,10 @@ int te_flagcx_connect(te_flagcx_engine *engine, const char *endpoint,
                       te_flagcx_conn **out);
 
 /* Closes a connection. Transfers still pending on it are abandoned: their ids must not
-   be queried any more. */
+   be queried any more. te reports a batch cancelled once this returned for its
+   connection, so an implementation must stop its transfers touching local memory
+   before returning where the library under it allows (the fake does: it joins the
+   connection's worker; over FlagCX, flagcxP2pEngineConnDestroy decides). */
 void te_flagcx_disconnect(te_flagcx_conn *conn);
 
 /* Posts `count` descriptors of one operation as one transfer; writes its id to

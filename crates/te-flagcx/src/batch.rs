@@ -37,8 +37,9 @@ impl Scratch {
 
 /// One batch in flight: up to two shim transfers (its WRITEs and its READs).
 ///
-/// Fields drop in order: the link (closing the connection if this was its last user,
-/// which ends its transfers) before the completion reports the batch cancelled.
+/// Dropped without [`Poster::finish`] (at shutdown) it reports cancelled: whoever drops
+/// it first closes its link ([`InFlight::cancel`]), since other batches may keep the
+/// connection, and with it this batch's transfers, alive.
 pub(crate) struct InFlight {
     pub(crate) link: Arc<Link>,
     /// Transfers not yet reported finished.
@@ -50,6 +51,14 @@ pub(crate) struct InFlight {
 }
 
 impl InFlight {
+    /// Closes the batch's connection, ending every transfer on it (this batch's and
+    /// any other's), so that once this returns nothing touches the batch's memory;
+    /// then drops the batch, whose completion reports it cancelled.
+    pub(crate) fn cancel(self) {
+        self.link.conn.close();
+        drop(self);
+    }
+
     /// Queries the batch's unfinished transfers; true once all have finished.
     pub(crate) fn poll(&mut self) -> bool {
         let mut pending = false;

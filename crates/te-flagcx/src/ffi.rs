@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::ffi::{c_char, c_int, CStr, CString};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use te_core::sync::Mutex;
+use te_core::sync::{Mutex, RwLock};
 
 use te_core::{Error, ErrorKind};
 
@@ -395,21 +395,24 @@ impl Drop for Engine {
     }
 }
 
-/// A connection of an engine; closed when the last reference goes.
+/// A connection of an engine; closed by [`Conn::close`] or when the last reference goes.
 pub(crate) struct Conn {
     engine: Arc<Engine>,
-    raw: *mut RawConn,
+    /// Null once closed. Posts and queries hold the read lock across their shim call,
+    /// so closing waits for them and none starts on a closed connection.
+    raw: RwLock<*mut RawConn>,
+    peer: String,
 }
 
-// SAFETY: as for `Engine`: shim calls are thread-safe, and `raw` is only closed in
-// `Drop`, when no other reference exists.
+// SAFETY: as for `Engine`: shim calls are thread-safe, and `raw` is only closed under
+// the write lock, which no post or query holds.
 unsafe impl Send for Conn {}
 // SAFETY: as above.
 unsafe impl Sync for Conn {}
 
 impl std::fmt::Debug for Conn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Conn")
+        f.debug_struct("Conn").field("peer", &self.peer).finish()
     }
 }
 
@@ -421,7 +424,22 @@ impl Conn {
         // SAFETY: the engine is live, `ep` a valid C string, `raw` a valid out pointer.
         let code = unsafe { (engine.shim.connect)(engine.raw, ep.as_ptr(), &mut raw) };
         engine.shim.check("te_flagcx_connect", code)?;
-        Ok(Conn { engine, raw })
+        Ok(Conn {
+            engine,
+            raw: RwLock::new(raw),
+            peer: endpoint.to_string(),
+        })
+    }
+
+    fn closed(&self, call: &'static str) -> ShimError {
+        ShimError::Call {
+            call,
+            code: E_UNREACHABLE,
+            message: format!(
+                "the FlagCX connection to {} was closed; its transfers were abandoned",
+                self.peer
+            ),
+        }
     }
 
     /// Posts descriptors of one operation; returns the transfer id.
@@ -431,35 +449,57 @@ impl Conn {
             code: E_INVALID,
             message: format!("{} descriptors in one batch are too many", descs.len()),
         })?;
+        let raw = self.raw.read();
+        if raw.is_null() {
+            return Err(self.closed("te_flagcx_post"));
+        }
         let mut xfer = 0;
-        // SAFETY: the connection is live; `descs` points to `count` initialized
-        // descriptors that outlive the call (the shim copies what it keeps); the memory
-        // they name is registered, and te's engine keeps it valid until deregistered.
-        let code =
-            unsafe { (self.engine.shim.post)(self.raw, op, descs.as_ptr(), count, &mut xfer) };
+        // SAFETY: the connection is live (not closed, and the read lock keeps it so);
+        // `descs` points to `count` initialized descriptors that outlive the call (the
+        // shim copies what it keeps); the memory they name is registered, and te's
+        // engine keeps it valid until deregistered.
+        let code = unsafe { (self.engine.shim.post)(*raw, op, descs.as_ptr(), count, &mut xfer) };
         self.engine.shim.check("te_flagcx_post", code)?;
         Ok(xfer)
     }
 
     /// `Ok(true)` once the transfer finished with every byte delivered, `Ok(false)`
-    /// while pending, an error (`E_TRANSFER` for failed slices) otherwise. After
-    /// anything but `Ok(false)` the id is released and must not be queried again.
+    /// while pending, an error (`E_TRANSFER` for failed slices, `E_UNREACHABLE` once
+    /// the connection was closed) otherwise. After anything but `Ok(false)` the id is
+    /// released and must not be queried again.
     pub(crate) fn query(&self, xfer: u64) -> Result<bool, ShimError> {
-        // SAFETY: the connection is live; the caller queries each id until it finishes
-        // and never again.
-        let code = unsafe { (self.engine.shim.query)(self.raw, xfer) };
+        let raw = self.raw.read();
+        if raw.is_null() {
+            return Err(self.closed("te_flagcx_query"));
+        }
+        // SAFETY: the connection is live (the read lock keeps it so); the caller
+        // queries each id until it finishes and never again.
+        let code = unsafe { (self.engine.shim.query)(*raw, xfer) };
         match code {
             PENDING => Ok(false),
             OK => Ok(true),
             code => Err(self.engine.shim.error("te_flagcx_query", code)),
         }
     }
+
+    /// Closes the connection now, whoever else holds it: once this returns, no
+    /// transfer posted on it touches memory any more (the shim's disconnect ends its
+    /// transfers, see `te_flagcx_disconnect`), and later posts and queries fail with
+    /// `E_UNREACHABLE`. Idempotent.
+    pub(crate) fn close(&self) {
+        let mut raw = self.raw.write();
+        if raw.is_null() {
+            return;
+        }
+        // SAFETY: the write lock excludes every post and query; transfers still pending
+        // on it are never queried on the shim again (the null pointer stops them).
+        unsafe { (self.engine.shim.disconnect)(*raw) };
+        *raw = std::ptr::null_mut();
+    }
 }
 
 impl Drop for Conn {
     fn drop(&mut self) {
-        // SAFETY: the last reference is gone; transfers still pending on it are never
-        // queried again (their records held this `Arc`).
-        unsafe { (self.engine.shim.disconnect)(self.raw) }
+        self.close();
     }
 }

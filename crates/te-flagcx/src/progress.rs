@@ -73,11 +73,13 @@ impl Shared {
 pub(crate) struct Handle(Arc<Shared>);
 
 impl Handle {
-    /// Hands a posted batch to the thread. After shutdown, the batch is dropped: its
-    /// completion reports it cancelled.
+    /// Hands a posted batch to the thread. After shutdown, the batch's connection is
+    /// closed and the batch reports cancelled.
     pub(crate) fn add(&self, batch: InFlight) {
         let mut q = self.0.lock();
         if q.stop {
+            drop(q);
+            batch.cancel();
             return;
         }
         q.incoming.push(batch);
@@ -167,8 +169,11 @@ impl Drop for Progress {
             shared.wake(q);
             taken
         };
-        // Dropped completions report their batches cancelled.
-        drop((incoming, parked));
+        // Every connection first, then the completions report their batches cancelled:
+        // a batch sharing its connection with another must not report while the other
+        // keeps its transfers going.
+        cancel(incoming);
+        drop(parked);
         if std::thread::current().id() != self.thread_id {
             if let Some(t) = self.thread.take() {
                 let _ = t.join();
@@ -190,9 +195,9 @@ fn run(shared: &Shared, poster: &Poster) {
             q.in_shim = false;
             if q.stop {
                 drop(q);
-                // Completions dropped here report their batches cancelled.
+                // Nothing of a parked batch was posted: they report cancelled at once.
                 drop(parked);
-                drop(active);
+                cancel(active);
                 return;
             }
             let news = q.kicked || !q.incoming.is_empty() || !q.parked.is_empty();
@@ -230,6 +235,15 @@ fn run(shared: &Shared, poster: &Poster) {
         }
         shared.engine.wait(seen, wait);
     }
+}
+
+/// Closes the connection of every batch, then drops them: each completion reports
+/// its batch cancelled only once no connection of any of them moves bytes any more.
+fn cancel(batches: Vec<InFlight>) {
+    for b in &batches {
+        b.link.conn.close();
+    }
+    drop(batches);
 }
 
 /// The time left to the earliest deadline of a parked batch.
