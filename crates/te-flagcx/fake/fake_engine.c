@@ -186,9 +186,12 @@ const char *te_flagcx_memory_kinds(te_flagcx_engine *e) {
 }
 
 int te_flagcx_register(te_flagcx_engine *e, uint64_t addr, uint64_t len,
-                       const char *memory, uint64_t *mr_out) {
+                       const char *memory, uint32_t access, uint64_t *mr_out) {
   if (!e || !mr_out || addr == 0 || len == 0 || addr + len < addr)
     return fail(TE_FLAGCX_E_INVALID, "register: null engine or empty range");
+  if (access & ~(TE_FLAGCX_ACCESS_REMOTE_READ | TE_FLAGCX_ACCESS_REMOTE_WRITE))
+    return fail(TE_FLAGCX_E_INVALID, "register: unknown access flags 0x%x",
+                (unsigned)access);
   if (!memory || strcmp(memory, "host") != 0)
     return fail(TE_FLAGCX_E_UNSUPPORTED,
                 "the fake shim registers host memory only, not `%s`",
@@ -204,7 +207,7 @@ int te_flagcx_register(te_flagcx_engine *e, uint64_t addr, uint64_t len,
     e->regions = grown;
     e->cap = cap;
   }
-  region r = {e->next_mr++, addr, len};
+  region r = {e->next_mr++, addr, len, access};
   e->regions[e->nregions++] = r;
   pthread_rwlock_unlock(&e->lock);
   *mr_out = r.mr;

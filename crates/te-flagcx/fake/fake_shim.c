@@ -6,6 +6,9 @@
  *   connect time; a remote range outside the snapshot is refused as stale;
  * - a descriptor has a size limit (option max_desc), so the backend must split;
  * - completion is queried, and a transfer id is released once it reported done;
+ * - a registration carries its remote rights: the target refuses a remote WRITE into
+ *   memory not registered remotely writable and a READ from memory not registered
+ *   remotely readable (TE_FLAGCX_E_ACCESS), whatever the initiator's snapshot says;
  * - a failed slice is "done": a transfer with failed slices finishes like any other,
  *   with a failed-slice count, as FlagCX's transfer task does, and the status comes
  *   from te_flagcx_status.h, the mapping the real shim uses.
@@ -59,7 +62,7 @@ int fail(int code, const char *fmt, ...) {
 uint32_t te_flagcx_shim_abi(void) { return TE_FLAGCX_SHIM_ABI; }
 
 const char *te_flagcx_shim_version(void) {
-  return "te-flagcx FAKE shim 2 (loopback TCP; not FlagCX)";
+  return "te-flagcx FAKE shim 3 (loopback TCP; not FlagCX)";
 }
 
 const char *te_flagcx_last_error(void) { return last_error; }

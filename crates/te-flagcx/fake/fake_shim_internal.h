@@ -42,6 +42,7 @@ FAKE_HIDDEN int fail(int code, const char *fmt, ...);
 
 typedef struct region {
   uint64_t mr, addr, len;
+  uint32_t access; /* TE_FLAGCX_ACCESS_* flags: what peers may do */
 } region;
 
 /* fake_engine.c: whether [addr, addr+len) lies inside r. */

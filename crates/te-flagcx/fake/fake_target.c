@@ -2,7 +2,7 @@
  * The target side of the FAKE shim: te_flagcx_start_server listens on loopback TCP,
  * a thread accepts connections, and one thread per connection answers the handshake
  * with the engine's region table and serves reads and writes, checking every remote
- * range against the engine's registrations before touching memory.
+ * range against the engine's registrations and their rights before touching memory.
  */
 #include "fake_shim_internal.h"
 
@@ -49,6 +49,7 @@ static int serve_handshake(te_flagcx_engine *e, int fd) {
 static int serve_request(te_flagcx_engine *e, int fd) {
   request_header h;
   if (recv_all(fd, &h, sizeof h) != 0 || h.magic != FAKE_MAGIC ||
+      (h.op != TE_FLAGCX_OP_READ && h.op != TE_FLAGCX_OP_WRITE) ||
       h.count == 0 || h.count > FAKE_MAX_DESCS_ON_WIRE)
     return -1;
   wire_range *ranges = malloc((size_t)h.count * sizeof *ranges);
@@ -60,26 +61,43 @@ static int serve_request(te_flagcx_engine *e, int fd) {
   }
   int rc = 0;
   char msg[256] = "";
+  uint32_t need = h.op == TE_FLAGCX_OP_WRITE ? TE_FLAGCX_ACCESS_REMOTE_WRITE
+                                             : TE_FLAGCX_ACCESS_REMOTE_READ;
   pthread_rwlock_rdlock(&e->lock);
   uint32_t bad = h.count;
+  int status = TE_FLAGCX_OK;
   for (uint32_t i = 0; i < h.count && bad == h.count; i++) {
-    int ok = 0;
-    for (size_t r = 0; r < e->nregions && !ok; r++)
-      ok = contains(&e->regions[r], ranges[i].addr, ranges[i].len);
-    if (!ok)
+    int registered = 0, allowed = 0;
+    for (size_t r = 0; r < e->nregions && !allowed; r++) {
+      if (contains(&e->regions[r], ranges[i].addr, ranges[i].len)) {
+        registered = 1;
+        allowed = (e->regions[r].access & need) != 0;
+      }
+    }
+    if (!allowed) {
       bad = i;
+      status = registered ? TE_FLAGCX_E_ACCESS : TE_FLAGCX_E_NOT_REGISTERED;
+    }
   }
   if (bad != h.count) {
-    snprintf(msg, sizeof msg,
-             "the target has no registration containing 0x%llx+%llu "
-             "(deregistered since the initiator connected?)",
-             (unsigned long long)ranges[bad].addr,
-             (unsigned long long)ranges[bad].len);
+    if (status == TE_FLAGCX_E_ACCESS)
+      snprintf(msg, sizeof msg,
+               "the target's registration holding 0x%llx+%llu does not allow "
+               "remote %s",
+               (unsigned long long)ranges[bad].addr,
+               (unsigned long long)ranges[bad].len,
+               h.op == TE_FLAGCX_OP_WRITE ? "WRITE" : "READ");
+    else
+      snprintf(msg, sizeof msg,
+               "the target has no registration containing 0x%llx+%llu "
+               "(deregistered since the initiator connected?)",
+               (unsigned long long)ranges[bad].addr,
+               (unsigned long long)ranges[bad].len);
     pthread_rwlock_unlock(&e->lock);
     if (h.op == TE_FLAGCX_OP_WRITE && drain(fd, h.total) != 0)
       rc = -1;
     else
-      rc = reply(fd, TE_FLAGCX_E_NOT_REGISTERED, msg);
+      rc = reply(fd, status, msg);
     free(ranges);
     return rc;
   }

@@ -29,6 +29,13 @@
  * - No blocking wait: FlagCX's own workers poll their completion queues. te_flagcx_wait
  *   yields and returns, so te's completion thread polls while transfers are in flight
  *   and sleeps on a condition variable otherwise.
+ * - Rights. flagcxP2pRpcRegister / RegisterHost take no access flags: FlagCX registers
+ *   every region for remote READ and WRITE and sends its whole (process-wide) region
+ *   table to every peer in the handshake. The shim cannot restrict what a peer does
+ *   with a region, so it refuses to register memory with fewer rights than that
+ *   (local-only, read-only, write-only) unless the engine was created with
+ *   unrestricted=1, by which the operator accepts that every registered region is
+ *   readable and writable by every peer.
  * - flagcxP2pEngineMrDestroy deregisters at once, whatever is in flight; te's backend
  *   calls te_flagcx_deregister only after its transfers on the memory finished.
  * - A descriptor's size is a uint32_t in FlagCX (FlagcxP2pRdmaDesc::size, MakeDesc),
@@ -86,6 +93,8 @@ struct te_flagcx_engine {
   FlagcxP2pEngine *engine = nullptr;
   uint64_t maxDesc = kDefaultMaxDesc;
   std::string memory = "host,cuda";
+  /* unrestricted=1: register memory FlagCX exposes more than te asked (see above). */
+  bool unrestricted = false;
   std::mutex lock; /* guards endpoint */
   std::string endpoint;
   bool serving = false;
@@ -128,6 +137,11 @@ static int parseOptions(te_flagcx_engine *e, const char *options) {
                     "shim option max_desc=%s must be 1..=%llu", value.c_str(),
                     (unsigned long long)kHardMaxDesc);
       e->maxDesc = v;
+    } else if (key == "unrestricted") {
+      if (value != "0" && value != "1")
+        return fail(TE_FLAGCX_E_INVALID,
+                    "shim option unrestricted=%s must be 0 or 1", value.c_str());
+      e->unrestricted = value == "1";
     } else if (key == "memory") {
       std::string kinds;
       for (char ch : value)
@@ -135,7 +149,8 @@ static int parseOptions(te_flagcx_engine *e, const char *options) {
       e->memory = kinds;
     } else {
       return fail(TE_FLAGCX_E_INVALID,
-                  "unknown shim option `%s` (known: max_desc, memory)",
+                  "unknown shim option `%s` (known: max_desc, memory, "
+                  "unrestricted)",
                   key.c_str());
     }
   }
@@ -161,7 +176,7 @@ extern "C" {
 uint32_t te_flagcx_shim_abi(void) { return TE_FLAGCX_SHIM_ABI; }
 
 const char *te_flagcx_shim_version(void) {
-  return "te-flagcx shim 2 over FlagCX p2p (flagcx_p2p.h)";
+  return "te-flagcx shim 3 over FlagCX p2p (flagcx_p2p.h)";
 }
 
 const char *te_flagcx_last_error(void) { return lastError; }
@@ -252,9 +267,25 @@ const char *te_flagcx_memory_kinds(te_flagcx_engine *e) {
 }
 
 int te_flagcx_register(te_flagcx_engine *e, uint64_t addr, uint64_t len,
-                       const char *memory, uint64_t *mr_out) {
+                       const char *memory, uint32_t access, uint64_t *mr_out) {
   if (e == nullptr || mr_out == nullptr || addr == 0 || len == 0)
     return fail(TE_FLAGCX_E_INVALID, "register: null engine or empty range");
+  const uint32_t all = TE_FLAGCX_ACCESS_REMOTE_READ | TE_FLAGCX_ACCESS_REMOTE_WRITE;
+  if ((access & ~all) != 0)
+    return fail(TE_FLAGCX_E_INVALID, "register: unknown access flags 0x%x",
+                (unsigned)access);
+  /* FlagCX gives every peer READ and WRITE on every registered region. */
+  if (access != all && !e->unrestricted)
+    return fail(TE_FLAGCX_E_UNSUPPORTED,
+                "FlagCX cannot restrict remote access: it would let every peer READ "
+                "and WRITE this %s region of 0x%llx+%llu, which was asked for %s; "
+                "register it remotely readable and writable, or accept that with "
+                "shim_options unrestricted=1 (docs/flagcx.md)",
+                memory ? memory : "(null)", (unsigned long long)addr,
+                (unsigned long long)len,
+                access == 0 ? "local use only"
+                : access == TE_FLAGCX_ACCESS_REMOTE_READ ? "remote READ only"
+                                                          : "remote WRITE only");
   if (memory == nullptr || !runtimeAllowed(e, memory))
     return fail(TE_FLAGCX_E_UNSUPPORTED,
                 "memory `%s` is not among this shim's kinds (%s)",

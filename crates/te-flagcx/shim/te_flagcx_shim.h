@@ -30,7 +30,7 @@ extern "C" {
 #endif
 
 /* The ABI version this header describes; te_flagcx_shim_abi() must return it. */
-#define TE_FLAGCX_SHIM_ABI 2
+#define TE_FLAGCX_SHIM_ABI 3
 
 /* Status codes. */
 #define TE_FLAGCX_OK 0
@@ -53,6 +53,15 @@ extern "C" {
 #define TE_FLAGCX_E_TRANSFER (-6)
 /* Anything else: the library under the shim failed, out of memory. */
 #define TE_FLAGCX_E_INTERNAL (-7)
+/* The target refused the transfer: the registration holding the remote range does not
+   allow this remote access (a WRITE into memory not remotely writable, a READ from
+   memory not remotely readable). */
+#define TE_FLAGCX_E_ACCESS (-8)
+
+/* Remote rights of a registration (te_flagcx_register's `access`); 0: local use
+   only. */
+#define TE_FLAGCX_ACCESS_REMOTE_READ 1u  /* peers may READ from it */
+#define TE_FLAGCX_ACCESS_REMOTE_WRITE 2u /* peers may WRITE into it */
 
 /* Operations. */
 #define TE_FLAGCX_OP_READ 0  /* remote -> local */
@@ -102,9 +111,13 @@ uint64_t te_flagcx_max_desc_len(te_flagcx_engine *engine);
 const char *te_flagcx_memory_kinds(te_flagcx_engine *engine);
 
 /* Registers [addr, addr+len) of memory kind `memory` ("host", "cuda:0", ...) for
-   local use and remote access; writes its handle to *mr_out. */
+   local use and for the remote rights in `access` (TE_FLAGCX_ACCESS_* flags, 0 for
+   local use only); writes its handle to *mr_out. Peers must get no other access to
+   the memory: an implementation that cannot restrict remote access to `access`
+   refuses the registration (TE_FLAGCX_E_UNSUPPORTED, saying why) rather than expose
+   the memory; an unknown flag is TE_FLAGCX_E_INVALID. */
 int te_flagcx_register(te_flagcx_engine *engine, uint64_t addr, uint64_t len,
-                       const char *memory, uint64_t *mr_out);
+                       const char *memory, uint32_t access, uint64_t *mr_out);
 
 /* Forgets a registration. It does not wait for transfers: the caller first waits
    until every transfer it posted on the memory has been reported finished by

@@ -14,7 +14,7 @@ use te_core::{
 
 use crate::batch::Poster;
 use crate::config::FlagcxConfig;
-use crate::ffi::{self, E_INVALID};
+use crate::ffi::{self, ACCESS_REMOTE_READ, ACCESS_REMOTE_WRITE, E_INVALID};
 use crate::peers::{PeerState, Table};
 use crate::progress::{Parked, Progress};
 use crate::regions::Regions;
@@ -256,9 +256,18 @@ impl TransferBackend for FlagcxBackend {
     }
 
     fn register(&self, id: RegionId, mem: &MemoryDesc) -> Result<Vec<u8>> {
+        // The shim enforces the rights at the target (or refuses memory it cannot
+        // restrict): a peer's descriptor, which it writes itself, decides nothing.
+        let mut access = 0;
+        if mem.access.remote_read {
+            access |= ACCESS_REMOTE_READ;
+        }
+        if mem.access.remote_write {
+            access |= ACCESS_REMOTE_WRITE;
+        }
         let mr = self
             .engine
-            .register(mem.addr, mem.len, &mem.kind.to_string())
+            .register(mem.addr, mem.len, &mem.kind.to_string(), access)
             .map_err(|e| Error::from(e).with_context("region", id))?;
         self.poster
             .regions

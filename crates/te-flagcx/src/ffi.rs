@@ -13,7 +13,7 @@ use te_core::sync::{Mutex, RwLock};
 use te_core::{Error, ErrorKind};
 
 /// The ABI version this crate speaks (`TE_FLAGCX_SHIM_ABI`).
-pub(crate) const ABI: u32 = 2;
+pub(crate) const ABI: u32 = 3;
 
 pub(crate) const OK: c_int = 0;
 pub(crate) const PENDING: c_int = 1;
@@ -23,6 +23,12 @@ pub(crate) const E_NOT_REGISTERED: c_int = -3;
 pub(crate) const E_STALE: c_int = -4;
 pub(crate) const E_UNSUPPORTED: c_int = -5;
 pub(crate) const E_TRANSFER: c_int = -6;
+pub(crate) const E_ACCESS: c_int = -8;
+
+/// `TE_FLAGCX_ACCESS_REMOTE_READ`: peers may READ from the registration.
+pub(crate) const ACCESS_REMOTE_READ: u32 = 1;
+/// `TE_FLAGCX_ACCESS_REMOTE_WRITE`: peers may WRITE into the registration.
+pub(crate) const ACCESS_REMOTE_WRITE: u32 = 2;
 
 pub(crate) const OP_READ: c_int = 0;
 pub(crate) const OP_WRITE: c_int = 1;
@@ -77,7 +83,7 @@ impl ShimError {
     /// The `te_core` kind of a shim status code.
     pub(crate) fn kind_of(code: c_int) -> ErrorKind {
         match code {
-            E_INVALID => ErrorKind::InvalidRequest,
+            E_INVALID | E_ACCESS => ErrorKind::InvalidRequest,
             E_UNREACHABLE => ErrorKind::PeerUnreachable,
             E_NOT_REGISTERED | E_STALE => ErrorKind::NotRegistered,
             E_UNSUPPORTED => ErrorKind::Unsupported,
@@ -101,6 +107,7 @@ impl From<ShimError> for Error {
                 let what = match *code {
                     E_STALE => format!("{message} (stale registration: the connection will be renewed; retry the batch)"),
                     E_TRANSFER => format!("the transfer failed: {message}"),
+                    E_ACCESS => format!("the target refused the transfer: {message}"),
                     _ => message.clone(),
                 };
                 Error::new(ShimError::kind_of(*code), what).with_context("shim_status", code)
@@ -117,7 +124,8 @@ type FnEngine = unsafe extern "C" fn(*mut RawEngine) -> c_int;
 type FnEngineVoid = unsafe extern "C" fn(*mut RawEngine);
 type FnEngineStr = unsafe extern "C" fn(*mut RawEngine) -> *const c_char;
 type FnEngineU64 = unsafe extern "C" fn(*mut RawEngine) -> u64;
-type FnRegister = unsafe extern "C" fn(*mut RawEngine, u64, u64, *const c_char, *mut u64) -> c_int;
+type FnRegister =
+    unsafe extern "C" fn(*mut RawEngine, u64, u64, *const c_char, u32, *mut u64) -> c_int;
 type FnDeregister = unsafe extern "C" fn(*mut RawEngine, u64) -> c_int;
 type FnConnect = unsafe extern "C" fn(*mut RawEngine, *const c_char, *mut *mut RawConn) -> c_int;
 type FnDisconnect = unsafe extern "C" fn(*mut RawConn);
@@ -345,13 +353,21 @@ impl Engine {
             .collect()
     }
 
-    /// Registers memory; returns the shim's handle.
-    pub(crate) fn register(&self, addr: u64, len: u64, memory: &str) -> Result<u64, ShimError> {
+    /// Registers memory with the remote rights `access` (`ACCESS_*` flags, 0 for local
+    /// use only); returns the shim's handle.
+    pub(crate) fn register(
+        &self,
+        addr: u64,
+        len: u64,
+        memory: &str,
+        access: u32,
+    ) -> Result<u64, ShimError> {
         let memory = c_string("te_flagcx_register", memory)?;
         let mut mr = 0;
         // SAFETY: `raw` is live, `memory` a valid C string, `mr` a valid out pointer.
         // The caller (te's engine) guarantees the memory stays valid until deregistered.
-        let code = unsafe { (self.shim.register)(self.raw, addr, len, memory.as_ptr(), &mut mr) };
+        let code =
+            unsafe { (self.shim.register)(self.raw, addr, len, memory.as_ptr(), access, &mut mr) };
         self.shim.check("te_flagcx_register", code)?;
         Ok(mr)
     }

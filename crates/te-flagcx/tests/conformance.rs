@@ -34,9 +34,14 @@ fn main() {
     if let Some(real) = std::env::var_os(REAL_SHIM).filter(|p| !p.is_empty()) {
         let real = real.to_string_lossy().into_owned();
         std::env::set_var(te_flagcx::SHIM_ENV, &real);
-        // No slow configuration: the tests that need one are skipped, saying so.
-        let plain = Harness::new("flagcx_real", config(&real, ""));
-        let split = Harness::new("flagcx_real_split", config(&real, "max_desc=4096"));
+        // No slow configuration: the tests that need one are skipped, saying so. FlagCX
+        // cannot restrict a region's remote rights; the suite's local-only and
+        // read-only regions need the operator's consent (docs/flagcx.md).
+        let plain = Harness::new("flagcx_real", config(&real, "unrestricted=1"));
+        let split = Harness::new(
+            "flagcx_real_split",
+            config(&real, "unrestricted=1,max_desc=4096"),
+        );
         let mut trials = testkit::trials(&plain);
         trials.extend(testkit::trials(&split));
         testkit::run(trials);

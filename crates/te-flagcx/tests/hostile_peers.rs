@@ -138,3 +138,78 @@ fn a_descriptor_naming_a_connected_instance_from_another_address_is_refused() {
     drop(target);
     assert!(problems.is_empty(), "{}", problems.join("; "));
 }
+
+/// A region registered read-only must not accept a remote WRITE, a local-only one must
+/// not accept any remote access, and a write-only one must not serve a READ: the
+/// target's own registration decides, not a peer's descriptor (a hostile peer writes
+/// its own). The shim's `te_flagcx_register` is never told the rights.
+#[test]
+fn the_target_enforces_its_regions_rights_whatever_the_descriptor_says() {
+    let _g = serial();
+    let target = backend("");
+    let ro = Mem::new(LEN);
+    let local = Mem::new(LEN);
+    let wo = Mem::new(LEN);
+    ro.write(&vec![0x11; LEN]);
+    local.write(&vec![0x22; LEN]);
+    wo.write(&vec![0x33; LEN]);
+    register(&target, 1, &ro, Access::REMOTE_READ);
+    register(&target, 2, &local, Access::LOCAL);
+    register(
+        &target,
+        3,
+        &wo,
+        Access {
+            remote_read: false,
+            remote_write: true,
+        },
+    );
+    // The hostile initiator's own idea of the target's regions.
+    let rw = Access::REMOTE_READ_WRITE;
+    let forged = segment(
+        target.endpoint(),
+        "127.0.0.1:7001",
+        vec![
+            region(1, ro.addr(), LEN as u64, rw),
+            region(2, local.addr(), LEN as u64, rw),
+            region(3, wo.addr(), LEN as u64, rw),
+        ],
+    );
+    let hostile = backend("");
+    let src = Mem::new(LEN);
+    register(&hostile, 10, &src, Access::LOCAL);
+    let peer = connect(&hostile, &forged);
+    src.write(&vec![0xEE; LEN]);
+    let mut problems = Vec::new();
+    let w1 = run(
+        &hostile,
+        peer,
+        TransferRequest::write(RegionId(10), 0, RegionId(1), 0, LEN as u64),
+    );
+    if ro.read() != vec![0x11; LEN] {
+        problems.push(format!(
+            "a remote WRITE landed in a read-only region ({w1:?})"
+        ));
+    }
+    let w2 = run(
+        &hostile,
+        peer,
+        TransferRequest::write(RegionId(10), 0, RegionId(2), 0, LEN as u64),
+    );
+    if local.read() != vec![0x22; LEN] {
+        problems.push(format!(
+            "a remote WRITE landed in a local-only region ({w2:?})"
+        ));
+    }
+    let r3 = run(
+        &hostile,
+        peer,
+        TransferRequest::read(RegionId(10), 0, RegionId(3), 0, LEN as u64),
+    );
+    if src.read() == vec![0x33; LEN] {
+        problems.push(format!("a write-only region served a remote READ ({r3:?})"));
+    }
+    drop(hostile);
+    drop(target);
+    assert!(problems.is_empty(), "{}", problems.join("; "));
+}
