@@ -8,7 +8,9 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -209,16 +211,107 @@ static void *worker_thread(void *arg) {
   return NULL;
 }
 
+/* ---------------------------------------------------------------- connecting */
+
+enum { STEP_OK = 0, STEP_TIMEOUT = 1, STEP_CANCELLED = 2, STEP_FAILED = -1 };
+
+static long ms_left(const struct timespec *deadline) {
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  long ms = (long)(deadline->tv_sec - now.tv_sec) * 1000L +
+            (deadline->tv_nsec - now.tv_nsec) / 1000000L;
+  return ms < 0 ? 0 : ms;
+}
+
+/* Waits until fd has `events` (fd -1: only for the time), the deadline passed, or the
+   engine's connects were cancelled. */
+static int wait_step(te_flagcx_engine *e, int fd, short events,
+                     const struct timespec *deadline) {
+  for (;;) {
+    struct pollfd p[2] = {{e->cancel_pipe[0], POLLIN, 0}, {fd, events, 0}};
+    long left = ms_left(deadline);
+    int n = poll(p, fd >= 0 ? 2 : 1, (int)(left > 60000 ? 60000 : left));
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n < 0)
+      return STEP_FAILED;
+    if (p[0].revents)
+      return STEP_CANCELLED;
+    if (fd >= 0 && p[1].revents)
+      return STEP_OK;
+    if (ms_left(deadline) == 0)
+      return fd >= 0 ? STEP_TIMEOUT : STEP_OK;
+  }
+}
+
+/* Sends or receives exactly len bytes on a non-blocking socket, by the deadline. */
+static int io_step(te_flagcx_engine *e, int fd, void *buf, uint64_t len,
+                   int sending, const struct timespec *deadline) {
+  char *p = buf;
+  while (len > 0) {
+    ssize_t n = sending ? send(fd, p, len, MSG_NOSIGNAL) : recv(fd, p, len, 0);
+    if (n > 0) {
+      p += n;
+      len -= (uint64_t)n;
+      continue;
+    }
+    if (n == 0)
+      return STEP_FAILED;
+    if (errno == EINTR)
+      continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK)
+      return STEP_FAILED;
+    int w = wait_step(e, fd, sending ? POLLOUT : POLLIN, deadline);
+    if (w != STEP_OK)
+      return w;
+  }
+  return STEP_OK;
+}
+
+static int step_failed(int step, const char *endpoint, uint32_t timeout_ms,
+                       const char *what) {
+  if (step == STEP_CANCELLED)
+    return fail(TE_FLAGCX_E_UNREACHABLE,
+                "connecting to %s was cancelled: the engine is closing", endpoint);
+  if (step == STEP_TIMEOUT)
+    return fail(TE_FLAGCX_E_UNREACHABLE,
+                "connecting to %s timed out after %u ms %s (is the peer alive and "
+                "a te fake shim?)",
+                endpoint, timeout_ms, what);
+  return fail(TE_FLAGCX_E_UNREACHABLE, "%s with %s failed: %s", what, endpoint,
+              strerror(errno ? errno : ECONNRESET));
+}
+
 int te_flagcx_connect(te_flagcx_engine *e, const char *endpoint,
-                      te_flagcx_conn **out) {
+                      uint32_t timeout_ms, te_flagcx_conn **out) {
   if (!e || !endpoint || !out)
     return fail(TE_FLAGCX_E_INVALID, "connect: null argument");
   __atomic_add_fetch(&counter_connects, 1, __ATOMIC_RELAXED);
+  struct timespec deadline;
+  clock_gettime(CLOCK_MONOTONIC, &deadline);
+  deadline.tv_sec += timeout_ms / 1000;
+  deadline.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+  if (deadline.tv_nsec >= 1000000000L) {
+    deadline.tv_sec++;
+    deadline.tv_nsec -= 1000000000L;
+  }
   if (e->connect_delay_ms) {
-    struct timespec ts = {(time_t)(e->connect_delay_ms / 1000),
-                          (long)(e->connect_delay_ms % 1000) * 1000000L};
-    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    /* A slow handshake: as slow as configured, but never past the deadline. */
+    struct timespec slow;
+    clock_gettime(CLOCK_MONOTONIC, &slow);
+    slow.tv_sec += e->connect_delay_ms / 1000;
+    slow.tv_nsec += (long)(e->connect_delay_ms % 1000) * 1000000L;
+    if (slow.tv_nsec >= 1000000000L) {
+      slow.tv_sec++;
+      slow.tv_nsec -= 1000000000L;
     }
+    int late = slow.tv_sec > deadline.tv_sec ||
+               (slow.tv_sec == deadline.tv_sec && slow.tv_nsec > deadline.tv_nsec);
+    int w = wait_step(e, -1, 0, late ? &deadline : &slow);
+    if (w == STEP_OK && late)
+      w = STEP_TIMEOUT;
+    if (w != STEP_OK)
+      return step_failed(w, endpoint, timeout_ms, "in the handshake");
   }
   if (e->fail_connect)
     return fail(TE_FLAGCX_E_UNREACHABLE,
@@ -239,31 +332,62 @@ int te_flagcx_connect(te_flagcx_engine *e, const char *endpoint,
     return fail(TE_FLAGCX_E_INVALID, "endpoint `%s` is not IPv4-host:port",
                 endpoint);
   a.sin_port = htons((uint16_t)port);
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0)
     return fail(TE_FLAGCX_E_INTERNAL, "socket: %s", strerror(errno));
-  struct timeval tv = {5, 0};
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  int step = STEP_OK;
   if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
-    int err = errno;
-    close(fd);
-    return fail(TE_FLAGCX_E_UNREACHABLE, "cannot connect to %s: %s", endpoint,
-                strerror(err));
+    if (errno != EINPROGRESS) {
+      int err = errno;
+      close(fd);
+      return fail(TE_FLAGCX_E_UNREACHABLE, "cannot connect to %s: %s", endpoint,
+                  strerror(err));
+    }
+    step = wait_step(e, fd, POLLOUT, &deadline);
+    int err = 0;
+    socklen_t elen = sizeof err;
+    if (step == STEP_OK &&
+        (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen) != 0 || err != 0)) {
+      close(fd);
+      return fail(TE_FLAGCX_E_UNREACHABLE, "cannot connect to %s: %s", endpoint,
+                  strerror(err ? err : errno));
+    }
+    if (step != STEP_OK) {
+      close(fd);
+      return step_failed(step, endpoint, timeout_ms, "reaching it");
+    }
   }
-  tv.tv_sec = 0;
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   tune(fd);
   hello h = {FAKE_MAGIC, FAKE_WIRE_VERSION};
   uint32_t n = 0;
   wire_range *snapshot = NULL;
-  if (send_all(fd, &h, sizeof h) != 0 || recv_all(fd, &n, sizeof n) != 0 ||
-      n > FAKE_MAX_REGIONS_ON_WIRE ||
-      !(snapshot = calloc(n ? n : 1, sizeof *snapshot)) ||
-      recv_all(fd, snapshot, (uint64_t)n * sizeof *snapshot) != 0) {
+  step = io_step(e, fd, &h, sizeof h, 1, &deadline);
+  if (step == STEP_OK)
+    step = io_step(e, fd, &n, sizeof n, 0, &deadline);
+  if (step == STEP_OK && n > FAKE_MAX_REGIONS_ON_WIRE) {
+    close(fd);
+    return fail(TE_FLAGCX_E_UNREACHABLE,
+                "the handshake with %s announced %u regions (not a te fake shim?)",
+                endpoint, n);
+  }
+  if (step == STEP_OK && !(snapshot = calloc(n ? n : 1, sizeof *snapshot))) {
+    close(fd);
+    return fail(TE_FLAGCX_E_INTERNAL, "out of memory");
+  }
+  if (step == STEP_OK)
+    step = io_step(e, fd, snapshot, (uint64_t)n * sizeof *snapshot, 0, &deadline);
+  if (step != STEP_OK) {
     close(fd);
     free(snapshot);
-    return fail(TE_FLAGCX_E_UNREACHABLE,
-                "the handshake with %s failed (not a te fake shim?)", endpoint);
+    return step_failed(step, endpoint, timeout_ms, "in the handshake");
+  }
+  /* The connection's worker uses blocking I/O. */
+  int flags = fcntl(fd, F_GETFL);
+  if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    int err = errno;
+    close(fd);
+    free(snapshot);
+    return fail(TE_FLAGCX_E_INTERNAL, "fcntl: %s", strerror(err));
   }
   te_flagcx_conn *c = calloc(1, sizeof *c);
   if (!c) {
@@ -314,7 +438,7 @@ void te_flagcx_disconnect(te_flagcx_conn *c) {
 
 static int in_snapshot(const te_flagcx_conn *c, uint64_t addr, uint64_t len) {
   for (uint32_t i = 0; i < c->nsnapshot; i++) {
-    region r = {0, c->snapshot[i].addr, c->snapshot[i].len};
+    region r = {0, c->snapshot[i].addr, c->snapshot[i].len, 0};
     if (contains(&r, addr, len))
       return 1;
   }

@@ -7,6 +7,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -130,6 +131,11 @@ int te_flagcx_engine_create(const char *options, te_flagcx_engine **out) {
     free(e);
     return rc;
   }
+  if (pipe2(e->cancel_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
+    int err = errno;
+    free(e);
+    return fail(TE_FLAGCX_E_INTERNAL, "pipe: %s", strerror(err));
+  }
   pthread_rwlock_init(&e->lock, NULL);
   pthread_mutex_init(&e->srv_lock, NULL);
   pthread_mutex_init(&e->ev_lock, NULL);
@@ -164,8 +170,19 @@ void te_flagcx_engine_destroy(te_flagcx_engine *e) {
   pthread_mutex_destroy(&e->srv_lock);
   pthread_mutex_destroy(&e->ev_lock);
   pthread_cond_destroy(&e->ev_cond);
+  close(e->cancel_pipe[0]);
+  close(e->cancel_pipe[1]);
   free(e->regions);
   free(e);
+}
+
+void te_flagcx_cancel_connects(te_flagcx_engine *e) {
+  if (!e)
+    return;
+  char one = 1;
+  /* The pipe holds far more than the one byte that matters; a full pipe is fine. */
+  while (write(e->cancel_pipe[1], &one, 1) < 0 && errno == EINTR) {
+  }
 }
 
 const char *te_flagcx_endpoint(te_flagcx_engine *e) {

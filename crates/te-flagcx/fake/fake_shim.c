@@ -29,6 +29,9 @@
  *   connect_delay_ms=N  every connect of this engine takes N ms more (a slow
  *                    handshake)
  *
+ * te_flagcx_connect honours its timeout and te_flagcx_cancel_connects at every step
+ * (the TCP connect, the slow handshake of connect_delay_ms, the peer's answer).
+ *
  * te_flagcx_events / te_flagcx_wait block for real: each finished transfer bumps the
  * engine's event counter and wakes waiters.
  *
@@ -62,7 +65,7 @@ int fail(int code, const char *fmt, ...) {
 uint32_t te_flagcx_shim_abi(void) { return TE_FLAGCX_SHIM_ABI; }
 
 const char *te_flagcx_shim_version(void) {
-  return "te-flagcx FAKE shim 3 (loopback TCP; not FlagCX)";
+  return "te-flagcx FAKE shim 4 (loopback TCP; not FlagCX)";
 }
 
 const char *te_flagcx_last_error(void) { return last_error; }

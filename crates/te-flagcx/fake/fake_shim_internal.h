@@ -75,6 +75,10 @@ struct te_flagcx_engine {
   server_conn *served;
   char endpoint[96];
 
+  /* te_flagcx_cancel_connects writes a byte here, never read: the read end stays
+     readable, and every connect polls it beside its socket. */
+  int cancel_pipe[2];
+
   pthread_mutex_t ev_lock; /* guards events */
   pthread_cond_t ev_cond;
   uint64_t events;

@@ -13,6 +13,10 @@
  * - flagcxP2pEngineConnect: a new connection; its handshake copies the peer's
  *   registered-region table into the connection (a snapshot). The cached
  *   flagcxP2pEngineGetConn is not used, because its connections can never be renewed.
+ *   It takes no timeout and cannot be interrupted, so te_flagcx_connect runs it on a
+ *   helper thread and waits at most its timeout (or until te_flagcx_cancel_connects);
+ *   a helper whose caller gave up destroys the connection it gets, and
+ *   te_flagcx_engine_destroy waits for every helper, because each uses the engine.
  * - flagcxP2pEngineMakeDesc: resolves a remote address against that snapshot; a miss
  *   is TE_FLAGCX_E_STALE, so the caller reconnects.
  * - flagcxP2pEngineReadVector / WriteVector: post, non-blocking.
@@ -50,6 +54,11 @@
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <system_error>
+#include <thread>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -99,6 +108,18 @@ struct te_flagcx_engine {
   std::string endpoint;
   bool serving = false;
   std::atomic<uint64_t> events{0};
+  /* Connects in progress (see te_flagcx_connect). */
+  std::mutex connectLock;
+  std::condition_variable connectChanged;
+  unsigned helpers = 0;   /* helper threads still inside flagcxP2pEngineConnect */
+  bool cancelled = false; /* te_flagcx_cancel_connects was called */
+};
+
+/* One connect's helper thread and its caller, under the engine's connectLock. */
+struct PendingConnect {
+  bool done = false;
+  bool abandoned = false; /* the caller gave up: the helper destroys the connection */
+  FlagcxP2pConn *conn = nullptr;
 };
 
 struct te_flagcx_conn {
@@ -176,7 +197,7 @@ extern "C" {
 uint32_t te_flagcx_shim_abi(void) { return TE_FLAGCX_SHIM_ABI; }
 
 const char *te_flagcx_shim_version(void) {
-  return "te-flagcx shim 3 over FlagCX p2p (flagcx_p2p.h)";
+  return "te-flagcx shim 4 over FlagCX p2p (flagcx_p2p.h)";
 }
 
 const char *te_flagcx_last_error(void) { return lastError; }
@@ -217,6 +238,13 @@ int te_flagcx_engine_create(const char *options, te_flagcx_engine **out) {
 void te_flagcx_engine_destroy(te_flagcx_engine *e) {
   if (e == nullptr)
     return;
+  te_flagcx_cancel_connects(e);
+  {
+    /* Helpers still in flagcxP2pEngineConnect use the engine: FlagCX cannot
+       interrupt them, so this waits until FlagCX gives up on their peers. */
+    std::unique_lock<std::mutex> guard(e->connectLock);
+    e->connectChanged.wait(guard, [e] { return e->helpers == 0; });
+  }
   flagcxP2pEngineDestroy(e->engine);
   delete e;
 }
@@ -310,8 +338,16 @@ int te_flagcx_deregister(te_flagcx_engine *e, uint64_t mr) {
   return TE_FLAGCX_OK;
 }
 
+void te_flagcx_cancel_connects(te_flagcx_engine *e) {
+  if (e == nullptr)
+    return;
+  std::lock_guard<std::mutex> guard(e->connectLock);
+  e->cancelled = true;
+  e->connectChanged.notify_all();
+}
+
 int te_flagcx_connect(te_flagcx_engine *e, const char *endpoint,
-                      te_flagcx_conn **out) {
+                      uint32_t timeout_ms, te_flagcx_conn **out) {
   if (e == nullptr || endpoint == nullptr || out == nullptr)
     return fail(TE_FLAGCX_E_INVALID, "connect: null argument");
   std::string key(endpoint);
@@ -325,8 +361,64 @@ int te_flagcx_connect(te_flagcx_engine *e, const char *endpoint,
     return fail(TE_FLAGCX_E_INVALID, "endpoint `%s` has no valid port", endpoint);
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
     host = host.substr(1, host.size() - 2);
-  FlagcxP2pConn *conn =
-      flagcxP2pEngineConnect(e->engine, host.c_str(), -1, (int)port, false);
+  std::shared_ptr<PendingConnect> pending;
+  try {
+    pending = std::make_shared<PendingConnect>();
+  } catch (const std::bad_alloc &) {
+    return fail(TE_FLAGCX_E_INTERNAL, "out of memory");
+  }
+  {
+    std::lock_guard<std::mutex> guard(e->connectLock);
+    if (e->cancelled)
+      return fail(TE_FLAGCX_E_UNREACHABLE,
+                  "connecting to %s was cancelled: the engine is closing", endpoint);
+    e->helpers++;
+  }
+  try {
+    std::thread([e, pending, host, port] {
+      FlagcxP2pConn *c =
+          flagcxP2pEngineConnect(e->engine, host.c_str(), -1, (int)port, false);
+      bool abandoned;
+      {
+        std::lock_guard<std::mutex> guard(e->connectLock);
+        pending->done = true;
+        pending->conn = c;
+        abandoned = pending->abandoned;
+        e->connectChanged.notify_all();
+      }
+      if (abandoned && c != nullptr)
+        flagcxP2pEngineConnDestroy(c);
+      std::lock_guard<std::mutex> guard(e->connectLock);
+      e->helpers--;
+      e->connectChanged.notify_all();
+    }).detach();
+  } catch (const std::system_error &) {
+    std::lock_guard<std::mutex> guard(e->connectLock);
+    e->helpers--;
+    return fail(TE_FLAGCX_E_INTERNAL, "cannot start a thread to connect to %s",
+                endpoint);
+  }
+  FlagcxP2pConn *conn = nullptr;
+  {
+    std::unique_lock<std::mutex> guard(e->connectLock);
+    auto until =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    e->connectChanged.wait_until(guard, until, [&] {
+      return pending->done || e->cancelled;
+    });
+    if (!pending->done) {
+      pending->abandoned = true;
+      if (e->cancelled)
+        return fail(TE_FLAGCX_E_UNREACHABLE,
+                    "connecting to %s was cancelled: the engine is closing",
+                    endpoint);
+      return fail(TE_FLAGCX_E_UNREACHABLE,
+                  "flagcxP2pEngineConnect to %s did not finish within %u ms (is "
+                  "the peer's server running and its RDMA device reachable?)",
+                  endpoint, timeout_ms);
+    }
+    conn = pending->conn;
+  }
   if (conn == nullptr)
     return fail(TE_FLAGCX_E_UNREACHABLE,
                 "flagcxP2pEngineConnect to %s failed (is the peer's server "

@@ -30,7 +30,7 @@ extern "C" {
 #endif
 
 /* The ABI version this header describes; te_flagcx_shim_abi() must return it. */
-#define TE_FLAGCX_SHIM_ABI 3
+#define TE_FLAGCX_SHIM_ABI 4
 
 /* Status codes. */
 #define TE_FLAGCX_OK 0
@@ -126,9 +126,17 @@ int te_flagcx_register(te_flagcx_engine *engine, uint64_t addr, uint64_t len,
 int te_flagcx_deregister(te_flagcx_engine *engine, uint64_t mr);
 
 /* Opens a new connection to the engine at `endpoint` and takes a snapshot of the
-   peer's registered regions. Each call opens a new connection. */
+   peer's registered regions. Each call opens a new connection. Returns within about
+   `timeout_ms` whatever the peer does: a peer that does not complete the handshake by
+   then is TE_FLAGCX_E_UNREACHABLE ("timed out"). Returns TE_FLAGCX_E_UNREACHABLE at
+   once after te_flagcx_cancel_connects. */
 int te_flagcx_connect(te_flagcx_engine *engine, const char *endpoint,
-                      te_flagcx_conn **out);
+                      uint32_t timeout_ms, te_flagcx_conn **out);
+
+/* Makes every te_flagcx_connect of this engine in progress, and every later one,
+   return TE_FLAGCX_E_UNREACHABLE at once, so that the threads connecting can be
+   joined before the engine is destroyed. Open connections are not touched. */
+void te_flagcx_cancel_connects(te_flagcx_engine *engine);
 
 /* Closes a connection. Transfers still pending on it are abandoned: their ids must not
    be queried any more. te reports a batch cancelled once this returned for its

@@ -15,7 +15,7 @@ use te_core::{
 use crate::batch::Poster;
 use crate::config::FlagcxConfig;
 use crate::ffi::{self, ACCESS_REMOTE_READ, ACCESS_REMOTE_WRITE, E_INVALID};
-use crate::peers::{PeerState, Table};
+use crate::peers::{Attempts, PeerState, Table};
 use crate::progress::{Parked, Progress};
 use crate::regions::Regions;
 
@@ -26,9 +26,10 @@ pub const DEFAULT_WAIT: Duration = Duration::from_secs(30);
 
 /// The FlagCX backend: a shim engine, its registrations and its peers.
 ///
-/// Dropping it closes every peer first, then stops the completion thread (batches
-/// still in flight are dropped after their connection closed, and report cancelled),
-/// then the engine goes (connections hold it until they are gone).
+/// Dropping it closes every peer first, cancels the connects still running and joins
+/// their threads, then stops the completion thread (batches still in flight report
+/// cancelled once every one of their connections closed), then the engine goes
+/// (connections hold it until they are gone).
 pub struct FlagcxBackend {
     progress: Progress,
     info: BackendInfo,
@@ -37,6 +38,7 @@ pub struct FlagcxBackend {
     max_desc: u64,
     poster: Arc<Poster>,
     peers: PeerTable<Arc<PeerState>>,
+    attempts: Arc<Attempts>,
 }
 
 impl std::fmt::Debug for FlagcxBackend {
@@ -122,6 +124,7 @@ impl FlagcxBackend {
             max_desc,
             poster,
             peers: PeerTable::new(crate::NAME),
+            attempts: Arc::default(),
         })
     }
 
@@ -197,6 +200,7 @@ impl FlagcxBackend {
                     peer.epoch,
                     self.engine.clone(),
                     self.progress.handle().clone(),
+                    self.attempts.clone(),
                 ));
                 peers.insert(id, state.clone());
                 (id, state)
@@ -243,6 +247,10 @@ impl Drop for FlagcxBackend {
         for p in self.peers.drain() {
             p.close();
         }
+        // Connects still running (to a peer that never answers, say) end now, and their
+        // threads with them: none holds the engine once the backend is gone.
+        self.engine.cancel_connects();
+        self.attempts.join();
     }
 }
 

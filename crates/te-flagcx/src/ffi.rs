@@ -13,7 +13,7 @@ use te_core::sync::{Mutex, RwLock};
 use te_core::{Error, ErrorKind};
 
 /// The ABI version this crate speaks (`TE_FLAGCX_SHIM_ABI`).
-pub(crate) const ABI: u32 = 3;
+pub(crate) const ABI: u32 = 4;
 
 pub(crate) const OK: c_int = 0;
 pub(crate) const PENDING: c_int = 1;
@@ -127,7 +127,8 @@ type FnEngineU64 = unsafe extern "C" fn(*mut RawEngine) -> u64;
 type FnRegister =
     unsafe extern "C" fn(*mut RawEngine, u64, u64, *const c_char, u32, *mut u64) -> c_int;
 type FnDeregister = unsafe extern "C" fn(*mut RawEngine, u64) -> c_int;
-type FnConnect = unsafe extern "C" fn(*mut RawEngine, *const c_char, *mut *mut RawConn) -> c_int;
+type FnConnect =
+    unsafe extern "C" fn(*mut RawEngine, *const c_char, u32, *mut *mut RawConn) -> c_int;
 type FnDisconnect = unsafe extern "C" fn(*mut RawConn);
 type FnPost = unsafe extern "C" fn(*mut RawConn, c_int, *const Desc, u32, *mut u64) -> c_int;
 type FnQuery = unsafe extern "C" fn(*mut RawConn, u64) -> c_int;
@@ -147,6 +148,7 @@ pub(crate) struct Shim {
     register: FnRegister,
     deregister: FnDeregister,
     connect: FnConnect,
+    cancel_connects: FnEngineVoid,
     disconnect: FnDisconnect,
     post: FnPost,
     query: FnQuery,
@@ -232,6 +234,7 @@ impl Shim {
             register: sym(&lib, path, "te_flagcx_register")?,
             deregister: sym(&lib, path, "te_flagcx_deregister")?,
             connect: sym(&lib, path, "te_flagcx_connect")?,
+            cancel_connects: sym(&lib, path, "te_flagcx_cancel_connects")?,
             disconnect: sym(&lib, path, "te_flagcx_disconnect")?,
             post: sym(&lib, path, "te_flagcx_post")?,
             query: sym(&lib, path, "te_flagcx_query")?,
@@ -401,6 +404,13 @@ impl Engine {
         // SAFETY: `raw` is live.
         unsafe { (self.shim.wake)(self.raw) }
     }
+
+    /// Makes every [`Conn::open`] of this engine in progress, and every later one,
+    /// fail at once, so that the threads connecting can be joined.
+    pub(crate) fn cancel_connects(&self) {
+        // SAFETY: `raw` is live.
+        unsafe { (self.shim.cancel_connects)(self.raw) }
+    }
 }
 
 impl Drop for Engine {
@@ -433,12 +443,18 @@ impl std::fmt::Debug for Conn {
 }
 
 impl Conn {
-    /// Opens a new connection to `endpoint`, with a fresh snapshot of its regions.
-    pub(crate) fn open(engine: Arc<Engine>, endpoint: &str) -> Result<Conn, ShimError> {
+    /// Opens a new connection to `endpoint`, with a fresh snapshot of its regions;
+    /// gives up after about `timeout` (or at once after [`Engine::cancel_connects`]).
+    pub(crate) fn open(
+        engine: Arc<Engine>,
+        endpoint: &str,
+        timeout: std::time::Duration,
+    ) -> Result<Conn, ShimError> {
         let ep = c_string("te_flagcx_connect", endpoint)?;
+        let ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
         let mut raw = std::ptr::null_mut();
         // SAFETY: the engine is live, `ep` a valid C string, `raw` a valid out pointer.
-        let code = unsafe { (engine.shim.connect)(engine.raw, ep.as_ptr(), &mut raw) };
+        let code = unsafe { (engine.shim.connect)(engine.raw, ep.as_ptr(), ms, &mut raw) };
         engine.shim.check("te_flagcx_connect", code)?;
         Ok(Conn {
             engine,

@@ -5,18 +5,53 @@
 //! a submit that finds the connection stale starts one and parks its batch with the
 //! completion thread, which posts it once the new connection is up, or fails it with
 //! the attempt's error or at its deadline. Concurrent callers share the attempt, so a
-//! peer never gets two connections racing each other.
+//! peer never gets two connections racing each other. An attempt gives up after
+//! [`ATTEMPT_LIMIT`], and the backend cancels those still running when it closes and
+//! joins their threads (see [`Attempts`]), so none outlives it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 use te_core::sync::{Condvar, Mutex, MutexGuard};
 
 use te_core::{Error, ErrorKind, RegionId, Result, TransferRequest};
 
 use crate::ffi;
 use crate::progress::Handle;
+
+/// How long one connection attempt may take, whatever the peer does: a peer that
+/// accepts but never answers the handshake fails the attempt then.
+pub(crate) const ATTEMPT_LIMIT: Duration = Duration::from_secs(30);
+
+/// The backend's connect threads, so that closing the backend can join them (after
+/// cancelling their connects) and none holds the engine afterwards.
+#[derive(Debug, Default)]
+pub(crate) struct Attempts(Mutex<Vec<JoinHandle<()>>>);
+
+impl Attempts {
+    fn add(&self, thread: JoinHandle<()>) {
+        let mut threads = self.0.lock();
+        // Finished threads need no join.
+        threads.retain(|t| !t.is_finished());
+        threads.push(thread);
+    }
+
+    /// Joins every connect thread. Call with every peer closed and the engine's
+    /// connects cancelled, so that each returns at once.
+    pub(crate) fn join(&self) {
+        loop {
+            let threads = std::mem::take(&mut *self.0.lock());
+            if threads.is_empty() {
+                return;
+            }
+            for t in threads {
+                let _ = t.join();
+            }
+        }
+    }
+}
 
 /// A peer's regions as a connection's snapshot holds them: address and length by id.
 pub(crate) type Table = Arc<HashMap<RegionId, (u64, u64)>>;
@@ -32,7 +67,7 @@ pub(crate) struct Link {
 
 impl Link {
     fn open(engine: &Arc<ffi::Engine>, endpoint: &str, remote: Table) -> Result<Link> {
-        let conn = ffi::Conn::open(engine.clone(), endpoint).map_err(|e| {
+        let conn = ffi::Conn::open(engine.clone(), endpoint, ATTEMPT_LIMIT).map_err(|e| {
             Error::from(e)
                 .with_operation("connect")
                 .with_context("endpoint", endpoint)
@@ -82,6 +117,7 @@ pub(crate) struct PeerState {
     pub(crate) epoch: u64,
     engine: Arc<ffi::Engine>,
     progress: Handle,
+    attempts: Arc<Attempts>,
     slot: Mutex<Slot>,
     changed: Condvar,
 }
@@ -103,6 +139,7 @@ impl PeerState {
         epoch: u64,
         engine: Arc<ffi::Engine>,
         progress: Handle,
+        attempts: Arc<Attempts>,
     ) -> PeerState {
         PeerState {
             endpoint: endpoint.to_string(),
@@ -110,6 +147,7 @@ impl PeerState {
             epoch,
             engine,
             progress,
+            attempts,
             slot: Mutex::new(Slot {
                 link: None,
                 want: Arc::default(),
@@ -236,9 +274,11 @@ impl PeerState {
         }
     }
 
-    /// True if no connection was ever established (a first connect that failed).
+    /// True if no connection was ever established and no attempt is running (a first
+    /// connect that failed).
     pub(crate) fn never_connected(&self) -> bool {
-        self.lock().link.is_none()
+        let slot = self.lock();
+        slot.link.is_none() && !slot.connecting
     }
 
     /// Forgets the connection; batches parked on the peer fail, those in flight finish.
@@ -263,13 +303,16 @@ impl PeerState {
             let spawned = std::thread::Builder::new()
                 .name("te-flagcx-connect".into())
                 .spawn(move || me.attempts());
-            if let Err(e) = spawned {
-                slot.connecting = false;
-                slot.served = slot.wanted;
-                slot.failure = Some(
-                    Error::new(ErrorKind::Io, "cannot start a FlagCX connect thread")
-                        .with_source(e),
-                );
+            match spawned {
+                Ok(thread) => self.attempts.add(thread),
+                Err(e) => {
+                    slot.connecting = false;
+                    slot.served = slot.wanted;
+                    slot.failure = Some(
+                        Error::new(ErrorKind::Io, "cannot start a FlagCX connect thread")
+                            .with_source(e),
+                    );
+                }
             }
         }
         slot.wanted
