@@ -67,10 +67,8 @@ static void set_status(te_flagcx_conn *c, uint64_t id, int status,
 }
 
 static int local_ok(te_flagcx_engine *e, const te_flagcx_desc *d) {
-  for (size_t r = 0; r < e->nregions; r++)
-    if (e->regions[r].mr == d->local_mr)
-      return contains(&e->regions[r], d->local_addr, d->len);
-  return 0;
+  region *r = find_mr(e, d->local_mr);
+  return r && contains(r, d->local_addr, d->len);
 }
 
 /* The status of a job whose descriptors after the first `moved` failed, through the
@@ -84,6 +82,72 @@ static int finished(te_flagcx_conn *c, const job *j, uint32_t moved, char *msg,
              "the transfer to %s finished with %llu failed slice(s) of %u: some of "
              "its bytes did not arrive (injected by fake shim option fail_every=%u)",
              c->peer, (unsigned long long)failed, j->count, c->engine->fail_every);
+  return status;
+}
+
+/* Moves a job's bytes with its local regions pinned, none of the engine's locks held:
+   every socket call gives up once the peer took or sent nothing for the engine's
+   transfer_timeout_ms, which breaks the connection, like a queue pair whose retries
+   ran out. */
+static int move_job(te_flagcx_conn *c, job *j, uint32_t moved, char *msg,
+                    size_t cap) {
+  unsigned limit = c->engine->transfer_timeout_ms;
+  request_header h = {FAKE_MAGIC, (uint32_t)j->op, moved, 0, 0};
+  wire_range *ranges = malloc((size_t)moved * sizeof *ranges);
+  if (!ranges) {
+    snprintf(msg, cap, "out of memory");
+    return TE_FLAGCX_E_INTERNAL;
+  }
+  for (uint32_t i = 0; i < moved; i++) {
+    ranges[i].addr = j->descs[i].remote_addr;
+    ranges[i].len = j->descs[i].len;
+    h.total += j->descs[i].len;
+  }
+  int io = send_all(c->fd, &h, sizeof h, limit) == 0 &&
+                   send_all(c->fd, ranges, (uint64_t)moved * sizeof *ranges,
+                            limit) == 0
+               ? 0
+               : -1;
+  free(ranges);
+  if (io == 0 && j->op == TE_FLAGCX_OP_WRITE)
+    for (uint32_t i = 0; i < moved && io == 0; i++)
+      io = send_all(c->fd, (const void *)(uintptr_t)j->descs[i].local_addr,
+                    j->descs[i].len, limit);
+  reply_header r;
+  if (io == 0)
+    io = recv_all(c->fd, &r, sizeof r, limit);
+  int status = TE_FLAGCX_OK;
+  if (io == 0 && r.status != TE_FLAGCX_OK) {
+    char text[256] = "";
+    uint32_t keep = r.msglen < sizeof text - 1 ? r.msglen : sizeof text - 1;
+    io = recv_all(c->fd, text, keep, limit);
+    if (io == 0 && r.msglen > keep)
+      io = drain(c->fd, r.msglen - keep, limit);
+    snprintf(msg, cap, "%s", text);
+    status = r.status;
+  } else if (io == 0) {
+    io = drain(c->fd, r.msglen, limit);
+    if (j->op == TE_FLAGCX_OP_READ)
+      for (uint32_t i = 0; i < moved && io == 0; i++)
+        io = recv_all(c->fd, (void *)(uintptr_t)j->descs[i].local_addr,
+                      j->descs[i].len, limit);
+  }
+  if (io != 0) {
+    int err = errno ? errno : ECONNRESET;
+    /* Mid-message: the stream cannot carry another transfer. */
+    __atomic_store_n(&c->broken, 1, __ATOMIC_RELEASE);
+    shutdown(c->fd, SHUT_RDWR);
+    if (err == ETIMEDOUT)
+      snprintf(msg, cap,
+               "no progress for %u ms on the transfer to %s: the peer stalled "
+               "(transfer_timeout_ms, a queue pair's retry limit); connection "
+               "broken",
+               limit, c->peer);
+    else
+      snprintf(msg, cap, "the connection to %s broke mid-transfer: %s", c->peer,
+               strerror(err));
+    return TE_FLAGCX_E_UNREACHABLE;
+  }
   return status;
 }
 
@@ -105,71 +169,14 @@ static int run_job(te_flagcx_conn *c, job *j, char *msg, size_t cap) {
     snprintf(msg, cap, "the connection to %s is broken", c->peer);
     return TE_FLAGCX_E_UNREACHABLE;
   }
-  te_flagcx_engine *e = c->engine;
-  pthread_rwlock_rdlock(&e->lock);
-  for (uint32_t i = 0; i < j->count; i++) {
-    if (!local_ok(e, &j->descs[i])) {
-      pthread_rwlock_unlock(&e->lock);
-      snprintf(msg, cap,
-               "local memory handle %llu does not cover 0x%llx+%llu "
-               "(deregistered while the transfer was queued?)",
-               (unsigned long long)j->descs[i].local_mr,
-               (unsigned long long)j->descs[i].local_addr,
-               (unsigned long long)j->descs[i].len);
-      return TE_FLAGCX_E_NOT_REGISTERED;
-    }
-  }
-  if (moved == 0) {
-    pthread_rwlock_unlock(&e->lock);
-    return finished(c, j, moved, msg, cap);
-  }
-  request_header h = {FAKE_MAGIC, (uint32_t)j->op, moved, 0, 0};
-  wire_range *ranges = malloc((size_t)moved * sizeof *ranges);
-  if (!ranges) {
-    pthread_rwlock_unlock(&e->lock);
-    snprintf(msg, cap, "out of memory");
-    return TE_FLAGCX_E_INTERNAL;
-  }
-  for (uint32_t i = 0; i < moved; i++) {
-    ranges[i].addr = j->descs[i].remote_addr;
-    ranges[i].len = j->descs[i].len;
-    h.total += j->descs[i].len;
-  }
-  int io = send_all(c->fd, &h, sizeof h) == 0 &&
-                   send_all(c->fd, ranges, (uint64_t)moved * sizeof *ranges) == 0
-               ? 0
-               : -1;
-  free(ranges);
-  if (io == 0 && j->op == TE_FLAGCX_OP_WRITE)
-    for (uint32_t i = 0; i < moved && io == 0; i++)
-      io = send_all(c->fd, (const void *)(uintptr_t)j->descs[i].local_addr,
-                    j->descs[i].len);
-  reply_header r;
-  if (io == 0)
-    io = recv_all(c->fd, &r, sizeof r);
-  int status = TE_FLAGCX_OK;
-  if (io == 0 && r.status != TE_FLAGCX_OK) {
-    char text[256] = "";
-    uint32_t keep = r.msglen < sizeof text - 1 ? r.msglen : sizeof text - 1;
-    io = recv_all(c->fd, text, keep);
-    if (io == 0 && r.msglen > keep)
-      io = drain(c->fd, r.msglen - keep);
-    snprintf(msg, cap, "%s", text);
-    status = r.status;
-  } else if (io == 0) {
-    io = drain(c->fd, r.msglen);
-    if (j->op == TE_FLAGCX_OP_READ)
-      for (uint32_t i = 0; i < moved && io == 0; i++)
-        io = recv_all(c->fd, (void *)(uintptr_t)j->descs[i].local_addr,
-                      j->descs[i].len);
-  }
-  pthread_rwlock_unlock(&e->lock);
-  if (io != 0) {
-    __atomic_store_n(&c->broken, 1, __ATOMIC_RELEASE);
-    snprintf(msg, cap, "the connection to %s broke mid-transfer: %s", c->peer,
-             strerror(errno ? errno : ECONNRESET));
-    return TE_FLAGCX_E_UNREACHABLE;
-  }
+  /* The local regions stay registered while their bytes move (a deregistration
+     waits for the pins); the engine's lock is not held across the socket. */
+  int status = pin_local(c->engine, j->descs, j->count, msg, cap);
+  if (status != TE_FLAGCX_OK)
+    return status;
+  if (moved > 0)
+    status = move_job(c, j, moved, msg, cap);
+  unpin_local(c->engine, j->descs, j->count);
   return status == TE_FLAGCX_OK ? finished(c, j, moved, msg, cap) : status;
 }
 
@@ -438,7 +445,7 @@ void te_flagcx_disconnect(te_flagcx_conn *c) {
 
 static int in_snapshot(const te_flagcx_conn *c, uint64_t addr, uint64_t len) {
   for (uint32_t i = 0; i < c->nsnapshot; i++) {
-    region r = {0, c->snapshot[i].addr, c->snapshot[i].len, 0};
+    region r = {.addr = c->snapshot[i].addr, .len = c->snapshot[i].len};
     if (contains(&r, addr, len))
       return 1;
   }
@@ -466,10 +473,10 @@ int te_flagcx_post(te_flagcx_conn *c, int op, const te_flagcx_desc *descs,
                   (unsigned long long)d->remote_addr, (unsigned long long)d->len,
                   c->peer);
   }
-  pthread_rwlock_rdlock(&e->lock);
+  pthread_mutex_lock(&e->lock);
   for (uint32_t i = 0; i < count; i++) {
     if (!local_ok(e, &descs[i])) {
-      pthread_rwlock_unlock(&e->lock);
+      pthread_mutex_unlock(&e->lock);
       return fail(TE_FLAGCX_E_NOT_REGISTERED,
                   "descriptor %u: local memory handle %llu does not cover 0x%llx+%llu",
                   i, (unsigned long long)descs[i].local_mr,
@@ -477,7 +484,7 @@ int te_flagcx_post(te_flagcx_conn *c, int op, const te_flagcx_desc *descs,
                   (unsigned long long)descs[i].len);
     }
   }
-  pthread_rwlock_unlock(&e->lock);
+  pthread_mutex_unlock(&e->lock);
   job *j = calloc(1, sizeof *j);
   te_flagcx_desc *copy = malloc((size_t)count * sizeof *copy);
   if (!j || !copy) {

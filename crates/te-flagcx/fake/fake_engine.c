@@ -22,6 +22,62 @@ int contains(const region *r, uint64_t addr, uint64_t len) {
   return addr >= r->addr && len <= r->len && addr - r->addr <= r->len - len;
 }
 
+region *find_mr(te_flagcx_engine *e, uint64_t mr) {
+  for (size_t i = 0; i < e->nregions; i++)
+    if (e->regions[i].mr == mr && !e->regions[i].dying)
+      return &e->regions[i];
+  return NULL;
+}
+
+/* The region with handle mr, dying or not; e->lock held. */
+static region *find_any_mr(te_flagcx_engine *e, uint64_t mr) {
+  for (size_t i = 0; i < e->nregions; i++)
+    if (e->regions[i].mr == mr)
+      return &e->regions[i];
+  return NULL;
+}
+
+static void unpin_some(te_flagcx_engine *e, const te_flagcx_desc *descs,
+                       uint32_t count) {
+  int wake = 0;
+  for (uint32_t i = 0; i < count; i++) {
+    region *r = find_any_mr(e, descs[i].local_mr);
+    if (r && r->pins > 0 && --r->pins == 0)
+      wake = 1;
+  }
+  if (wake)
+    pthread_cond_broadcast(&e->unpinned);
+}
+
+int pin_local(te_flagcx_engine *e, const te_flagcx_desc *descs, uint32_t count,
+              char *msg, size_t cap) {
+  pthread_mutex_lock(&e->lock);
+  for (uint32_t i = 0; i < count; i++) {
+    region *r = find_mr(e, descs[i].local_mr);
+    if (!r || !contains(r, descs[i].local_addr, descs[i].len)) {
+      unpin_some(e, descs, i);
+      pthread_mutex_unlock(&e->lock);
+      snprintf(msg, cap,
+               "local memory handle %llu does not cover 0x%llx+%llu "
+               "(deregistered while the transfer was queued?)",
+               (unsigned long long)descs[i].local_mr,
+               (unsigned long long)descs[i].local_addr,
+               (unsigned long long)descs[i].len);
+      return TE_FLAGCX_E_NOT_REGISTERED;
+    }
+    r->pins++;
+  }
+  pthread_mutex_unlock(&e->lock);
+  return TE_FLAGCX_OK;
+}
+
+void unpin_local(te_flagcx_engine *e, const te_flagcx_desc *descs,
+                 uint32_t count) {
+  pthread_mutex_lock(&e->lock);
+  unpin_some(e, descs, count);
+  pthread_mutex_unlock(&e->lock);
+}
+
 /* ---------------------------------------------------------------- engine */
 
 void init_monotonic_cond(pthread_cond_t *cond) {
@@ -100,13 +156,20 @@ static int parse_options(te_flagcx_engine *e, const char *options) {
     } else if (strcmp(key, "connect_delay_ms") == 0) {
       rc = parse_uint(key, value, &v);
       e->connect_delay_ms = (unsigned)v;
+    } else if (strcmp(key, "transfer_timeout_ms") == 0) {
+      rc = parse_uint(key, value, &v);
+      if (rc == TE_FLAGCX_OK && (v == 0 || v > 3600000))
+        rc = fail(TE_FLAGCX_E_INVALID,
+                  "fake shim option transfer_timeout_ms must be 1..=3600000");
+      e->transfer_timeout_ms = (unsigned)v;
     } else if (strcmp(key, "fail_connect") == 0) {
       rc = parse_uint(key, value, &v);
       e->fail_connect = v != 0;
     } else {
       rc = fail(TE_FLAGCX_E_INVALID,
                 "unknown fake shim option `%s` (known: host, max_desc, delay_ms, "
-                "fail_every, stale_every, fail_connect, connect_delay_ms)",
+                "fail_every, stale_every, fail_connect, connect_delay_ms, "
+                "transfer_timeout_ms)",
                 key);
     }
   }
@@ -126,6 +189,7 @@ int te_flagcx_engine_create(const char *options, te_flagcx_engine **out) {
   e->max_desc = 1ull << 30;
   e->next_mr = 1;
   e->listen_fd = -1;
+  e->transfer_timeout_ms = 5000;
   int rc = parse_options(e, options);
   if (rc != TE_FLAGCX_OK) {
     free(e);
@@ -136,7 +200,8 @@ int te_flagcx_engine_create(const char *options, te_flagcx_engine **out) {
     free(e);
     return fail(TE_FLAGCX_E_INTERNAL, "pipe: %s", strerror(err));
   }
-  pthread_rwlock_init(&e->lock, NULL);
+  pthread_mutex_init(&e->lock, NULL);
+  init_monotonic_cond(&e->unpinned);
   pthread_mutex_init(&e->srv_lock, NULL);
   pthread_mutex_init(&e->ev_lock, NULL);
   init_monotonic_cond(&e->ev_cond);
@@ -166,7 +231,8 @@ void te_flagcx_engine_destroy(te_flagcx_engine *e) {
     free(s);
     s = next;
   }
-  pthread_rwlock_destroy(&e->lock);
+  pthread_mutex_destroy(&e->lock);
+  pthread_cond_destroy(&e->unpinned);
   pthread_mutex_destroy(&e->srv_lock);
   pthread_mutex_destroy(&e->ev_lock);
   pthread_cond_destroy(&e->ev_cond);
@@ -213,20 +279,20 @@ int te_flagcx_register(te_flagcx_engine *e, uint64_t addr, uint64_t len,
     return fail(TE_FLAGCX_E_UNSUPPORTED,
                 "the fake shim registers host memory only, not `%s`",
                 memory ? memory : "(null)");
-  pthread_rwlock_wrlock(&e->lock);
+  pthread_mutex_lock(&e->lock);
   if (e->nregions == e->cap) {
     size_t cap = e->cap ? e->cap * 2 : 16;
     region *grown = realloc(e->regions, cap * sizeof *grown);
     if (!grown) {
-      pthread_rwlock_unlock(&e->lock);
+      pthread_mutex_unlock(&e->lock);
       return fail(TE_FLAGCX_E_INTERNAL, "out of memory");
     }
     e->regions = grown;
     e->cap = cap;
   }
-  region r = {e->next_mr++, addr, len, access};
+  region r = {e->next_mr++, addr, len, access, 0, 0};
   e->regions[e->nregions++] = r;
-  pthread_rwlock_unlock(&e->lock);
+  pthread_mutex_unlock(&e->lock);
   *mr_out = r.mr;
   return TE_FLAGCX_OK;
 }
@@ -235,17 +301,26 @@ int te_flagcx_deregister(te_flagcx_engine *e, uint64_t mr) {
   if (!e)
     return fail(TE_FLAGCX_E_INVALID, "deregister: null engine");
   /* Like FlagCX's MrDestroy, this does not wait for transfers still queued on the
-     memory: they fail when their turn comes. The write lock only keeps the fake from
-     deregistering under a job that is moving bytes right now. */
-  pthread_rwlock_wrlock(&e->lock);
-  for (size_t i = 0; i < e->nregions; i++) {
-    if (e->regions[i].mr == mr) {
-      e->regions[i] = e->regions[--e->nregions];
-      pthread_rwlock_unlock(&e->lock);
-      return TE_FLAGCX_OK;
+     memory: they fail when their turn comes. It waits only for those moving bytes in
+     it right now (its pins), which a transfer timeout bounds; other regions are
+     registered and deregistered meanwhile. */
+  pthread_mutex_lock(&e->lock);
+  region *r = find_mr(e, mr);
+  if (r) {
+    r->dying = 1;
+    /* The array may move while waiting (a registration grows it): look again. */
+    while ((r = find_any_mr(e, mr)) && r->pins > 0)
+      pthread_cond_wait(&e->unpinned, &e->lock);
+    for (size_t i = 0; i < e->nregions; i++) {
+      if (e->regions[i].mr == mr) {
+        e->regions[i] = e->regions[--e->nregions];
+        break;
+      }
     }
+    pthread_mutex_unlock(&e->lock);
+    return TE_FLAGCX_OK;
   }
-  pthread_rwlock_unlock(&e->lock);
+  pthread_mutex_unlock(&e->lock);
   return fail(TE_FLAGCX_E_NOT_REGISTERED, "memory handle %llu is not registered",
               (unsigned long long)mr);
 }

@@ -16,6 +16,8 @@
  * Bytes really move between processes: each engine listens on a loopback TCP port,
  * a connection is a TCP stream served by one thread on each side, and the target
  * checks every remote range against its own registrations before touching memory.
+ * A transfer pins the regions it moves bytes in and holds no lock across the socket;
+ * deregistering a region waits for its pins only.
  *
  * Options (engine_create, comma-separated key=value):
  *   host=127.0.0.1   address to listen on (IPv4)
@@ -28,6 +30,9 @@
  *   fail_connect=1   every connect of this engine fails as unreachable
  *   connect_delay_ms=N  every connect of this engine takes N ms more (a slow
  *                    handshake)
+ *   transfer_timeout_ms=N  a transfer whose peer takes or sends none of its bytes
+ *                    for N ms fails as unreachable and breaks its connection, as
+ *                    a queue pair's retries run out (default 5000)
  *
  * te_flagcx_connect honours its timeout and te_flagcx_cancel_connects at every step
  * (the TCP connect, the slow handshake of connect_delay_ms, the peer's answer).

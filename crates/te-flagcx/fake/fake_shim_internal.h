@@ -43,6 +43,8 @@ FAKE_HIDDEN int fail(int code, const char *fmt, ...);
 typedef struct region {
   uint64_t mr, addr, len;
   uint32_t access; /* TE_FLAGCX_ACCESS_* flags: what peers may do */
+  uint32_t pins;   /* transfers moving bytes in it right now */
+  int dying;       /* being deregistered: no new pins, gone once pins are 0 */
 } region;
 
 /* fake_engine.c: whether [addr, addr+len) lies inside r. */
@@ -57,14 +59,18 @@ typedef struct server_conn {
 } server_conn;
 
 struct te_flagcx_engine {
-  pthread_rwlock_t lock; /* guards regions; held by anyone touching their memory */
+  /* Guards regions, briefly: a transfer pins the regions it moves bytes in and lets
+     go of the lock before any socket I/O; deregistration waits on `unpinned` until
+     its region's pins are 0. */
+  pthread_mutex_t lock;
+  pthread_cond_t unpinned;
   region *regions;
   size_t nregions, cap;
   uint64_t next_mr;
 
   char host[64];
   uint64_t max_desc;
-  unsigned delay_ms, fail_every, stale_every, connect_delay_ms;
+  unsigned delay_ms, fail_every, stale_every, connect_delay_ms, transfer_timeout_ms;
   int fail_connect;
   uint64_t posts;
 
@@ -89,12 +95,24 @@ FAKE_HIDDEN void init_monotonic_cond(pthread_cond_t *cond);
 FAKE_HIDDEN void bump_events(te_flagcx_engine *e);
 FAKE_HIDDEN int parse_uint(const char *key, const char *value, uint64_t *out);
 
+/* The live (not dying) region with handle mr; e->lock held. */
+FAKE_HIDDEN region *find_mr(te_flagcx_engine *e, uint64_t mr);
+/* Pins the local region of each of the count descriptors, each checked to cover its
+   descriptor; TE_FLAGCX_OK, or an error status with msg filled and nothing pinned. */
+FAKE_HIDDEN int pin_local(te_flagcx_engine *e, const te_flagcx_desc *descs,
+                          uint32_t count, char *msg, size_t cap);
+/* Undoes pin_local. */
+FAKE_HIDDEN void unpin_local(te_flagcx_engine *e, const te_flagcx_desc *descs,
+                             uint32_t count);
+
 /* ---------------------------------------------------------------- wire */
 
-/* fake_wire.c: 0, or -1 when the socket failed or closed. */
-FAKE_HIDDEN int send_all(int fd, const void *buf, uint64_t len);
-FAKE_HIDDEN int recv_all(int fd, void *buf, uint64_t len);
-FAKE_HIDDEN int drain(int fd, uint64_t len);
+/* fake_wire.c: 0, or -1 when the socket failed or closed, or (timeout_ms > 0) when
+   it moved no byte for timeout_ms (errno ETIMEDOUT), like a queue pair whose retries
+   ran out. timeout_ms 0 waits for ever. */
+FAKE_HIDDEN int send_all(int fd, const void *buf, uint64_t len, unsigned timeout_ms);
+FAKE_HIDDEN int recv_all(int fd, void *buf, uint64_t len, unsigned timeout_ms);
+FAKE_HIDDEN int drain(int fd, uint64_t len, unsigned timeout_ms);
 FAKE_HIDDEN void tune(int fd);
 
 /* Wire structs travel in native byte order: the fake connects processes of one host. */

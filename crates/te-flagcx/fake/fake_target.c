@@ -17,28 +17,31 @@
 
 static int reply(int fd, int32_t status, const char *msg) {
   reply_header h = {status, (uint32_t)strlen(msg)};
-  if (send_all(fd, &h, sizeof h) != 0)
+  if (send_all(fd, &h, sizeof h, 0) != 0)
     return -1;
-  return send_all(fd, msg, h.msglen);
+  return send_all(fd, msg, h.msglen, 0);
 }
 
 static int serve_handshake(te_flagcx_engine *e, int fd) {
   hello h;
-  if (recv_all(fd, &h, sizeof h) != 0 || h.magic != FAKE_MAGIC ||
+  if (recv_all(fd, &h, sizeof h, 0) != 0 || h.magic != FAKE_MAGIC ||
       h.version != FAKE_WIRE_VERSION)
     return -1;
-  pthread_rwlock_rdlock(&e->lock);
-  uint32_t n = (uint32_t)e->nregions;
-  wire_range *table = calloc(n ? n : 1, sizeof *table);
-  for (uint32_t i = 0; table && i < n; i++) {
-    table[i].addr = e->regions[i].addr;
-    table[i].len = e->regions[i].len;
+  pthread_mutex_lock(&e->lock);
+  uint32_t n = 0;
+  wire_range *table = calloc(e->nregions ? e->nregions : 1, sizeof *table);
+  for (size_t i = 0; table && i < e->nregions; i++) {
+    if (e->regions[i].dying)
+      continue;
+    table[n].addr = e->regions[i].addr;
+    table[n].len = e->regions[i].len;
+    n++;
   }
-  pthread_rwlock_unlock(&e->lock);
+  pthread_mutex_unlock(&e->lock);
   if (!table)
     return -1;
-  int rc = send_all(fd, &n, sizeof n) == 0 &&
-                   send_all(fd, table, (uint64_t)n * sizeof *table) == 0
+  int rc = send_all(fd, &n, sizeof n, 0) == 0 &&
+                   send_all(fd, table, (uint64_t)n * sizeof *table, 0) == 0
                ? 0
                : -1;
   free(table);
@@ -48,14 +51,14 @@ static int serve_handshake(te_flagcx_engine *e, int fd) {
 /* Serves one request; -1 ends the connection. */
 static int serve_request(te_flagcx_engine *e, int fd) {
   request_header h;
-  if (recv_all(fd, &h, sizeof h) != 0 || h.magic != FAKE_MAGIC ||
+  if (recv_all(fd, &h, sizeof h, 0) != 0 || h.magic != FAKE_MAGIC ||
       (h.op != TE_FLAGCX_OP_READ && h.op != TE_FLAGCX_OP_WRITE) ||
       h.count == 0 || h.count > FAKE_MAX_DESCS_ON_WIRE)
     return -1;
   wire_range *ranges = malloc((size_t)h.count * sizeof *ranges);
   if (!ranges)
     return -1;
-  if (recv_all(fd, ranges, (uint64_t)h.count * sizeof *ranges) != 0) {
+  if (recv_all(fd, ranges, (uint64_t)h.count * sizeof *ranges, 0) != 0) {
     free(ranges);
     return -1;
   }
@@ -63,13 +66,14 @@ static int serve_request(te_flagcx_engine *e, int fd) {
   char msg[256] = "";
   uint32_t need = h.op == TE_FLAGCX_OP_WRITE ? TE_FLAGCX_ACCESS_REMOTE_WRITE
                                              : TE_FLAGCX_ACCESS_REMOTE_READ;
-  pthread_rwlock_rdlock(&e->lock);
+  pthread_mutex_lock(&e->lock);
   uint32_t bad = h.count;
   int status = TE_FLAGCX_OK;
   for (uint32_t i = 0; i < h.count && bad == h.count; i++) {
     int registered = 0, allowed = 0;
     for (size_t r = 0; r < e->nregions && !allowed; r++) {
-      if (contains(&e->regions[r], ranges[i].addr, ranges[i].len)) {
+      if (!e->regions[r].dying &&
+          contains(&e->regions[r], ranges[i].addr, ranges[i].len)) {
         registered = 1;
         allowed = (e->regions[r].access & need) != 0;
       }
@@ -93,8 +97,8 @@ static int serve_request(te_flagcx_engine *e, int fd) {
                "(deregistered since the initiator connected?)",
                (unsigned long long)ranges[bad].addr,
                (unsigned long long)ranges[bad].len);
-    pthread_rwlock_unlock(&e->lock);
-    if (h.op == TE_FLAGCX_OP_WRITE && drain(fd, h.total) != 0)
+    pthread_mutex_unlock(&e->lock);
+    if (h.op == TE_FLAGCX_OP_WRITE && drain(fd, h.total, 0) != 0)
       rc = -1;
     else
       rc = reply(fd, status, msg);
@@ -103,15 +107,15 @@ static int serve_request(te_flagcx_engine *e, int fd) {
   }
   if (h.op == TE_FLAGCX_OP_WRITE) {
     for (uint32_t i = 0; i < h.count && rc == 0; i++)
-      rc = recv_all(fd, (void *)(uintptr_t)ranges[i].addr, ranges[i].len);
+      rc = recv_all(fd, (void *)(uintptr_t)ranges[i].addr, ranges[i].len, 0);
     if (rc == 0)
       rc = reply(fd, TE_FLAGCX_OK, "");
   } else {
     rc = reply(fd, TE_FLAGCX_OK, "");
     for (uint32_t i = 0; i < h.count && rc == 0; i++)
-      rc = send_all(fd, (const void *)(uintptr_t)ranges[i].addr, ranges[i].len);
+      rc = send_all(fd, (const void *)(uintptr_t)ranges[i].addr, ranges[i].len, 0);
   }
-  pthread_rwlock_unlock(&e->lock);
+  pthread_mutex_unlock(&e->lock);
   free(ranges);
   return rc;
 }

@@ -59,6 +59,39 @@ impl InFlight {
         drop(self);
     }
 
+    /// When the thread must look at the batch again to end it: the time left to its
+    /// deadline once it was aborted (see [`InFlight::end_if_expired`]).
+    pub(crate) fn abort_due(&self) -> Option<std::time::Duration> {
+        self.done.is_aborted().then(|| self.done.remaining())
+    }
+
+    /// Ends an aborted batch whose deadline passed while its transfers are still in
+    /// flight (a peer that stopped taking bytes, say): FlagCX cannot cancel a
+    /// transfer, so the batch's connection is closed, which ends every transfer on it
+    /// (other batches on it fail, and the next submit renews it). Once this returned
+    /// nothing of the batch touches its memory, and its next [`InFlight::poll`]
+    /// finishes it. True if it closed the connection.
+    pub(crate) fn end_if_expired(&mut self) -> bool {
+        if !self.done.is_aborted() || !self.done.remaining().is_zero() {
+            return false;
+        }
+        if self.error.is_none() {
+            self.error = Some(
+                Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "aborted at its deadline with its transfers still in flight; their FlagCX connection to {} was closed to end them",
+                        self.link.conn.peer()
+                    ),
+                )
+                .with_operation("transfer"),
+            );
+        }
+        self.link.stale.store(true, Ordering::Release);
+        self.link.conn.close();
+        true
+    }
+
     /// Queries the batch's unfinished transfers; true once all have finished.
     pub(crate) fn poll(&mut self) -> bool {
         let mut pending = false;

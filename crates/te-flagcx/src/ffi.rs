@@ -463,6 +463,11 @@ impl Conn {
         })
     }
 
+    /// The endpoint it was opened to.
+    pub(crate) fn peer(&self) -> &str {
+        &self.peer
+    }
+
     fn closed(&self, call: &'static str) -> ShimError {
         ShimError::Call {
             call,

@@ -215,7 +215,7 @@ fn run(shared: &Shared, poster: &Poster) {
         }
         let mut i = 0;
         while i < active.len() {
-            if active[i].poll() {
+            if active[i].poll() || (active[i].end_if_expired() && active[i].poll()) {
                 poster.finish(active.swap_remove(i));
             } else {
                 i += 1;
@@ -225,7 +225,12 @@ fn run(shared: &Shared, poster: &Poster) {
         if active.is_empty() {
             continue;
         }
-        let wait = earliest(&parked).map_or(LONGEST_WAIT, |d| d.min(LONGEST_WAIT));
+        // Woken at the earliest deadline of a parked batch or of an aborted one in
+        // flight, which is then ended.
+        let wait = earliest(&parked)
+            .into_iter()
+            .chain(active.iter().filter_map(InFlight::abort_due))
+            .fold(LONGEST_WAIT, Duration::min);
         {
             let mut q = shared.lock();
             if q.stop || q.kicked || !q.incoming.is_empty() || !q.parked.is_empty() {
