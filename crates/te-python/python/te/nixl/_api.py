@@ -234,7 +234,7 @@ class _Xfer:
     """A transfer request and its latest post: te handle and timings (ns)."""
 
     __slots__ = ("op", "remote", "requests", "nbytes", "message", "handle",
-                 "start", "post", "end", "lock")
+                 "start", "post", "end", "lock", "released")
 
     def __init__(self, op, remote, requests, nbytes, message):
         self.op = op
@@ -245,6 +245,7 @@ class _Xfer:
         self.handle = None
         self.start = self.post = self.end = 0
         self.lock = threading.Lock()
+        self.released = False
 
     def finished(self, handle):
         """Notes the first time ``handle`` was seen resolved: the end of the transfer's
@@ -253,8 +254,10 @@ class _Xfer:
             self.end = time.monotonic_ns()
 
     def stop(self):
-        """Cancels the post in flight, if any, and waits until te has let go of it."""
+        """Cancels the post in flight, if any, and waits until te has let go of it;
+        no post starts afterwards (``transfer`` checks ``released`` under the lock)."""
         with self.lock:
+            self.released = True
             h = self.handle
             if h is not None and not h.done():
                 h.cancel()
@@ -318,8 +321,9 @@ class nixl_agent:
         return list(self.plugin_list)
 
     def get_plugin_mem_types(self, backend):
-        """The memory types te moves: ``["DRAM", "VRAM"]``."""
-        return ["DRAM", "VRAM"]
+        """The memory types te moves, named as NIXL names them: ``["DRAM_SEG",
+        "VRAM_SEG"]``."""
+        return ["DRAM_SEG", "VRAM_SEG"]
 
     def get_plugin_params(self, backend):
         """Backend parameters: none (te's backend reads its own config)."""
@@ -337,7 +341,7 @@ class nixl_agent:
         """Accepts a backend name: te's one backend serves every name."""
         if backend not in self.backends:
             self.backends[backend] = len(self.backends) + 1
-            self.backend_mems[backend] = ["DRAM", "VRAM"]
+            self.backend_mems[backend] = ["DRAM_SEG", "VRAM_SEG"]
             self.backend_options[backend] = dict(initParams or {})
         if backend not in self.plugin_list:
             self.plugin_list.append(backend)
@@ -659,7 +663,7 @@ class nixl_agent:
         return self.make_prepped_xfer(
             operation, local, np.arange(local_descs.descCount()),
             remote, np.arange(remote_descs.descCount()), notif_msg,
-            skip_desc_merge=False,
+            skip_desc_merge=True,
         )
 
     def _xfer(self, handle):
@@ -670,15 +674,23 @@ class nixl_agent:
         return handle._xfer
 
     def transfer(self, handle, notif_msg=b""):
-        """Posts the transfer (a non-empty ``notif_msg`` replaces its notification);
+        """Posts the transfer (a non-empty ``notif_msg`` replaces its notification, for
+        this post and the later ones, as in NIXL);
         ``"PROC"`` while in flight, ``"DONE"`` if it completed at once. Raises
         ``nixlRepostActiveError`` while a previous post is in flight."""
         x = self._xfer(handle)
         self._check_remote(x.remote)
-        msg = _message(notif_msg) or x.message
+        msg = _message(notif_msg)
         with x.lock:
+            # A release on another thread may have come after the check above.
+            if x.released:
+                raise nixlInvalidParamError("the transfer handle was released")
             if x.handle is not None and not x.handle.done():
                 raise nixlRepostActiveError("the transfer is still in flight; wait for DONE first")
+            # As NIXL: a new message stays the request's, for later posts too.
+            if msg:
+                x.message = msg
+            msg = x.message
             start = time.monotonic_ns()
             try:
                 h = self._engine.transfer(x.remote.peer, x.requests, op=x.op, notify=msg or None)

@@ -42,5 +42,7 @@ def decode(data):
         raise ValueError(f"the metadata is damaged: {e}") from None
     if not all(isinstance(f, str) for f in fields[:2]) or any(len(r) != 5 for r in regions):
         raise ValueError("the metadata is damaged: wrong field types")
+    if any(not 0 <= v < 1 << 64 for r in regions for v in r):
+        raise ValueError("the metadata is damaged: a region field outside 0..2**64")
     body["regions"] = regions
     return body
