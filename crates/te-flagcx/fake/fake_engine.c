@@ -37,6 +37,17 @@ static region *find_any_mr(te_flagcx_engine *e, uint64_t mr) {
   return NULL;
 }
 
+void unpin_mrs(te_flagcx_engine *e, const uint64_t *mrs, uint32_t count) {
+  int wake = 0;
+  for (uint32_t i = 0; i < count; i++) {
+    region *r = find_any_mr(e, mrs[i]);
+    if (r && r->pins > 0 && --r->pins == 0)
+      wake = 1;
+  }
+  if (wake)
+    pthread_cond_broadcast(&e->unpinned);
+}
+
 static void unpin_some(te_flagcx_engine *e, const te_flagcx_desc *descs,
                        uint32_t count) {
   int wake = 0;

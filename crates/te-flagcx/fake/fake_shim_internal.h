@@ -101,6 +101,9 @@ FAKE_HIDDEN region *find_mr(te_flagcx_engine *e, uint64_t mr);
    descriptor; TE_FLAGCX_OK, or an error status with msg filled and nothing pinned. */
 FAKE_HIDDEN int pin_local(te_flagcx_engine *e, const te_flagcx_desc *descs,
                           uint32_t count, char *msg, size_t cap);
+/* Drops one pin of each region with these handles (dying or not); e->lock held. */
+FAKE_HIDDEN void unpin_mrs(te_flagcx_engine *e, const uint64_t *mrs,
+                           uint32_t count);
 /* Undoes pin_local. */
 FAKE_HIDDEN void unpin_local(te_flagcx_engine *e, const te_flagcx_desc *descs,
                              uint32_t count);

@@ -15,11 +15,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-static int reply(int fd, int32_t status, const char *msg) {
+static int reply(int fd, int32_t status, const char *msg, unsigned limit) {
   reply_header h = {status, (uint32_t)strlen(msg)};
-  if (send_all(fd, &h, sizeof h, 0) != 0)
+  if (send_all(fd, &h, sizeof h, limit) != 0)
     return -1;
-  return send_all(fd, msg, h.msglen, 0);
+  return send_all(fd, msg, h.msglen, limit);
 }
 
 static int serve_handshake(te_flagcx_engine *e, int fd) {
@@ -48,18 +48,24 @@ static int serve_handshake(te_flagcx_engine *e, int fd) {
   return rc;
 }
 
-/* Serves one request; -1 ends the connection. */
+/* Serves one request; -1 ends the connection. The regions it touches are pinned while
+   its bytes move, with the engine's lock released: registering and deregistering
+   other regions never waits for a peer, and deregistering one of its regions waits
+   at most the transfer timeout, after which a stalled peer's connection ends. */
 static int serve_request(te_flagcx_engine *e, int fd) {
+  unsigned limit = e->transfer_timeout_ms;
   request_header h;
+  /* Waiting for the next request is idle time, not a stalled transfer. */
   if (recv_all(fd, &h, sizeof h, 0) != 0 || h.magic != FAKE_MAGIC ||
       (h.op != TE_FLAGCX_OP_READ && h.op != TE_FLAGCX_OP_WRITE) ||
       h.count == 0 || h.count > FAKE_MAX_DESCS_ON_WIRE)
     return -1;
   wire_range *ranges = malloc((size_t)h.count * sizeof *ranges);
-  if (!ranges)
-    return -1;
-  if (recv_all(fd, ranges, (uint64_t)h.count * sizeof *ranges, 0) != 0) {
+  uint64_t *pinned = malloc((size_t)h.count * sizeof *pinned);
+  if (!ranges || !pinned ||
+      recv_all(fd, ranges, (uint64_t)h.count * sizeof *ranges, limit) != 0) {
     free(ranges);
+    free(pinned);
     return -1;
   }
   int rc = 0;
@@ -67,23 +73,29 @@ static int serve_request(te_flagcx_engine *e, int fd) {
   uint32_t need = h.op == TE_FLAGCX_OP_WRITE ? TE_FLAGCX_ACCESS_REMOTE_WRITE
                                              : TE_FLAGCX_ACCESS_REMOTE_READ;
   pthread_mutex_lock(&e->lock);
-  uint32_t bad = h.count;
+  uint32_t bad = h.count, npinned = 0;
   int status = TE_FLAGCX_OK;
   for (uint32_t i = 0; i < h.count && bad == h.count; i++) {
-    int registered = 0, allowed = 0;
+    region *allowed = NULL;
+    int registered = 0;
     for (size_t r = 0; r < e->nregions && !allowed; r++) {
       if (!e->regions[r].dying &&
           contains(&e->regions[r], ranges[i].addr, ranges[i].len)) {
         registered = 1;
-        allowed = (e->regions[r].access & need) != 0;
+        if (e->regions[r].access & need)
+          allowed = &e->regions[r];
       }
     }
-    if (!allowed) {
+    if (allowed) {
+      allowed->pins++;
+      pinned[npinned++] = allowed->mr;
+    } else {
       bad = i;
       status = registered ? TE_FLAGCX_E_ACCESS : TE_FLAGCX_E_NOT_REGISTERED;
     }
   }
   if (bad != h.count) {
+    unpin_mrs(e, pinned, npinned);
     if (status == TE_FLAGCX_E_ACCESS)
       snprintf(msg, sizeof msg,
                "the target's registration holding 0x%llx+%llu does not allow "
@@ -98,25 +110,31 @@ static int serve_request(te_flagcx_engine *e, int fd) {
                (unsigned long long)ranges[bad].addr,
                (unsigned long long)ranges[bad].len);
     pthread_mutex_unlock(&e->lock);
-    if (h.op == TE_FLAGCX_OP_WRITE && drain(fd, h.total, 0) != 0)
+    if (h.op == TE_FLAGCX_OP_WRITE && drain(fd, h.total, limit) != 0)
       rc = -1;
     else
-      rc = reply(fd, status, msg);
+      rc = reply(fd, status, msg, limit);
     free(ranges);
+    free(pinned);
     return rc;
   }
+  pthread_mutex_unlock(&e->lock);
   if (h.op == TE_FLAGCX_OP_WRITE) {
     for (uint32_t i = 0; i < h.count && rc == 0; i++)
-      rc = recv_all(fd, (void *)(uintptr_t)ranges[i].addr, ranges[i].len, 0);
+      rc = recv_all(fd, (void *)(uintptr_t)ranges[i].addr, ranges[i].len, limit);
     if (rc == 0)
-      rc = reply(fd, TE_FLAGCX_OK, "");
+      rc = reply(fd, TE_FLAGCX_OK, "", limit);
   } else {
-    rc = reply(fd, TE_FLAGCX_OK, "");
+    rc = reply(fd, TE_FLAGCX_OK, "", limit);
     for (uint32_t i = 0; i < h.count && rc == 0; i++)
-      rc = send_all(fd, (const void *)(uintptr_t)ranges[i].addr, ranges[i].len, 0);
+      rc = send_all(fd, (const void *)(uintptr_t)ranges[i].addr, ranges[i].len,
+                    limit);
   }
+  pthread_mutex_lock(&e->lock);
+  unpin_mrs(e, pinned, npinned);
   pthread_mutex_unlock(&e->lock);
   free(ranges);
+  free(pinned);
   return rc;
 }
 

@@ -240,3 +240,132 @@ fn a_transfer_to_a_peer_that_stopped_reading_fails_after_the_transfer_timeout() 
         "the stalled transfer took {took:?} to fail with a 300 ms transfer timeout"
     );
 }
+
+/// A hostile peer on the target's FlagCX listener starts a WRITE and stalls in the
+/// middle of its payload. The target's `deregister_within` of another region returns
+/// by its deadline: the fake pins the region being written instead of holding its
+/// registration lock across the socket read.
+#[test]
+fn a_stalled_remote_write_does_not_block_the_targets_deregistration() {
+    let _g = serial();
+    let target = backend("");
+    let dst = Mem::new(LEN);
+    let other = Mem::new(LEN);
+    register(&target, 1, &dst, Access::REMOTE_READ_WRITE);
+    register(&target, 2, &other, Access::LOCAL);
+    let ep = String::from_utf8(target.endpoint()).expect("endpoint");
+    let mut s = TcpStream::connect(&ep).expect("connect to the target's listener");
+    let mut hello = Vec::new();
+    hello.extend_from_slice(&0x5445_4658u32.to_ne_bytes());
+    hello.extend_from_slice(&1u32.to_ne_bytes());
+    s.write_all(&hello).expect("hello");
+    let mut n = [0u8; 4];
+    s.read_exact(&mut n).expect("table size");
+    let mut table = vec![0u8; u32::from_ne_bytes(n) as usize * 16];
+    s.read_exact(&mut table).expect("table");
+    // A WRITE of the whole of `dst`, of which only 10 bytes come.
+    let mut req = Vec::new();
+    req.extend_from_slice(&0x5445_4658u32.to_ne_bytes());
+    req.extend_from_slice(&1u32.to_ne_bytes()); // WRITE
+    req.extend_from_slice(&1u32.to_ne_bytes()); // one range
+    req.extend_from_slice(&0u32.to_ne_bytes());
+    req.extend_from_slice(&(LEN as u64).to_ne_bytes());
+    req.extend_from_slice(&dst.addr().to_ne_bytes());
+    req.extend_from_slice(&(LEN as u64).to_ne_bytes());
+    req.extend_from_slice(&[0u8; 10]);
+    s.write_all(&req).expect("request");
+    std::thread::sleep(Duration::from_millis(200));
+    let target = std::sync::Arc::new(target);
+    let (tx, rx) = mpsc::channel();
+    {
+        let target = target.clone();
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            let r =
+                target.deregister_within(RegionId(2), Instant::now() + Duration::from_millis(500));
+            let _ = tx.send((r, start.elapsed()));
+        });
+    }
+    let got = rx.recv_timeout(Duration::from_secs(3));
+    drop(s);
+    let late = rx.recv_timeout(Duration::from_secs(10));
+    drop(target);
+    match got {
+        Ok((r, took)) => assert!(
+            took < Duration::from_millis(1500),
+            "deregister of an unrelated region took {took:?} ({r:?})"
+        ),
+        Err(_) => panic!(
+            "deregister_within(500 ms) of an unrelated region had not returned 3 s later, while a peer stalled mid-WRITE (it returned {late:?} once the peer went away)"
+        ),
+    }
+}
+
+/// Opens a FAKE-protocol connection to `ep` and starts a WRITE of `len` bytes at `addr`
+/// of which only 10 bytes come; returns the socket, to be held open.
+fn stalled_write(ep: &str, addr: u64, len: u64) -> TcpStream {
+    let mut s = TcpStream::connect(ep).expect("connect to the target's listener");
+    let mut hello = Vec::new();
+    hello.extend_from_slice(&0x5445_4658u32.to_ne_bytes());
+    hello.extend_from_slice(&1u32.to_ne_bytes());
+    s.write_all(&hello).expect("hello");
+    let mut n = [0u8; 4];
+    s.read_exact(&mut n).expect("table size");
+    let mut table = vec![0u8; u32::from_ne_bytes(n) as usize * 16];
+    s.read_exact(&mut table).expect("table");
+    let mut req = Vec::new();
+    req.extend_from_slice(&0x5445_4658u32.to_ne_bytes());
+    req.extend_from_slice(&1u32.to_ne_bytes()); // WRITE
+    req.extend_from_slice(&1u32.to_ne_bytes()); // one range
+    req.extend_from_slice(&0u32.to_ne_bytes());
+    req.extend_from_slice(&len.to_ne_bytes());
+    req.extend_from_slice(&addr.to_ne_bytes());
+    req.extend_from_slice(&len.to_ne_bytes());
+    req.extend_from_slice(&[0u8; 10]);
+    s.write_all(&req).expect("request");
+    s
+}
+
+/// The region a stalled peer is writing into: deregistering it waits for the WRITE
+/// moving bytes in it (FlagCX's rule that the memory stays while a transfer uses it),
+/// but only until the target's transfer timeout gives the stalled WRITE up and ends
+/// that peer's connection; it never waits for the peer itself.
+#[test]
+fn deregistering_the_region_a_stalled_peer_writes_waits_only_for_the_transfer_timeout() {
+    let _g = serial();
+    let target = backend("transfer_timeout_ms=1000");
+    let dst = Mem::new(LEN);
+    register(&target, 1, &dst, Access::REMOTE_READ_WRITE);
+    let ep = String::from_utf8(target.endpoint()).expect("endpoint");
+    let mut s = stalled_write(&ep, dst.addr(), LEN as u64);
+    std::thread::sleep(Duration::from_millis(200));
+    let target = std::sync::Arc::new(target);
+    let (tx, rx) = mpsc::channel();
+    {
+        let target = target.clone();
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            let r = target.deregister_within(RegionId(1), Instant::now() + Duration::from_secs(5));
+            let _ = tx.send((r, start.elapsed()));
+        });
+    }
+    let got = rx.recv_timeout(Duration::from_secs(5));
+    // The target ended the stalled peer's connection.
+    s.set_read_timeout(Some(Duration::from_secs(1)))
+        .expect("read timeout");
+    let mut byte = [0u8; 1];
+    let closed = matches!(s.read(&mut byte), Ok(0));
+    // Release everything, whatever happened.
+    drop(s);
+    let _ = rx.recv_timeout(Duration::from_secs(10));
+    drop(target);
+    let Ok((r, took)) = got else {
+        panic!("deregistering the region a stalled peer writes had not returned 5 s later");
+    };
+    assert!(r.is_ok(), "deregister: {r:?}");
+    assert!(
+        took >= Duration::from_millis(400) && took < Duration::from_secs(3),
+        "deregistering the region being written took {took:?}, with a 1 s transfer timeout 200 ms into the stall"
+    );
+    assert!(closed, "the stalled peer's connection was not ended");
+}
