@@ -2,11 +2,14 @@
 //! the initiator. A proven same-host peer gets the channel (`PeerPath::SameHost`): host
 //! memory moves with one cross-memory-attach copy, fakedev memory through its memfd
 //! mapped by the target, every byte checked both ways; the target's checks hold on
-//! that path; `local_ipc = false` keeps every frame on the socket.
+//! that path; `local_ipc = false` keeps every frame on the socket. A target that dies
+//! or stops at the worst moment: killed inside a copy, it hands its batch back at once
+//! (the end of its socket is the end of the copy); stopped, no submit waits for its
+//! answer to a share.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use te::{Access, Config, Engine, ErrorKind, Peer, TransferRequest};
 use te_core::device::DeviceRuntime;
@@ -541,4 +544,111 @@ fn submitting_to_a_stopped_target_never_waits_and_a_batch_ends_at_its_deadline()
     );
     // The stalled channel was stopped: the large batch went with it.
     assert!(big.wait().is_err());
+}
+
+/// A READ from a target SIGKILLed inside its copy (`BUSY` set in the fence page and
+/// never cleared): the batch is handed back with an error soon after the kill, by the
+/// channel's own threads, with or without `caller_reads`.
+fn killed_inside_a_copy(caller_reads: bool) {
+    let server = serve_with("fakedev:0", "1MiB", &[], Some(SLOW_COPIES));
+    let e = engine_tcp(&format!(
+        "local_ipc = true\ncaller_reads = {caller_reads}\nconnections_per_peer = 1\n"
+    ));
+    let kind: te::MemoryKind = "fakedev:0".parse().unwrap();
+    let dst = e.alloc_on(&kind, "dst", 1 << 20, Access::LOCAL).unwrap();
+    let peer = e.connect(&server.addr).unwrap();
+    assert!(matches!(path(&peer, true), PeerPath::SameHost { .. }));
+    // Shared first: the READ below must take the channel, not the socket.
+    shared_with_target(&e, &peer, &[&dst]);
+    let remote = peer.region("buffer").unwrap().id;
+    let opts = te::TransferOptions {
+        timeout: Some(Duration::from_secs(3)),
+        ..Default::default()
+    };
+    let h = e
+        .transfer_with(
+            &peer,
+            &[TransferRequest::read(dst.id(), 0, remote, 0, 1 << 20)],
+            &opts,
+        )
+        .unwrap();
+    // The target has read the request and is in its 1.5 s launch (BUSY set).
+    std::thread::sleep(Duration::from_millis(500));
+    let pid = server.child.id() as i32;
+    // SAFETY: signals the child this test started and still owns.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let killed = Instant::now();
+    // Polled, not waited for: no caller drives the channel (with `caller_reads` a
+    // waiting caller would read the channel itself); the channel's own threads must
+    // hand the batch back.
+    let until = killed + Duration::from_secs(12);
+    while !h.is_done() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let waited = killed.elapsed();
+    if !h.is_done() {
+        // Leave the engine and its memory alone: the backend still holds the batch.
+        std::mem::forget((h, peer, dst, e));
+        panic!(
+            "caller_reads = {caller_reads}: the batch (3 s deadline) was not handed back {waited:?} after its target was killed inside a copy"
+        );
+    }
+    assert!(h.wait().is_err(), "the batch cannot have completed");
+    assert!(
+        waited < Duration::from_secs(2),
+        "handed back {waited:?} after the kill, not at the end of the socket"
+    );
+}
+
+#[test]
+fn a_target_killed_inside_a_copy_hands_the_batch_back_at_once() {
+    killed_inside_a_copy(false);
+}
+
+#[test]
+fn a_target_killed_inside_a_copy_hands_the_batch_back_at_once_when_callers_read() {
+    killed_inside_a_copy(true);
+}
+
+/// The first batch from a fakedev allocation shares it on the channel; a stopped
+/// target never answers that share. Submitting returns at once (the request waits
+/// behind the share, not the caller), and the batch fails by its deadline.
+#[test]
+fn submitting_device_memory_to_a_stopped_target_never_waits_for_the_share() {
+    let server = serve("fakedev:0", "1MiB", &[]);
+    let e = engine_tcp("local_ipc = true\nconnections_per_peer = 1\n");
+    let kind: te::MemoryKind = "fakedev:0".parse().unwrap();
+    let src = e.alloc_on(&kind, "src", 1 << 20, Access::LOCAL).unwrap();
+    let peer = e.connect(&server.addr).unwrap();
+    assert!(matches!(path(&peer, true), PeerPath::SameHost { .. }));
+    let remote = peer.region("buffer").unwrap().id;
+    let pid = server.child.id() as i32;
+    stop(pid);
+    let opts = te::TransferOptions {
+        timeout: Some(Duration::from_secs(4)),
+        ..Default::default()
+    };
+    let start = Instant::now();
+    let h = e
+        .transfer_with(
+            &peer,
+            &[TransferRequest::write(src.id(), 0, remote, 0, 1 << 20)],
+            &opts,
+        )
+        .unwrap();
+    let submitted = start.elapsed();
+    let r = h.wait_timeout(Duration::from_secs(10));
+    let ended = start.elapsed();
+    // SAFETY: signals the child this test started and still owns.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert!(
+        submitted < Duration::from_secs(1),
+        "submitting a batch with a 4 s deadline to a stopped target took {submitted:?}"
+    );
+    let err = r.expect("the batch ends").unwrap_err();
+    assert_eq!(err.kind(), te::ErrorKind::Timeout, "{err}");
+    assert!(
+        ended < Duration::from_millis(5500),
+        "a batch with a 4 s deadline ended after {ended:?}"
+    );
 }
