@@ -179,6 +179,33 @@ def test_managed_buffers_and_byte_copies(engines):
     assert local.allocate_managed_buffer(1 << 62) == 0
 
 
+def test_a_free_on_another_thread_waits_for_a_byte_copy_into_the_buffer(engines, monkeypatch):
+    """free_managed_buffer returns only after a write_bytes_to_buffer under way into
+    that buffer has ended: the copy never lands in freed memory."""
+    import threading
+
+    import te.mooncake as mc
+
+    target, session, addr, local = engines
+    buf = local.allocate_managed_buffer(4096)
+    assert buf != 0
+    real, ended = mc.ctypes.memmove, []
+
+    def slow_memmove(dst, src, n):
+        time.sleep(0.3)
+        real(dst, src, n)
+        ended.append(time.monotonic())
+
+    monkeypatch.setattr(mc.ctypes, "memmove", slow_memmove)
+    writer = threading.Thread(target=local.write_bytes_to_buffer, args=(buf, b"late", 4))
+    writer.start()
+    time.sleep(0.1)  # the writer is inside its copy
+    assert local.free_managed_buffer(buf, 4096) == 0
+    freed = time.monotonic()
+    writer.join(5)
+    assert ended and ended[0] <= freed, "the buffer was freed while a copy into it ran"
+
+
 def test_calls_before_initialize_fail_cleanly():
     e = TransferEngine()
     assert e.get_rpc_port() < 0

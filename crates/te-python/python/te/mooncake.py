@@ -517,29 +517,34 @@ class TransferEngine:
         memory at ``dest_address``; ``-1`` if that is not inside it."""
         dest_address, length = _uint(dest_address, "dest_address"), _uint(length, "length")
         src = _text(src_ptr, "src_ptr")
-        if not self._inside(dest_address, length) or len(src) < length:
-            _log.error("write_bytes_to_buffer(%#x, %d): not inside registered host memory",
-                       dest_address, length)
-            return FAILED
-        ctypes.memmove(dest_address, src, length)
+        # Under the lock: a free on another thread (which takes the registration out
+        # under it) waits for the copy instead of freeing the buffer under it.
+        with self._lock:
+            if not self._inside(dest_address, length) or len(src) < length:
+                _log.error("write_bytes_to_buffer(%#x, %d): not inside registered host memory",
+                           dest_address, length)
+                return FAILED
+            ctypes.memmove(dest_address, src, length)
         return 0
 
     def read_bytes_from_buffer(self, source_address, length):
         """``length`` bytes of registered host memory at ``source_address`` (empty
         bytes if that is not inside it)."""
         source_address, length = _uint(source_address, "source_address"), _uint(length, "length")
-        if not self._inside(source_address, length):
-            _log.error("read_bytes_from_buffer(%#x, %d): not inside registered host memory",
-                       source_address, length)
-            return b""
-        return ctypes.string_at(source_address, length)
+        with self._lock:  # as in write_bytes_to_buffer
+            if not self._inside(source_address, length):
+                _log.error("read_bytes_from_buffer(%#x, %d): not inside registered host memory",
+                           source_address, length)
+                return b""
+            return ctypes.string_at(source_address, length)
 
     def _inside(self, addr, length):
-        with self._lock:
-            i = bisect.bisect_right(self._starts, addr)
-            if not i:
-                return False
-            reg = self._regs[self._starts[i - 1]]
+        """Whether ``addr .. addr + length`` lies in registered host memory; the caller
+        holds ``_lock``."""
+        i = bisect.bisect_right(self._starts, addr)
+        if not i:
+            return False
+        reg = self._regs[self._starts[i - 1]]
         return reg.device == "host" and addr + length <= reg.addr + reg.len
 
     def get_first_buffer_address(self, segment_name):
