@@ -286,6 +286,7 @@ def test_mc_force_tcp_forces_the_tcp_backend(monkeypatch, caplog):
 
 @pytest.mark.parametrize("value,seconds", [
     (None, 30), ("12", 12), ("1", 5), ("0", 5), ("-3", 5), ("abc", 5), ("7s", 7),
+    ("9" * 30, (1 << 31) - 1),
 ])
 def test_mc_transfer_timeout_is_read_once_and_at_least_five_seconds(monkeypatch, value, seconds):
     if value is None:
@@ -295,6 +296,12 @@ def test_mc_transfer_timeout_is_read_once_and_at_least_five_seconds(monkeypatch,
     e = TransferEngine()
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "99")  # too late: read at construction
     assert e._timeout == seconds
+    if value == "9" * 30:  # a transfer is still submitted with it
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "stub", "") == 0
+        src = np.zeros(16, np.uint8)
+        assert e.register_memory(src.ctypes.data, src.nbytes) == 0
+        peer = e.get_engine().address
+        assert e.transfer_sync_write(peer, src.ctypes.data, src.ctypes.data, 16) == 0
 
 
 def test_locations_name_host_device_or_auto():

@@ -198,7 +198,7 @@ def _device(location):
 
 def _transfer_timeout():
     """Seconds from ``MC_TRANSFER_TIMEOUT`` as Mooncake reads it (``atoi``, at least
-    ``MIN_TIMEOUT``), or ``DEFAULT_TIMEOUT`` when unset."""
+    ``MIN_TIMEOUT``, at most the largest ``int``), or ``DEFAULT_TIMEOUT`` when unset."""
     raw = os.environ.get("MC_TRANSFER_TIMEOUT")
     if raw is None:
         return DEFAULT_TIMEOUT
@@ -207,7 +207,7 @@ def _transfer_timeout():
     s = s.lstrip("+-")
     digits = len(s) - len(s.lstrip("0123456789"))
     value = sign * int(s[:digits]) if digits else 0
-    return max(MIN_TIMEOUT, value)
+    return min(max(MIN_TIMEOUT, value), (1 << 31) - 1)
 
 
 def _split_host_port(s):
