@@ -252,22 +252,26 @@ fn an_incompatible_layout_is_refused_at_connect_naming_the_slot() {
     let config = Config::defaults();
     let target = Engine::from_config(&config).unwrap();
     let tb = target
-        .alloc("kv", 1 << 20, Access::REMOTE_READ_WRITE)
+        .alloc("k", 1 << 20, Access::REMOTE_READ_WRITE)
+        .unwrap();
+    let tv = target
+        .alloc("v", 1 << 20, Access::REMOTE_READ_WRITE)
         .unwrap();
     target
         .register_layout(KvLayout::per_layer_kv(
             "llama",
-            &[(tb.id(), tb.id())],
+            &[(tb.id(), tv.id())],
             4096,
             16,
         ))
         .unwrap();
     let initiator = Engine::from_config(&config).unwrap();
-    let lb = initiator.alloc("kv", 1 << 20, Access::LOCAL).unwrap();
+    let lb = initiator.alloc("k", 1 << 20, Access::LOCAL).unwrap();
+    let lv = initiator.alloc("v", 1 << 20, Access::LOCAL).unwrap();
     initiator
         .register_layout(KvLayout::per_layer_kv(
             "llama",
-            &[(lb.id(), lb.id())],
+            &[(lb.id(), lv.id())],
             2048,
             16,
         ))
@@ -337,18 +341,23 @@ fn block_lists_that_do_not_fit_are_refused_before_anything_moves() {
     let config = Config::defaults();
     let target = Engine::from_config(&config).unwrap();
     let tb = target
-        .alloc("kv", 64 * 8, Access::REMOTE_READ_WRITE)
+        .alloc("k", 32 * 8, Access::REMOTE_READ_WRITE)
+        .unwrap();
+    let tv = target
+        .alloc("v", 32 * 8, Access::REMOTE_READ_WRITE)
         .unwrap();
     target
-        .register_layout(KvLayout::per_layer_kv("m", &[(tb.id(), tb.id())], 32, 8))
+        .register_layout(KvLayout::per_layer_kv("m", &[(tb.id(), tv.id())], 32, 8))
         .unwrap();
     let initiator = Engine::from_config(&config).unwrap();
-    let lb = initiator.alloc("kv", 64 * 8, Access::LOCAL).unwrap();
-    initiator
-        .register_layout(KvLayout::per_layer_kv("m", &[(lb.id(), lb.id())], 32, 17))
+    let lb = initiator.alloc("k", 32 * 8, Access::LOCAL).unwrap();
+    let lv = initiator.alloc("v", 32 * 8, Access::LOCAL).unwrap();
+    let e = initiator
+        .register_layout(KvLayout::per_layer_kv("m", &[(lb.id(), lv.id())], 32, 17))
         .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::OutOfBounds, "{e}");
     initiator
-        .register_layout(KvLayout::per_layer_kv("m", &[(lb.id(), lb.id())], 32, 8))
+        .register_layout(KvLayout::per_layer_kv("m", &[(lb.id(), lv.id())], 32, 8))
         .unwrap();
     let peer = initiator.connect(&target.address().to_string()).unwrap();
     let o = BlockOptions::default();
@@ -366,6 +375,7 @@ fn block_lists_that_do_not_fit_are_refused_before_anything_moves() {
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotRegistered);
     assert!(tb.to_vec().unwrap().iter().all(|&b| b == 0));
+    assert!(tv.to_vec().unwrap().iter().all(|&b| b == 0));
 }
 
 /// The target side of the two-process test: run by the test binary itself, in a child

@@ -297,6 +297,29 @@ pub fn plan(
     Ok(requests)
 }
 
+/// `requests` with each one longer than `max` bytes cut into pieces of at most `max`
+/// (a run of blocks [`plan`] merged, for a backend with a request size limit).
+pub(crate) fn split_to(requests: Vec<TransferRequest>, max: u64) -> Vec<TransferRequest> {
+    if max == 0 || requests.iter().all(|r| r.len <= max) {
+        return requests;
+    }
+    let mut out = Vec::with_capacity(requests.len());
+    for r in requests {
+        let mut done = 0;
+        while done < r.len {
+            let len = (r.len - done).min(max);
+            out.push(TransferRequest {
+                local_offset: r.local_offset + done,
+                remote_offset: r.remote_offset + done,
+                len,
+                ..r
+            });
+            done += len;
+        }
+    }
+    out
+}
+
 fn plan_slot(
     op: Op,
     local: &KvSlot,
@@ -366,6 +389,34 @@ mod tests {
 
     fn err(r: Result<Vec<TransferRequest>>) -> String {
         r.unwrap_err().to_string()
+    }
+
+    #[test]
+    fn requests_past_the_backends_largest_are_cut_into_pieces_that_fit() {
+        let r = TransferRequest {
+            op: Op::Write,
+            local: RegionId(1),
+            local_offset: 100,
+            remote: RegionId(2),
+            remote_offset: 1000,
+            len: 10,
+        };
+        let short = TransferRequest { len: 4, ..r };
+        let cut = split_to(vec![r, short], 4);
+        let pieces: Vec<_> = cut
+            .iter()
+            .map(|p| (p.local_offset, p.remote_offset, p.len))
+            .collect();
+        assert_eq!(
+            pieces,
+            [
+                (100, 1000, 4),
+                (104, 1004, 4),
+                (108, 1008, 2),
+                (100, 1000, 4)
+            ]
+        );
+        assert_eq!(split_to(vec![r], u64::MAX), vec![r]);
     }
 
     #[test]

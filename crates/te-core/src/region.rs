@@ -112,9 +112,26 @@ impl Region {
         self.gate.wait_empty(until) == 0
     }
 
+    /// Holds the region against its deregistration, which waits for a hold as for a
+    /// batch's pin (and aborts nothing for it), while something is built over its
+    /// memory: a KV layout's views, until they are published or undone.
+    pub(crate) fn hold(self: &Arc<Self>) -> Hold {
+        self.gate.enter_again();
+        Hold(self.clone())
+    }
+
     fn unpin(&self, batch: BatchId) {
         self.pins.lock().remove(&batch);
         self.gate.leave();
+    }
+}
+
+/// A hold on a region ([`Region::hold`]), let go when dropped.
+pub(crate) struct Hold(Arc<Region>);
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        self.0.gate.leave();
     }
 }
 

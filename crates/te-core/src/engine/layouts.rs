@@ -132,6 +132,10 @@ impl Engine {
             &options.selection,
         )
         .map_err(|e| e.with_operation(operation))?;
+        // Runs of blocks were merged by te, not the caller: cut them to what the
+        // backend takes in one request.
+        let max = self.inner.backend.info().capabilities.max_request_size;
+        let requests = kv::split_to(requests, max);
         self.inner
             .transfer(&peer, &requests, deadline, options.transfer.notify.clone())
     }

@@ -186,6 +186,9 @@ impl Inner {
                 format!("a layout named `{}` is already registered", layout.name),
             ));
         }
+        if let Err(e) = no_overlap(&layout) {
+            return fail(e);
+        }
         let mut entry = LayoutEntry {
             published: layout.clone(),
             local: Arc::new(layout),
@@ -199,11 +202,23 @@ impl Inner {
             fail(e)
         };
         let name = entry.local.name.clone();
+        // Each parent is held until the layout is published or undone: a parent's
+        // deregistration waits for that, so no view outlives it, even for a moment.
+        // Dropped as this returns, after any undo.
+        let mut holds = Vec::new();
         for gi in 0..entry.local.groups.len() {
             for si in 0..entry.local.groups[gi].slots.len() {
                 let (g, s) = (&entry.local.groups[gi], &entry.local.groups[gi].slots[si]);
                 let at = format!("layout `{name}` group `{}` slot `{}`", g.name, s.name);
-                let parent = self.regions.read().get(&s.region).map(|r| r.desc.clone());
+                let held = self.regions.read().get(&s.region).map(|r| r.hold());
+                // Still in the table once held: its deregistration, if it comes, began
+                // after the hold, and waits for it.
+                let parent = held.and_then(|h| {
+                    let table = self.regions.read();
+                    let p = table.get(&s.region).map(|r| r.desc.clone());
+                    holds.push(h);
+                    p
+                });
                 let Some(parent) = parent else {
                     let e = Error::new(
                         ErrorKind::NotRegistered,
@@ -400,4 +415,33 @@ impl Drop for Registration {
             );
         }
     }
+}
+
+/// Refuses a layout two of whose slots share bytes of one region: a block of one would
+/// be a block of the other, and a push into either would overwrite both.
+fn no_overlap(layout: &KvLayout) -> Result<()> {
+    let mut spans: Vec<(RegionId, u64, u64, String)> = Vec::new();
+    for g in &layout.groups {
+        for s in &g.slots {
+            // `validate` checked that blocks × bytes per block and the end fit.
+            let end = s
+                .offset
+                .saturating_add(s.blocks.saturating_mul(s.bytes_per_block));
+            spans.push((s.region, s.offset, end, format!("{}/{}", g.name, s.name)));
+        }
+    }
+    spans.sort_by_key(|(region, offset, ..)| (*region, *offset));
+    for w in spans.windows(2) {
+        let ((ra, oa, ea, a), (rb, ob, eb, b)) = (&w[0], &w[1]);
+        if ra == rb && ob < ea {
+            return Err(Error::new(
+                ErrorKind::InvalidRequest,
+                format!(
+                    "layout `{}`: slots `{a}` (bytes {oa}..{ea}) and `{b}` (bytes {ob}..{eb}) of region {ra} overlap; each slot needs bytes of its own",
+                    layout.name
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
