@@ -99,9 +99,11 @@ pub(crate) struct Conn {
     io_timeout: Duration,
     dead: AtomicBool,
     inflight: AtomicUsize,
-    /// Counts answers received and sends that moved bytes: unchanged between two looks
-    /// means the connection stalled.
+    /// Counts answers received, sends that moved bytes and staging copies that ended:
+    /// unchanged between two looks means the connection stalled.
     progress: AtomicU64,
+    /// Staging copies of this connection's frames started and not yet ended.
+    copying: AtomicUsize,
     /// This connection, for device copies' completions.
     me: Weak<Conn>,
     /// Pinned buffers for device WRITEs (device → host → socket).
@@ -175,6 +177,7 @@ impl Conn {
             dead: AtomicBool::new(false),
             inflight: AtomicUsize::new(0),
             progress: AtomicU64::new(0),
+            copying: AtomicUsize::new(0),
             me: me.clone(),
             send_pools: Pools::new(config.slice_size, staging),
             recv_pools: Pools::new(config.slice_size, staging),
@@ -287,8 +290,9 @@ impl Conn {
             return None;
         }
         let now = self.progress.load(Ordering::Acquire);
-        if seen != Some(now) {
-            // Answers are still moving: the batch's own arrive soon, and are dropped.
+        if seen != Some(now) || self.copying.load(Ordering::Acquire) > 0 {
+            // Answers are still moving, or wait for staging copies that run (a slow
+            // device, not a stalled peer): the batch's own arrive soon, and are dropped.
             return Some(now);
         }
         tracing::warn!(peer = %self.label, "a batch's deadline passed and its connection stalled; closing the data connection that carries it");
@@ -323,11 +327,24 @@ impl Conn {
     /// its frame. On a dead connection that nobody writes on any more, the slices
     /// whose copy has ended fail here.
     fn copy_ended(&self) {
+        self.copy_done();
         let left = self.lock().drain_if_idle();
         self.wake.notify_one();
         if !left.is_empty() {
             self.fail(left, self.dead_error());
         }
+    }
+
+    /// Counts a staging copy of this connection's frames in ([`Conn::copy_done`] counts
+    /// it out): while one runs, the connection is not stalled, however slow the device.
+    fn copy_started(&self) {
+        self.copying.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A staging copy ended: progress, as an answer or a send is.
+    fn copy_done(&self) {
+        self.progress.fetch_add(1, Ordering::Release);
+        self.copying.fetch_sub(1, Ordering::AcqRel);
     }
 
     /// Fails slices that were queued on this connection, each with its own error.

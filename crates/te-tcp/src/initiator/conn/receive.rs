@@ -186,10 +186,17 @@ impl Conn {
             return r.map(|()| Answer::Done);
         }
         let batch = slice.batch.clone();
+        // A copy that ends is the connection's progress too: answers waiting for the
+        // ring that slow copies fill are not a stall.
+        let conn = self.me.upgrade();
+        self.copy_started();
         let done = move |r: Result<()>| {
             drop(buf);
             batch.stage_ended(BatchStage::Device);
             batch.finish_slice(r);
+            if let Some(conn) = conn {
+                conn.copy_done();
+            }
         };
         // SAFETY: the device ranges lie in a region the batch pins until this slice
         // finishes, which `done` does after the copies; the buffer is owned by `done`

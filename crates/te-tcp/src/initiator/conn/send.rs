@@ -270,6 +270,7 @@ impl Conn {
             // go of meanwhile (dead, then dropped by a reconnect or a disconnect) still
             // fails the slice with its own error once the copy no longer reads.
             let conn = self.me.upgrade();
+            self.copy_started();
             let Staging {
                 copies,
                 rt,
