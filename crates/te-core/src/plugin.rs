@@ -43,7 +43,7 @@ pub use abi_stable::prefix_type::PrefixTypeTrait as __PrefixTypeTrait;
 
 /// te's own plugin protocol version, checked in addition to `abi_stable`'s layout
 /// check; raised whenever the meaning (not only the layout) of the boundary changes.
-pub const PLUGIN_ABI: u32 = 5;
+pub const PLUGIN_ABI: u32 = 6;
 
 /// A fingerprint of the sources of the types that cross the boundary encoded; a plugin
 /// built from other sources is refused even when its te-core version matches.
@@ -52,10 +52,10 @@ pub const SCHEMA: &str = env!("TE_SCHEMA");
 /// The backend object as it crosses the boundary.
 #[sabi_trait]
 pub trait FfiBackend: Send + Sync + Debug {
-    /// Encoded [`BackendInfo`].
-    fn info(&self) -> RVec<u8>;
-    /// Endpoint bytes.
-    fn endpoint(&self) -> RVec<u8>;
+    /// Encoded [`BackendInfo`], or the error its panic became.
+    fn info(&self) -> RResult<RVec<u8>, FfiError>;
+    /// Endpoint bytes, or the error its panic became.
+    fn endpoint(&self) -> RResult<RVec<u8>, FfiError>;
     /// Registers an encoded [`MemoryDesc`] as region `id`.
     fn register(&self, id: RegionId, mem: RSlice<'_, u8>) -> RResult<RVec<u8>, FfiError>;
     /// Deregisters region `id`.
@@ -334,11 +334,11 @@ impl fmt::Debug for Exported {
 }
 
 impl FfiBackend for Exported {
-    fn info(&self) -> RVec<u8> {
-        codec::encode(self.0.info()).into()
+    fn info(&self) -> RResult<RVec<u8>, FfiError> {
+        to_ffi(caught("info", || Ok(codec::encode(self.0.info()).into())))
     }
-    fn endpoint(&self) -> RVec<u8> {
-        self.0.endpoint().into()
+    fn endpoint(&self) -> RResult<RVec<u8>, FfiError> {
+        to_ffi(caught("endpoint", || Ok(self.0.endpoint().into())))
     }
     fn register(&self, id: RegionId, mem: RSlice<'_, u8>) -> RResult<RVec<u8>, FfiError> {
         to_ffi(caught("register", || {
@@ -391,6 +391,9 @@ impl FfiBackend for Exported {
 pub(crate) struct PluginBackend {
     inner: FfiBackendBox,
     info: BackendInfo,
+    /// The endpoint the backend gave at creation: what is published if a later call
+    /// panics (the trait's `endpoint` cannot fail).
+    endpoint: Vec<u8>,
 }
 
 impl fmt::Debug for PluginBackend {
@@ -404,7 +407,13 @@ impl TransferBackend for PluginBackend {
         &self.info
     }
     fn endpoint(&self) -> Vec<u8> {
-        self.inner.endpoint().into_vec()
+        match from_ffi(self.inner.endpoint()) {
+            Ok(endpoint) => endpoint.into_vec(),
+            Err(e) => {
+                tracing::error!(error = %e, "the plugin's endpoint failed; its endpoint from creation is used instead");
+                self.endpoint.clone()
+            }
+        }
     }
     fn register(&self, id: RegionId, mem: &MemoryDesc) -> Result<Vec<u8>> {
         from_ffi(
@@ -474,8 +483,15 @@ pub(crate) fn create(
     });
     let hook = FfiHook_TO::from_value(HostHook(ctx.hook.clone()), sabi_trait::TD_Opaque);
     let inner = from_ffi((module.create())(encoded.as_slice().into(), hook))?;
-    let info: BackendInfo = codec::decode(&inner.info(), "backend info")?;
-    Ok(Arc::new(PluginBackend { inner, info }))
+    // Both are asked for once here, so a backend that cannot answer them fails at
+    // creation rather than at a peer's handshake.
+    let info: BackendInfo = codec::decode(&from_ffi(inner.info())?, "backend info")?;
+    let endpoint = from_ffi(inner.endpoint())?.into_vec();
+    Ok(Arc::new(PluginBackend {
+        inner,
+        info,
+        endpoint,
+    }))
 }
 
 /// Loads the plugin library at `path` and checks its layout, te-core version and

@@ -1,0 +1,334 @@
+//! Plugins that misbehave are contained: a plugin whose calls panic, that completes a
+//! batch twice or whose backend panics when dropped costs its caller an error (or a
+//! logged bug), never an abort of the host, never undefined behaviour; a plugin te
+//! cannot use is refused with a message that says what was wrong and what to do.
+//!
+//! The misbehaving plugins are compiled here at run time with `rustc` (nothing is
+//! added to the workspace): `tests/plugin_misbehaviour/misbehaving.rs` against the
+//! te-core rlib this test binary itself was built with (found in `target/<profile>/deps`
+//! by te-core's `SCHEMA`, so run `cargo build --workspace` first), and
+//! `tests/plugin_misbehaviour/newer_core.rs` against abi_stable alone. A scenario that
+//! could take the process down runs in a child process (this test binary again, with
+//! `TE_PLUGIN_MISBEHAVIOUR_CHILD` set), and the parent checks that it ended normally.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use te_core::{Access, Config, Engine, ErrorKind, TransferRequest};
+
+const CHILD: &str = "TE_PLUGIN_MISBEHAVIOUR_CHILD";
+const PLUGIN_DIR: &str = "TE_PLUGIN_MISBEHAVIOUR_DIR";
+const SCRATCH: &str = "te-plugin-misbehaviour-";
+
+fn deps_dir() -> PathBuf {
+    std::env::current_exe()
+        .expect("test executable")
+        .parent()
+        .expect("target/<profile>/deps")
+        .to_path_buf()
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// The newest `lib<name>-*.rlib` in deps, for which `accept` holds.
+fn rlib(name: &str, accept: impl Fn(&Path) -> bool) -> PathBuf {
+    let mut found: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(deps_dir())
+        .expect("deps dir")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            let n = p.file_name().unwrap().to_string_lossy().to_string();
+            n.starts_with(&format!("lib{name}-")) && n.ends_with(".rlib")
+        })
+        .filter_map(|p| Some((p.metadata().ok()?.modified().ok()?, p)))
+        .collect();
+    found.sort();
+    found
+        .into_iter()
+        .rev()
+        .map(|(_, p)| p)
+        .find(|p| accept(p))
+        .unwrap_or_else(|| {
+            panic!(
+                "no usable lib{name}-*.rlib in {} (run `cargo build --workspace` first)",
+                deps_dir().display()
+            )
+        })
+}
+
+/// Compiles the fixture `src` as the cdylib `lib<krate>.so` in `out_dir`.
+fn rustc(src: &str, krate: &str, externs: &[(&str, PathBuf)], out_dir: &Path) -> PathBuf {
+    let out = out_dir.join(format!("lib{krate}{}", std::env::consts::DLL_SUFFIX));
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(src);
+    let mut cmd = Command::new(std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into()));
+    cmd.args([
+        "--edition",
+        "2021",
+        "--crate-type",
+        "cdylib",
+        "--crate-name",
+        krate,
+    ])
+    .args(["-C", "debuginfo=0", "-L"])
+    .arg(format!("dependency={}", deps_dir().display()))
+    .env("CARGO_PKG_VERSION", "0.1.0")
+    .env("CARGO_CRATE_NAME", krate)
+    .arg("-o")
+    .arg(&out)
+    .arg(&src);
+    for (name, path) in externs {
+        cmd.arg("--extern")
+            .arg(format!("{name}={}", path.display()));
+    }
+    let status = cmd.status().expect("run rustc");
+    assert!(status.success(), "building {} failed", src.display());
+    out
+}
+
+/// A directory holding the fixture plugins, built once per process (children reuse
+/// their parent's).
+fn plugins() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        if let Some(d) = std::env::var_os(PLUGIN_DIR) {
+            return PathBuf::from(d);
+        }
+        sweep_stale_scratch();
+        let dir = scratch("plugins");
+        let schema = te_core::plugin::SCHEMA.as_bytes().to_vec();
+        let te_core = rlib("te_core", |p| {
+            std::fs::read(p)
+                .map(|b| contains(&b, &schema))
+                .unwrap_or(false)
+        });
+        rustc(
+            "tests/plugin_misbehaviour/misbehaving.rs",
+            "te_misbehaving",
+            &[("te_core", te_core)],
+            &dir,
+        );
+        rustc(
+            "tests/plugin_misbehaviour/newer_core.rs",
+            "te_newer_core",
+            &[("abi_stable", rlib("abi_stable", |_| true))],
+            &dir,
+        );
+        dir
+    })
+}
+
+/// A fresh scratch directory of this process, tagged `tag`.
+fn scratch(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("{SCRATCH}{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Removes the scratch directories of earlier runs whose process is gone (each holds
+/// a 50+ MB plugin).
+fn sweep_stale_scratch() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        let pid = name
+            .strip_prefix(SCRATCH)
+            .and_then(|rest| rest.rsplit_once('-'))
+            .and_then(|(_, pid)| pid.parse::<u32>().ok());
+        if let Some(pid) = pid {
+            if !Path::new(&format!("/proc/{pid}")).exists() {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+}
+
+fn is_child() -> bool {
+    std::env::var_os(CHILD).is_some()
+}
+
+/// Runs test `name` of this binary in a child process; its exit status and output.
+fn child(name: &str) -> (std::process::ExitStatus, String) {
+    let dir = plugins();
+    let mut c = Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1")
+        .env("RUST_BACKTRACE", "0")
+        .env(PLUGIN_DIR, dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = c.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = c.kill();
+            let s = c.wait().unwrap();
+            let mut out = String::new();
+            let _ = c.stderr.take().unwrap().read_to_string(&mut out);
+            panic!("{name} hung in the child past 60 s ({s}): {out}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut out = String::new();
+    let _ = c.stdout.take().unwrap().read_to_string(&mut out);
+    let _ = c.stderr.take().unwrap().read_to_string(&mut out);
+    (status, out)
+}
+
+/// An engine configuration on the misbehaving plugin, misbehaving as `misbehave` says.
+fn misbehaving(misbehave: &str) -> Config {
+    let text = format!(
+        "[engine]\nbackend = \"misbehaving\"\nplugin_dirs = [{:?}]\nlisten = \"127.0.0.1:0\"\ndefault_timeout = \"5s\"\n\n[backends.misbehaving]\nmisbehave = {misbehave:?}\n",
+        plugins().display().to_string()
+    );
+    Config::from_toml(&text, "misbehaviour.toml", Path::new(".")).expect("config")
+}
+
+/// Runs test `name` in a child and asserts that the child ended normally (the host
+/// survived the plugin, and the child's own assertions passed).
+fn assert_contained(name: &str) {
+    let (status, out) = child(name);
+    let tail: String = out
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(
+        status.success(),
+        "the host process did not survive the plugin ({status}); its output:\n{tail}"
+    );
+}
+
+/// A backend whose `info` panics fails the engine's creation with a `Backend` error
+/// that says so.
+#[test]
+fn a_plugin_whose_info_panics_fails_engine_creation_with_an_error() {
+    if !is_child() {
+        return assert_contained("a_plugin_whose_info_panics_fails_engine_creation_with_an_error");
+    }
+    let e = Engine::from_config(&misbehaving("info")).expect_err("info panicked");
+    println!("refused: {e}");
+    assert_eq!(e.kind(), ErrorKind::Backend, "{e}");
+    assert!(e.to_string().contains("panicked in info"), "{e}");
+}
+
+/// A backend whose `endpoint` panics fails the engine's creation (te asks for the
+/// endpoint once there), so no peer's handshake ever reaches the panic.
+#[test]
+fn a_plugin_whose_endpoint_panics_fails_engine_creation_with_an_error() {
+    if !is_child() {
+        return assert_contained(
+            "a_plugin_whose_endpoint_panics_fails_engine_creation_with_an_error",
+        );
+    }
+    let e = Engine::from_config(&misbehaving("endpoint")).expect_err("endpoint panicked");
+    println!("refused: {e}");
+    assert_eq!(e.kind(), ErrorKind::Backend, "{e}");
+    assert!(e.to_string().contains("panicked in endpoint"), "{e}");
+}
+
+/// Panics in `register`, `connect` and `submit` come back as the call's error.
+#[test]
+fn a_plugin_whose_register_connect_and_submit_panic_returns_errors() {
+    if !is_child() {
+        return assert_contained("a_plugin_whose_register_connect_and_submit_panic_returns_errors");
+    }
+    let e = Engine::from_config(&misbehaving("register")).unwrap();
+    let err = e
+        .alloc("kv", 4096, Access::LOCAL)
+        .expect_err("register panicked");
+    assert!(err.to_string().contains("panicked in register"), "{err}");
+
+    let target = Engine::from_config(&misbehaving("")).unwrap();
+    let e = Engine::from_config(&misbehaving("connect")).unwrap();
+    let err = e
+        .connect(&target.address().to_string())
+        .expect_err("connect panicked");
+    assert!(err.to_string().contains("panicked in connect"), "{err}");
+
+    let _dst = target.alloc("kv", 4096, Access::REMOTE_READ_WRITE).unwrap();
+    let e = Engine::from_config(&misbehaving("submit")).unwrap();
+    let src = e.alloc("kv", 4096, Access::LOCAL).unwrap();
+    let peer = e.connect(&target.address().to_string()).unwrap();
+    let remote = peer.region("kv").unwrap();
+    let r = e
+        .transfer(
+            &peer,
+            &[TransferRequest::write(src.id(), 0, remote.id, 0, 64)],
+        )
+        .and_then(|h| h.wait());
+    let err = r.expect_err("submit panicked");
+    assert!(err.to_string().contains("panicked in submit"), "{err}");
+}
+
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// Engines on a backend loaded as a plugin (the stub's) leave no thread behind when
+/// they close, a batch in flight at close included.
+#[test]
+fn closing_engines_on_the_stub_plugin_leaks_no_threads() {
+    if !is_child() {
+        return assert_contained("closing_engines_on_the_stub_plugin_leaks_no_threads");
+    }
+    let dir = scratch("stub");
+    let lib = dir.join(format!("libte_stub{}", std::env::consts::DLL_SUFFIX));
+    std::fs::copy(te_core::testkit::built_plugin("te_stub"), &lib).unwrap();
+    let text = format!(
+        "[engine]\nbackend = \"stub\"\nplugin_dirs = [{:?}]\nlisten = \"127.0.0.1:0\"\ndefault_timeout = \"5s\"\n\n[backends.stub]\ndelay = \"20ms\"\n",
+        dir.display().to_string()
+    );
+    let config = Config::from_toml(&text, "misbehaviour.toml", Path::new(".")).unwrap();
+    let round = || {
+        let target = Engine::from_config(&config).expect("stub plugin engine");
+        assert_eq!(
+            target.backend_origin(),
+            &te_core::Origin::Plugin(lib.clone())
+        );
+        let _dst = target
+            .alloc("kv", 1 << 16, Access::REMOTE_READ_WRITE)
+            .unwrap();
+        let e = Engine::from_config(&config).unwrap();
+        let src = e.alloc("kv", 1 << 16, Access::LOCAL).unwrap();
+        let peer = e.connect(&target.address().to_string()).unwrap();
+        let remote = peer.region("kv").unwrap();
+        e.transfer(
+            &peer,
+            &[TransferRequest::write(src.id(), 0, remote.id, 0, 4096)],
+        )
+        .unwrap()
+        .wait()
+        .unwrap();
+        // One batch left in flight at close.
+        let _h = e.transfer(
+            &peer,
+            &[TransferRequest::write(src.id(), 0, remote.id, 0, 4096)],
+        );
+        drop(peer);
+        drop(e);
+        drop(target);
+    };
+    round();
+    std::thread::sleep(Duration::from_millis(300));
+    let base = threads();
+    for _ in 0..5 {
+        round();
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let after = threads();
+    println!("threads: {base} after one round, {after} after five more");
+    assert!(after <= base, "threads leaked: {base} -> {after}");
+}

@@ -1,0 +1,122 @@
+//! A test fixture: a te backend plugin that misbehaves on request. It is compiled by
+//! `tests/plugin_misbehaviour.rs` at run time with `rustc`, against the te-core rlib the
+//! workspace build left in `target/<profile>/deps` (so it is a plugin of *this* te),
+//! as `libte_misbehaving.so`. `[backends.misbehaving] misbehave = "…"` picks the
+//! misbehaviour:
+//!
+//! - `info`, `endpoint`, `register`, `connect`, `submit`, `drop`: that call panics;
+//! - `double`: `submit` completes its batch twice (a copy of the completion, as a C
+//!   plugin or a buggy unsafe one would);
+//! - anything else: a well-behaved no-op backend (completes every batch `Ok`).
+
+use std::sync::Arc;
+
+use te_core::{
+    BackendContext, BackendInfo, Capabilities, Completion, Deadline, Error, ErrorKind, MemoryDesc,
+    PeerId, RegionId, Result, SegmentDesc, TransferBackend, TransferRequest,
+};
+
+#[derive(Debug)]
+struct Misbehaving {
+    info: BackendInfo,
+    mode: String,
+    epoch: u64,
+}
+
+impl Misbehaving {
+    fn maybe_panic(&self, call: &str) {
+        if self.mode == call {
+            panic!("misbehaving plugin: {call} panics");
+        }
+    }
+}
+
+impl TransferBackend for Misbehaving {
+    fn info(&self) -> &BackendInfo {
+        self.maybe_panic("info");
+        &self.info
+    }
+
+    fn endpoint(&self) -> Vec<u8> {
+        self.maybe_panic("endpoint");
+        self.epoch.to_le_bytes().to_vec()
+    }
+
+    fn register(&self, _id: RegionId, _mem: &MemoryDesc) -> Result<Vec<u8>> {
+        self.maybe_panic("register");
+        Ok(Vec::new())
+    }
+
+    fn deregister(&self, _id: RegionId, _deadline: Deadline) -> Result<()> {
+        Ok(())
+    }
+
+    fn connect(&self, _peer: &SegmentDesc, _deadline: Deadline) -> Result<PeerId> {
+        self.maybe_panic("connect");
+        Ok(PeerId(7))
+    }
+
+    fn disconnect(&self, _peer: PeerId, _deadline: Deadline) -> Result<()> {
+        Ok(())
+    }
+
+    fn submit(&self, _peer: PeerId, _batch: &[TransferRequest], done: Completion) -> Result<()> {
+        self.maybe_panic("submit");
+        if self.mode == "double" {
+            // SAFETY (deliberately violated): a second owner of the same completion,
+            // as a plugin written in C could make by copying the struct.
+            let twin = unsafe { std::ptr::read(&done) };
+            std::thread::spawn(move || {
+                done.complete(Ok(()));
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                twin.complete(Err(Error::new(
+                    ErrorKind::Backend,
+                    "misbehaving plugin: second completion of the same batch",
+                )));
+            });
+        } else {
+            std::thread::spawn(move || done.complete(Ok(())));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Misbehaving {
+    fn drop(&mut self) {
+        if self.mode == "drop" && !std::thread::panicking() {
+            panic!("misbehaving plugin: drop panics");
+        }
+    }
+}
+
+fn probe() -> Result<()> {
+    Ok(())
+}
+
+fn create(ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
+    let mode = ctx
+        .table
+        .get("misbehave")
+        .and_then(|v| v.as_str())
+        .unwrap_or("")
+        .to_string();
+    Ok(Arc::new(Misbehaving {
+        info: BackendInfo {
+            name: "misbehaving".to_string(),
+            version: "0.1.0".to_string(),
+            capabilities: Capabilities {
+                memory: vec!["host".to_string()],
+                read: true,
+                write: true,
+                cross_process: false,
+                same_host_only: true,
+                max_request_size: u64::MAX,
+                checks_at_target: true,
+            },
+        },
+        mode,
+        epoch: ctx.epoch,
+    }))
+}
+
+te_core::register_backend!("misbehaving", probe, create);
