@@ -332,3 +332,48 @@ fn closing_engines_on_the_stub_plugin_leaks_no_threads() {
     println!("threads: {base} after one round, {after} after five more");
     assert!(after <= base, "threads leaked: {base} -> {after}");
 }
+
+/// A backend whose `Drop` panics is dropped at engine close with the panic logged
+/// (and what it held leaked); the host goes on.
+#[test]
+fn a_plugin_whose_backend_panics_when_dropped_does_not_abort_the_host() {
+    if !is_child() {
+        return assert_contained(
+            "a_plugin_whose_backend_panics_when_dropped_does_not_abort_the_host",
+        );
+    }
+    let e = Engine::from_config(&misbehaving("drop")).unwrap();
+    drop(e);
+    println!("survived closing the engine");
+}
+
+/// A message handler whose `Drop` panics is dropped at engine close with the panic
+/// logged; the host goes on.
+#[test]
+fn a_plugin_whose_message_handler_panics_when_dropped_does_not_abort_the_host() {
+    if !is_child() {
+        return assert_contained(
+            "a_plugin_whose_message_handler_panics_when_dropped_does_not_abort_the_host",
+        );
+    }
+    let e = Engine::from_config(&misbehaving("handler_drop")).unwrap();
+    drop(e);
+    println!("survived closing the engine");
+}
+
+/// A backend whose `Debug` panics is formatted as a note that it did.
+#[test]
+fn a_plugin_whose_debug_panics_is_formatted_as_a_note_not_an_abort() {
+    if !is_child() {
+        return assert_contained("a_plugin_whose_debug_panics_is_formatted_as_a_note_not_an_abort");
+    }
+    let config = misbehaving("debug");
+    let registry = te_core::Registry::discover(&config.engine.plugin_dirs);
+    let entry = registry.get("misbehaving").expect("the misbehaving plugin");
+    let backend = entry
+        .create(&config.backend_context("misbehaving"))
+        .expect("created");
+    let text = format!("{backend:?}");
+    println!("{text}");
+    assert!(text.contains("panicked in Debug"), "{text}");
+}

@@ -4,7 +4,9 @@
 //! as `libte_misbehaving.so`. `[backends.misbehaving] misbehave = "…"` picks the
 //! misbehaviour:
 //!
-//! - `info`, `endpoint`, `register`, `connect`, `submit`, `drop`: that call panics;
+//! - `info`, `endpoint`, `register`, `connect`, `submit`, `drop`, `debug`: that call
+//!   (`Drop`, `Debug`) panics;
+//! - `handler_drop`: the backend serves a message handler whose `Drop` panics;
 //! - `double`: `submit` completes its batch twice (a copy of the completion, as a C
 //!   plugin or a buggy unsafe one would);
 //! - anything else: a well-behaved no-op backend (completes every batch `Ok`).
@@ -13,10 +15,10 @@ use std::sync::Arc;
 
 use te_core::{
     BackendContext, BackendInfo, Capabilities, Completion, Deadline, Error, ErrorKind, MemoryDesc,
-    PeerId, RegionId, Result, SegmentDesc, TransferBackend, TransferRequest,
+    MessageHandler, PeerId, PeerInfo, RegionId, Result, SegmentDesc, TransferBackend,
+    TransferRequest,
 };
 
-#[derive(Debug)]
 struct Misbehaving {
     info: BackendInfo,
     mode: String,
@@ -81,6 +83,30 @@ impl TransferBackend for Misbehaving {
     }
 }
 
+impl std::fmt::Debug for Misbehaving {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.maybe_panic("debug");
+        write!(f, "Misbehaving({})", self.mode)
+    }
+}
+
+/// A message handler whose `Drop` panics.
+struct PanicsWhenDropped;
+
+impl MessageHandler for PanicsWhenDropped {
+    fn handle(&self, _from: &PeerInfo, _request: &[u8], _deadline: Deadline) -> Result<Vec<u8>> {
+        Ok(Vec::new())
+    }
+}
+
+impl Drop for PanicsWhenDropped {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            panic!("misbehaving plugin: the message handler's drop panics");
+        }
+    }
+}
+
 impl Drop for Misbehaving {
     fn drop(&mut self) {
         if self.mode == "drop" && !std::thread::panicking() {
@@ -100,6 +126,9 @@ fn create(ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
         .and_then(|v| v.as_str())
         .unwrap_or("")
         .to_string();
+    if mode == "handler_drop" {
+        ctx.hook.serve(Arc::new(PanicsWhenDropped))?;
+    }
     Ok(Arc::new(Misbehaving {
         info: BackendInfo {
             name: "misbehaving".to_string(),

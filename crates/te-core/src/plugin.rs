@@ -14,6 +14,7 @@
 #![allow(non_local_definitions)]
 
 use std::fmt;
+use std::mem::ManuallyDrop;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::Arc;
@@ -168,8 +169,18 @@ impl MessageHandler for PluginHandler {
     }
 }
 
-/// The plugin's own handler, exported to the host.
-struct ExportedHandler(Arc<dyn MessageHandler>);
+/// The plugin's own handler, exported to the host. The host drops it through an
+/// `extern "C"` function, where a panic would abort the process, so its `Drop` drops
+/// the handler under [`dropped_in_plugin`].
+struct ExportedHandler(ManuallyDrop<Arc<dyn MessageHandler>>);
+
+impl Drop for ExportedHandler {
+    fn drop(&mut self) {
+        // SAFETY: the field is taken only here, once, and `self` is not used again.
+        let handler = unsafe { ManuallyDrop::take(&mut self.0) };
+        dropped_in_plugin("its message handler", handler);
+    }
+}
 
 impl FfiHandler for ExportedHandler {
     fn handle(
@@ -196,7 +207,10 @@ impl HookTarget for PluginHook {
     }
 
     fn serve(&self, handler: Arc<dyn MessageHandler>) -> Result<()> {
-        let handler = FfiHandler_TO::from_value(ExportedHandler(handler), sabi_trait::TD_Opaque);
+        let handler = FfiHandler_TO::from_value(
+            ExportedHandler(ManuallyDrop::new(handler)),
+            sabi_trait::TD_Opaque,
+        );
         from_ffi(self.0.serve(handler))
     }
 
@@ -260,12 +274,27 @@ struct FfiContext {
 }
 
 fn caught<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        // Its own `Drop` could panic, outside any `catch_unwind`: leak it instead.
+        std::mem::forget(payload);
         Err(Error::new(
             ErrorKind::Backend,
             format!("the plugin panicked in {what}; this is a bug in the backend"),
         ))
     })
+}
+
+/// Drops `value` (a plugin's object, dropped because the host let go of it) so that a
+/// panic in its `Drop` is logged instead of unwinding into the `extern "C"` drop
+/// function the host called, which would abort the process. Whatever the panicking
+/// `Drop` did not release stays leaked.
+fn dropped_in_plugin<T>(what: &str, value: T) {
+    if let Err(payload) = catch_unwind(AssertUnwindSafe(move || drop(value))) {
+        std::mem::forget(payload);
+        tracing::error!(
+            "the plugin panicked while dropping {what}; this is a bug in the backend (what it held may have leaked)"
+        );
+    }
 }
 
 /// Builds the root module; used by [`register_backend!`](crate::register_backend).
@@ -318,18 +347,41 @@ pub fn __create(
             advertise: c.advertise,
         })?;
         Ok(FfiBackend_TO::from_value(
-            Exported(backend),
+            Exported(ManuallyDrop::new(backend)),
             sabi_trait::TD_Opaque,
         ))
     }))
 }
 
-/// A backend exported through the boundary (plugin side).
-struct Exported(Arc<dyn TransferBackend>);
+/// A backend exported through the boundary (plugin side). The host drops it, and
+/// formats it, through `extern "C"` functions, where a panic would abort the process:
+/// its `Drop` drops the backend under [`dropped_in_plugin`], and its `Debug` catches a
+/// panic of the backend's.
+struct Exported(ManuallyDrop<Arc<dyn TransferBackend>>);
+
+impl Drop for Exported {
+    fn drop(&mut self) {
+        // SAFETY: the field is taken only here, once, and `self` is not used again.
+        let backend = unsafe { ManuallyDrop::take(&mut self.0) };
+        dropped_in_plugin("its backend", backend);
+    }
+}
 
 impl fmt::Debug for Exported {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0.fmt(f)
+        let backend: &dyn TransferBackend = &**self.0;
+        let mut text = String::new();
+        let formatted = catch_unwind(AssertUnwindSafe(|| {
+            fmt::write(&mut text, format_args!("{backend:?}"))
+        }));
+        match formatted {
+            Ok(Ok(())) => f.write_str(&text),
+            Ok(Err(e)) => Err(e),
+            Err(payload) => {
+                std::mem::forget(payload);
+                f.write_str("(the plugin panicked in Debug; this is a bug in the backend)")
+            }
+        }
     }
 }
 
