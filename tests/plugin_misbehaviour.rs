@@ -377,3 +377,42 @@ fn a_plugin_whose_debug_panics_is_formatted_as_a_note_not_an_abort() {
     println!("{text}");
     assert!(text.contains("panicked in Debug"), "{text}");
 }
+
+/// A plugin that completes a batch a second time (through a copy of its completion)
+/// has the first completion count as the batch's result and the second ignored
+/// (logged as a bug in the backend): it touches nothing of the batch, nor of the
+/// batches whose completions reuse its slot.
+#[test]
+fn a_plugin_that_completes_a_batch_twice_has_the_second_completion_ignored() {
+    if !is_child() {
+        return assert_contained(
+            "a_plugin_that_completes_a_batch_twice_has_the_second_completion_ignored",
+        );
+    }
+    let target = Engine::from_config(&misbehaving("")).unwrap();
+    let _dst = target.alloc("kv", 4096, Access::REMOTE_READ_WRITE).unwrap();
+    let e = Engine::from_config(&misbehaving("double")).unwrap();
+    let src = e.alloc("kv", 4096, Access::LOCAL).unwrap();
+    let peer = e.connect(&target.address().to_string()).unwrap();
+    let remote = peer.region("kv").unwrap();
+    let write = [TransferRequest::write(src.id(), 0, remote.id, 0, 64)];
+    let h = e.transfer(&peer, &write).unwrap();
+    assert!(
+        h.wait().is_ok(),
+        "the first completion is the batch's result"
+    );
+    // The plugin completes each batch a second time 100 ms after the first (with an
+    // error): the batches posted meanwhile, which may reuse the first one's slot, still
+    // get their own first result.
+    for _ in 0..20 {
+        let h = e.transfer(&peer, &write).unwrap();
+        h.wait()
+            .expect("each batch's own first completion is its result");
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    for _ in 0..50 {
+        let _ = src.write(0, &[1u8; 64]);
+        drop(e.alloc("more", 1 << 16, Access::LOCAL));
+    }
+    println!("survived the second completions");
+}

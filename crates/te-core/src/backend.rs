@@ -1,8 +1,9 @@
 //! The seam between the engine and a fabric: [`TransferBackend`] and [`Completion`].
 
+use std::cell::UnsafeCell;
 use std::fmt;
 use std::mem::ManuallyDrop;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,6 +16,7 @@ use crate::desc::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::hook::ControlHook;
+use crate::sync::Mutex;
 pub use crate::time::Deadline;
 
 /// One fabric, implemented once per backend crate.
@@ -344,20 +346,34 @@ impl Signals {
 /// it with `Cancelled`. Either way the backend promises, by consuming it, that nothing
 /// of the batch touches its local memory any more. It is plain data with a C layout,
 /// so a backend loaded as a plugin completes it the same way a built-in one does.
+///
+/// A copy of it (which only unsafe code, or a plugin not written in Rust, can make)
+/// completed after the first is ignored and logged as a bug in the backend: the first
+/// completion hands the batch back, and a later one touches nothing of it.
 #[repr(C)]
 #[derive(StableAbi)]
 pub struct Completion {
+    /// The [`Slot`] holding the batch's context; slots are never freed.
     ctx: *mut (),
-    call: unsafe extern "C" fn(ctx: *mut (), result: RResult<(), FfiError>, dropped: bool),
+    /// Which use of the slot this completion is: a copy completed again, after the
+    /// slot moved on, no longer matches it.
+    ticket: u64,
+    call: unsafe extern "C" fn(
+        ctx: *mut (),
+        ticket: u64,
+        result: RResult<(), FfiError>,
+        dropped: bool,
+    ),
     /// The abort flag (non-zero once the batch is to be aborted) and the stage times;
-    /// owned by `ctx`, so valid while the completion lives.
+    /// owned by the context, so valid while the completion lives.
     signals: *const Signals,
     batch: BatchId,
     deadline: Deadline,
 }
 
-// SAFETY: the context is a boxed `FnOnce + Send` closure, called at most once, from
-// whichever thread completes; the signals are atomics the context keeps alive.
+// SAFETY: the context is a boxed `FnOnce + Send` closure, taken at most once (by the
+// ticket's compare-exchange), from whichever thread completes; the signals are atomics
+// the context keeps alive.
 unsafe impl Send for Completion {}
 // SAFETY: `&Completion` only touches the atomic signals and reads plain data.
 unsafe impl Sync for Completion {}
@@ -369,11 +385,89 @@ struct Context {
     _signals: Arc<Signals>,
 }
 
-unsafe extern "C" fn call_boxed(ctx: *mut (), result: RResult<(), FfiError>, dropped: bool) {
-    // SAFETY: `ctx` came from `Box::into_raw` in `Completion::build`, and the
-    // `ManuallyDrop` dance in `complete`/`drop` guarantees this runs once per context.
-    let c = unsafe { Box::from_raw(ctx as *mut Context) };
-    (c.f)(from_ffi(result), dropped)
+/// Where a completion's context lives while the batch is in flight. Slots are leaked
+/// and reused, never freed, so a completion's `ctx` stays a valid pointer for the life
+/// of the process, whatever a backend does with copies of it; the pool grows to the
+/// most completions ever alive at once (per shard) and stays there.
+struct Slot {
+    /// Odd while the slot holds the context of the completion with this ticket; even
+    /// while it is free. Each use moves it on by two.
+    ticket: AtomicU64,
+    /// The free list the slot goes back to.
+    shard: usize,
+    /// Written only by the slot's owner: the thread that took it off the free list
+    /// (before publishing its ticket), then the one whose compare-exchange of the
+    /// ticket succeeded (before putting it back).
+    context: UnsafeCell<Option<Context>>,
+}
+
+// SAFETY: `context` is only touched by the slot's one owner at a time, as its doc
+// says; the ticket's release store and acquiring compare-exchange, and the free list's
+// lock, order each owner's accesses before the next one's.
+unsafe impl Sync for Slot {}
+
+const SHARDS: usize = 16;
+
+/// Free slots, in shards so that threads building completions rarely share a lock.
+static FREE: [Mutex<Vec<&'static Slot>>; SHARDS] = [const { Mutex::new(Vec::new()) }; SHARDS];
+
+/// This thread's shard of [`FREE`].
+fn shard() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static SHARD: usize = NEXT.fetch_add(1, Ordering::Relaxed) % SHARDS;
+    }
+    SHARD.try_with(|s| *s).unwrap_or(0)
+}
+
+impl Slot {
+    /// Takes a free slot, puts `context` in it and returns it with its live ticket.
+    fn fill(context: Context) -> (&'static Slot, u64) {
+        let shard = shard();
+        let slot = FREE[shard].lock().pop().unwrap_or_else(|| {
+            Box::leak(Box::new(Slot {
+                ticket: AtomicU64::new(0),
+                shard,
+                context: UnsafeCell::new(None),
+            }))
+        });
+        // SAFETY: the slot is free and off the free list, so this thread owns it.
+        unsafe { *slot.context.get() = Some(context) };
+        let ticket = slot.ticket.load(Ordering::Relaxed) + 1;
+        slot.ticket.store(ticket, Ordering::Release);
+        (slot, ticket)
+    }
+
+    /// The context of the completion with `ticket`, once: `None` if that completion
+    /// was completed (or dropped) before.
+    fn take(&'static self, ticket: u64) -> Option<Context> {
+        self.ticket
+            .compare_exchange(ticket, ticket + 1, Ordering::AcqRel, Ordering::Relaxed)
+            .ok()?;
+        // SAFETY: the compare-exchange made this thread the slot's owner, after the
+        // owner that filled it (whose writes its acquire ordering makes visible).
+        let context = unsafe { (*self.context.get()).take() };
+        FREE[self.shard].lock().push(self);
+        context
+    }
+}
+
+unsafe extern "C" fn call_slot(
+    ctx: *mut (),
+    ticket: u64,
+    result: RResult<(), FfiError>,
+    dropped: bool,
+) {
+    // SAFETY: `ctx` is the `&'static Slot` `Completion::build` stored, or a copy of
+    // it: slots are never freed, so it is valid however often it is called.
+    let slot = unsafe { &*(ctx as *const Slot) };
+    match slot.take(ticket) {
+        Some(c) => (c.f)(from_ffi(result), dropped),
+        None => tracing::error!(
+            dropped,
+            "the backend completed a batch that it had completed (or dropped) before; the second completion is ignored; this is a bug in the backend"
+        ),
+    }
 }
 
 /// Aborts the [`Completion`] it was made with (for backends' own tests; the engine
@@ -416,13 +510,14 @@ impl Completion {
         f: Callback,
     ) -> Completion {
         let ptr = Arc::as_ptr(&signals);
-        let ctx = Box::new(Context {
+        let (slot, ticket) = Slot::fill(Context {
             f,
             _signals: signals,
         });
         Completion {
-            ctx: Box::into_raw(ctx) as *mut (),
-            call: call_boxed,
+            ctx: slot as *const Slot as *mut (),
+            ticket,
+            call: call_slot,
             signals: ptr,
             batch,
             deadline,
@@ -432,8 +527,9 @@ impl Completion {
     /// Completes the batch with its result: the backend is done with its memory.
     pub fn complete(self, result: Result<()>) {
         let this = ManuallyDrop::new(self);
-        // SAFETY: `this` is never dropped, so the context is consumed exactly here.
-        unsafe { (this.call)(this.ctx, to_ffi(result), false) }
+        // SAFETY: `call` and `ctx` are as `build` made them; `this` is never dropped, so
+        // this completion is consumed exactly here.
+        unsafe { (this.call)(this.ctx, this.ticket, to_ffi(result), false) }
     }
 
     /// The batch's id, as [`TransferBackend::abort`] names it.
@@ -484,8 +580,9 @@ impl Drop for Completion {
             ErrorKind::Cancelled,
             "the backend dropped the batch without completing it (it is shutting down)",
         );
-        // SAFETY: `drop` runs only when `complete` did not, so the context is live.
-        unsafe { (self.call)(self.ctx, to_ffi(Err(e)), true) }
+        // SAFETY: `call` and `ctx` are as `build` made them; `drop` runs only when
+        // `complete` did not.
+        unsafe { (self.call)(self.ctx, self.ticket, to_ffi(Err(e)), true) }
     }
 }
 
@@ -551,6 +648,29 @@ mod tests {
         assert_eq!(rx.recv().unwrap(), (true, false));
         assert_eq!(rx.recv().unwrap(), (true, true));
         assert!(rx.try_recv().is_err());
+    }
+
+    #[test]
+    fn a_copy_of_a_completion_completed_again_is_ignored() {
+        let (tx, rx) = mpsc::channel();
+        let tx2 = tx.clone();
+        let first = Completion::new(Duration::from_secs(1), move |r, _| {
+            tx.send(("first", r.is_ok())).unwrap()
+        });
+        // SAFETY (deliberately broken, as a C plugin might): a second owner of the same
+        // completion. Only `complete` is called on it, which must be ignored.
+        let copy = unsafe { std::ptr::read(&first) };
+        first.complete(Ok(()));
+        // The slot is likely reused by the next completion on this thread: the copy
+        // must not complete that one either.
+        let second = Completion::new(Duration::from_secs(1), move |r, _| {
+            tx2.send(("second", r.is_ok())).unwrap()
+        });
+        copy.complete(Err(Error::new(ErrorKind::Backend, "completed twice")));
+        assert_eq!(rx.try_recv().unwrap(), ("first", true));
+        assert!(rx.try_recv().is_err(), "the copy completed something");
+        second.complete(Ok(()));
+        assert_eq!(rx.try_recv().unwrap(), ("second", true));
     }
 
     #[test]
