@@ -798,6 +798,7 @@ impl Link {
     /// end of its socket is the end of that copy; one that broke the protocol is not
     /// trusted to copy correctly anyway (it holds the initiator's shared memory).
     fn end(&self, e: Error) {
+        let broken = e.kind() == ErrorKind::Protocol;
         let stopped = {
             let st = self.state.lock();
             st.closed || st.dead.is_some()
@@ -805,6 +806,20 @@ impl Link {
         if !stopped {
             // It may leave the channel draining (`BUSY` set): settled below.
             self.fail(e);
+        }
+        if broken && self.fence.word(BUSY).load(Ordering::SeqCst) != 0 {
+            // A message that broke the protocol is not the target's end: it may still
+            // be copying. `fail` shut our sending side; the target ends after its
+            // copy, and its end is read here, what comes before it discarded.
+            let mut skip = [0u8; 4096];
+            loop {
+                match (&self.stream).read(&mut skip) {
+                    Ok(0) => break,
+                    Ok(_) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => break,
+                }
+            }
         }
         self.settle(true);
     }

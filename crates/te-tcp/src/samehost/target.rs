@@ -44,8 +44,11 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         self.stop.notify_one();
+        // Only the reading side: a channel's thread inside a copy finishes it and
+        // answers, then reads its end and closes the socket. The initiator takes that
+        // close for the end of the copy (the fence), so it must not come before.
         for (_, s) in self.channels.lock().drain() {
-            let _ = s.shutdown(std::net::Shutdown::Both);
+            let _ = s.shutdown(std::net::Shutdown::Read);
         }
     }
 }

@@ -995,3 +995,30 @@ fn callers_driving_one_channel_together_each_get_their_answers() {
     // receiving thread, whichever held the socket when they came).
     assert!(own > 0, "no caller read its own answer");
 }
+
+#[test]
+fn a_target_that_breaks_the_protocol_inside_a_copy_holds_the_batch_until_its_end() {
+    use std::io::Write;
+    use std::sync::atomic::Ordering::SeqCst;
+    let (ch, mut peer, fence) = fenced_channel(false);
+    let src = [1u8; 16];
+    let done = submit_traced(&ch, dev(1, 16, src.as_ptr()));
+    read_request(&mut peer);
+    // The target copies (BUSY), and sends a message that breaks the protocol: an
+    // answer to a share never sent.
+    fence.word(1).store(1, SeqCst);
+    let mut m = [0u8; 40];
+    m[0] = 7;
+    m[8..16].copy_from_slice(&0xdead_u64.to_le_bytes());
+    peer.write_all(&m).unwrap();
+    assert!(
+        done.recv_timeout(Duration::from_millis(300)).is_err(),
+        "handed back while the target still copied"
+    );
+    // The copy ends and the target closes its end: now it is handed back, failed.
+    fence.word(1).store(0, SeqCst);
+    drop(peer);
+    let (r, _) = done.recv_timeout(Duration::from_secs(5)).unwrap();
+    assert!(r.is_err());
+    assert!(!ch.is_alive());
+}
