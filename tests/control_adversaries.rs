@@ -502,3 +502,24 @@ fn a_silent_peer_claiming_a_long_heartbeat_is_closed_after_three_of_ours() {
         "a silent session was kept {took:?} with the engine's heartbeat at 200 ms"
     );
 }
+
+/// The per-sender share of the notification budget always holds one largest
+/// notification with what it is charged besides its message (its sender's name and
+/// address), even where a quarter of the budget is no more than `notification_max`.
+#[test]
+fn a_notification_of_notification_max_bytes_fits_an_empty_inbox_whatever_the_share() {
+    let _s = serial();
+    let target = engine(|c| {
+        c.notification_bytes = 64 << 10;
+        c.notification_max = 16 << 10;
+    });
+    let me = engine(|_| {});
+    let peer = me.connect(&target.address().to_string()).unwrap();
+    let r = me.notify(&peer, vec![7; 16 << 10]).unwrap().wait();
+    assert!(
+        r.is_ok(),
+        "a notification of notification_max bytes, inbox empty: {r:?}"
+    );
+    let n = target.recv_notification(Duration::from_secs(5)).unwrap();
+    assert_eq!(n.message.len(), 16 << 10);
+}

@@ -502,7 +502,11 @@ async fn run(
         Ok(_) => session_closed(&addr),
     };
     // Requests never written to this connection go to a fresh session: the peer
-    // may have said goodbye because it restarted, and its new life is listening.
+    // may have said goodbye because it restarted, and its new life is listening. So do
+    // those that came while it opened and were not sent yet, first.
+    for req in early {
+        redispatch(&shared, &addr, req);
+    }
     while let Ok(req) = rx.try_recv() {
         redispatch(&shared, &addr, req);
     }

@@ -105,7 +105,8 @@ impl Engine {
     /// # Errors
     /// `ConfigInvalid` for an unknown backend (listing the available ones) or a bad
     /// backend table; `Unavailable` if the backend cannot run here (with the probe's
-    /// reason); `Io` if the control plane cannot listen.
+    /// reason) or its plugin file was refused (with the loader's reason: what to
+    /// rebuild); `Io` if the control plane cannot listen.
     pub fn from_config(config: &Config) -> Result<Engine> {
         let registry = Registry::discover(&config.engine.plugin_dirs);
         Engine::with_registry(config, &registry)
@@ -497,9 +498,11 @@ impl Inner {
             + from.address.len()
             + message.len();
         // One sender (by name) holds at most a quarter of the budget, or one largest
-        // notification: a flood from one peer leaves room for the others.
+        // notification with what it is charged besides its message: a flood from one
+        // peer leaves room for the others.
         let budget = self.config.notification_bytes as usize;
-        let share = (budget / 4).max(self.config.notification_max as usize);
+        let overhead = size - message.len();
+        let share = (budget / 4).max(self.config.notification_max as usize + overhead);
         let sender = std::hash::BuildHasher::hash_one(
             &std::hash::BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default(),
             &from.name,
