@@ -311,6 +311,9 @@ impl TransferBackend for RdmaBackend {
                 return Ok(peer.id);
             }
         }
+        // The set this connect replaces, if any: another connect that replaced it first
+        // wins (below).
+        let seen = known.and_then(|id| self.shared.peer(id));
         // No lock is held while the exchange runs.
         let id = known.unwrap_or_else(|| self.shared.peers.next_id());
         let peer = self.shared.establish(&ep, &segment.address, id, deadline)?;
@@ -320,6 +323,15 @@ impl TransferBackend for RdmaBackend {
             match by.get(&ep.instance).copied() {
                 // A concurrent connect to this instance finished first: one peer each.
                 Some(other) if Some(other) != known && self.shared.peer(other).is_some() => {
+                    (None, Some(other))
+                }
+                // Two connects replacing one dead set: the first's new set stays.
+                Some(other)
+                    if self.shared.peer(other).is_some_and(|p| {
+                        !p.dead.load(Ordering::Acquire)
+                            && !seen.as_ref().is_some_and(|s| Arc::ptr_eq(s, &p))
+                    }) =>
+                {
                     (None, Some(other))
                 }
                 _ => {
