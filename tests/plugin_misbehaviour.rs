@@ -416,3 +416,57 @@ fn a_plugin_that_completes_a_batch_twice_has_the_second_completion_ignored() {
     }
     println!("survived the second completions");
 }
+
+/// A plugin built against another te-core version is refused with a message that
+/// names the file, says which te-core it was built for and which this te uses (before
+/// abi_stable's long layout report), and says to rebuild it.
+#[test]
+fn a_plugin_built_against_a_newer_te_core_is_refused_naming_the_versions_and_file() {
+    let dir = plugins();
+    let registry = te_core::Registry::discover(&[dir.to_path_buf()]);
+    let path = dir.join(format!("libte_newer_core{}", std::env::consts::DLL_SUFFIX));
+    let problem = registry
+        .problems()
+        .iter()
+        .find(|p| p.path == path)
+        .unwrap_or_else(|| panic!("the newer plugin was not refused: {registry:?}"));
+    let msg = problem.error.to_string();
+    println!("{msg}");
+    assert_eq!(problem.error.kind(), ErrorKind::Unavailable, "{msg}");
+    assert!(msg.contains("rebuild"), "says what to do: {msg}");
+    assert!(
+        msg.contains(&path.display().to_string()),
+        "names the file: {msg}"
+    );
+    let ours = format!("this te uses te-core {}", env!("CARGO_PKG_VERSION"));
+    let versions = msg.find("te-core 0.2.0").zip(msg.find(&ours));
+    let layout = msg.find("Type Layout").unwrap_or(usize::MAX);
+    assert!(
+        versions.is_some_and(|(theirs, ours)| theirs < layout && ours < layout),
+        "says which te-core the plugin was built for, and which this te uses, first: {msg}"
+    );
+}
+
+/// An engine whose backend's plugin file was refused says why (the file, the reason,
+/// what to rebuild), not only that no backend has the name.
+#[test]
+fn an_engine_whose_backend_plugin_was_refused_says_why() {
+    // `libte_newer_core.so` is the plugin of backend `newer_core` (its file name is all
+    // te can know of a refused plugin), refused at load.
+    let dir = plugins();
+    let text = format!(
+        "[engine]\nbackend = \"newer_core\"\nplugin_dirs = [{:?}]\nlisten = \"127.0.0.1:0\"\n",
+        dir.display().to_string()
+    );
+    let config = Config::from_toml(&text, "misbehaviour.toml", Path::new(".")).unwrap();
+    let e = Engine::from_config(&config).expect_err("the plugin was refused");
+    let msg = e.to_string();
+    println!("{msg}");
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{msg}");
+    assert!(
+        msg.contains("libte_newer_core")
+            && msg.contains("te-core 0.2.0")
+            && msg.contains("rebuild"),
+        "the refusal of the plugin file is passed on: {msg}"
+    );
+}

@@ -581,14 +581,32 @@ pub(crate) fn load(path: &Path) -> Result<PluginModuleRef> {
             ))
         }
     };
-    let module = match header.upgrade().and_then(|h| h.init_root_module::<PluginModuleRef>()) {
-        Ok(m) => m,
+    let lib = match header.upgrade() {
+        Ok(lib) => lib,
         Err(e) => {
             return refuse(format!(
-                "built against an incompatible te-core (this te uses te-core {}); rebuild the plugin against it: {}",
-                env!("CARGO_PKG_VERSION"),
+                "built with an incompatible abi_stable, so not against this te's te-core; rebuild the plugin against this te (cargo build --workspace): {}",
                 one_line(&e)
             ))
+        }
+    };
+    let module = match lib.init_root_module::<PluginModuleRef>() {
+        Ok(m) => m,
+        Err(e) => {
+            // The version first: abi_stable's own message leads with its layout dump,
+            // which is long and cut.
+            let theirs = lib.version_strings().version;
+            let ours = env!("CARGO_PKG_VERSION");
+            let which = if theirs.as_str() == ours {
+                format!("te-core {theirs}, the version this te uses, but from other sources (the layouts of the types it shares with te differ)")
+            } else {
+                format!("te-core {theirs} (this te uses te-core {ours})")
+            };
+            tracing::debug!(path = %path.display(), detail = %e, "a plugin failed abi_stable's checks");
+            return refuse(format!(
+                "built against an incompatible te-core: {which}; rebuild the plugin against this te (cargo build --workspace). abi_stable says: {}",
+                one_line(&e)
+            ));
         }
     };
     std::mem::forget(raw);

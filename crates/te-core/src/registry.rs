@@ -308,13 +308,19 @@ fn load_once(path: &Path) -> Result<PluginModuleRef> {
         .clone()
 }
 
+/// Whether `path` names a plugin file (`libte_*.so`).
+fn plugin_file_name(path: &Path) -> bool {
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or_default();
+    name.starts_with("libte_") && name.ends_with(std::env::consts::DLL_SUFFIX)
+}
+
 fn plugin_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-            name.starts_with("libte_") && name.ends_with(std::env::consts::DLL_SUFFIX)
-        })
+        .filter(|p| plugin_file_name(p))
         .collect();
     files.sort();
     Ok(files)
@@ -399,17 +405,53 @@ impl Registry {
     /// The entry `name` resolves to.
     ///
     /// # Errors
-    /// `ConfigInvalid` for an unknown name, listing the available names.
+    /// `Unavailable` when no entry has the name but its plugin file (`libte_<name>.so`)
+    /// was refused, with the loader's reason (what to rebuild); `ConfigInvalid` for an
+    /// unknown name otherwise, listing the available names and any plugin directory
+    /// that could not be read.
     pub fn get(&self, name: &str) -> Result<&Entry> {
-        self.entries.iter().find(|e| e.name == name).ok_or_else(|| {
-            Error::new(
-                ErrorKind::ConfigInvalid,
+        if let Some(entry) = self.entries.iter().find(|e| e.name == name) {
+            return Ok(entry);
+        }
+        // A refused plugin's name is unknown: its file name is all there is to go by.
+        let file = format!("libte_{name}{}", std::env::consts::DLL_SUFFIX);
+        let refused: Vec<String> = self
+            .problems
+            .iter()
+            .filter(|p| p.path.file_name().and_then(|n| n.to_str()) == Some(file.as_str()))
+            .map(|p| p.error.to_string())
+            .collect();
+        if !refused.is_empty() {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
                 format!(
-                    "no backend named `{name}`; available: {} (a plugin may also be missing from plugin_dirs)",
-                    self.names().join(", ")
+                    "no usable backend named `{name}`: its plugin was refused: {}",
+                    refused.join("; ")
                 ),
             )
-            .with_operation("find backend")
-        })
+            .with_operation("find backend"));
+        }
+        let unread: Vec<String> = self
+            .problems
+            .iter()
+            .filter(|p| !plugin_file_name(&p.path))
+            .map(|p| format!("{} ({})", p.path.display(), p.error))
+            .collect();
+        let unread = if unread.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; plugin directories that could not be read: {}",
+                unread.join(", ")
+            )
+        };
+        Err(Error::new(
+            ErrorKind::ConfigInvalid,
+            format!(
+                "no backend named `{name}`; available: {} (a plugin may also be missing from plugin_dirs){unread}",
+                self.names().join(", ")
+            ),
+        )
+        .with_operation("find backend"))
     }
 }
