@@ -52,8 +52,9 @@ impl EventFd {
         Ok(Arc::new(EventFd(unsafe { OwnedFd::from_raw_fd(fd) })))
     }
 
-    /// Sleeps until a wake, `end`, or a signal; a wake is consumed.
-    fn sleep(&self, end: Option<Deadline>) -> io::Result<Slept> {
+    /// Sleeps until a wake, `end`, or a signal; a wake is consumed. `mask` is the
+    /// signal mask while it sleeps (the caller's own, from before it blocked signals).
+    fn sleep(&self, end: Option<Deadline>, mask: &libc::sigset_t) -> io::Result<Slept> {
         let mut pfd = libc::pollfd {
             fd: self.0.as_raw_fd(),
             events: libc::POLLIN,
@@ -68,8 +69,8 @@ impl EventFd {
         });
         let tsp = ts.as_ref().map_or(std::ptr::null(), |t| t as *const _);
         // SAFETY: one valid pollfd, a timespec that outlives the call (or none: no
-        // limit), and no signal mask change.
-        match unsafe { libc::ppoll(&mut pfd, 1, tsp, std::ptr::null()) } {
+        // limit), and a valid signal mask, in force only while the call sleeps.
+        match unsafe { libc::ppoll(&mut pfd, 1, tsp, mask) } {
             0 => Ok(Slept::TimedOut),
             n if n > 0 => {
                 let mut count = 0u64;
@@ -90,6 +91,41 @@ thread_local! {
     static EVENT: Option<Arc<EventFd>> = EventFd::new().ok();
 }
 
+/// Signals blocked on this thread while it looks whether it may sleep, and unblocked
+/// only inside `ppoll`, atomically: a signal that comes after the look ends the sleep
+/// instead of being missed by it. The caller's mask comes back when this drops.
+/// Signals a fault raises synchronously stay unblocked.
+struct Blocked(libc::sigset_t);
+
+impl Blocked {
+    fn new() -> Blocked {
+        // SAFETY: sigset_t is plain data that the calls below initialise before use.
+        let (mut all, mut old) = unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
+        // SAFETY: valid sigset pointers; the mask changes on this thread only.
+        unsafe {
+            libc::sigfillset(&mut all);
+            for s in [
+                libc::SIGSEGV,
+                libc::SIGBUS,
+                libc::SIGFPE,
+                libc::SIGILL,
+                libc::SIGTRAP,
+            ] {
+                libc::sigdelset(&mut all, s);
+            }
+            libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old);
+        }
+        Blocked(old)
+    }
+}
+
+impl Drop for Blocked {
+    fn drop(&mut self) {
+        // SAFETY: restores this thread's mask from before `Blocked::new`.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &self.0, std::ptr::null_mut()) };
+    }
+}
+
 /// Polls `poll` until it is ready or `end` passes (`None`: no limit), sleeping with the
 /// GIL released in between; `None` at the deadline (after one last poll). Raises what
 /// Python's signal handlers raise when a signal ends a sleep.
@@ -104,10 +140,15 @@ pub(crate) fn block_on<T>(
     let waker = Waker::from(event.clone());
     let mut cx = Context::from_waker(&waker);
     loop {
+        // Signals that came before this look are handled here; later ones end the sleep.
+        let blocked = Blocked::new();
+        py.check_signals()?;
         if let Poll::Ready(v) = poll(&mut cx) {
             return Ok(Some(v));
         }
-        match py.allow_threads(|| event.sleep(end)) {
+        let slept = py.allow_threads(|| event.sleep(end, &blocked.0));
+        drop(blocked);
+        match slept {
             Ok(Slept::Woken) => {}
             Ok(Slept::TimedOut) => {
                 if end.is_some_and(|e| e.is_past()) {
