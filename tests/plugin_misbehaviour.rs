@@ -470,3 +470,23 @@ fn an_engine_whose_backend_plugin_was_refused_says_why() {
         "the refusal of the plugin file is passed on: {msg}"
     );
 }
+
+/// A plugin file that was refused is tried again at the next discovery, so a plugin
+/// rebuilt (or put right) as the refusal asks is used without restarting the process.
+#[test]
+fn a_refused_plugin_file_put_right_is_loaded_at_the_next_discovery() {
+    let dir = scratch("retry");
+    let lib = dir.join(format!("libte_stub{}", std::env::consts::DLL_SUFFIX));
+    std::fs::write(&lib, b"not a library yet").unwrap();
+    let registry = te_core::Registry::discover(std::slice::from_ref(&dir));
+    assert!(
+        registry.problems().iter().any(|p| p.path == lib),
+        "the broken file was refused: {registry:?}"
+    );
+    std::fs::remove_file(&lib).unwrap();
+    std::fs::copy(te_core::testkit::built_plugin("te_stub"), &lib).unwrap();
+    let registry = te_core::Registry::discover(std::slice::from_ref(&dir));
+    assert!(registry.problems().is_empty(), "{:?}", registry.problems());
+    let stub = registry.get("stub").expect("the stub plugin");
+    assert_eq!(stub.origin(), &te_core::Origin::Plugin(lib));
+}

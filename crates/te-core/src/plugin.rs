@@ -547,7 +547,8 @@ pub(crate) fn create(
 }
 
 /// Loads the plugin library at `path` and checks its layout, te-core version and
-/// plugin ABI. The library stays loaded for the life of the process.
+/// plugin ABI. A library that passes abi_stable's checks stays loaded for the life of
+/// the process, even when te's own checks refuse it; one that fails them is unloaded.
 ///
 /// # Errors
 /// `Unavailable` with the reason: not loadable, not a te plugin, built against an
@@ -612,13 +613,13 @@ pub(crate) fn load(path: &Path) -> Result<PluginModuleRef> {
     std::mem::forget(raw);
     if module.abi() != PLUGIN_ABI {
         return refuse(format!(
-            "plugin ABI {} is not this te's plugin ABI {PLUGIN_ABI}; rebuild the plugin",
+            "plugin ABI {} is not this te's plugin ABI {PLUGIN_ABI}; rebuild the plugin against this te (cargo build --workspace) and restart this process (the refused library stays loaded)",
             module.abi()
         ));
     }
     if module.schema().as_str() != SCHEMA {
         return refuse(format!(
-            "built from other te-core sources (schema {} here {SCHEMA}); rebuild the plugin with this te (cargo build --workspace)",
+            "built from other te-core sources (schema {} here {SCHEMA}); rebuild the plugin with this te (cargo build --workspace) and restart this process (the refused library stays loaded)",
             module.schema()
         ));
     }

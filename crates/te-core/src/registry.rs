@@ -294,18 +294,21 @@ pub struct Registry {
     problems: Vec<PluginProblem>,
 }
 
-/// Plugin libraries already loaded in this process, by canonical path; a library is
-/// loaded once and never unloaded.
-static LOADED: Mutex<Option<HashMap<PathBuf, Result<PluginModuleRef>>>> = Mutex::new(None);
+/// Plugin libraries loaded in this process, by canonical path; a library is loaded
+/// once and never unloaded. A refusal is not kept: the next discovery tries the file
+/// again, so a plugin rebuilt as its refusal asks is taken without a restart.
+static LOADED: Mutex<Option<HashMap<PathBuf, PluginModuleRef>>> = Mutex::new(None);
 
 fn load_once(path: &Path) -> Result<PluginModuleRef> {
     let key = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
     let mut loaded = LOADED.lock();
-    loaded
-        .get_or_insert_with(HashMap::new)
-        .entry(key)
-        .or_insert_with(|| plugin::load(path))
-        .clone()
+    let loaded = loaded.get_or_insert_with(HashMap::new);
+    if let Some(module) = loaded.get(&key) {
+        return Ok(*module);
+    }
+    let module = plugin::load(path)?;
+    loaded.insert(key, module);
+    Ok(module)
 }
 
 /// Whether `path` names a plugin file (`libte_*.so`).
