@@ -6,10 +6,11 @@
 //! The misbehaving plugins are compiled here at run time with `rustc` (nothing is
 //! added to the workspace): `tests/plugin_misbehaviour/misbehaving.rs` against the
 //! te-core rlib this test binary itself was built with (found in `target/<profile>/deps`
-//! by te-core's `SCHEMA`, so run `cargo build --workspace` first), and
-//! `tests/plugin_misbehaviour/newer_core.rs` against abi_stable alone. A scenario that
-//! could take the process down runs in a child process (this test binary again, with
-//! `TE_PLUGIN_MISBEHAVIOUR_CHILD` set), and the parent checks that it ended normally.
+//! by te-core's `SCHEMA`, so run `cargo build --workspace` first), and te's
+//! ABI-mismatch fixture (`tests/plugins/te-abi-mismatch`) made to claim te-core 0.2.0,
+//! against abi_stable alone. A scenario that could take the process down runs in a
+//! child process (this test binary again, with `TE_PLUGIN_MISBEHAVIOUR_CHILD` set), and
+//! the parent checks that it ended normally.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -111,8 +112,24 @@ fn plugins() -> &'static Path {
             &[("te_core", te_core)],
             &dir,
         );
+        // te's ABI-mismatch fixture, claiming a newer te-core under its own name.
+        let base =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/plugins/te-abi-mismatch/src/lib.rs");
+        let base = std::fs::read_to_string(base).expect("the ABI-mismatch fixture");
+        let newer = base
+            .replace(
+                r#"VersionStrings::new("0.1.0")"#,
+                r#"VersionStrings::new("0.2.0")"#,
+            )
+            .replace("te_plugin_te_abi_mismatch", "te_plugin_te_newer_core");
+        assert!(
+            newer.contains(r#"new("0.2.0")"#) && newer.contains("te_plugin_te_newer_core"),
+            "the ABI-mismatch fixture changed: update the newer-core one made from it"
+        );
+        let src = dir.join("newer_core.rs");
+        std::fs::write(&src, newer).unwrap();
         rustc(
-            "tests/plugin_misbehaviour/newer_core.rs",
+            src.to_str().expect("a UTF-8 scratch path"),
             "te_newer_core",
             &[("abi_stable", rlib("abi_stable", |_| true))],
             &dir,
