@@ -65,15 +65,21 @@ pub(crate) fn execute(
             "the peer's stub endpoint is gone (its engine was dropped)",
         ));
     };
-    // One engine connected to itself: one read lock serves both sides.
-    let local_regions = read(local);
-    let remote_guard;
-    let remote_regions = if remote.id == local.id {
-        &local_regions
+    // One engine connected to itself: one read lock serves both sides. Two tables are
+    // locked in the order of their ids: a worker of each of two stubs writing to each
+    // other, with a deregistration (a writer, which new readers queue behind) waiting
+    // on each side, would otherwise hold one table each and wait for the other's.
+    let (local_regions, remote_guard) = if remote.id == local.id {
+        (read(local), None)
+    } else if remote.id < local.id {
+        let first = read(&remote);
+        (read(local), Some(first))
     } else {
-        remote_guard = read(&remote);
-        &remote_guard
+        let first = read(local);
+        let second = read(&remote);
+        (first, Some(second))
     };
+    let remote_regions = remote_guard.as_ref().unwrap_or(&local_regions);
     let total: u64 = job.requests.iter().map(|r| r.len).sum();
     let mut groups = Groups::default();
     let mut budget = match job.fault {
