@@ -271,19 +271,24 @@ impl TcpBackend {
         if !peer.same_boot {
             return;
         }
-        let mut chs = peer.channels.lock();
-        if chs.iter().any(|c| !c.is_alive()) {
-            chs.clear();
-        }
+        let need = {
+            let mut chs = peer.channels.lock();
+            if chs.iter().any(|c| !c.is_alive()) {
+                chs.clear();
+            }
+            peer.conns.read().len().saturating_sub(chs.len())
+        };
         let limit = deadline
             .left("connect")
             .map_or(self.shared.config.connect_timeout, |l| {
                 l.min(self.shared.config.connect_timeout)
             });
-        let want = peer.conns.read().len();
-        while chs.len() < want {
+        // Opened with no lock held: a channel's hello may take up to `limit`, and
+        // submits and deregistrations to this peer take the channel list.
+        let mut opened = Vec::new();
+        while opened.len() < need {
             let nonce = peer.conns.read().iter().find_map(|c| c.take_challenge());
-            let Some(nonce) = nonce else { return };
+            let Some(nonce) = nonce else { break };
             match Channel::open(
                 peer.instance,
                 nonce,
@@ -291,16 +296,25 @@ impl TcpBackend {
                 &peer.exports,
                 self.shared.config.caller_reads,
             ) {
-                Ok(c) => {
-                    if chs.is_empty() {
-                        tracing::info!(peer = %peer.addr, cross_memory_attach = c.cma, "same-host peer: frames move without the socket");
-                    }
-                    chs.push(c);
-                }
+                Ok(c) => opened.push(c),
                 Err(e) => {
                     tracing::info!(peer = %peer.addr, error = %e, "the peer advertises this host but opened no channel; frames go over the socket");
-                    return;
+                    break;
                 }
+            }
+        }
+        if opened.is_empty() {
+            return;
+        }
+        let mut chs = peer.channels.lock();
+        if chs.is_empty() {
+            tracing::info!(peer = %peer.addr, cross_memory_attach = opened[0].cma, "same-host peer: frames move without the socket");
+        }
+        // A concurrent connect may have opened some meanwhile: the spare ones close.
+        let want = peer.conns.read().len();
+        for c in opened {
+            if chs.len() < want {
+                chs.push(c);
             }
         }
     }
