@@ -60,7 +60,8 @@ pub struct EngineConfig {
     pub default_timeout: Duration,
     /// Bytes of received notifications kept until read, each counted with its sender's
     /// name and address and a fixed overhead; senders get `Busy` beyond, and so does
-    /// one sender holding a quarter of it (or one `notification_max`, if larger).
+    /// one sender holding a quarter of it (or one `notification_max` with its overhead,
+    /// if larger).
     #[serde(deserialize_with = "de::size")]
     pub notification_bytes: u64,
     /// The largest notification accepted, in bytes.

@@ -12,9 +12,11 @@
 //! type, MTU and READ depth; the target builds its half (at most `qps_per_path` × device
 //! pairs of them per request, at most two sets per initiator), moves it INIT → RTR →
 //! RTS and answers with its own, and the initiator does the same (module `qp` lists
-//! every attribute). The target keeps a set until the initiator releases it
-//! (disconnect, replacement, closing) or comes back with another epoch. A peer that
-//! dies is noticed by its QPs' transport errors (retries exhausted) and by the
+//! every attribute). The target keeps a set, per initiator address and epoch, until
+//! the initiator releases it (disconnect, replacement, closing), a newer set of the
+//! same initiator pushes it out, `max_served_qps` pushes out the oldest (those of an
+//! initiator that came back with another epoch first), or the backend closes. A peer
+//! that dies is noticed by its QPs' transport errors (retries exhausted) and by the
 //! engine's session to it; its QPs are moved to the error state, failing what was in
 //! flight with `PeerUnreachable`.
 //!

@@ -96,10 +96,11 @@
 //! Deadlines: a task per backend wakes at the earliest deadline of the batches in
 //! flight. A batch that is still unfinished then has its unwritten slices dropped; a
 //! connection that carries one of its written slices (or is receiving its answer) is
-//! left alone while answers or sends still move on it (the batch's late answers are
-//! dropped, never placed), and closed once nothing moved on it for 250 ms. So a batch
-//! on a stalled or partitioned peer completes with `Timeout` about 250 ms after its
-//! deadline, not after `io_timeout`, and no late byte lands in the caller's memory.
+//! left alone while answers, sends or its staging copies still move (the batch's late
+//! answers are dropped, never placed), and closed once nothing moved on it for 250 ms
+//! with no staging copy running. So a batch on a stalled or partitioned peer completes
+//! with `Timeout` about 250 ms after its deadline, not after `io_timeout`, and no late
+//! byte lands in the caller's memory.
 //! Other batches on a closed connection fail with `PeerUnreachable`; the engine
 //! reconnects on next use. An abort (a cancel, or a deregistration of a region the
 //! batch uses) is handled the same way, at once.

@@ -49,8 +49,8 @@ impl Engine {
 
     /// READs blocks `remote_ids` of the peer's layout `layout` into blocks `local_ids`
     /// of the local layout of the same name (pairwise), merging runs of consecutive
-    /// ids into single requests. One deadline covers refreshing the peer's descriptor
-    /// and the batch.
+    /// ids into single requests (cut to the backend's `max_request_size`). One deadline
+    /// covers refreshing the peer's descriptor and the batch.
     ///
     /// # Errors
     /// As [`kv::plan`] for the block lists; `NotRegistered` if either side has no such
