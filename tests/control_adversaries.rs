@@ -9,27 +9,14 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use ciborium::value::Value;
-use common::{kind, Counting, MIB};
+use common::{engine, kind, serial, Counting, MIB};
 use te::{Config, Engine, EngineConfig, PeerEventKind};
 
 #[global_allocator]
 static HEAP: Counting = Counting;
-
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn engine(set: impl FnOnce(&mut EngineConfig)) -> Engine {
-    let mut c = Config::defaults();
-    set(&mut c.engine);
-    Engine::from_config(&c).unwrap()
-}
 
 /// A raw peer's handshake with an engine that has `token`: hello, welcome, proof,
 /// ready. Returns the stream, or the engine's error message.

@@ -8,27 +8,14 @@ mod common;
 
 use std::io::Write;
 use std::net::{Shutdown, TcpStream};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use ciborium::value::Value;
-use common::{kind, Counting, MIB};
-use te::{Access, Config, Engine, EngineConfig, ErrorKind, TransferRequest};
+use common::{engine, kind, serial, Counting, MIB};
+use te::{Access, Engine, EngineConfig, ErrorKind, TransferRequest};
 
 #[global_allocator]
 static HEAP: Counting = Counting;
-
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn engine(set: impl FnOnce(&mut EngineConfig)) -> Engine {
-    let mut c = Config::defaults();
-    set(&mut c.engine);
-    Engine::from_config(&c).unwrap()
-}
 
 /// A genuine peer connects to `target` (within 10 s), writes 4 KiB into its region
 /// "dst" and reads it back there.

@@ -12,21 +12,15 @@ use std::io::{ErrorKind as IoKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ciborium::value::Value;
-use common::{kind, Counting, MIB};
+use common::{kind, serial, Counting, MIB};
 use te::{Access, Config, Engine, EngineConfig, TransferRequest};
 
 #[global_allocator]
 static HEAP: Counting = Counting;
-
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// The heartbeat of the engines under attack: a peer that does not read for three of
 /// them (600 ms) is closed. Genuine peers keep the default, so that a loaded machine's

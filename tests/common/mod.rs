@@ -13,6 +13,21 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use ciborium::value::Value;
+use te::{Config, Engine, EngineConfig};
+
+/// Holds a test binary's tests to one at a time (those that count the heap, or load
+/// the machine, must not overlap).
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// An engine on the built-in defaults, with its `[engine]` table changed by `set`.
+pub fn engine(set: impl FnOnce(&mut EngineConfig)) -> Engine {
+    let mut c = Config::defaults();
+    set(&mut c.engine);
+    Engine::from_config(&c).unwrap()
+}
 
 /// Frame kinds, as `crates/te-core/src/control/wire.rs` numbers them.
 pub mod kind {
