@@ -348,6 +348,20 @@ def test_a_second_initialize_starts_a_new_engine():
     assert e.register_memory(buf.ctypes.data, 4096) == 0
 
 
+def test_a_second_initialize_with_bad_arguments_keeps_the_working_engine():
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    port = e.get_rpc_port()
+    buf = np.zeros(4096, np.uint8)
+    assert e.register_memory(buf.ctypes.data, 4096) == 0
+    assert e.initialize("127.0.0.1", "redis://127.0.0.1:6379", "tcp", "") < 0
+    assert e.initialize("no-such-host.invalid", "P2PHANDSHAKE", "tcp", "") < 0
+    assert e.initialize("127.0.0.1:notaport", "P2PHANDSHAKE", "tcp", "") < 0
+    assert e.get_rpc_port() == port
+    assert e.send_probe(f"127.0.0.1:{port}") == 0
+    assert e.unregister_memory(buf.ctypes.data) == 0
+
+
 def test_calls_te_cannot_offer_exist_and_fail_as_mooncake_does(caplog):
     caplog.set_level(logging.INFO, logger="te.mooncake")
     e = TransferEngine()

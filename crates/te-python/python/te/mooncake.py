@@ -299,7 +299,9 @@ class TransferEngine:
         RDMA devices (``"mlx5_0,mlx5_1"``) for the rdma backend.
 
         A second call starts a new engine, as Mooncake's does: the previous one's
-        registrations and batches are gone and the port changes."""
+        registrations and batches are gone and the port changes. A second call whose
+        arguments are wrong (metadata, host or port) fails and keeps the engine; one
+        that fails while starting the new engine leaves none."""
         meta = metadata_server
         named = isinstance(meta, str) and ("://" in meta or meta.strip().upper() == "P2PHANDSHAKE")
         return self.initialize_ext(local_hostname, meta, protocol, device_name,
@@ -314,7 +316,6 @@ class TransferEngine:
                 raise TypeError(f"{what} must be str, not {type(v).__name__}")
         if device_name is not None and not isinstance(device_name, str):
             raise TypeError(f"device_name must be str, not {type(device_name).__name__}")
-        self._close()
         meta = metadata_server.strip()
         if metadata_type == "p2p" or meta.upper() == "P2PHANDSHAKE":
             metadata = "p2p"
@@ -327,12 +328,21 @@ class TransferEngine:
             return FAILED
         try:
             host, port = _split_host_port(local_hostname)
+            if port and not (port.isdigit() and int(port) < 65536):
+                raise ValueError(f"port {port!r} is not a number from 0 to 65535")
             host = _listen_host(host)
-            listen = f"[{host}]:{port or 0}" if ":" in host else f"{host}:{port or 0}"
-            backend = protocol
-            if os.environ.get("MC_FORCE_TCP") and backend != "tcp":
-                _log.warning("initialize: MC_FORCE_TCP is set; using tcp instead of %s", backend)
-                backend = "tcp"
+        except (OSError, UnicodeError, ValueError) as e:
+            _log.error("initialize(%s, %s): %s", local_hostname, protocol, e)
+            return FAILED
+        listen = f"[{host}]:{port or 0}" if ":" in host else f"{host}:{port or 0}"
+        backend = protocol
+        if os.environ.get("MC_FORCE_TCP") and backend != "tcp":
+            _log.warning("initialize: MC_FORCE_TCP is set; using tcp instead of %s", backend)
+            backend = "tcp"
+        # The arguments are sound: only now does the working engine go (its port may
+        # be the one asked for).
+        self._close()
+        try:
             try:
                 engine = Engine(self._config(listen, metadata, backend, device_name))
             except Error as e:
