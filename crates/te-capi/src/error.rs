@@ -23,8 +23,14 @@ thread_local! {
 pub(crate) fn set_last_error(message: &str) {
     // An interior NUL would cut the message short in C; show it instead.
     let text = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
-    LAST_ERROR.with(|last| *last.borrow_mut() = text);
+    // A te call from a thread-local destructor (a C++ `thread_local` holding te handles)
+    // may come after this thread's LAST_ERROR is gone: the message is lost, and
+    // te_last_error says so, instead of a panic that would abort the process.
+    let _ = LAST_ERROR.try_with(|last| *last.borrow_mut() = text);
 }
+
+/// What `te_last_error` returns once the calling thread's storage is destroyed.
+static LOST: &CStr = c"the message is lost: te was called while this thread was exiting, after its storage was destroyed";
 
 /// The negative status code of `kind`: minus its code in te's one `ErrorKind` table.
 pub(crate) fn status_of(kind: ErrorKind) -> c_int {
@@ -74,10 +80,13 @@ pub(crate) fn guard_void(operation: &'static str, body: impl FnOnce()) {
 
 /// The calling thread's last error message: the message of the last call on this
 /// thread that returned a negative status. Never NULL (empty if no call failed yet).
-/// The string stays valid until the next te call on this thread.
+/// The string stays valid until the next te call on this thread. On a thread that is
+/// exiting, after its storage was destroyed, a static message saying the message is lost.
 #[no_mangle]
 pub extern "C" fn te_last_error() -> *const c_char {
-    LAST_ERROR.with(|last| last.borrow().as_ptr())
+    LAST_ERROR
+        .try_with(|last| last.borrow().as_ptr())
+        .unwrap_or(LOST.as_ptr())
 }
 
 fn names() -> &'static HashMap<c_int, CString> {
@@ -142,5 +151,44 @@ mod tests {
         assert_eq!(last(), "te_test_call: past the end");
         let other = std::thread::spawn(last).join().unwrap();
         assert_eq!(other, "", "another thread's last error is its own");
+    }
+
+    /// What a failing call returned in a thread-local destructor, and te_last_error().
+    static SEEN_AT_EXIT: std::sync::Mutex<Option<(c_int, String)>> = std::sync::Mutex::new(None);
+
+    /// Calls te from its destructor, as a C++ `thread_local` object holding te handles
+    /// does when its thread exits.
+    struct CallsTeAtExit;
+
+    impl Drop for CallsTeAtExit {
+        fn drop(&mut self) {
+            let status = guard("te_test_call", || {
+                Err(Error::new(ErrorKind::OutOfBounds, "past the end"))
+            });
+            *SEEN_AT_EXIT.lock().unwrap() = Some((status, last()));
+        }
+    }
+
+    thread_local! {
+        static AT_EXIT: CallsTeAtExit = const { CallsTeAtExit };
+    }
+
+    #[test]
+    fn a_call_from_a_thread_local_destructor_returns_its_status() {
+        std::thread::spawn(|| {
+            // Destructors run in the reverse order of first use: this one after te's
+            // own thread-local state is gone.
+            AT_EXIT.with(|_| {});
+            set_last_error("first");
+        })
+        .join()
+        .unwrap();
+        let (status, message) = SEEN_AT_EXIT
+            .lock()
+            .unwrap()
+            .take()
+            .expect("the destructor ran");
+        assert_eq!(status, -5);
+        assert!(message.contains("lost"), "{message}");
     }
 }
