@@ -24,6 +24,10 @@
  *   PID namespaces included, as the real driver's do: the exporter serves its
  *   allocations' memfds on an abstract Unix socket named in the handle, and the
  *   importer receives the descriptor with SCM_RIGHTS. Nothing goes through /proc.
+ *   An allocation's handle is given once: a second cnrtAcquireMemHandle for it fails
+ *   with cnrtErrorOpsNotPermitted (CNRT's habit, the code is the fake's choice).
+ * - cnrtMalloc reuses the address range of a freed allocation, so a new allocation
+ *   may start where a freed one started.
  * - Errors can be injected per function name: te_fake_cnrt_inject(name, code, count),
  *   or TE_FAKE_CNRT_INJECT="cnrtMalloc:100100:1,cnrtQueueSync:1:2" at load time.
  *

@@ -86,6 +86,7 @@ EXPORT const char *cnrtGetErrorName(cnrtRet_t e) {
     case cnrtErrorSysNoMem: return "cnrtErrorSysNoMem";
     case cnrtErrorInvalidResourceHandle: return "cnrtErrorInvalidResourceHandle";
     case cnrtErrorNotSupport: return "cnrtErrorNotSupport";
+    case cnrtErrorOpsNotPermitted: return "cnrtErrorOpsNotPermitted";
     case cnrtErrorQueue: return "cnrtErrorQueue";
     case cnrtErrorNoMem: return "cnrtErrorNoMem";
     case cnrtErrorMemcpyDirectionInvalid: return "cnrtErrorMemcpyDirectionInvalid";
@@ -111,6 +112,8 @@ EXPORT const char *cnrtGetErrorStr(cnrtRet_t e) {
     case cnrtErrorSetOnActiveProcess:
       return "the device flag cannot change once the device is in use (fake libcnrt)";
     case cnrtErrorDevice: return "current resource is not from the current device (fake libcnrt)";
+    case cnrtErrorOpsNotPermitted:
+      return "this allocation's IPC handle was acquired already (fake libcnrt)";
     default: return "unknown error (fake libcnrt)";
   }
 }

@@ -33,6 +33,7 @@ enum {
   cnrtErrorSysNoMem = 100010,
   cnrtErrorInvalidResourceHandle = 100014,
   cnrtErrorNotSupport = 100050,
+  cnrtErrorOpsNotPermitted = 100051,
   cnrtErrorQueue = 100060,
   cnrtErrorNoMem = 100100,
   cnrtErrorSetOnActiveProcess = 632002,
@@ -82,6 +83,8 @@ struct alloc {
   int fd;
   int mapped;     /* 1: mapped from an IPC handle; 0: from cnrtMalloc */
   uint32_t serial;
+  uint64_t span;  /* the address range it holds, its size rounded up plus a gap */
+  int acquired;   /* cnrtAcquireMemHandle has given out its handle */
 };
 
 struct op {

@@ -1,6 +1,7 @@
 /*
  * The FAKE libcnrt's IPC handles: cnrtAcquireMemHandle names an allocation and this
- * process's fake driver, which serves its memfd on an abstract Unix socket;
+ * process's fake driver, which serves its memfd on an abstract Unix socket (once per
+ * allocation: a second acquire is refused with cnrtErrorOpsNotPermitted);
  * cnrtMapMemHandle asks that driver for the descriptor and maps it;
  * cnrtUnMapMemHandle releases the mapping.
  */
@@ -112,6 +113,14 @@ EXPORT cnrtRet_t cnrtAcquireMemHandle(void **handle, void *ptr) {
     pthread_mutex_unlock(&g_lock);
     return cnrtErrorArgsInvalid;
   }
+  /* CNRT (drivers up to 6.2 at least) gives an allocation's handle once: a second
+   * acquire for the same allocation is refused. A new allocation at the same base,
+   * after cnrtFree, gets its own handle. */
+  if (a->acquired) {
+    pthread_mutex_unlock(&g_lock);
+    return cnrtErrorOpsNotPermitted;
+  }
+  a->acquired = 1;
   uint64_t h = ((uint64_t)g_token << 32) | ((uint64_t)a->fd << 12) |
                ((uint64_t)(a->ordinal & 0xf) << 8) | (a->serial & 0xff);
   pthread_mutex_unlock(&g_lock);

@@ -2,6 +2,12 @@
  * The FAKE libcnrt's memory: the table of allocations (cnrtMalloc'ed and mapped from
  * IPC handles) at fake device addresses, cnrtMalloc/cnrtFree, host allocations, and
  * cnrtPointerGetAttributes.
+ *
+ * Like a real device allocator, cnrtMalloc reuses the address range of a freed
+ * allocation (the most recently freed one on the device that fits), so a new
+ * allocation can start at the base of one just freed: whatever a program keeps by
+ * base address outlives the allocation it was about. Mappings of IPC handles always
+ * get fresh addresses.
  */
 #include "fake_cnrt_internal.h"
 
@@ -28,6 +34,27 @@ struct alloc *find(uint64_t addr, size_t len) {
 
 int is_device(uint64_t addr) { return addr >= BASE && addr < BASE + ((uint64_t)MAX_DEVICES << 40); }
 
+/* Address ranges of freed cnrtMalloc allocations, for reuse; g_lock guards them. */
+struct range {
+  uint64_t dev, span;
+  int ordinal;
+};
+static struct range *g_free;
+static size_t g_free_n, g_free_cap;
+
+/* Takes the most recently freed range of `ordinal` that holds `span` bytes, or 0. */
+static uint64_t reuse(int ordinal, uint64_t *span) {
+  for (size_t i = g_free_n; i-- > 0;) {
+    struct range r = g_free[i];
+    if (r.ordinal == ordinal && r.span >= *span) {
+      g_free[i] = g_free[--g_free_n];
+      *span = r.span;
+      return r.dev;
+    }
+  }
+  return 0;
+}
+
 uint64_t insert(size_t size, char *host, int ordinal, int fd, int mapped, uint32_t serial) {
   if (g_n == g_cap) {
     size_t cap = g_cap ? g_cap * 2 : 64;
@@ -36,15 +63,30 @@ uint64_t insert(size_t size, char *host, int ordinal, int fd, int mapped, uint32
     g_allocs = n;
     g_cap = cap;
   }
-  uint64_t dev = g_next[ordinal];
   /* A gap after each allocation, so a copy that runs past its end is refused. */
-  g_next[ordinal] += ((size + 0xfffff) & ~(uint64_t)0xfffff) + 0x100000;
-  g_allocs[g_n++] = (struct alloc){dev, size, host, ordinal, fd, mapped, serial};
+  uint64_t span = ((size + 0xfffff) & ~(uint64_t)0xfffff) + 0x100000;
+  uint64_t dev = mapped ? 0 : reuse(ordinal, &span);
+  if (!dev) {
+    dev = g_next[ordinal];
+    g_next[ordinal] += span;
+  }
+  g_allocs[g_n++] = (struct alloc){dev, size, host, ordinal, fd, mapped, serial, span, 0};
   return dev;
 }
 
+/* Removes allocation `i`; a cnrtMalloc'ed one's range may be handed out again. */
 static void remove_at(size_t i) {
+  struct alloc a = g_allocs[i];
   g_allocs[i] = g_allocs[--g_n];
+  if (a.mapped) return;
+  if (g_free_n == g_free_cap) {
+    size_t cap = g_free_cap ? g_free_cap * 2 : 64;
+    struct range *n = realloc(g_free, cap * sizeof *n);
+    if (!n) return; /* the range is never reused: harmless */
+    g_free = n;
+    g_free_cap = cap;
+  }
+  g_free[g_free_n++] = (struct range){a.dev, a.span, a.ordinal};
 }
 
 EXPORT cnrtRet_t cnrtMalloc(void **ptr, size_t bytes) {

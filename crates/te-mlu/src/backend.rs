@@ -41,7 +41,7 @@ use te_core::{
 
 use crate::config::MluConfig;
 use crate::endpoint::{host_identity, Endpoint, Key};
-use crate::ffi::dir;
+use crate::ffi::{dir, IpcHandle};
 use crate::handoff::{self, Server};
 use crate::peers::PeerState;
 use crate::runtime::{self, MluRuntime, RUNTIME};
@@ -61,6 +61,9 @@ struct Local {
     addr: u64,
     mem: Mem,
     slot: u32,
+    /// The base of the allocation whose IPC handle the region's key carries, and the
+    /// handle.
+    export: Option<(u64, IpcHandle)>,
 }
 
 /// The intra-host MLU-Link backend.
@@ -186,19 +189,17 @@ impl TransferBackend for MluBackend {
 
     fn register(&self, id: RegionId, mem: &MemoryDesc) -> Result<Vec<u8>> {
         let remote = mem.access.remote_read || mem.access.remote_write;
-        let (kind, handle) = match &mem.kind {
-            MemoryKind::Host => (Mem::Host, None),
+        let (kind, handle, export) = match &mem.kind {
+            MemoryKind::Host => (Mem::Host, None, None),
             MemoryKind::Device { runtime, ordinal } if runtime == RUNTIME => {
                 let info = te_core::device::DeviceRuntime::pointer_info(&*self.rt, mem.addr)?;
-                let handle = if remote {
-                    Some((
-                        self.rt.ipc_handle(info.ordinal, info.base)?,
-                        mem.addr - info.base,
-                    ))
+                if remote {
+                    let h = self.rt.export(&info)?;
+                    let handle = Some((h, mem.addr - info.base));
+                    (Mem::Mlu(*ordinal), handle, Some((info.base, h)))
                 } else {
-                    None
-                };
-                (Mem::Mlu(*ordinal), handle)
+                    (Mem::Mlu(*ordinal), None, None)
+                }
             }
             other => {
                 return Err(Error::new(
@@ -215,13 +216,22 @@ impl TransferBackend for MluBackend {
             read: mem.access.remote_read,
             write: mem.access.remote_write,
         };
-        let slot = self.table.claim(id.0, extent)?;
+        let slot = match self.table.claim(id.0, extent) {
+            Ok(slot) => slot,
+            Err(e) => {
+                if let Some((base, h)) = export {
+                    self.rt.release_handle(base, h);
+                }
+                return Err(e);
+            }
+        };
         self.locals.write().insert(
             id,
             Local {
                 addr: mem.addr,
                 mem: kind,
                 slot,
+                export,
             },
         );
         Ok(Key { slot, handle }.encode())
@@ -235,6 +245,9 @@ impl TransferBackend for MluBackend {
             ));
         };
         if self.table.retire(local.slot, deadline.remaining()) {
+            if let Some((base, h)) = local.export {
+                self.rt.release_handle(base, h);
+            }
             return Ok(());
         }
         // A batch (of this process or a peer's) may still copy: the region stays
@@ -421,6 +434,11 @@ impl TransferBackend for MluBackend {
 impl Drop for MluBackend {
     fn drop(&mut self) {
         crate::peers::withdraw(self.endpoint.instance);
+        for local in self.locals.get_mut().values() {
+            if let Some((base, h)) = local.export {
+                self.rt.release_handle(base, h);
+            }
+        }
         let jobs = self.shared.stop();
         // Queued batches complete as cancelled when their completions drop here.
         drop(jobs);

@@ -31,6 +31,9 @@ pub(crate) mod code {
     pub(crate) const BUSY: Ret = 632014;
     pub(crate) const NO_DEVICE: Ret = 100004;
     pub(crate) const DEVICE_INVALID: Ret = 100005;
+    /// `cnrtErrorOpsNotPermitted`: taken as CNRT's refusal of a second IPC handle for
+    /// one allocation (the code is unconfirmed, see docs/mlu-abi.md).
+    pub(crate) const OPS_NOT_PERMITTED: Ret = 100051;
 
     /// The header's names of the codes te may report, for messages.
     pub(crate) fn name(code: Ret) -> &'static str {
@@ -575,14 +578,17 @@ impl Cnrt {
         Ok(can == 1)
     }
 
-    /// `cnrtAcquireMemHandle` for an allocation's base address.
-    pub(crate) fn acquire_mem_handle(&self, base: u64) -> Result<IpcHandle> {
+    /// `cnrtAcquireMemHandle` for an allocation's base address; `Ok(None)` where CNRT
+    /// refuses because it gave this allocation's handle out already.
+    pub(crate) fn acquire_mem_handle(&self, base: u64) -> Result<Option<IpcHandle>> {
         let mut h = std::ptr::null_mut();
         // SAFETY: a valid out-parameter; CNRT checks the address.
-        self.check("cnrtAcquireMemHandle", unsafe {
-            (self.acquire_mem_handle)(&mut h, base as *mut c_void)
-        })?;
-        Ok((h as u64).to_ne_bytes())
+        match unsafe { (self.acquire_mem_handle)(&mut h, base as *mut c_void) } {
+            code::OPS_NOT_PERMITTED => Ok(None),
+            r => self
+                .check("cnrtAcquireMemHandle", r)
+                .map(|()| Some((h as u64).to_ne_bytes())),
+        }
     }
 
     /// `cnrtMapMemHandle` into the current device: the mapped allocation's address here.

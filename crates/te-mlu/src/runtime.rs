@@ -40,8 +40,20 @@ pub struct MluRuntime {
     /// Whether every device's flag is `cnrtDeviceScheduleBlock`.
     blocking: bool,
     jobs: Mutex<Sender<Job>>,
-    /// IPC handles by allocation base: CNRT refuses a second acquire for one base.
-    handles: Mutex<HashMap<u64, IpcHandle>>,
+    /// IPC handles by allocation base: CNRT refuses a second acquire for one
+    /// allocation.
+    handles: Mutex<HashMap<u64, Export>>,
+}
+
+/// An allocation's IPC handle, and how many of te's registrations use it. While one
+/// does, the allocation cannot have been freed (memory must stay allocated until it is
+/// deregistered); with none, it may have been, and another made at its base.
+#[derive(Debug, Clone, Copy)]
+struct Export {
+    handle: IpcHandle,
+    ordinal: u32,
+    len: u64,
+    users: usize,
 }
 
 static INSTANCE: OnceLock<Result<Arc<MluRuntime>>> = OnceLock::new();
@@ -287,20 +299,66 @@ impl MluRuntime {
         }
     }
 
-    /// The IPC handle of the allocation starting at `base`, acquired once.
+    /// The IPC handle of the allocation `info` describes, for one more registration;
+    /// [`MluRuntime::release_handle`] says when that registration is gone.
+    ///
+    /// While a registration holds the allocation, its handle is the one kept. Without
+    /// one, the application may have freed the allocation and made another at its
+    /// base, so CNRT is asked again: a handle it gives is the current allocation's; a
+    /// refusal because it gave this allocation's handle out already means the
+    /// allocation is the one whose handle te kept (same base, MLU and size), which is
+    /// served again.
     ///
     /// # Errors
-    /// CNRT's error from `cnrtAcquireMemHandle`.
-    pub(crate) fn ipc_handle(&self, ordinal: u32, base: u64) -> Result<IpcHandle> {
+    /// CNRT's error from `cnrtAcquireMemHandle`; `InvalidRequest` if the allocation
+    /// changed while registered, or CNRT gave its handle to someone else than te.
+    pub(crate) fn export(&self, info: &PointerInfo) -> Result<IpcHandle> {
         let mut handles = self.handles.lock();
-        if let Some(h) = handles.get(&base) {
-            return Ok(*h);
+        let same = |e: &Export| e.ordinal == info.ordinal && e.len == info.len;
+        if let Some(e) = handles.get_mut(&info.base).filter(|e| e.users > 0) {
+            if !same(e) {
+                return Err(Error::new(
+                    ErrorKind::InvalidRequest,
+                    format!("the MLU allocation at {:#x} is not the one registered there before ({} bytes on mlu:{}, now {} bytes on mlu:{}), though that registration is still live: memory must stay allocated until it is deregistered", info.base, e.len, e.ordinal, info.len, info.ordinal),
+                ));
+            }
+            e.users += 1;
+            return Ok(e.handle);
         }
-        let h = self
+        let acquired = self
             .cnrt
-            .with_device(ordinal, || self.cnrt.acquire_mem_handle(base))?;
-        handles.insert(base, h);
-        Ok(h)
+            .with_device(info.ordinal, || self.cnrt.acquire_mem_handle(info.base))?;
+        let handle = match (acquired, handles.get(&info.base)) {
+            (Some(h), _) => h,
+            (None, Some(e)) if same(e) => e.handle,
+            (None, _) => {
+                return Err(Error::new(
+                    ErrorKind::InvalidRequest,
+                    format!("CNRT refuses an IPC handle for the MLU allocation at {:#x}: it gave that allocation's handle out already, and not to te (CNRT gives one per allocation); register memory whose IPC handle the application has not acquired itself", info.base),
+                ))
+            }
+        };
+        handles.insert(
+            info.base,
+            Export {
+                handle,
+                ordinal: info.ordinal,
+                len: info.len,
+                users: 1,
+            },
+        );
+        Ok(handle)
+    }
+
+    /// A registration that [`MluRuntime::export`] served `handle` for the allocation
+    /// at `base` is gone. The handle is kept, to be served again only where CNRT says
+    /// the allocation is still the same one.
+    pub(crate) fn release_handle(&self, base: u64, handle: IpcHandle) {
+        if let Some(e) = self.handles.lock().get_mut(&base) {
+            if e.handle == handle {
+                e.users = e.users.saturating_sub(1);
+            }
+        }
     }
 
     /// Maps a peer's IPC handle; the memory is on local device `ordinal`.

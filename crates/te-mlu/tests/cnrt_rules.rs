@@ -1,8 +1,9 @@
 //! What real CNRT and Linux do that te-mlu must cope with, as the FAKE libcnrt now
 //! models it: a queue only takes copies while its own MLU is current; `cnrtQueueSync`
 //! spins unless the device flag says block; copies waiting together are synchronized
-//! together; a peer's `/proc/PID/fd` is out of reach from another PID namespace; and a
-//! region a peer may still be copying into is never reported deregistered.
+//! together; a peer's `/proc/PID/fd` is out of reach from another PID namespace; a
+//! region a peer may still be copying into is never reported deregistered; and an
+//! allocation gives its IPC handle once, while `cnrtMalloc` reuses freed bases.
 //!
 //! The tests run one at a time: they read the fake's process-wide counters. Copies take
 //! 20 ms, so every wait for a queue really waits. The binary re-executes itself with
@@ -24,6 +25,14 @@ use te_core::{
 };
 use te_mlu::{MluBackend, MluConfig};
 
+macro_rules! ensure {
+    ($cond:expr, $($msg:tt)+) => {
+        if !$cond {
+            return Err(format!($($msg)+).into());
+        }
+    };
+}
+
 type Counter = unsafe extern "C" fn(*const std::ffi::c_char) -> u64;
 
 /// A counter of the fake libcnrt this process loaded.
@@ -39,16 +48,76 @@ fn counter(name: &str) -> u64 {
     unsafe { f(name.as_ptr()) }
 }
 
-fn e2f(e: te_core::Error) -> Failed {
-    format!("{e:?}").into()
+/// The fake libcnrt this process loaded, for calls the application makes itself.
+fn app_cnrt() -> Result<libloading::Library, Failed> {
+    // SAFETY: the same file te-mlu loaded, so dlopen returns the same instance.
+    unsafe { libloading::Library::new(env!("TE_MLU_FAKE_CNRT")) }
+        .map_err(|e| format!("cannot open the fake libcnrt: {e}").into())
 }
 
-macro_rules! ensure {
-    ($cond:expr, $($msg:tt)+) => {
-        if !$cond {
-            return Err(format!($($msg)+).into());
-        }
+type Malloc = unsafe extern "C" fn(*mut *mut std::ffi::c_void, usize) -> i32;
+type Free = unsafe extern "C" fn(*mut std::ffi::c_void) -> i32;
+type Memcpy = unsafe extern "C" fn(*mut std::ffi::c_void, *mut std::ffi::c_void, usize, i32) -> i32;
+type Acquire = unsafe extern "C" fn(*mut *mut std::ffi::c_void, *mut std::ffi::c_void) -> i32;
+
+/// `cnrtMalloc` on the calling thread's current MLU (mlu:0), as an application calls it.
+fn app_malloc(len: usize) -> Result<u64, Failed> {
+    let lib = app_cnrt()?;
+    // SAFETY: cnrtMalloc's prototype (docs/mlu-abi.md).
+    let f: libloading::Symbol<'_, Malloc> =
+        unsafe { lib.get(b"cnrtMalloc\0") }.map_err(|e| e.to_string())?;
+    let mut p = std::ptr::null_mut();
+    // SAFETY: a valid out-parameter.
+    let r = unsafe { f(&mut p, len) };
+    ensure!(r == 0, "cnrtMalloc({len}) failed with {r}");
+    Ok(p as u64)
+}
+
+/// `cnrtFree`, as an application calls it.
+fn app_free(addr: u64) -> Result<(), Failed> {
+    let lib = app_cnrt()?;
+    // SAFETY: cnrtFree's prototype.
+    let f: libloading::Symbol<'_, Free> =
+        unsafe { lib.get(b"cnrtFree\0") }.map_err(|e| e.to_string())?;
+    // SAFETY: `addr` came from cnrtMalloc and nothing uses it any more.
+    let r = unsafe { f(addr as *mut std::ffi::c_void) };
+    ensure!(r == 0, "cnrtFree({addr:#x}) failed with {r}");
+    Ok(())
+}
+
+/// Fills MLU memory at `addr` with `data` (`cnrtMemcpy`, host to device).
+fn app_write(addr: u64, data: &[u8]) -> Result<(), Failed> {
+    let lib = app_cnrt()?;
+    // SAFETY: cnrtMemcpy's prototype.
+    let f: libloading::Symbol<'_, Memcpy> =
+        unsafe { lib.get(b"cnrtMemcpy\0") }.map_err(|e| e.to_string())?;
+    // SAFETY: `data` is borrowed until the synchronous copy returns; the fake checks
+    // the device range; 0 is cnrtMemcpyHostToDev.
+    let r = unsafe {
+        f(
+            addr as *mut std::ffi::c_void,
+            data.as_ptr() as *mut std::ffi::c_void,
+            data.len(),
+            0,
+        )
     };
+    ensure!(r == 0, "cnrtMemcpy to {addr:#x} failed with {r}");
+    Ok(())
+}
+
+/// `cnrtAcquireMemHandle`'s return code for the allocation at `addr`.
+fn app_acquire(addr: u64) -> Result<i32, Failed> {
+    let lib = app_cnrt()?;
+    // SAFETY: cnrtAcquireMemHandle's prototype.
+    let f: libloading::Symbol<'_, Acquire> =
+        unsafe { lib.get(b"cnrtAcquireMemHandle\0") }.map_err(|e| e.to_string())?;
+    let mut h = std::ptr::null_mut();
+    // SAFETY: a valid out-parameter; CNRT checks the address.
+    Ok(unsafe { f(&mut h, addr as *mut std::ffi::c_void) })
+}
+
+fn e2f(e: te_core::Error) -> Failed {
+    format!("{e:?}").into()
 }
 
 fn copies_alternating_between_mlus_each_run_with_their_own_mlu_current() -> Result<(), Failed> {
@@ -248,6 +317,129 @@ fn deregister_past_its_timeout_fails_while_a_peer_batch_still_holds_the_region(
     result
 }
 
+/// Registers the application's MLU memory at `addr` with `e` for remote reads.
+fn register_app_memory(
+    e: &Engine,
+    name: &str,
+    addr: u64,
+    len: u64,
+) -> te_core::Result<te_core::Registration> {
+    let desc = MemoryDesc {
+        name: name.into(),
+        addr,
+        len,
+        kind: mlu(0),
+        access: Access::REMOTE_READ,
+    };
+    // SAFETY: the caller keeps the allocation until the registration is deregistered.
+    unsafe { e.register(desc) }
+}
+
+/// Reads the peer's region `name` whole into `back` and checks it holds `seed`'s
+/// pattern.
+fn read_and_check(
+    e: &Engine,
+    peer: &te_core::Peer,
+    name: &str,
+    back: &te_core::Buffer,
+    seed: u8,
+) -> Result<(), Failed> {
+    let len = back.len() as u64;
+    let remote = peer
+        .region(name)
+        .ok_or_else(|| format!("the target has no `{name}`"))?
+        .id;
+    e.transfer(peer, &[TransferRequest::read(back.id(), 0, remote, 0, len)])
+        .map_err(|e| format!("reading `{name}`: {e}"))?
+        .wait()
+        .map_err(|e| format!("reading `{name}`: {e}"))?;
+    ensure!(
+        back.to_vec().map_err(e2f)? == te_core::testkit::pattern(len as usize, seed),
+        "the peer read other bytes than `{name}` holds"
+    );
+    Ok(())
+}
+
+fn a_region_registered_at_a_freed_allocations_base_reaches_the_new_allocation() -> Result<(), Failed>
+{
+    te_mlu::runtime().map_err(e2f)?;
+    let target = Engine::from_config(&config("mlu", "")).map_err(e2f)?;
+    // Through IPC handles, as a peer in another process maps them.
+    let initiator = Engine::from_config(&config("mlu", "ipc = \"always\"")).map_err(e2f)?;
+    let len = 64usize << 10;
+    let back = initiator
+        .alloc_on(&mlu(1), "back", len, Access::LOCAL)
+        .map_err(e2f)?;
+    let old = app_malloc(len)?;
+    app_write(old, &te_core::testkit::pattern(len, 1))?;
+    let reg = register_app_memory(&target, "old", old, len as u64).map_err(e2f)?;
+    let peer = initiator
+        .connect(&target.address().to_string())
+        .map_err(e2f)?;
+    read_and_check(&initiator, &peer, "old", &back, 1)?;
+    reg.deregister().map_err(e2f)?;
+    app_free(old)?;
+    let new = app_malloc(len)?;
+    let result = (|| -> Result<(), Failed> {
+        ensure!(
+            new == old,
+            "cnrtMalloc put the new allocation at {new:#x}, not at the freed base {old:#x}: this test proves nothing"
+        );
+        app_write(new, &te_core::testkit::pattern(len, 2))?;
+        let reg = register_app_memory(&target, "new", new, len as u64).map_err(e2f)?;
+        initiator
+            .refresh(&peer, Duration::from_secs(10))
+            .map_err(e2f)?;
+        let read = read_and_check(&initiator, &peer, "new", &back, 2);
+        reg.deregister().map_err(e2f)?;
+        read
+    })();
+    drop((initiator, target));
+    app_free(new)?;
+    result
+}
+
+fn a_region_registered_again_on_the_same_allocation_is_reached_through_its_one_handle(
+) -> Result<(), Failed> {
+    te_mlu::runtime().map_err(e2f)?;
+    let len = 64usize << 10;
+    // The fake refuses a second handle for one allocation, as CNRT does.
+    let probe = app_malloc(len)?;
+    let (first, second) = (app_acquire(probe)?, app_acquire(probe)?);
+    app_free(probe)?;
+    ensure!(
+        first == 0 && second != 0,
+        "the fake gave a second IPC handle for one allocation ({first}, then {second}): this test proves nothing"
+    );
+    let target = Engine::from_config(&config("mlu", "")).map_err(e2f)?;
+    let initiator = Engine::from_config(&config("mlu", "ipc = \"always\"")).map_err(e2f)?;
+    let back = initiator
+        .alloc_on(&mlu(1), "back", len, Access::LOCAL)
+        .map_err(e2f)?;
+    let mem = app_malloc(len)?;
+    let result = (|| -> Result<(), Failed> {
+        app_write(mem, &te_core::testkit::pattern(len, 3))?;
+        let reg = register_app_memory(&target, "first", mem, len as u64).map_err(e2f)?;
+        let peer = initiator
+            .connect(&target.address().to_string())
+            .map_err(e2f)?;
+        read_and_check(&initiator, &peer, "first", &back, 3)?;
+        reg.deregister().map_err(e2f)?;
+        app_write(mem, &te_core::testkit::pattern(len, 4))?;
+        let reg = register_app_memory(&target, "again", mem, len as u64)
+            .map_err(|e| format!("registering the same allocation again: {e}"))?;
+        initiator
+            .refresh(&peer, Duration::from_secs(10))
+            .map_err(e2f)?;
+        let read = read_and_check(&initiator, &peer, "again", &back, 4);
+        reg.deregister().map_err(e2f)?;
+        read
+    })();
+    drop((initiator, target));
+    app_free(mem)?;
+    result
+}
+
 /// The second process: a target engine on the mlu backend, serving until stdin closes.
 fn target_main() {
     let e = Engine::from_config(&config("mlu", "")).expect("target engine");
@@ -350,7 +542,7 @@ fn main() {
         return;
     }
     type Test = fn() -> Result<(), Failed>;
-    let tests: [(&str, Test); 5] = [
+    let tests: [(&str, Test); 7] = [
         (
             "copies_alternating_between_mlus_each_run_with_their_own_mlu_current",
             copies_alternating_between_mlus_each_run_with_their_own_mlu_current,
@@ -370,6 +562,14 @@ fn main() {
         (
             "a_peer_in_another_pid_namespace_exchanges_mlu_memory",
             a_peer_in_another_pid_namespace_exchanges_mlu_memory,
+        ),
+        (
+            "a_region_registered_at_a_freed_allocations_base_reaches_the_new_allocation",
+            a_region_registered_at_a_freed_allocations_base_reaches_the_new_allocation,
+        ),
+        (
+            "a_region_registered_again_on_the_same_allocation_is_reached_through_its_one_handle",
+            a_region_registered_again_on_the_same_allocation_is_reached_through_its_one_handle,
         ),
     ];
     let trials = tests
