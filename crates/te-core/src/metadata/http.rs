@@ -1,11 +1,14 @@
 //! Just enough HTTP/1.1 to speak JSON to etcd's gateway: one POST per connection,
 //! and a chunked response read as a stream of JSON values (for watches).
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::sync::{Condvar, Mutex};
 use crate::time::Deadline;
 
 /// The largest response body read (etcd's own request limit is 1.5 MiB).
@@ -26,10 +29,7 @@ pub(super) fn post(
     body: &serde_json::Value,
     deadline: Deadline,
 ) -> Result<Response> {
-    let addrs: Vec<_> = endpoint
-        .to_socket_addrs()
-        .map_err(|e| unreachable(endpoint, "cannot resolve", e))?
-        .collect();
+    let addrs = resolve(endpoint, deadline)?;
     let mut last = None;
     let mut stream = None;
     for a in addrs {
@@ -97,6 +97,80 @@ pub(super) fn post(
         chunked,
         reader,
     })
+}
+
+/// The addresses `endpoint` (`host:port`) names, before `deadline`. An IP address is
+/// taken as it is; a host name is looked up on a thread of its own, because
+/// `getaddrinfo` takes no deadline (a DNS server that drops queries holds it for the
+/// resolver's timeouts, 10 s and more).
+fn resolve(endpoint: &str, deadline: Deadline) -> Result<Vec<SocketAddr>> {
+    if let Ok(a) = endpoint.parse::<SocketAddr>() {
+        return Ok(vec![a]);
+    }
+    resolve_with(endpoint, deadline, |e| {
+        e.to_socket_addrs().map(Iterator::collect)
+    })
+}
+
+/// A name lookup under way, which every caller resolving the same name waits for.
+#[derive(Default)]
+struct Lookup {
+    /// The addresses, or why there are none; `None` until the lookup ends.
+    answer: Mutex<Option<std::result::Result<Vec<SocketAddr>, String>>>,
+    done: Condvar,
+}
+
+/// Lookups under way, by name: callers of one name share one lookup, so a resolver
+/// that never answers holds a thread per name (the store's few endpoints), not one per
+/// call.
+static LOOKUPS: Mutex<BTreeMap<String, Arc<Lookup>>> = Mutex::new(BTreeMap::new());
+
+/// [`resolve`] for a host name, through `lookup`.
+fn resolve_with(
+    endpoint: &str,
+    deadline: Deadline,
+    lookup: fn(&str) -> std::io::Result<Vec<SocketAddr>>,
+) -> Result<Vec<SocketAddr>> {
+    let under_way = {
+        let mut lookups = LOOKUPS.lock();
+        match lookups.get(endpoint) {
+            Some(l) => l.clone(),
+            None => {
+                let l = Arc::new(Lookup::default());
+                let (name, mine) = (endpoint.to_string(), l.clone());
+                std::thread::Builder::new()
+                    .name("te-etcd-lookup".into())
+                    .spawn(move || {
+                        let answer = lookup(&name).map_err(|e| e.to_string());
+                        *mine.answer.lock() = Some(answer);
+                        mine.done.notify_all();
+                        let mut lookups = LOOKUPS.lock();
+                        if lookups.get(&name).is_some_and(|l| Arc::ptr_eq(l, &mine)) {
+                            lookups.remove(&name);
+                        }
+                    })
+                    .map_err(|e| Error::io("resolve", "cannot start a thread", e))?;
+                lookups.insert(endpoint.to_string(), l.clone());
+                l
+            }
+        }
+    };
+    let answer = under_way.answer.lock();
+    let (answer, _) = under_way
+        .done
+        .wait_timeout_while(answer, deadline.remaining(), |a| a.is_none());
+    match &*answer {
+        Some(Ok(addrs)) => Ok(addrs.clone()),
+        Some(Err(e)) => Err(unreachable(endpoint, "cannot resolve", e)),
+        None => Err(Error::new(
+            ErrorKind::Timeout,
+            format!(
+                "metadata store at {endpoint}: the deadline passed before its host name resolved \
+                 (is the DNS server in /etc/resolv.conf answering?); name the store by IP address \
+                 to need no lookup"
+            ),
+        )),
+    }
 }
 
 /// A socket whose reads end at a deadline: each read waits only for what is left of
@@ -267,5 +341,81 @@ impl Response {
     /// A second handle on the socket, to shut it down from another thread.
     pub(super) fn socket(&self) -> Option<TcpStream> {
         self.reader.get_ref().stream.try_clone().ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A resolver that never answers in time (a DNS server that drops every query).
+    fn stuck(_: &str) -> std::io::Result<Vec<SocketAddr>> {
+        std::thread::sleep(Duration::from_secs(10));
+        Err(std::io::Error::other("no answer"))
+    }
+
+    #[test]
+    fn a_name_whose_lookup_hangs_fails_at_the_callers_deadline() {
+        let start = std::time::Instant::now();
+        let r = resolve_with(
+            "etcd-0.cluster.example:2379",
+            Deadline::after(Duration::from_millis(300)),
+            stuck,
+        );
+        let took = start.elapsed();
+        let e = r.expect_err("a lookup that never answered");
+        assert!(
+            took < Duration::from_secs(2),
+            "a lookup given 300 ms returned after {took:?}: {e}"
+        );
+        assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+        assert!(e.to_string().contains("etcd-0.cluster.example"), "{e}");
+    }
+
+    static STUCK_CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+    fn stuck_counted(name: &str) -> std::io::Result<Vec<SocketAddr>> {
+        STUCK_CALLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        stuck(name)
+    }
+
+    #[test]
+    fn callers_of_a_name_whose_lookup_hangs_share_one_lookup() {
+        for _ in 0..5 {
+            let r = resolve_with(
+                "etcd-1.cluster.example:2379",
+                Deadline::after(Duration::from_millis(50)),
+                stuck_counted,
+            );
+            assert_eq!(r.unwrap_err().kind(), ErrorKind::Timeout);
+        }
+        assert_eq!(
+            STUCK_CALLS.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "five calls while one lookup hangs started more lookups (threads)"
+        );
+    }
+
+    #[test]
+    fn an_ip_address_needs_no_lookup_and_a_lookups_answer_is_used() {
+        let d = || Deadline::after(Duration::from_secs(5));
+        assert_eq!(
+            resolve("127.0.0.1:2379", Deadline::after(Duration::ZERO)).unwrap(),
+            vec!["127.0.0.1:2379".parse().unwrap()]
+        );
+        assert_eq!(
+            resolve("[::1]:2379", d()).unwrap(),
+            vec!["[::1]:2379".parse().unwrap()]
+        );
+        let r = resolve_with("etcd-2.cluster.example:2379", d(), |_| {
+            Ok(vec!["10.0.0.7:2379".parse().unwrap()])
+        });
+        assert_eq!(r.unwrap(), vec!["10.0.0.7:2379".parse().unwrap()]);
+        let e = resolve_with("etcd-3.cluster.example:2379", d(), |_| {
+            Err(std::io::Error::other("no such host"))
+        })
+        .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::PeerUnreachable, "{e}");
+        assert!(e.to_string().contains("no such host"), "{e}");
     }
 }
