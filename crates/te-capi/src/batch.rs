@@ -1,13 +1,19 @@
 //! Batches in flight: wait with a timeout, status without blocking, a completion
 //! callback, an event fd, cancel.
+//!
+//! A batch is reported done (by `te_batch_wait`, `te_batch_status` and its event fds)
+//! only once the callbacks registered on it have returned: a caller told that its
+//! batch is done may free what those callbacks use.
 
+use std::cell::RefCell;
 use std::ffi::{c_int, c_void};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
-use te_core::sync::Mutex;
+use std::time::Instant;
+use te_core::sync::{Condvar, Mutex};
 
 use te_facade::{Error, ErrorKind, Result, TransferHandle, TransferStatus};
 
@@ -16,12 +22,129 @@ use crate::error::{fail, guard, guard_void, TE_OK, TE_PENDING};
 
 /// `te_batch`: a submitted batch.
 #[derive(Debug)]
-pub struct TeBatch(TransferHandle);
+pub struct TeBatch {
+    handle: TransferHandle,
+    hooks: Arc<Hooks>,
+}
 
 impl TeBatch {
     pub(crate) fn boxed(handle: TransferHandle) -> *mut TeBatch {
-        Box::into_raw(Box::new(TeBatch(handle)))
+        let hooks = Arc::new(Hooks::default());
+        Box::into_raw(Box::new(TeBatch { handle, hooks }))
     }
+}
+
+/// A batch's C callbacks and event fds, and whether its end was reported.
+#[derive(Debug, Default)]
+struct Hooks {
+    state: Mutex<HookState>,
+    /// Signalled when the last running callback returns.
+    idle: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct HookState {
+    /// Callbacks registered before the batch was reported done that have not returned.
+    running: usize,
+    /// Event fds to write once `running` is 0.
+    fds: Vec<c_int>,
+    /// The batch was reported done. A callback registered later runs at once on its
+    /// caller's thread and is not waited for, so a report never goes back to pending.
+    reported: bool,
+}
+
+thread_local! {
+    /// The hooks whose callbacks run on this thread now: a callback that asks about its
+    /// own batch sees it done instead of waiting for itself.
+    static RUNNING_HERE: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+}
+
+impl Hooks {
+    fn key(&self) -> usize {
+        self as *const Hooks as usize
+    }
+
+    /// How many of this batch's callbacks run on this thread now.
+    fn here(&self) -> usize {
+        let key = self.key();
+        RUNNING_HERE
+            .try_with(|r| r.borrow().iter().filter(|k| **k == key).count())
+            .unwrap_or(0)
+    }
+
+    /// Waits (until `until`, `None`: without limit) for the callbacks of the resolved
+    /// batch to return, those on this thread excepted; whether they did, and the batch
+    /// may be reported done.
+    fn settle(&self, until: Option<Instant>) -> bool {
+        let here = self.here();
+        let mut state = self.state.lock();
+        loop {
+            if state.running <= here {
+                state.reported = true;
+                return true;
+            }
+            state = match until {
+                None => self.idle.wait(state),
+                Some(end) => {
+                    let left = end.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return false;
+                    }
+                    self.idle.wait_timeout(state, left).0
+                }
+            };
+        }
+    }
+
+    /// Registers a callback: whether it is to be waited for.
+    fn add_callback(&self) -> bool {
+        let mut state = self.state.lock();
+        if !state.reported {
+            state.running += 1;
+        }
+        !state.reported
+    }
+
+    /// Runs a counted callback on this thread, then lets the batch be reported.
+    fn run_callback(&self, callback: impl FnOnce()) {
+        let key = self.key();
+        let _ = RUNNING_HERE.try_with(|r| r.borrow_mut().push(key));
+        callback();
+        let _ = RUNNING_HERE.try_with(|r| {
+            let mut r = r.borrow_mut();
+            if let Some(i) = r.iter().rposition(|k| *k == key) {
+                r.remove(i);
+            }
+        });
+        let mut state = self.state.lock();
+        state.running -= 1;
+        if state.running == 0 {
+            for fd in std::mem::take(&mut state.fds) {
+                state.reported = true;
+                signal(fd);
+            }
+            self.idle.notify_all();
+        }
+    }
+
+    /// The batch resolved: signals `fd` now, or once its callbacks have returned.
+    fn signal_when_settled(&self, fd: c_int) {
+        let mut state = self.state.lock();
+        if state.running == 0 {
+            state.reported = true;
+            signal(fd);
+        } else {
+            state.fds.push(fd);
+        }
+    }
+}
+
+/// Makes an event fd readable.
+fn signal(fd: c_int) {
+    let one: u64 = 1;
+    // SAFETY: writes 8 bytes from a live local to the eventfd, which the caller keeps
+    // open until it became readable (te.h); a non-blocking write never waits.
+    let _ = unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
 }
 
 /// A batch's result as a status, recording its message when it failed.
@@ -42,13 +165,22 @@ pub unsafe extern "C" fn te_batch_wait(batch: *const TeBatch, timeout_ms: i64) -
     guard(OP, || {
         // SAFETY: te.h asks for a live batch.
         let batch = unsafe { obj(batch, OP, "batch") }?;
-        Ok(match wait_timeout(timeout_ms) {
-            None => status_of(&batch.0.wait()),
-            Some(t) => match batch.0.wait_timeout(t) {
-                Some(result) => status_of(&result),
-                None => TE_PENDING,
-            },
-        })
+        // One end for the batch and its callbacks; none: without limit.
+        let until = wait_timeout(timeout_ms).and_then(|t| Instant::now().checked_add(t));
+        let result = match until {
+            None => batch.handle.wait(),
+            Some(end) => {
+                let left = end.saturating_duration_since(Instant::now());
+                match batch.handle.wait_timeout(left) {
+                    Some(result) => result,
+                    None => return Ok(TE_PENDING),
+                }
+            }
+        };
+        if !batch.hooks.settle(until) {
+            return Ok(TE_PENDING);
+        }
+        Ok(status_of(&result))
     })
 }
 
@@ -62,11 +194,15 @@ pub unsafe extern "C" fn te_batch_status(batch: *const TeBatch) -> c_int {
     guard(OP, || {
         // SAFETY: te.h asks for a live batch.
         let batch = unsafe { obj(batch, OP, "batch") }?;
-        Ok(match batch.0.status() {
-            TransferStatus::Pending => TE_PENDING,
-            TransferStatus::Done => TE_OK,
-            TransferStatus::Failed(e) => fail(&e),
-        })
+        let failed = match batch.handle.status() {
+            TransferStatus::Pending => return Ok(TE_PENDING),
+            TransferStatus::Done => None,
+            TransferStatus::Failed(e) => Some(e),
+        };
+        if !batch.hooks.settle(Some(Instant::now())) {
+            return Ok(TE_PENDING);
+        }
+        Ok(failed.map_or(TE_OK, |e| fail(&e)))
     })
 }
 
@@ -79,7 +215,7 @@ pub unsafe extern "C" fn te_batch_cancel(batch: *const TeBatch) -> c_int {
     const OP: &str = "te_batch_cancel";
     guard(OP, || {
         // SAFETY: te.h asks for a live batch.
-        unsafe { obj(batch, OP, "batch") }?.0.cancel();
+        unsafe { obj(batch, OP, "batch") }?.handle.cancel();
         Ok(TE_OK)
     })
 }
@@ -167,11 +303,18 @@ pub unsafe extern "C" fn te_batch_on_complete(
         let function =
             callback.ok_or_else(|| crate::error::bad_argument(OP, "`callback` is NULL"))?;
         let callback = Callback { function, user };
+        let counted = batch.hooks.add_callback();
+        let hooks = batch.hooks.clone();
         Watch::start(
-            batch.0.clone(),
+            batch.handle.clone(),
             Box::new(move |status| {
                 let callback = callback;
-                (callback.function)(callback.user, status)
+                let call = || (callback.function)(callback.user, status);
+                if counted {
+                    hooks.run_callback(call)
+                } else {
+                    call()
+                }
             }),
         );
         Ok(TE_OK)
@@ -197,16 +340,280 @@ pub unsafe extern "C" fn te_batch_eventfd(batch: *const TeBatch, fd: *mut c_int)
         // The fd belongs to the caller from here: te writes it once, and never closes it.
         // Writing after the caller closed it (against te.h) writes to whatever reuses
         // the number, so te.h says: close it only after it became readable.
+        let hooks = batch.hooks.clone();
         Watch::start(
-            batch.0.clone(),
-            Box::new(move |_status| {
-                let one: u64 = 1;
-                // SAFETY: writes 8 bytes from a live local to the eventfd, which the
-                // caller keeps open until it became readable (te.h).
-                let _ = unsafe { libc::write(event, (&one as *const u64).cast(), 8) };
-            }),
+            batch.handle.clone(),
+            Box::new(move |_status| hooks.signal_when_settled(event)),
         );
         out.set(event);
         Ok(TE_OK)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{
+        te_engine_address, te_engine_connect, te_engine_free, te_engine_new, te_engine_register,
+        te_engine_transfer, te_peer_free, te_peer_region, TeEngine, TePeer, TeRequest,
+    };
+    use std::ffi::{c_char, CStr};
+    use std::sync::mpsc::{channel, Receiver, Sender};
+    use std::time::Duration;
+
+    const LEN: usize = 4096;
+
+    fn last() -> String {
+        // SAFETY: te_last_error returns a NUL-terminated string of this thread.
+        unsafe { CStr::from_ptr(crate::te_last_error()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    /// Two stub engines whose batches complete 200 ms after submission, `b` connected
+    /// to `a`, and a WRITE of `b`'s region into `a`'s.
+    struct Pair {
+        a: *mut TeEngine,
+        b: *mut TeEngine,
+        peer: *mut TePeer,
+        write: TeRequest,
+        _memory: Vec<u8>,
+    }
+
+    impl Pair {
+        fn new() -> Pair {
+            Pair::with(c"[engine]\nbackend = \"stub\"\n[backends.stub]\ndelay = \"200ms\"\n")
+        }
+
+        fn with(config: &CStr) -> Pair {
+            let mut memory = vec![7u8; 2 * LEN];
+            let (mut a, mut b, mut peer) = (
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            );
+            let (mut dst, mut src, mut remote) = (0, 0, 0);
+            let mut address = [0 as c_char; 64];
+            // SAFETY: every pointer is a live local or what te returned.
+            unsafe {
+                assert_eq!(te_engine_new(config.as_ptr(), &mut a), TE_OK, "{}", last());
+                assert_eq!(te_engine_new(config.as_ptr(), &mut b), TE_OK, "{}", last());
+                let base = memory.as_mut_ptr();
+                let (null, rw) = (std::ptr::null(), 3);
+                assert_eq!(
+                    te_engine_register(a, c"dst".as_ptr(), base.cast(), LEN, null, rw, &mut dst),
+                    TE_OK
+                );
+                assert_eq!(
+                    te_engine_register(
+                        b,
+                        c"src".as_ptr(),
+                        base.add(LEN).cast(),
+                        LEN,
+                        null,
+                        0,
+                        &mut src
+                    ),
+                    TE_OK
+                );
+                assert_eq!(te_engine_address(a, address.as_mut_ptr(), 64), TE_OK);
+                assert_eq!(
+                    te_engine_connect(b, address.as_ptr(), 0, &mut peer),
+                    TE_OK,
+                    "{}",
+                    last()
+                );
+                assert_eq!(
+                    te_peer_region(peer, c"dst".as_ptr(), &mut remote, std::ptr::null_mut()),
+                    TE_OK
+                );
+            }
+            let write = TeRequest {
+                op: 1,
+                reserved: 0,
+                local: src,
+                local_offset: 0,
+                remote,
+                remote_offset: 0,
+                len: LEN as u64,
+            };
+            Pair {
+                a,
+                b,
+                peer,
+                write,
+                _memory: memory,
+            }
+        }
+
+        fn submit(&self) -> *mut TeBatch {
+            let mut batch = std::ptr::null_mut();
+            // SAFETY: live handles, one request, an out-parameter.
+            let rc = unsafe {
+                te_engine_transfer(
+                    self.b,
+                    self.peer,
+                    &self.write,
+                    1,
+                    0,
+                    std::ptr::null(),
+                    0,
+                    &mut batch,
+                )
+            };
+            assert_eq!(rc, TE_OK, "{}", last());
+            batch
+        }
+    }
+
+    impl Drop for Pair {
+        fn drop(&mut self) {
+            // SAFETY: handles from te, freed once.
+            unsafe {
+                te_peer_free(self.peer);
+                te_engine_free(self.b);
+                te_engine_free(self.a);
+            }
+        }
+    }
+
+    /// What a blocking callback shares with its test (leaked: it outlives a failed test).
+    struct Gate {
+        batch: *const TeBatch,
+        entered: Sender<c_int>,
+        go: Mutex<Receiver<()>>,
+        /// What te_batch_status and te_batch_wait said inside the callback.
+        inside: Mutex<Option<(c_int, c_int)>>,
+        returned: AtomicBool,
+    }
+
+    // SAFETY: `batch` is only passed back to te, whose functions are thread-safe.
+    unsafe impl Sync for Gate {}
+    // SAFETY: as above.
+    unsafe impl Send for Gate {}
+
+    /// Says it entered, asks te about its own batch, then blocks until the test lets it
+    /// go (at most 10 s).
+    extern "C" fn blocking(user: *mut c_void, status: c_int) {
+        // SAFETY: `user` is the leaked Gate of the test.
+        let gate = unsafe { &*(user as *const Gate) };
+        // SAFETY: the batch outlives its callback (the test frees it after waiting).
+        let inside = unsafe { (te_batch_status(gate.batch), te_batch_wait(gate.batch, 5000)) };
+        *gate.inside.lock() = Some(inside);
+        let _ = gate.entered.send(status);
+        let _ = gate.go.lock().recv_timeout(Duration::from_secs(10));
+        gate.returned.store(true, Ordering::SeqCst);
+    }
+
+    fn readable(fd: c_int) -> bool {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one live pollfd, no wait.
+        unsafe { libc::poll(&mut p, 1, 0) == 1 }
+    }
+
+    #[test]
+    fn a_batch_is_reported_done_only_after_its_callback_returned() {
+        let pair = Pair::new();
+        let batch = pair.submit();
+        let (entered, entered_rx) = channel();
+        let (go_tx, go) = channel();
+        let gate: &'static Gate = Box::leak(Box::new(Gate {
+            batch,
+            entered,
+            go: Mutex::new(go),
+            inside: Mutex::new(None),
+            returned: AtomicBool::new(false),
+        }));
+        let mut fd = -1;
+        // SAFETY: a live batch, a callback and its leaked argument, an out-parameter.
+        unsafe {
+            assert_eq!(
+                te_batch_on_complete(batch, Some(blocking), gate as *const Gate as *mut c_void),
+                TE_OK
+            );
+            assert_eq!(te_batch_eventfd(batch, &mut fd), TE_OK);
+            assert_eq!(
+                te_batch_status(batch),
+                TE_PENDING,
+                "resolved before its 200 ms"
+            );
+        }
+        let status = entered_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the callback ran");
+        assert_eq!(status, TE_OK);
+        // The callback sees its own batch resolved (and does not wait for itself).
+        assert_eq!(*gate.inside.lock(), Some((TE_OK, TE_OK)));
+        // Elsewhere the batch is not done while its callback runs.
+        // SAFETY: a live batch.
+        unsafe {
+            assert_eq!(
+                te_batch_status(batch),
+                TE_PENDING,
+                "done while its callback runs"
+            );
+            assert_eq!(
+                te_batch_wait(batch, 50),
+                TE_PENDING,
+                "done while its callback runs"
+            );
+        }
+        assert!(
+            !readable(fd),
+            "the event fd is readable while the callback runs"
+        );
+        go_tx.send(()).unwrap();
+        // SAFETY: a live batch, freed once.
+        unsafe {
+            assert_eq!(te_batch_wait(batch, 10_000), TE_OK);
+            assert!(
+                gate.returned.load(Ordering::SeqCst),
+                "te_batch_wait returned before the callback"
+            );
+            assert_eq!(te_batch_status(batch), TE_OK);
+            te_batch_free(batch);
+        }
+        assert!(
+            readable(fd),
+            "the event fd is not readable after the callback returned"
+        );
+        // SAFETY: the caller's fd, closed once after it became readable.
+        unsafe { libc::close(fd) };
+    }
+
+    /// The thread the last `note_thread` callback ran on.
+    static RAN_ON: Mutex<Option<std::thread::ThreadId>> = Mutex::new(None);
+
+    extern "C" fn note_thread(_user: *mut c_void, _status: c_int) {
+        *RAN_ON.lock() = Some(std::thread::current().id());
+    }
+
+    #[test]
+    fn a_wait_returns_after_the_callback_where_waiters_read_for_the_backend() {
+        // With caller_reads, the waiting thread may read the answer and run the callback
+        // itself, or te's thread may: either way the wait returns after the callback.
+        let pair =
+            Pair::with(c"[engine]\nbackend = \"tcp\"\n[backends.tcp]\ncaller_reads = true\n");
+        for _ in 0..5 {
+            *RAN_ON.lock() = None;
+            let batch = pair.submit();
+            // SAFETY: a live batch, freed once.
+            unsafe {
+                assert_eq!(
+                    te_batch_on_complete(batch, Some(note_thread), std::ptr::null_mut()),
+                    TE_OK
+                );
+                assert_eq!(te_batch_wait(batch, 10_000), TE_OK, "{}", last());
+                te_batch_free(batch);
+            }
+            assert!(
+                RAN_ON.lock().is_some(),
+                "te_batch_wait returned before the callback ran"
+            );
+        }
+    }
 }
