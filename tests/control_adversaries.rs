@@ -510,3 +510,248 @@ fn a_notification_of_notification_max_bytes_fits_an_empty_inbox_whatever_the_sha
     let n = target.recv_notification(Duration::from_secs(5)).unwrap();
     assert_eq!(n.message.len(), 16 << 10);
 }
+
+/// A connection to `to` from `from`, a loopback address other than 127.0.0.1, so that
+/// the engine counts it as another source than the engines of this test.
+fn connect_from(from: std::net::Ipv4Addr, to: std::net::SocketAddr) -> TcpStream {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let std::net::SocketAddr::V4(to) = to else {
+        panic!("the control plane listens on IPv4 loopback")
+    };
+    let sockaddr = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(ip).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: socket(2) takes no pointers; a failure is checked below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+    // SAFETY: `fd` is a socket just opened here and owned by nothing else.
+    let socket = unsafe { OwnedFd::from_raw_fd(fd) };
+    let (local, remote) = (sockaddr(from, 0), sockaddr(*to.ip(), to.port()));
+    // SAFETY: `local` is a valid sockaddr_in of `len` bytes that outlives the call.
+    let r = unsafe {
+        libc::bind(
+            socket.as_raw_fd(),
+            (&local as *const libc::sockaddr_in).cast(),
+            len,
+        )
+    };
+    assert_eq!(r, 0, "bind {from}: {}", std::io::Error::last_os_error());
+    // SAFETY: `remote` is a valid sockaddr_in of `len` bytes that outlives the call.
+    let r = unsafe {
+        libc::connect(
+            socket.as_raw_fd(),
+            (&remote as *const libc::sockaddr_in).cast(),
+            len,
+        )
+    };
+    assert_eq!(r, 0, "connect {to}: {}", std::io::Error::last_os_error());
+    let s = TcpStream::from(socket);
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.set_nodelay(true).unwrap();
+    s
+}
+
+/// A raw peer's session from `from` to a control plane without a token, with
+/// `requests` backend requests sent on it, each claiming an hour to answer and asking
+/// the handler to hold it.
+fn hold_backend_workers(
+    from: std::net::Ipv4Addr,
+    to: std::net::SocketAddr,
+    requests: u64,
+) -> TcpStream {
+    let mut s = connect_from(from, to);
+    s.write_all(&common::frame(
+        kind::HELLO,
+        0,
+        &common::hello((2, 2), &format!("hog-{from}"), 1),
+    ))
+    .unwrap();
+    for expected in [kind::WELCOME, kind::READY] {
+        let (k, _, p) = common::read_frame(&mut s).unwrap();
+        assert_eq!(k, expected, "handshake: {}", common::error_message(&p));
+    }
+    let body = common::cbor(vec![
+        ("timeout_ms", common::int(3_600_000)),
+        ("payload", Value::Bytes(b"hold".to_vec())),
+    ]);
+    for id in 1..=requests {
+        s.write_all(&common::frame(kind::BACKEND, id, &body))
+            .unwrap();
+    }
+    s
+}
+
+/// A backend's message handler: `hold` waits until its deadline (or the test's end),
+/// anything else is answered at once.
+#[derive(Default)]
+struct Holder {
+    /// Requests held now, and the release at the test's end.
+    state: std::sync::Mutex<(usize, bool)>,
+    changed: std::sync::Condvar,
+    /// The time left of each held request's deadline, as the handler was given it.
+    given: std::sync::Mutex<Vec<Duration>>,
+}
+
+impl Holder {
+    fn held(&self) -> usize {
+        self.state.lock().unwrap().0
+    }
+
+    fn release(&self) {
+        self.state.lock().unwrap().1 = true;
+        self.changed.notify_all();
+    }
+}
+
+impl te::backend::MessageHandler for Holder {
+    fn handle(
+        &self,
+        _from: &te::backend::PeerInfo,
+        request: &[u8],
+        deadline: te::backend::Deadline,
+    ) -> te::Result<Vec<u8>> {
+        if request != b"hold" {
+            return Ok(b"answer".to_vec());
+        }
+        self.given.lock().unwrap().push(deadline.remaining());
+        let mut st = self.state.lock().unwrap();
+        st.0 += 1;
+        self.changed.notify_all();
+        // Bounded: the test releases it, and the deadline ends it.
+        let left = deadline.remaining().min(Duration::from_secs(30));
+        let (mut st, _) = self.changed.wait_timeout_while(st, left, |s| !s.1).unwrap();
+        st.0 -= 1;
+        Err(te::Error::new(
+            te::ErrorKind::Timeout,
+            "held until the deadline",
+        ))
+    }
+}
+
+/// A control plane serving a [`Holder`], configured by `set`.
+fn holding_target(
+    set: impl FnOnce(&mut EngineConfig),
+) -> (te::backend::StandaloneControl, std::sync::Arc<Holder>) {
+    let mut c = EngineConfig::default();
+    set(&mut c);
+    let control = te::backend::StandaloneControl::start(&c, 7).unwrap();
+    let holder = std::sync::Arc::new(Holder::default());
+    control.hook().serve(holder.clone()).unwrap();
+    (control, holder)
+}
+
+/// Two sessions from one source flood slow backend requests (each claims an hour):
+/// another peer's backend request is still answered at once, because one source
+/// holds at most half of the engine's backend workers.
+#[test]
+fn one_source_flooding_slow_backend_requests_does_not_hold_every_worker() {
+    let _s = serial();
+    let (target, holder) = holding_target(|_| {});
+    let hogs: Vec<TcpStream> = (0..3)
+        .map(|_| hold_backend_workers([127, 0, 0, 2].into(), target.address(), 4))
+        .collect();
+    assert!(
+        common::eventually(Duration::from_secs(5), || holder.held() >= 4),
+        "the flood's requests reached the handler"
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    let held = holder.held();
+    let me = te::backend::StandaloneControl::start(&EngineConfig::default(), 8).unwrap();
+    let start = Instant::now();
+    let r = me.hook().call(
+        &target.address().to_string(),
+        b"hello",
+        te::backend::Deadline::after(Duration::from_secs(3)),
+    );
+    let took = start.elapsed();
+    holder.release();
+    drop(hogs);
+    assert_eq!(
+        r.as_deref().ok(),
+        Some(&b"answer"[..]),
+        "a backend request from a second source, while one source held {held} of the \
+         engine's backend workers with slow requests, failed after {took:?}: {:?}",
+        r.as_ref().err()
+    );
+}
+
+/// A backend request's sender cannot make the handler work for it longer than the
+/// engine's `handshake_timeout`, however long a deadline it claims.
+#[test]
+fn a_backend_request_is_served_at_most_handshake_timeout_whatever_deadline_it_claims() {
+    let _s = serial();
+    let (target, holder) = holding_target(|c| c.handshake_timeout = Duration::from_secs(1));
+    let start = Instant::now();
+    let mut hog = hold_backend_workers([127, 0, 0, 2].into(), target.address(), 1);
+    let answer = common::read_frame(&mut hog);
+    let took = start.elapsed();
+    holder.release();
+    let (k, id, p) = answer.unwrap_or_else(|e| panic!("no answer after {took:?}: {e}"));
+    let given = holder.given.lock().unwrap().clone();
+    println!("the handler was given {given:?}; answered after {took:?}");
+    assert_eq!((k, id), (kind::ERROR, 1), "{}", common::error_message(&p));
+    assert!(
+        given.len() == 1 && given[0] <= Duration::from_secs(1),
+        "a request claiming an hour was handed to the handler with {given:?} left, \
+         with handshake_timeout at 1 s"
+    );
+    assert!(took < Duration::from_secs(3), "answered after {took:?}");
+}
+
+/// Every backend worker is held by slow requests from two sources: the engine's own
+/// session to a peer named by host name still opens (its lookup does not wait behind
+/// them), and a third source's request waits for the next free worker, not for the
+/// flood behind it.
+#[test]
+fn a_flood_of_slow_backend_requests_holds_up_neither_the_engines_lookups_nor_a_third_peer() {
+    let _s = serial();
+    let (target, holder) = holding_target(|c| c.handshake_timeout = Duration::from_secs(1));
+    let hogs: Vec<TcpStream> = [[127, 0, 0, 2], [127, 0, 0, 3]]
+        .into_iter()
+        .flat_map(|ip| (0..2).map(move |_| ip))
+        .map(|ip| hold_backend_workers(ip.into(), target.address(), 8))
+        .collect();
+    assert!(
+        common::eventually(Duration::from_secs(5), || holder.held() >= 8),
+        "the flood's requests reached the handler"
+    );
+    let (other, _) = holding_target(|_| {});
+    let by_name = format!("localhost:{}", other.address().port());
+    let start = Instant::now();
+    let r = target.hook().call(
+        &by_name,
+        b"hello",
+        te::backend::Deadline::after(Duration::from_secs(3)),
+    );
+    let lookup_took = start.elapsed();
+    let me = te::backend::StandaloneControl::start(&EngineConfig::default(), 8).unwrap();
+    let start = Instant::now();
+    let third = me.hook().call(
+        &target.address().to_string(),
+        b"hello",
+        te::backend::Deadline::after(Duration::from_secs(3)),
+    );
+    let third_took = start.elapsed();
+    holder.release();
+    drop(hogs);
+    assert_eq!(
+        r.as_deref().ok(),
+        Some(&b"answer"[..]),
+        "the engine's own call to {by_name}, while slow backend requests held every \
+         worker, failed after {lookup_took:?}: {:?}",
+        r.as_ref().err()
+    );
+    assert_eq!(
+        third.as_deref().ok(),
+        Some(&b"answer"[..]),
+        "a third source's request, while two sources' slow requests (each held 1 s at \
+         most) held every worker, failed after {third_took:?}: {:?}",
+        third.as_ref().err()
+    );
+}

@@ -45,6 +45,8 @@ pub use wire::{MAX_FRAME, VERSIONS};
 
 /// Peer events kept until read; the oldest are dropped beyond it.
 pub(crate) const EVENTS: usize = 4096;
+/// Threads for looking up peers' host names at once, besides the backend workers.
+const LOOKUP_THREADS: usize = 4;
 
 /// How the control plane behaves: the engine's identity and the `[engine]` limits.
 #[derive(Debug, Clone)]
@@ -368,7 +370,9 @@ impl ControlPlane {
             .map_err(|e| Error::io("start control plane", "cannot configure the listener", e))?;
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
-            .max_blocking_threads(server::BACKEND_WORKERS)
+            // Backend requests take at most BACKEND_WORKERS; the rest look up peers'
+            // host names, which so never wait behind slow backend requests.
+            .max_blocking_threads(server::BACKEND_WORKERS + LOOKUP_THREADS)
             .thread_name("te-control")
             .build()
             .map_err(|e| Error::io("start control plane", "cannot build the runtime", e))?;

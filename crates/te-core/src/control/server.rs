@@ -20,10 +20,11 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::kit::net::{PendingSlot, PendingSlots};
 use crate::time::Deadline;
 
-/// Authenticated sessions, in all and per source.
+/// Authenticated sessions, in all and per source, and each source's share of the
+/// backend workers (which its sessions share).
 #[derive(Default)]
 struct Sessions {
-    per_source: HashMap<IpAddr, usize>,
+    per_source: HashMap<IpAddr, (usize, Arc<Semaphore>)>,
     total: usize,
 }
 
@@ -35,14 +36,17 @@ struct Ticket {
     /// `None` once the connection is a session.
     pending: Option<PendingSlot>,
     ip: IpAddr,
+    /// The engine's backend workers, for every source.
+    workers: Arc<Semaphore>,
 }
 
 impl Ticket {
-    /// Turns an authenticated connection into a session, within the session caps.
-    fn promote(&mut self) -> Result<()> {
+    /// Turns an authenticated connection into a session, within the session caps;
+    /// returns its source's share of the backend workers.
+    fn promote(&mut self) -> Result<Arc<Semaphore>> {
         let s = &self.shared.settings;
         let mut a = self.sessions.lock();
-        let from_source = a.per_source.get(&self.ip).copied().unwrap_or(0);
+        let from_source = a.per_source.get(&self.ip).map_or(0, |(n, _)| *n);
         if a.total >= s.max_sessions || from_source >= s.max_sessions_per_source {
             return Err(Error::new(
                 ErrorKind::Busy,
@@ -53,9 +57,14 @@ impl Ticket {
             ));
         }
         a.total += 1;
-        *a.per_source.entry(self.ip).or_insert(0) += 1;
+        let (n, share) = a
+            .per_source
+            .entry(self.ip)
+            .or_insert_with(|| (0, Arc::new(Semaphore::new(SOURCE_SHARE))));
+        *n += 1;
+        let share = share.clone();
         self.pending = None;
-        Ok(())
+        Ok(share)
     }
 }
 
@@ -66,7 +75,7 @@ impl Drop for Ticket {
         }
         let mut a = self.sessions.lock();
         a.total -= 1;
-        if let Some(n) = a.per_source.get_mut(&self.ip) {
+        if let Some((n, _)) = a.per_source.get_mut(&self.ip) {
             *n -= 1;
             if *n == 0 {
                 a.per_source.remove(&self.ip);
@@ -82,6 +91,7 @@ impl Drop for Ticket {
 pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     let pending = Arc::new(PendingSlots::default());
     let sessions = Arc::new(Mutex::new(Sessions::default()));
+    let workers = Arc::new(Semaphore::new(BACKEND_WORKERS));
     let mut closing = shared.closing.subscribe();
     let mut backoff = Duration::ZERO;
     let mut failures = 0u64;
@@ -107,6 +117,7 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
                     sessions: sessions.clone(),
                     pending: Some(slot),
                     ip: peer.ip(),
+                    workers: workers.clone(),
                 };
                 let guard = shared.task();
                 shared.rt.spawn(async move {
@@ -148,10 +159,11 @@ async fn serve(mut ticket: Ticket, stream: TcpStream, addr: SocketAddr) {
         }
         _ = closed(&mut closing) => return,
     };
-    let peer = match handshake.and_then(|peer| ticket.promote().map(|()| peer)) {
-        Ok(peer) => {
+    let (peer, source) = match handshake.and_then(|peer| ticket.promote().map(|s| (peer, s))) {
+        Ok(admitted) => {
+            let peer = &admitted.0;
             tracing::debug!(%addr, peer = %peer.name, epoch = peer.epoch, "control plane: handshake accepted");
-            peer
+            admitted
         }
         Err(e) => {
             tracing::debug!(%addr, error = %e, "control plane: refused a connection");
@@ -166,7 +178,11 @@ async fn serve(mut ticket: Ticket, stream: TcpStream, addr: SocketAddr) {
         return;
     }
     shared.link_up(&peer);
-    let graceful = session(&shared, &peer, reader, writer).await;
+    let turns = Turns {
+        source,
+        workers: ticket.workers.clone(),
+    };
+    let graceful = session(&shared, &peer, turns, reader, writer).await;
     shared.link_down(&peer, graceful || shared.closed.load(Ordering::Acquire));
 }
 
@@ -252,11 +268,22 @@ const REPLIES: usize = 64;
 /// Bytes of replies queued for a session's writer, at most (one larger reply goes
 /// alone).
 const REPLY_BYTES: usize = 1 << 20;
-/// A session's backend requests queued or running at once, at most: its share of the
-/// engine's [`BACKEND_WORKERS`].
+/// A session's backend requests queued or running at once, at most.
 const BACKEND_SHARE: usize = 4;
 /// The threads that run backend requests for every session of an engine.
 pub(super) const BACKEND_WORKERS: usize = 8;
+/// The backend workers one source address (all its sessions) may hold at once: half,
+/// so that one peer's slow requests leave the other half to everyone else.
+const SOURCE_SHARE: usize = BACKEND_WORKERS / 2;
+
+/// What a backend request waits for before it runs: a turn of its source's share, then
+/// a worker. Both are first come, first served, so a request of a source that holds no
+/// worker waits for the next one free, not behind another source's queue.
+#[derive(Clone)]
+struct Turns {
+    source: Arc<Semaphore>,
+    workers: Arc<Semaphore>,
+}
 
 /// A reply, with what it holds of the session's budget until it is written.
 type Queued = (Vec<u8>, Option<OwnedSemaphorePermit>);
@@ -276,12 +303,14 @@ async fn queue(tx: &mpsc::Sender<Queued>, budget: &Arc<Semaphore>, frame: Vec<u8
 ///
 /// Nothing a peer sends grows without bound: replies wait in a queue bounded in count
 /// and bytes, backend requests take one of the session's [`BACKEND_SHARE`] turns, and
-/// when either is full the session is not read (TCP throttles the peer). A peer that
-/// does not read its replies for three heartbeats, or sends nothing for three,
-/// is reset.
+/// when either is full the session is not read (TCP throttles the peer). A backend
+/// request then runs as its source's [`SOURCE_SHARE`] of the workers allows (see
+/// [`backend`]). A peer that does not read its replies for three heartbeats, or sends
+/// nothing for three, is reset.
 async fn session(
     shared: &Arc<Shared>,
     peer: &Identity,
+    turns: Turns,
     mut reader: tokio::net::tcp::OwnedReadHalf,
     mut writer: tokio::net::tcp::OwnedWriteHalf,
 ) -> bool {
@@ -353,8 +382,9 @@ async fn session(
                         return false;
                     };
                     let (shared, peer) = (shared.clone(), peer.clone());
-                    shared.clone().rt.spawn_blocking(move || {
-                        let r = backend(&shared, &peer, &payload);
+                    let turns = turns.clone();
+                    shared.clone().rt.spawn(async move {
+                        let r = backend(shared, peer, payload, turns).await;
                         // The turn is given back once the reply is written.
                         place.send((answer(h.id, r), Some(turn)));
                     });
@@ -445,9 +475,38 @@ fn notify(shared: &Shared, peer: &Identity, payload: &[u8]) -> Result<(Kind, Vec
     Ok((Kind::Ack, Vec::new()))
 }
 
-fn backend(shared: &Shared, peer: &Identity, payload: &[u8]) -> Result<(Kind, Vec<u8>)> {
-    let m: BackendMsg = wire::decode(payload, "backend message")?;
-    let deadline = Deadline::after(Duration::from_millis(m.timeout_ms));
-    let answer = shared.hook.handle(peer, &m.payload, deadline)?;
-    Ok((Kind::BackendReply, answer))
+/// Runs a backend request on a worker, once its source has a turn and a worker is
+/// free. It is served until the sender's deadline, but never longer than this engine's
+/// `handshake_timeout` from its arrival: a peer claiming an hour would otherwise hold a
+/// worker for that hour if the handler waits on something that does not come.
+async fn backend(
+    shared: Arc<Shared>,
+    peer: Identity,
+    payload: Vec<u8>,
+    turns: Turns,
+) -> Result<(Kind, Vec<u8>)> {
+    let m: BackendMsg = wire::decode(&payload, "backend message")?;
+    let limit = shared.settings.handshake_timeout;
+    let deadline = Deadline::after(Duration::from_millis(m.timeout_ms).min(limit));
+    let wait = async {
+        let source = turns.source.acquire_owned().await;
+        let worker = turns.workers.acquire_owned().await;
+        Ok((source, worker))
+    };
+    let what = "the wait for a backend worker (this peer's share of them, or all of them, stayed busy; try again)";
+    let (Ok(source), Ok(worker)) = within(deadline, what, wait).await? else {
+        return Err(starting());
+    };
+    let handled = shared.rt.clone().spawn_blocking(move || {
+        let _turns = (source, worker);
+        shared.hook.handle(&peer, &m.payload, deadline)
+    });
+    match handled.await {
+        Ok(answer) => Ok((Kind::BackendReply, answer?)),
+        Err(e) if !e.is_panic() => Err(starting()),
+        Err(_) => Err(Error::new(
+            ErrorKind::Backend,
+            "this engine's backend failed (its message handler panicked) while answering",
+        )),
+    }
 }
