@@ -71,7 +71,9 @@ pub struct EngineConfig {
     /// lost.
     #[serde(deserialize_with = "de::duration")]
     pub heartbeat: Duration,
-    /// The whole control-plane handshake of a new connection must end within this.
+    /// The whole control-plane handshake of a new connection must end within this;
+    /// it also bounds how long a peer's backend request is served, whatever deadline
+    /// the peer claims for it.
     #[serde(deserialize_with = "de::duration")]
     pub handshake_timeout: Duration,
     /// Connections not yet authenticated; past it the oldest is closed.

@@ -24,7 +24,8 @@ pub struct PeerInfo {
 
 /// Answers the messages peers' backends send to this engine's backend.
 pub trait MessageHandler: Send + Sync + 'static {
-    /// Answers `request` from `from`, within `deadline` (the sender's time left).
+    /// Answers `request` from `from`, within `deadline`: the sender's time left, and at
+    /// most the serving engine's `handshake_timeout` from the request's arrival.
     ///
     /// # Errors
     /// Whatever refuses the request; the sender receives it as its call's error.
