@@ -4,7 +4,7 @@
 //! (see `progress`).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use te_core::peer_table::PeerTable;
 
 use te_core::{
@@ -18,11 +18,6 @@ use crate::ffi::{self, ACCESS_REMOTE_READ, ACCESS_REMOTE_WRITE, E_INVALID};
 use crate::peers::{Attempts, PeerState, Table};
 use crate::progress::{Parked, Progress};
 use crate::regions::Regions;
-
-/// How long `connect` and `deregister` wait when called through [`TransferBackend`],
-/// whose methods carry no deadline yet; [`FlagcxBackend::connect_within`] and
-/// [`FlagcxBackend::deregister_within`] take the caller's.
-pub const DEFAULT_WAIT: Duration = Duration::from_secs(30);
 
 /// The FlagCX backend: a shim engine, its registrations and its peers.
 ///

@@ -40,7 +40,7 @@ mod peers;
 mod progress;
 mod regions;
 
-pub use backend::{FlagcxBackend, DEFAULT_WAIT};
+pub use backend::FlagcxBackend;
 pub use config::FlagcxConfig;
 
 /// The FlagCX backend's registry name.
