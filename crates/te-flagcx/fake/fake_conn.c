@@ -222,12 +222,14 @@ static void *worker_thread(void *arg) {
 
 enum { STEP_OK = 0, STEP_TIMEOUT = 1, STEP_CANCELLED = 2, STEP_FAILED = -1 };
 
+/* Milliseconds to the deadline, rounded up: 0 only once it passed, so a connect never
+   gives up before its timeout. */
 static long ms_left(const struct timespec *deadline) {
   struct timespec now;
   clock_gettime(CLOCK_MONOTONIC, &now);
-  long ms = (long)(deadline->tv_sec - now.tv_sec) * 1000L +
-            (deadline->tv_nsec - now.tv_nsec) / 1000000L;
-  return ms < 0 ? 0 : ms;
+  long long ns = (long long)(deadline->tv_sec - now.tv_sec) * 1000000000LL +
+                 (deadline->tv_nsec - now.tv_nsec);
+  return ns <= 0 ? 0 : (long)((ns + 999999LL) / 1000000LL);
 }
 
 /* Waits until fd has `events` (fd -1: only for the time), the deadline passed, or the

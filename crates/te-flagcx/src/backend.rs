@@ -130,15 +130,16 @@ impl FlagcxBackend {
 
     /// [`TransferBackend::connect`], waiting for the connection at most until
     /// `deadline`. The connection is established on a thread of its own; concurrent
-    /// calls for one peer share it.
+    /// calls for one peer share it, and it is given up once the last of them (and of
+    /// the batches parked for it) reached its deadline.
     ///
     /// # Errors
     /// `Protocol` for an endpoint that is not text, a region that runs past the end of
     /// the address space, or an instance (its epoch) already known with another
     /// endpoint or control-plane address (the known peer is left as it was); the
-    /// shim's error if the connection
-    /// fails (`PeerUnreachable`, …); `Timeout` if it is not up by `deadline` (it goes
-    /// on: batches submitted meanwhile wait for it).
+    /// shim's error if the connection fails (`PeerUnreachable`, …); `Timeout`, naming
+    /// the endpoint, if it is not up by `deadline` (it goes on only for callers and
+    /// batches that wait longer).
     pub fn connect_within(&self, peer: &SegmentDesc, deadline: Instant) -> Result<PeerId> {
         let endpoint = std::str::from_utf8(&peer.endpoint).map_err(|_| {
             Error::new(
@@ -204,7 +205,7 @@ impl FlagcxBackend {
         match state.ensure(remote, deadline) {
             Ok(()) => Ok(id),
             Err(e) => {
-                if state.never_connected() {
+                if state.abandoned() {
                     let mut peers = self.peers.write();
                     if peers.get(&id).is_some_and(|p| Arc::ptr_eq(p, &state)) {
                         peers.remove(&id);
@@ -296,7 +297,7 @@ impl TransferBackend for FlagcxBackend {
 
     fn submit(&self, peer: PeerId, batch: &[TransferRequest], done: Completion) -> Result<()> {
         let state = self.peers.get(peer)?;
-        match state.usable(batch)? {
+        match state.usable(batch, done.deadline().instant())? {
             Some(link) => match self.poster.start(link, batch, done) {
                 Ok(b) => {
                     self.progress.handle().add(b);

@@ -444,14 +444,15 @@ impl std::fmt::Debug for Conn {
 
 impl Conn {
     /// Opens a new connection to `endpoint`, with a fresh snapshot of its regions;
-    /// gives up after about `timeout` (or at once after [`Engine::cancel_connects`]).
+    /// gives up after about `timeout`, rounded up to whole milliseconds so that it
+    /// never gives up before it (or at once after [`Engine::cancel_connects`]).
     pub(crate) fn open(
         engine: Arc<Engine>,
         endpoint: &str,
         timeout: std::time::Duration,
     ) -> Result<Conn, ShimError> {
         let ep = c_string("te_flagcx_connect", endpoint)?;
-        let ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
+        let ms = u32::try_from(timeout.as_micros().div_ceil(1000)).unwrap_or(u32::MAX);
         let mut raw = std::ptr::null_mut();
         // SAFETY: the engine is live, `ep` a valid C string, `raw` a valid out pointer.
         let code = unsafe { (engine.shim.connect)(engine.raw, ep.as_ptr(), ms, &mut raw) };

@@ -5,25 +5,27 @@
 //! a submit that finds the connection stale starts one and parks its batch with the
 //! completion thread, which posts it once the new connection is up, or fails it with
 //! the attempt's error or at its deadline. Concurrent callers share the attempt, so a
-//! peer never gets two connections racing each other. An attempt gives up after
-//! [`ATTEMPT_LIMIT`], and the backend cancels those still running when it closes and
-//! joins their threads (see [`Attempts`]), so none outlives it.
+//! peer never gets two connections racing each other.
+//!
+//! An attempt lives as long as someone waits for it, never a time of the backend's:
+//! it gives up at the latest deadline among the callers (connects and parked batches)
+//! that asked for it when it started. A caller that comes while it runs and would wait
+//! longer asks for the next attempt, which the same thread starts only if this one
+//! left no connection, with the latest deadline among those late callers. So once
+//! every caller gave up no attempt is left. The backend cancels those still running
+//! when it closes and joins their threads (see [`Attempts`]), so none outlives it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use te_core::sync::{Condvar, Mutex, MutexGuard};
 
 use te_core::{Error, ErrorKind, RegionId, Result, TransferRequest};
 
 use crate::ffi;
 use crate::progress::Handle;
-
-/// How long one connection attempt may take, whatever the peer does: a peer that
-/// accepts but never answers the handshake fails the attempt then.
-pub(crate) const ATTEMPT_LIMIT: Duration = Duration::from_secs(30);
 
 /// The backend's connect threads, so that closing the backend can join them (after
 /// cancelling their connects) and none holds the engine afterwards.
@@ -66,11 +68,38 @@ pub(crate) struct Link {
 }
 
 impl Link {
-    fn open(engine: &Arc<ffi::Engine>, endpoint: &str, remote: Table) -> Result<Link> {
-        let conn = ffi::Conn::open(engine.clone(), endpoint, ATTEMPT_LIMIT).map_err(|e| {
-            Error::from(e)
+    /// Opens a connection, giving up at `until`: a peer that does not complete the
+    /// handshake by then (one that accepts and never answers, say) fails the attempt
+    /// with `Timeout`.
+    fn open(
+        engine: &Arc<ffi::Engine>,
+        endpoint: &str,
+        remote: Table,
+        until: Instant,
+    ) -> Result<Link> {
+        let late = |why: String| {
+            Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "the FlagCX connection to {endpoint} was still being established at the deadline of every caller waiting for it, and was given up{why}"
+                ),
+            )
+        };
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(late(String::new())
                 .with_operation("connect")
-                .with_context("endpoint", endpoint)
+                .with_context("endpoint", endpoint));
+        }
+        let conn = ffi::Conn::open(engine.clone(), endpoint, left).map_err(|e| {
+            // The shim gives up no sooner than `until`: a failure then is its timeout.
+            if Instant::now() >= until {
+                late(format!(": {e}"))
+            } else {
+                Error::from(e)
+            }
+            .with_operation("connect")
+            .with_context("endpoint", endpoint)
         })?;
         Ok(Link {
             conn,
@@ -90,9 +119,15 @@ struct Slot {
     link: Option<Arc<Link>>,
     /// The regions the next attempt must cover: the newest descriptor's.
     want: Table,
-    /// Bumped by every request for an attempt; `served` catches up as attempts end.
+    /// Bumped by every request that needs an attempt of its own; `served` catches up
+    /// as attempts end.
     wanted: u64,
     served: u64,
+    /// The ticket of the attempt running (while `connecting`), and when it gives up.
+    running: u64,
+    until: Instant,
+    /// The latest deadline among the requests for the next attempt (`wanted > running`).
+    next_until: Instant,
     connecting: bool,
     /// Why the last attempt failed, until one succeeds.
     failure: Option<Error>,
@@ -153,6 +188,9 @@ impl PeerState {
                 want: Arc::default(),
                 wanted: 0,
                 served: 0,
+                running: 0,
+                until: Instant::now(),
+                next_until: Instant::now(),
                 connecting: false,
                 failure: None,
                 closed: false,
@@ -166,29 +204,35 @@ impl PeerState {
     }
 
     /// Makes sure a connection covering `remote` exists, starting an attempt if none
-    /// does, and waits for it until `deadline`.
+    /// does, and waits for it until `deadline`, which the attempt lives to (at least).
     ///
     /// # Errors
-    /// The attempt's error (`PeerUnreachable`, …); `Timeout` if it is still running at
-    /// `deadline` (it goes on, and batches park until it ends).
+    /// `PeerUnreachable` once the peer was disconnected; the attempt's error
+    /// (`PeerUnreachable`, `Timeout`, …); `Timeout` if no connection was up by
+    /// `deadline` (an attempt goes on only for callers that wait longer).
     pub(crate) fn ensure(self: &Arc<Self>, remote: Table, deadline: Instant) -> Result<()> {
         let mut slot = self.lock();
         if slot.link.as_ref().is_some_and(|l| l.covers(&remote)) {
             return Ok(());
         }
-        let ticket = if slot.connecting && covers(&slot.want, &remote) {
-            slot.wanted
-        } else {
+        let join = slot.connecting && covers(&slot.want, &remote);
+        if !join {
             slot.want = remote.clone();
-            self.request(&mut slot)
-        };
-        while slot.served < ticket {
+        }
+        let ticket = self.request(&mut slot, deadline, join);
+        loop {
+            if slot.closed {
+                return Err(disconnected(&self.endpoint));
+            }
+            if slot.served >= ticket {
+                break;
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(Error::new(
                     ErrorKind::Timeout,
                     format!(
-                        "the FlagCX connection to {} was not up by the deadline; it is still being established",
+                        "the FlagCX connection to {} was not up by the deadline (is its FlagCX endpoint reachable? a slow peer needs a later deadline)",
                         self.endpoint
                     ),
                 ));
@@ -210,13 +254,17 @@ impl PeerState {
     }
 
     /// The connection to post `batch` on, or `None` if none usable covers its peer
-    /// regions now, in which case an attempt is running (started here if needed) and
-    /// the caller parks the batch.
+    /// regions now, in which case an attempt living at least until `deadline` (the
+    /// batch's) is running or asked for, and the caller parks the batch.
     ///
     /// # Errors
     /// `PeerUnreachable` once the peer was disconnected; `NotRegistered` for a peer
     /// region no descriptor passed to `connect` listed.
-    pub(crate) fn usable(self: &Arc<Self>, batch: &[TransferRequest]) -> Result<Option<Arc<Link>>> {
+    pub(crate) fn usable(
+        self: &Arc<Self>,
+        batch: &[TransferRequest],
+        deadline: Instant,
+    ) -> Result<Option<Arc<Link>>> {
         let mut slot = self.lock();
         if slot.closed {
             return Err(disconnected(&self.endpoint));
@@ -242,9 +290,8 @@ impl PeerState {
             )
             .with_context("request", i));
         }
-        if !slot.connecting {
-            self.request(&mut slot);
-        }
+        // The newest descriptor covers the batch, and so does any attempt for it.
+        self.request(&mut slot, deadline, true);
         Ok(None)
     }
 
@@ -274,11 +321,14 @@ impl PeerState {
         }
     }
 
-    /// True if no connection was ever established and no attempt is running (a first
-    /// connect that failed).
-    pub(crate) fn never_connected(&self) -> bool {
+    /// True if the peer has no connection and no attempt runs, or is asked for, for a
+    /// caller still waiting (a first connect that failed, or whose callers all gave up).
+    pub(crate) fn abandoned(&self) -> bool {
         let slot = self.lock();
-        slot.link.is_none() && !slot.connecting
+        let now = Instant::now();
+        let waited_for = slot.connecting
+            && (slot.until > now || (slot.wanted > slot.running && slot.next_until > now));
+        slot.link.is_none() && !waited_for
     }
 
     /// Forgets the connection; batches parked on the peer fail, those in flight finish.
@@ -293,39 +343,52 @@ impl PeerState {
         drop(link);
     }
 
-    /// Asks for an attempt; starts its thread unless one is running. Returns the
-    /// ticket whose service means the request was seen.
-    fn request(self: &Arc<Self>, slot: &mut Slot) -> u64 {
+    /// Asks for an attempt that lives at least until `deadline`: the one running if
+    /// it covers `slot.want` (`join`) and gives up no sooner, else the next one (which
+    /// the thread runs if the one running leaves no connection covering `slot.want`).
+    /// Starts the thread if none runs. Returns the ticket whose service means the
+    /// request was seen.
+    fn request(self: &Arc<Self>, slot: &mut Slot, deadline: Instant, join: bool) -> u64 {
+        if slot.connecting {
+            if slot.wanted > slot.running {
+                slot.next_until = slot.next_until.max(deadline);
+            } else if !join || deadline > slot.until {
+                slot.wanted += 1;
+                slot.next_until = deadline;
+            }
+            return slot.wanted;
+        }
         slot.wanted += 1;
-        if !slot.connecting {
-            slot.connecting = true;
-            let me = self.clone();
-            let spawned = std::thread::Builder::new()
-                .name("te-flagcx-connect".into())
-                .spawn(move || me.attempts());
-            match spawned {
-                Ok(thread) => self.attempts.add(thread),
-                Err(e) => {
-                    slot.connecting = false;
-                    slot.served = slot.wanted;
-                    slot.failure = Some(
-                        Error::new(ErrorKind::Io, "cannot start a FlagCX connect thread")
-                            .with_source(e),
-                    );
-                }
+        slot.running = slot.wanted;
+        slot.until = deadline;
+        slot.connecting = true;
+        let me = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("te-flagcx-connect".into())
+            .spawn(move || me.attempts());
+        match spawned {
+            Ok(thread) => self.attempts.add(thread),
+            Err(e) => {
+                slot.connecting = false;
+                slot.served = slot.wanted;
+                slot.failure = Some(
+                    Error::new(ErrorKind::Io, "cannot start a FlagCX connect thread")
+                        .with_source(e),
+                );
             }
         }
         slot.wanted
     }
 
-    /// Runs attempts until every request made so far is served.
+    /// Runs attempts until every request made so far is served: another one only
+    /// while the last left no connection covering the newest descriptor.
     fn attempts(self: Arc<Self>) {
         loop {
-            let (want, ticket) = {
+            let (want, ticket, until) = {
                 let slot = self.lock();
-                (slot.want.clone(), slot.wanted)
+                (slot.want.clone(), slot.running, slot.until)
             };
-            let opened = Link::open(&self.engine, &self.endpoint, want);
+            let opened = Link::open(&self.engine, &self.endpoint, want, until);
             let mut slot = self.lock();
             let old = match opened {
                 Ok(fresh) if slot.closed => Some(Arc::new(fresh)),
@@ -348,8 +411,16 @@ impl PeerState {
                     }
                 }
             };
-            slot.served = ticket;
-            let again = slot.wanted > ticket && !slot.closed;
+            let again = slot.wanted > ticket
+                && !slot.closed
+                && !slot.link.as_ref().is_some_and(|l| l.covers(&slot.want));
+            if again {
+                slot.served = ticket;
+                slot.running = slot.wanted;
+                slot.until = slot.next_until;
+            } else {
+                slot.served = slot.wanted;
+            }
             slot.connecting = again;
             drop(slot);
             self.changed.notify_all();

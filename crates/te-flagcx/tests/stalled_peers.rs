@@ -16,10 +16,11 @@ use te_core::{
 mod direct;
 use direct::*;
 
-/// A peer that accepts the TCP connection but never answers the handshake: `connect`
-/// returns `Timeout` at its deadline while the attempt goes on, later connects wait for
-/// that same attempt (one thread per peer), and dropping the backend cancels it: 1 s
-/// later no attempt thread is left and the engine no longer listens.
+/// A peer that accepts the TCP connection but never answers the handshake: each
+/// `connect` returns `Timeout` at its deadline, with at most one attempt thread per
+/// peer. An attempt that a parked batch keeps going (its peer's renewed connection
+/// never answers) is cancelled when the backend is dropped: 1 s later no attempt
+/// thread is left, the batch has ended, and the engine no longer listens.
 #[test]
 fn connect_attempts_to_a_silent_peer_do_not_outlive_the_backend() {
     let _g = serial();
@@ -45,15 +46,35 @@ fn connect_attempts_to_a_silent_peer_do_not_outlive_the_backend() {
             "connect overran its deadline"
         );
     }
-    // The three connects shared one attempt: one thread per peer, not one per call.
     let attempts = threads_named("te-flagcx-conn").saturating_sub(before);
     assert!(
         attempts <= 1,
         "three connects to one silent peer left {attempts} te-flagcx-connect threads"
     );
+    // A batch parked for 30 s on a connection being renewed to a peer that no longer
+    // answers: its attempt runs when the backend is dropped.
+    let remote = 0x1000_0000u64;
+    let (ep, stop) = answers_once(remote, LEN as u64);
+    let src = Mem::new(LEN);
+    register(&b, 10, &src, Access::LOCAL);
+    let r1 = region(1, remote, LEN as u64, Access::REMOTE_READ_WRITE);
+    let r2 = region(
+        2,
+        remote + LEN as u64,
+        LEN as u64,
+        Access::REMOTE_READ_WRITE,
+    );
+    let once = ep.clone().into_bytes();
+    let peer = connect(&b, &segment(once, "127.0.0.1:7011", vec![r1.clone()]));
+    let renewed = segment(ep.into_bytes(), "127.0.0.1:7011", vec![r1, r2]);
+    let _ = b.connect_within(&renewed, Instant::now() + Duration::from_millis(50));
+    let (done, rx) = completion(Duration::from_secs(30));
+    let write = TransferRequest::write(RegionId(10), 0, RegionId(2), 0, LEN as u64);
+    b.submit(peer, &[write], done).expect("submit");
     drop(b);
     std::thread::sleep(Duration::from_millis(1000));
     let leaked = threads_named("te-flagcx-conn").saturating_sub(before);
+    let batch = rx.try_recv();
     let still_listening = TcpStream::connect_timeout(
         &endpoint.parse().expect("socket address"),
         Duration::from_millis(500),
@@ -61,9 +82,15 @@ fn connect_attempts_to_a_silent_peer_do_not_outlive_the_backend() {
     .is_ok();
     // Unblock the attempts (their sockets get reset) so the test leaves nothing behind.
     drop(silent);
+    let _ = stop.send(());
+    drop(src);
     assert!(
         leaked == 0 && !still_listening,
-        "1 s after the backend was dropped, {leaked} te-flagcx-connect thread(s) are still blocked on the silent peer, and the dropped backend's FlagCX endpoint {endpoint} still accepts connections: {still_listening}"
+        "1 s after the backend was dropped, {leaked} te-flagcx-connect thread(s) are still blocked on a silent peer, and the dropped backend's FlagCX endpoint {endpoint} still accepts connections: {still_listening}"
+    );
+    assert!(
+        matches!(batch, Ok(Err(_))),
+        "a batch parked when the backend was dropped: {batch:?}"
     );
 }
 

@@ -1,10 +1,13 @@
 //! What the tests that drive `FlagcxBackend` directly over the FAKE shim share: memory
 //! the fake's threads write into, backends, registrations, forged descriptors,
-//! completions, and counting this process's threads.
+//! completions, counting this process's threads, and a peer that answers only its first
+//! handshake.
 
 #![allow(dead_code)]
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::io::{Read, Write};
+use std::net::TcpListener;
 use std::sync::mpsc::{self, Receiver};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
@@ -173,4 +176,29 @@ pub fn threads_named(prefix: &str) -> usize {
                 .count()
         })
         .unwrap_or(0)
+}
+
+/// A FAKE-protocol peer that answers the first handshake with one region and leaves
+/// every later connection unanswered (in its listener's backlog). Returns its endpoint
+/// and a sender that ends it.
+pub fn answers_once(addr: u64, len: u64) -> (String, mpsc::Sender<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let ep = l.local_addr().expect("addr").to_string();
+    let (stop_tx, stop_rx) = mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        let Ok((mut s, _)) = l.accept() else { return };
+        let mut hello = [0u8; 8];
+        if s.read_exact(&mut hello).is_err() {
+            return;
+        }
+        let mut table = Vec::new();
+        table.extend_from_slice(&1u32.to_ne_bytes());
+        table.extend_from_slice(&addr.to_ne_bytes());
+        table.extend_from_slice(&len.to_ne_bytes());
+        let _ = s.write_all(&table);
+        let _ = stop_rx.recv_timeout(Duration::from_secs(30));
+        drop(s);
+        drop(l);
+    });
+    (ep, stop_tx)
 }
