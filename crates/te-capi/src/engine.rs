@@ -2,8 +2,9 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
-use te_core::sync::Mutex;
+use te_core::sync::{Condvar, Mutex};
 
 use te_facade::{
     Access, BlockOptions, Config, Engine, Error, ErrorKind, KvLayout, MemoryDesc, MemoryKind, Op,
@@ -28,8 +29,22 @@ const OP_WRITE: u32 = 1;
 pub struct TeEngine {
     // Declared first so that it drops first: the registrations are deregistered while
     // the engine still runs.
-    regions: Mutex<HashMap<u64, Registration>>,
+    regions: Mutex<HashMap<u64, Slot>>,
+    /// Signalled when a deregistration ends.
+    released: Condvar,
     pub(crate) engine: Engine,
+}
+
+/// A region registered through C, by where its deregistration stands. A region is
+/// answered `NotRegistered` only once te is done with its memory: a caller may take
+/// that answer as leave to free it.
+enum Slot {
+    Registered(Registration),
+    /// A call is deregistering it (another waits for that call's end).
+    Releasing,
+    /// Its deregistration failed: te may still touch the memory, which must never be
+    /// freed; asked again, te says so again.
+    Failed(Error),
 }
 
 impl std::fmt::Debug for TeEngine {
@@ -68,6 +83,7 @@ fn finish_new(config: &Config, out: Out<*mut TeEngine>) -> Result<c_int> {
     let engine = Engine::from_config(config)?;
     let boxed = Box::new(TeEngine {
         regions: Mutex::new(HashMap::new()),
+        released: Condvar::new(),
         engine,
     });
     out.set(Box::into_raw(boxed));
@@ -267,7 +283,10 @@ pub unsafe extern "C" fn te_engine_register(
         // registration is deregistered (te.h states it, as Engine::register asks).
         let registration = unsafe { engine.engine.register(desc) }?;
         let id = registration.id().0;
-        engine.regions.lock().insert(id, registration);
+        engine
+            .regions
+            .lock()
+            .insert(id, Slot::Registered(registration));
         region.set(id);
         Ok(TE_OK)
     })
@@ -283,16 +302,52 @@ pub unsafe extern "C" fn te_engine_deregister(engine: *mut TeEngine, region: u64
     guard(OP, || {
         // SAFETY: te.h asks for a live engine.
         let engine = unsafe { obj(engine, OP, "engine") }?;
-        let registration = engine.regions.lock().remove(&region).ok_or_else(|| {
-            Error::new(
-                ErrorKind::NotRegistered,
-                format!(
-                    "region {region} was not registered through this engine, or is deregistered"
-                ),
-            )
-        })?;
-        registration.deregister()?;
-        Ok(TE_OK)
+        let registration = {
+            let mut regions = engine.regions.lock();
+            let mut waited = false;
+            loop {
+                match regions.get(&region) {
+                    Some(Slot::Registered(_)) => {
+                        if let Some(Slot::Registered(r)) = regions.insert(region, Slot::Releasing) {
+                            break r;
+                        }
+                    }
+                    Some(Slot::Releasing) => {
+                        regions = engine.released.wait(regions);
+                        waited = true;
+                    }
+                    Some(Slot::Failed(e)) => {
+                        return Err(Error::new(
+                            e.kind(),
+                            format!("region {region}'s deregistration failed before ({e}); te may still touch its memory: never free it"),
+                        ));
+                    }
+                    // Deregistered by the call this one waited for.
+                    None if waited => return Ok(TE_OK),
+                    None => {
+                        return Err(Error::new(
+                            ErrorKind::NotRegistered,
+                            format!("region {region} was not registered through this engine, or is deregistered"),
+                        ))
+                    }
+                }
+            }
+        };
+        // A panic leaves the memory's fate unknown: it counts as a failure.
+        let result =
+            catch_unwind(AssertUnwindSafe(|| registration.deregister())).unwrap_or_else(|_| {
+                Err(Error::new(
+                    ErrorKind::Backend,
+                    "deregistering panicked; te may still touch the memory: never free it",
+                ))
+            });
+        let mut regions = engine.regions.lock();
+        match &result {
+            Ok(()) => regions.remove(&region),
+            Err(e) => regions.insert(region, Slot::Failed(e.clone())),
+        };
+        engine.released.notify_all();
+        result.map(|()| TE_OK)
     })
 }
 
@@ -635,5 +690,71 @@ pub unsafe extern "C" fn te_engine_pull_blocks(
             notify_len,
             out,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::batch::{te_batch_free, te_batch_wait};
+    use crate::error::status_of;
+    use crate::testing::{last, Pair};
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_region_is_never_reported_free_while_a_batch_still_uses_it() {
+        // The batch holds `b`'s region for at least a second; two calls deregister it.
+        // An answer that lets the caller free the memory (TE_OK, or NOT_REGISTERED)
+        // must not come before then.
+        let start = Instant::now();
+        let pair = Pair::stub("1s");
+        let batch = pair.submit();
+        let (engine, region) = (pair.b as usize, pair.write.local);
+        let deregister = move || {
+            // SAFETY: the engine outlives both calls (joined below, freed after).
+            let rc = unsafe { te_engine_deregister(engine as *mut TeEngine, region) };
+            (rc, start.elapsed(), last())
+        };
+        let first = std::thread::spawn(deregister);
+        std::thread::sleep(Duration::from_millis(100));
+        let second = deregister();
+        let first = first.join().unwrap();
+        for (rc, after, message) in [first, second] {
+            if rc == TE_OK || rc == status_of(ErrorKind::NotRegistered) {
+                assert!(
+                    after >= Duration::from_secs(1),
+                    "status {rc} after {after:?}, before the batch let go: {message}"
+                );
+            }
+            // One call deregistered the region, the other waited for it.
+            assert_eq!(rc, TE_OK, "{message}");
+        }
+        let (rc, _, message) = deregister();
+        assert_eq!(rc, status_of(ErrorKind::NotRegistered), "{message}");
+        // SAFETY: a live batch, freed once.
+        unsafe {
+            assert_eq!(te_batch_wait(batch, 10_000), TE_OK, "{}", last());
+            te_batch_free(batch);
+        }
+    }
+
+    #[test]
+    fn a_region_whose_deregistration_failed_is_never_reported_free() {
+        let pair = Pair::stub("0s");
+        // SAFETY: a live engine of the pair.
+        let engine = unsafe { &*pair.b };
+        // What a failed deregistration leaves (no backend here fails one on purpose).
+        let failed = Error::new(ErrorKind::Backend, "the NIC did not let go");
+        engine.regions.lock().insert(7, Slot::Failed(failed));
+        for _ in 0..2 {
+            // SAFETY: as above.
+            let rc = unsafe { te_engine_deregister(pair.b, 7) };
+            let message = last();
+            assert_eq!(rc, status_of(ErrorKind::Backend), "{message}");
+            assert!(
+                message.contains("did not let go") && message.contains("never free"),
+                "{message}"
+            );
+        }
     }
 }

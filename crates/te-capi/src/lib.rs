@@ -16,6 +16,8 @@ mod engine;
 mod error;
 mod header;
 mod inbox;
+#[cfg(test)]
+mod testing;
 
 pub use batch::{te_batch_cancel, te_batch_eventfd, te_batch_free, te_batch_on_complete};
 pub use batch::{te_batch_status, te_batch_wait, TeBatch};
