@@ -161,6 +161,8 @@ const char *te_version(void);
 /**
  * The message of the last call on this thread that returned a negative status.
  * Never NULL (empty if none failed yet); valid until the next te call on this thread.
+ * On a thread that is exiting (a C++ thread_local's destructor calling te), once the
+ * thread's storage is gone, a static message saying the message was lost.
  */
 const char *te_last_error(void);
 
@@ -224,8 +226,11 @@ int te_engine_register(te_engine *engine, const char *name, void *addr, size_t l
                        const char *memory, uint32_t access, uint64_t *region);
 
 /**
- * Deregisters a region: waits for, then cancels, batches using it. TE_OK means te
- * touches the memory no more. TE_ERR_NOT_REGISTERED for an unknown region.
+ * Deregisters a region: waits up to the engine's default_timeout for batches using
+ * it, then cancels them. TE_OK means te touches the memory no more. A call for a
+ * region another call is deregistering waits for that call and returns TE_OK once it
+ * succeeded. A region whose deregistration failed keeps returning that error: never
+ * free its memory. TE_ERR_NOT_REGISTERED only for a region te no longer touches.
  */
 int te_engine_deregister(te_engine *engine, uint64_t region);
 
@@ -268,7 +273,10 @@ int te_engine_transfer(te_engine *engine, const te_peer *peer, const te_request 
  * Blocks until the batch resolves or `timeout_ms` passes (negative: no limit).
  * TE_OK: every byte moved. TE_PENDING: still in flight. Negative: the batch failed
  * (TE_ERR_TIMEOUT at its deadline, TE_ERR_CANCELLED, TE_ERR_PEER_UNREACHABLE, …);
- * once a batch resolved, none of its memory is touched any more.
+ * once a batch resolved, none of its memory is touched any more. A batch is reported
+ * resolved (here, by te_batch_status and by its event fds) only once every callback
+ * registered with te_batch_on_complete before then has returned; a callback asking
+ * about its own batch sees it resolved.
  */
 int te_batch_wait(const te_batch *batch, int64_t timeout_ms);
 
@@ -286,8 +294,11 @@ int te_batch_cancel(const te_batch *batch);
  * threads, or on this one before returning if it already has (with the tcp backend's
  * `caller_reads = true`, also on an application thread blocked in te_batch_wait).
  * `status` is what te_batch_wait would return, and te_last_error() inside the callback
- * has the message. The callback must not block long nor free the engine; `user` must be
- * usable from any thread. Freeing the batch handle does not stop the callback.
+ * has the message. The callback must not block long, throw a C++ exception (the
+ * process aborts) nor free the engine; `user` must be usable from any thread. Freeing
+ * the batch handle does not stop the callback. A callback registered after the batch
+ * was reported resolved runs on this thread before this returns. Callbacks of batches
+ * that te_engine_free fails run while it runs: they must not use that engine.
  */
 int te_batch_on_complete(const te_batch *batch, void (*callback)(void *user, int status),
                          void *user);
@@ -296,6 +307,7 @@ int te_batch_on_complete(const te_batch *batch, void (*callback)(void *user, int
  * Creates an eventfd (non-blocking, close-on-exec) in `*fd` that becomes readable when
  * the batch resolves, for poll/epoll loops; then read the result with
  * te_batch_status. The caller closes it, but only after it became readable.
+ * TE_ERR_IO if no eventfd can be made.
  */
 int te_batch_eventfd(const te_batch *batch, int *fd);
 
@@ -311,12 +323,16 @@ void te_batch_free(te_batch *batch);
 int te_engine_recv_notification(te_engine *engine, int64_t timeout_ms,
                                 te_notification **out);
 
-/** The notification's bytes and their number in `*len`; valid until it is freed. */
+/**
+ * The notification's bytes and their number in `*len`; valid until it is freed. NULL
+ * (the message in te_last_error) for a NULL argument.
+ */
 const uint8_t *te_notification_data(const te_notification *notification, size_t *len);
 
 /**
  * The sending engine's name; its control-plane address (to te_engine_connect back) in
- * `*address` unless NULL. Valid until the notification is freed.
+ * `*address` unless NULL. Valid until the notification is freed. NULL (the message in
+ * te_last_error) for a NULL notification.
  */
 const char *te_notification_sender(const te_notification *notification,
                                    const char **address);
@@ -336,17 +352,22 @@ int te_engine_recv_event(te_engine *engine, int64_t timeout_ms, te_peer_event *o
  * Registers a KV-cache layout and publishes it to peers. `layout_json` is
  * {"name": "kv", "groups": [{"name": "layer0", "slots": [{"name": "key", "region": ID,
  * "offset": 0, "bytes_per_block": 4096, "blocks": 64}, …]}, …]}, each slot inside a
- * region registered on this engine.
+ * region registered on this engine. TE_ERR_INVALID_REQUEST for JSON that is not such a
+ * layout, or a slot outside its region.
  */
 int te_engine_register_layout(te_engine *engine, const char *layout_json);
 
-/** Withdraws a layout (waiting for transfers on its slots). */
+/**
+ * Withdraws a layout (waiting for transfers on its slots). TE_ERR_NOT_REGISTERED for
+ * an unknown layout.
+ */
 int te_engine_deregister_layout(te_engine *engine, const char *name);
 
 /**
  * WRITEs blocks `local_ids[i]` of the local layout `layout` into blocks
  * `remote_ids[i]` of the peer's layout of the same name, merging runs of consecutive
- * ids; deadline and notification as te_engine_transfer.
+ * ids; deadline and notification as te_engine_transfer. TE_ERR_NOT_REGISTERED for a
+ * layout unknown here.
  */
 int te_engine_push_blocks(te_engine *engine, const te_peer *peer, const char *layout,
                           const uint64_t *remote_ids, const uint64_t *local_ids,
