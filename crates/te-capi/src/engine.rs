@@ -181,11 +181,14 @@ pub unsafe extern "C" fn te_engine_metrics(
     guard(OP, || {
         // SAFETY: te.h asks for a live engine.
         let engine = unsafe { obj(engine, OP, "engine") }?;
+        // SAFETY: not NULL, and te.h asks for `needed` valid for one write.
+        let needed = (!needed.is_null())
+            .then(|| unsafe { Out::new(needed, OP, "needed") })
+            .transpose()?;
         let json = serde_json::to_string(&engine.engine.metrics())
             .map_err(|e| bad_argument(OP, format!("the metrics do not encode: {e}")))?;
-        if !needed.is_null() {
-            // SAFETY: te.h asks for `needed` NULL or valid for one write.
-            unsafe { needed.write(json.len() + 1) };
+        if let Some(needed) = needed {
+            needed.set(json.len() + 1);
         }
         // SAFETY: te.h asks for `buf` valid for `len` bytes of writes.
         unsafe { write_c_string(OP, "the metrics", &json, buf, len) }
@@ -407,12 +410,16 @@ pub unsafe extern "C" fn te_peer_region(
 ) -> c_int {
     const OP: &str = "te_peer_region";
     guard(OP, || {
-        // SAFETY: te.h asks for a live peer, a string and an out-parameter.
-        let (peer, name, region) = unsafe {
+        // SAFETY: te.h asks for a live peer, a string and out-parameters (`len` may
+        // be NULL).
+        let (peer, name, region, len) = unsafe {
             (
                 obj(peer, OP, "peer")?,
                 text(name, OP, "name")?,
                 Out::new(region, OP, "region")?,
+                (!len.is_null())
+                    .then(|| Out::new(len, OP, "len"))
+                    .transpose()?,
             )
         };
         let desc = peer.0.region(name).ok_or_else(|| {
@@ -425,9 +432,8 @@ pub unsafe extern "C" fn te_peer_region(
             )
         })?;
         region.set(desc.id.0);
-        if !len.is_null() {
-            // SAFETY: not NULL, and te.h asks for a pointer valid for a write.
-            unsafe { Out::new(len, OP, "len") }?.set(desc.len);
+        if let Some(len) = len {
+            len.set(desc.len);
         }
         Ok(TE_OK)
     })
@@ -756,5 +762,32 @@ mod tests {
                 "{message}"
             );
         }
+    }
+    #[test]
+    fn a_misaligned_out_parameter_is_refused_before_any_is_written() {
+        let pair = Pair::stub("0s");
+        let mut words = [u64::MAX; 3];
+        let region: *mut u64 = &mut words[0];
+        // SAFETY: one byte into `words`: valid for a write, but not aligned for a u64.
+        let misaligned = unsafe { words.as_mut_ptr().cast::<u8>().add(9) }.cast::<u64>();
+        // SAFETY: a live peer, a string, and pointers into `words`.
+        let rc = unsafe { te_peer_region(pair.peer, c"dst".as_ptr(), region, misaligned) };
+        assert_eq!(rc, status_of(ErrorKind::InvalidRequest), "{}", last());
+        assert!(last().contains("`len` is misaligned"), "{}", last());
+        assert_eq!(
+            words[0],
+            u64::MAX,
+            "`region` was written by a call that failed"
+        );
+
+        let mut buf = [0 as c_char; 8];
+        let mut needed = [usize::MAX; 2];
+        // SAFETY: as above, for a usize.
+        let misaligned = unsafe { needed.as_mut_ptr().cast::<u8>().add(1) }.cast::<usize>();
+        // SAFETY: a live engine, a buffer of 8 bytes, a misaligned out-parameter.
+        let rc = unsafe { te_engine_metrics(pair.a, buf.as_mut_ptr(), buf.len(), misaligned) };
+        assert_eq!(rc, status_of(ErrorKind::InvalidRequest), "{}", last());
+        assert!(last().contains("`needed` is misaligned"), "{}", last());
+        assert_eq!(needed, [usize::MAX; 2], "a misaligned `needed` was written");
     }
 }
