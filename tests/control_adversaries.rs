@@ -587,8 +587,8 @@ fn hold_backend_workers(
     s
 }
 
-/// A backend's message handler: `hold` waits until its deadline (or the test's end),
-/// anything else is answered at once.
+/// A backend's message handler: a request starting with `hold` waits until its deadline
+/// (or the test's end), anything else is answered at once.
 #[derive(Default)]
 struct Holder {
     /// Requests held now, and the release at the test's end.
@@ -616,7 +616,7 @@ impl te::backend::MessageHandler for Holder {
         request: &[u8],
         deadline: te::backend::Deadline,
     ) -> te::Result<Vec<u8>> {
-        if request != b"hold" {
+        if !request.starts_with(b"hold") {
             return Ok(b"answer".to_vec());
         }
         self.given.lock().unwrap().push(deadline.remaining());
@@ -753,5 +753,150 @@ fn a_flood_of_slow_backend_requests_holds_up_neither_the_engines_lookups_nor_a_t
         "a third source's request, while two sources' slow requests (each held 1 s at \
          most) held every worker, failed after {third_took:?}: {:?}",
         third.as_ref().err()
+    );
+}
+
+/// A raw peer's session from `from` to a control plane without a token.
+fn session_from(from: std::net::Ipv4Addr, to: std::net::SocketAddr, name: &str) -> TcpStream {
+    let mut s = connect_from(from, to);
+    s.write_all(&common::frame(
+        kind::HELLO,
+        0,
+        &common::hello((2, 2), name, 1),
+    ))
+    .unwrap();
+    for expected in [kind::WELCOME, kind::READY] {
+        let (k, _, p) = common::read_frame(&mut s).unwrap();
+        assert_eq!(k, expected, "handshake: {}", common::error_message(&p));
+    }
+    s
+}
+
+/// One source opens many sessions and sends, on each, backend requests of the largest
+/// size a frame allows, each claiming an hour and held by the handler: what the engine
+/// keeps of them in memory is bounded per source, however many sessions the source
+/// opens, the requests past the bound are refused with an error naming it, and another
+/// peer's request is answered.
+#[test]
+fn one_sources_largest_slow_backend_requests_hold_a_bounded_amount_of_memory() {
+    let _s = serial();
+    let (target, holder) = holding_target(|c| c.handshake_timeout = Duration::from_secs(10));
+    const SESSIONS: usize = 8;
+    const REQUESTS: u64 = 8;
+    // The largest request a Backend frame carries (1 MiB), its payload starting "hold".
+    let body = {
+        let mut payload = b"hold".to_vec();
+        payload.resize((1 << 20) - 64, 0x5a);
+        common::cbor(vec![
+            ("timeout_ms", common::int(3_600_000)),
+            ("payload", Value::Bytes(payload)),
+        ])
+    };
+    assert!(body.len() <= 1 << 20 && body.len() > (1 << 20) - 128);
+    let frames: std::sync::Arc<Vec<Vec<u8>>> = std::sync::Arc::new(
+        (1..=REQUESTS)
+            .map(|id| common::frame(kind::BACKEND, id, &body))
+            .collect(),
+    );
+    drop(body);
+    let before = common::reset_peak();
+    let hogs: Vec<_> = (0..SESSIONS)
+        .map(|i| {
+            let frames = frames.clone();
+            let to = target.address();
+            std::thread::spawn(move || {
+                let mut s = session_from([127, 0, 0, 2].into(), to, &format!("hog-{i}"));
+                s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+                let mut sent = 0;
+                for f in frames.iter() {
+                    if s.write_all(f).is_err() {
+                        break;
+                    }
+                    sent += 1;
+                }
+                (s, sent)
+            })
+        })
+        .collect();
+    // What the engine says it holds, sampled while the flood arrives.
+    let mut gauge = 0;
+    while hogs.iter().any(|t| !t.is_finished()) {
+        gauge = gauge.max(target.metrics().control_request_bytes);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let hogs: Vec<(TcpStream, usize)> = hogs.into_iter().map(|t| t.join().unwrap()).collect();
+    assert!(
+        common::eventually(Duration::from_secs(5), || holder.held() >= 4),
+        "the flood's requests reached the handler"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    gauge = gauge.max(target.metrics().control_request_bytes);
+    let peak = common::peak_growth(before);
+    let sent: Vec<usize> = hogs.iter().map(|h| h.1).collect();
+    println!(
+        "{SESSIONS} sessions sent {sent:?} requests of 1 MiB; the heap's peak grew {:.1} MiB; \
+         the engine held at most {gauge} bytes of them",
+        peak as f64 / MIB as f64
+    );
+
+    let me = te::backend::StandaloneControl::start(&EngineConfig::default(), 8).unwrap();
+    let good = me.hook().call(
+        &target.address().to_string(),
+        b"hello",
+        te::backend::Deadline::after(Duration::from_secs(3)),
+    );
+    // A session of the flood is told why its requests past the bound were refused.
+    let mut hogs: Vec<TcpStream> = hogs.into_iter().map(|h| h.0).collect();
+    let mut hog = hogs.pop().unwrap();
+    drop(hogs);
+    hog.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let refusal = common::read_frame(&mut hog).ok();
+    // The source closes every session and opens a new one while its requests are
+    // still held: the new session shares the old ones' budget, not a fresh one.
+    drop(hog);
+    assert!(
+        common::eventually(Duration::from_secs(5), || target.metrics().peers_connected
+            == 1),
+        "the flood's sessions ended"
+    );
+    let mut again = session_from([127, 0, 0, 2].into(), target.address(), "hog-again");
+    again.write_all(&frames[0]).unwrap();
+    again
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    let again = common::read_frame(&mut again).map(|(k, _, p)| (k, common::error_message(&p)));
+    holder.release();
+    assert!(
+        gauge > 0 && gauge <= 4 * MIB as u64,
+        "the engine's control_request_bytes rose to {gauge} with one source flooding"
+    );
+    assert!(
+        common::eventually(Duration::from_secs(5), || target
+            .metrics()
+            .control_request_bytes
+            == 0),
+        "the requests' bytes are given back once they are answered"
+    );
+    assert!(
+        peak < 16 * MIB,
+        "one source's {SESSIONS} sessions of slow 1 MiB backend requests grew the engine's heap \
+         by {:.1} MiB",
+        peak as f64 / MIB as f64
+    );
+    assert_eq!(
+        good.as_deref().ok(),
+        Some(&b"answer"[..]),
+        "another peer's backend request during the flood: {:?}",
+        good.as_ref().err()
+    );
+    let (k, _, p) = refusal.expect("a refusal for a request past the source's bound");
+    let m = common::error_message(&p);
+    assert_eq!(k, kind::ERROR, "{m}");
+    assert!(m.contains("MiB") && m.contains("127.0.0.2"), "{m}");
+    let (k, m) = again.expect("an answer to a request from a new session of the source");
+    assert!(
+        k == kind::ERROR && m.contains("MiB"),
+        "a new session of a source whose earlier sessions' requests are still held got a \
+         fresh budget: {m}"
     );
 }

@@ -180,6 +180,8 @@ pub(crate) struct ControlCounters {
     pub(crate) restarted: AtomicU64,
     pub(crate) left: AtomicU64,
     refused: [AtomicU64; REFUSALS.len()],
+    /// Bytes of peers' backend requests read and not yet answered.
+    pub(crate) request_bytes: AtomicU64,
 }
 
 impl ControlCounters {
@@ -205,6 +207,7 @@ impl ControlCounters {
         m.peers_lost = self.lost.load(Relaxed);
         m.peers_restarted = self.restarted.load(Relaxed);
         m.peers_left = self.left.load(Relaxed);
+        m.control_request_bytes = self.request_bytes.load(Relaxed);
         m.control_refusals = REFUSALS
             .iter()
             .zip(&self.refused)
@@ -447,6 +450,9 @@ pub struct Metrics {
     /// (`auth`, `protocol`, `limits`, `deadline`, `closed`, `evicted`), only reasons that
     /// occurred.
     pub control_refusals: Vec<(String, u64)>,
+    /// Bytes of peers' backend requests the control plane holds now: read and not yet
+    /// answered (at most 4 MiB per source address).
+    pub control_request_bytes: u64,
 }
 
 /// Durations in fixed buckets.

@@ -149,6 +149,15 @@ impl StandaloneControl {
         self.plane.shared().address()
     }
 
+    /// What this control plane counted: peers up, peer events, refused connections and
+    /// the bytes of peers' backend requests it holds (no batches run here, so the rest
+    /// of [`Metrics`](crate::Metrics) stays empty).
+    pub fn metrics(&self) -> crate::Metrics {
+        let mut m = crate::Metrics::default();
+        self.plane.shared().counters.fill(&mut m);
+        m
+    }
+
     /// Every peer event not yet read (those the backend posted, and its peers'),
     /// without waiting.
     pub fn try_recv_events(&self) -> Vec<PeerEvent> {

@@ -4,11 +4,11 @@
 use crate::sync::Mutex;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::Ordering::{self, Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
@@ -20,12 +20,21 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::kit::net::{PendingSlot, PendingSlots};
 use crate::time::Deadline;
 
-/// Authenticated sessions, in all and per source, and each source's share of the
-/// backend workers (which its sessions share).
+/// Authenticated sessions, in all and per source, and what each source's sessions
+/// share.
 #[derive(Default)]
 struct Sessions {
-    per_source: HashMap<IpAddr, (usize, Arc<Semaphore>)>,
+    per_source: HashMap<IpAddr, (usize, Source)>,
     total: usize,
+}
+
+/// What one source address's sessions share: its turns at the backend workers, and its
+/// budget of backend request bytes read and not yet answered.
+#[derive(Clone)]
+struct Source {
+    ip: IpAddr,
+    workers: Arc<Semaphore>,
+    bytes: Arc<Semaphore>,
 }
 
 /// One connection's place in the admission book: a pending slot until its handshake
@@ -42,8 +51,8 @@ struct Ticket {
 
 impl Ticket {
     /// Turns an authenticated connection into a session, within the session caps;
-    /// returns its source's share of the backend workers.
-    fn promote(&mut self) -> Result<Arc<Semaphore>> {
+    /// returns what it shares with its source's other sessions.
+    fn promote(&mut self) -> Result<Source> {
         let s = &self.shared.settings;
         let mut a = self.sessions.lock();
         let from_source = a.per_source.get(&self.ip).map_or(0, |(n, _)| *n);
@@ -57,10 +66,14 @@ impl Ticket {
             ));
         }
         a.total += 1;
-        let (n, share) = a
-            .per_source
-            .entry(self.ip)
-            .or_insert_with(|| (0, Arc::new(Semaphore::new(SOURCE_SHARE))));
+        let (n, share) = a.per_source.entry(self.ip).or_insert_with(|| {
+            let source = Source {
+                ip: self.ip,
+                workers: Arc::new(Semaphore::new(SOURCE_SHARE)),
+                bytes: Arc::new(Semaphore::new(SOURCE_REQUEST_BYTES)),
+            };
+            (0, source)
+        });
         *n += 1;
         let share = share.clone();
         self.pending = None;
@@ -77,10 +90,12 @@ impl Drop for Ticket {
         a.total -= 1;
         if let Some((n, _)) = a.per_source.get_mut(&self.ip) {
             *n -= 1;
-            if *n == 0 {
-                a.per_source.remove(&self.ip);
-            }
         }
+        // A source is forgotten once it has no session and none of its backend requests
+        // is still waiting or running (each holds a clone of it), so closing its sessions
+        // and opening new ones gives it no fresh budget or worker turns.
+        a.per_source
+            .retain(|_, (n, source)| *n > 0 || Arc::strong_count(&source.bytes) > 1);
     }
 }
 
@@ -275,14 +290,60 @@ pub(super) const BACKEND_WORKERS: usize = 8;
 /// The backend workers one source address (all its sessions) may hold at once: half,
 /// so that one peer's slow requests leave the other half to everyone else.
 const SOURCE_SHARE: usize = BACKEND_WORKERS / 2;
+/// Bytes of backend requests one source address (all its sessions) may have read and
+/// not yet answered: as many requests of the largest size a frame allows as the source
+/// may run at once. A backend's own messages (queue-pair exchanges, shim handshakes)
+/// are a few KiB, so hundreds of them fit; without the bound, a host's 1,024 sessions
+/// could each keep five 1 MiB requests waiting.
+const SOURCE_REQUEST_BYTES: usize = SOURCE_SHARE * Kind::Backend.limit(0);
 
 /// What a backend request waits for before it runs: a turn of its source's share, then
 /// a worker. Both are first come, first served, so a request of a source that holds no
 /// worker waits for the next one free, not behind another source's queue.
 #[derive(Clone)]
 struct Turns {
-    source: Arc<Semaphore>,
+    source: Source,
     workers: Arc<Semaphore>,
+}
+
+/// A backend request's bytes, held of its source's budget and counted in the engine's
+/// `control_request_bytes` until the request is answered.
+struct Charge {
+    _held: OwnedSemaphorePermit,
+    bytes: u64,
+    shared: Arc<Shared>,
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.shared
+            .counters
+            .request_bytes
+            .fetch_sub(self.bytes, Relaxed);
+    }
+}
+
+/// Takes `len` bytes of `source`'s budget for a backend request, or says why not.
+fn charge(shared: &Arc<Shared>, source: &Source, len: usize) -> Result<Charge> {
+    let Ok(held) = source.bytes.clone().try_acquire_many_owned(len as u32) else {
+        let waiting = SOURCE_REQUEST_BYTES - source.bytes.available_permits();
+        return Err(Error::new(
+            ErrorKind::Busy,
+            format!(
+                "this engine holds {waiting} bytes of backend requests from {} not yet answered, \
+                 and a request of {len} bytes would pass the {} MiB one source address may have \
+                 waiting; wait for answers before sending more",
+                source.ip,
+                SOURCE_REQUEST_BYTES >> 20
+            ),
+        ));
+    };
+    shared.counters.request_bytes.fetch_add(len as u64, Relaxed);
+    Ok(Charge {
+        _held: held,
+        bytes: len as u64,
+        shared: shared.clone(),
+    })
 }
 
 /// A reply, with what it holds of the session's budget until it is written.
@@ -304,9 +365,11 @@ async fn queue(tx: &mpsc::Sender<Queued>, budget: &Arc<Semaphore>, frame: Vec<u8
 /// Nothing a peer sends grows without bound: replies wait in a queue bounded in count
 /// and bytes, backend requests take one of the session's [`BACKEND_SHARE`] turns, and
 /// when either is full the session is not read (TCP throttles the peer). A backend
-/// request then runs as its source's [`SOURCE_SHARE`] of the workers allows (see
-/// [`backend`]). A peer that does not read its replies for three heartbeats, or sends
-/// nothing for three, is reset.
+/// request's bytes are taken from its source's [`SOURCE_REQUEST_BYTES`] before its
+/// payload is read, and a request that does not fit is read past and refused. It then
+/// runs as its source's [`SOURCE_SHARE`] of the workers allows (see [`backend`]). A
+/// peer that does not read its replies for three heartbeats, or sends nothing for
+/// three, is reset.
 async fn session(
     shared: &Arc<Shared>,
     peer: &Identity,
@@ -343,14 +406,20 @@ async fn session(
     let reading = async move {
         loop {
             let frame = tokio::select! {
-                f = tokio::time::timeout(idle, read_request(reader, shared.settings.notification_max)) => f,
+                f = tokio::time::timeout(idle, read_request(reader, shared, &turns.source)) => f,
                 _ = closed(&mut closing) => {
                     let _ = tx.send((wire::frame(Kind::Bye, 0, &[]), None)).await;
                     return false;
                 }
             };
-            let (h, payload) = match frame {
-                Ok(Ok(f)) => f,
+            let (h, payload, charged) = match frame {
+                Ok(Ok(Request::Read(h, payload, charged))) => (h, payload, charged),
+                Ok(Ok(Request::Refused(h, e))) => {
+                    if !queue(&tx, &budget, answer(h.id, Err(e))).await {
+                        return false;
+                    }
+                    continue;
+                }
                 Ok(Err(e)) => {
                     if e.kind() == ErrorKind::Protocol {
                         tracing::debug!(peer = %peer.name, error = %e, "control plane: malformed frame, closing");
@@ -384,7 +453,7 @@ async fn session(
                     let (shared, peer) = (shared.clone(), peer.clone());
                     let turns = turns.clone();
                     shared.clone().rt.spawn(async move {
-                        let r = backend(shared, peer, payload, turns).await;
+                        let r = backend(shared, peer, payload, charged, turns).await;
                         // The turn is given back once the reply is written.
                         place.send((answer(h.id, r), Some(turn)));
                     });
@@ -418,13 +487,25 @@ async fn session(
     }
 }
 
+/// A request as read from a session.
+enum Request {
+    /// Its header and payload, and for a backend request what it holds of its source's
+    /// budget.
+    Read(wire::Header, Vec<u8>, Option<Charge>),
+    /// A backend request its source's budget had no room for: its payload was read past
+    /// and not kept.
+    Refused(wire::Header, Error),
+}
+
 /// Reads a request; a frame of another kind (an answer can be large) is refused
-/// before its payload is read.
+/// before its payload is read, and a backend request's bytes are taken from its
+/// source's budget before its payload is read.
 async fn read_request(
     r: &mut tokio::net::tcp::OwnedReadHalf,
-    notification_max: usize,
-) -> Result<(wire::Header, Vec<u8>)> {
-    let h = read_header(r, notification_max).await?;
+    shared: &Arc<Shared>,
+    source: &Source,
+) -> Result<Request> {
+    let h = read_header(r, shared.settings.notification_max).await?;
     if !matches!(
         h.kind,
         Kind::Bye | Kind::Ping | Kind::Pong | Kind::GetSegment | Kind::Notify | Kind::Backend
@@ -434,8 +515,31 @@ async fn read_request(
             format!("a {:?} frame is not a request", h.kind),
         ));
     }
-    let payload = read_payload(r, &h).await?;
-    Ok((h, payload))
+    if h.kind != Kind::Backend {
+        let payload = read_payload(r, &h).await?;
+        return Ok(Request::Read(h, payload, None));
+    }
+    let broke = |e| Error::io("read frame", "the connection to the peer broke", e);
+    match charge(shared, source, h.len) {
+        Ok(charged) => {
+            // The budget holds these bytes, so they are taken at once.
+            let mut payload = vec![0; h.len];
+            r.read_exact(&mut payload).await.map_err(broke)?;
+            Ok(Request::Read(h, payload, Some(charged)))
+        }
+        Err(e) => {
+            let skipped = tokio::io::copy(&mut r.take(h.len as u64), &mut tokio::io::sink())
+                .await
+                .map_err(broke)?;
+            if skipped != h.len as u64 {
+                return Err(Error::new(
+                    ErrorKind::PeerUnreachable,
+                    "the peer closed the connection in the middle of a frame",
+                ));
+            }
+            Ok(Request::Refused(h, e))
+        }
+    }
 }
 
 /// A reply frame: the answer, or the error.
@@ -483,13 +587,15 @@ async fn backend(
     shared: Arc<Shared>,
     peer: Identity,
     payload: Vec<u8>,
+    charged: Option<Charge>,
     turns: Turns,
 ) -> Result<(Kind, Vec<u8>)> {
     let m: BackendMsg = wire::decode(&payload, "backend message")?;
+    drop(payload);
     let limit = shared.settings.handshake_timeout;
     let deadline = Deadline::after(Duration::from_millis(m.timeout_ms).min(limit));
     let wait = async {
-        let source = turns.source.acquire_owned().await;
+        let source = turns.source.workers.acquire_owned().await;
         let worker = turns.workers.acquire_owned().await;
         Ok((source, worker))
     };
@@ -498,7 +604,7 @@ async fn backend(
         return Err(starting());
     };
     let handled = shared.rt.clone().spawn_blocking(move || {
-        let _turns = (source, worker);
+        let _held = (source, worker, charged);
         shared.hook.handle(&peer, &m.payload, deadline)
     });
     match handled.await {

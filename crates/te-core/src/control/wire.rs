@@ -86,7 +86,7 @@ impl Kind {
 
     /// The largest payload a frame of this kind may carry, given the receiver's
     /// notification limit.
-    pub(crate) fn limit(self, notification_max: usize) -> usize {
+    pub(crate) const fn limit(self, notification_max: usize) -> usize {
         use Kind::*;
         match self {
             Hello | Welcome | Proof => 4 << 10,
