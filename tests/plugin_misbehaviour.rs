@@ -1,7 +1,8 @@
 //! Plugins that misbehave are contained: a plugin whose calls panic, that completes a
-//! batch twice or whose backend panics when dropped costs its caller an error (or a
-//! logged bug), never an abort of the host, never undefined behaviour; a plugin te
-//! cannot use is refused with a message that says what was wrong and what to do.
+//! batch twice, that uses a copy of a completion after completing it, or whose backend
+//! panics when dropped costs its caller an error (or a logged bug), never an abort of
+//! the host, never undefined behaviour; a plugin te cannot use is refused with a
+//! message that says what was wrong and what to do.
 //!
 //! The misbehaving plugins are compiled here at run time with `rustc` (nothing is
 //! added to the workspace): `tests/plugin_misbehaviour/misbehaving.rs` against the
@@ -506,4 +507,38 @@ fn a_refused_plugin_file_put_right_is_loaded_at_the_next_discovery() {
     assert!(registry.problems().is_empty(), "{:?}", registry.problems());
     let stub = registry.get("stub").expect("the stub plugin");
     assert_eq!(stub.origin(), &te_core::Origin::Plugin(lib));
+}
+
+/// A plugin that keeps a copy of a batch's completion and uses it after completing the
+/// batch (a C plugin can copy the struct) reads and writes nothing of any other batch:
+/// the copy says its batch is aborted (it is over), and the stage it times reaches no
+/// batch's telemetry. Before, the copy pointed at the batch's signals, which were freed
+/// with the batch: it read and wrote whatever the allocator had put there since.
+#[test]
+fn a_plugin_that_uses_a_copy_of_a_completed_completion_touches_no_other_batch() {
+    if !is_child() {
+        return assert_contained(
+            "a_plugin_that_uses_a_copy_of_a_completed_completion_touches_no_other_batch",
+        );
+    }
+    let target = Engine::from_config(&misbehaving("")).unwrap();
+    let _dst = target.alloc("kv", 4096, Access::REMOTE_READ_WRITE).unwrap();
+    let e = Engine::from_config(&misbehaving("stale")).unwrap();
+    let src = e.alloc("kv", 4096, Access::LOCAL).unwrap();
+    let peer = e.connect(&target.address().to_string()).unwrap();
+    let remote = peer.region("kv").unwrap();
+    let write = [TransferRequest::write(src.id(), 0, remote.id, 0, 64)];
+    // Each submit uses the copy of the batch before, which is over and whose handle is
+    // dropped: its memory is free for this batch to reuse.
+    for i in 0..50 {
+        let h = e.transfer(&peer, &write).unwrap();
+        h.wait().unwrap_or_else(|err| panic!("batch {i}: {err}"));
+        let t = h.telemetry().expect("metrics are on");
+        assert!(
+            t.wire.is_none(),
+            "batch {i} shows a wire stage its backend never timed: a copy of an earlier batch's completion wrote into it ({t:?})"
+        );
+        drop(h);
+    }
+    println!("no batch saw another's signals");
 }

@@ -9,13 +9,17 @@
 //! - `handler_drop`: the backend serves a message handler whose `Drop` panics;
 //! - `double`: `submit` completes its batch twice (a copy of the completion, as a C
 //!   plugin or a buggy unsafe one would);
+//! - `stale`: `submit` completes its batch at once but keeps a copy of its completion,
+//!   and at the next `submit` uses that copy (asks whether it is aborted, which must
+//!   say it is, or this panics; times a wire stage; drops it) before posting the new
+//!   batch;
 //! - anything else: a well-behaved no-op backend (completes every batch `Ok`).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use te_core::{
-    BackendContext, BackendInfo, Capabilities, Completion, Deadline, Error, ErrorKind, MemoryDesc,
-    MessageHandler, PeerId, PeerInfo, RegionId, Result, SegmentDesc, TransferBackend,
+    BackendContext, BackendInfo, BatchStage, Capabilities, Completion, Deadline, Error, ErrorKind,
+    MemoryDesc, MessageHandler, PeerId, PeerInfo, RegionId, Result, SegmentDesc, TransferBackend,
     TransferRequest,
 };
 
@@ -23,6 +27,8 @@ struct Misbehaving {
     info: BackendInfo,
     mode: String,
     epoch: u64,
+    /// `stale`: the copy of the last batch's completion.
+    stale: Mutex<Option<Completion>>,
 }
 
 impl Misbehaving {
@@ -76,6 +82,24 @@ impl TransferBackend for Misbehaving {
                     "misbehaving plugin: second completion of the same batch",
                 )));
             });
+        } else if self.mode == "stale" {
+            let old = self.stale.lock().unwrap().take();
+            if let Some(old) = old {
+                // The batch `old` copies was completed: the copy must say it is over,
+                // and its notes must not reach another batch.
+                let aborted = old.is_aborted();
+                old.stage_began(BatchStage::Wire);
+                old.stage_ended(BatchStage::Wire);
+                drop(old);
+                assert!(
+                    aborted,
+                    "misbehaving plugin: a copy of a completed batch's completion says it is not aborted"
+                );
+            }
+            // SAFETY (deliberately violated): a second owner of the same completion,
+            // kept after the batch is completed, as a plugin written in C could.
+            *self.stale.lock().unwrap() = Some(unsafe { std::ptr::read(&done) });
+            done.complete(Ok(()));
         } else {
             std::thread::spawn(move || done.complete(Ok(())));
         }
@@ -145,6 +169,7 @@ fn create(ctx: &BackendContext) -> Result<Arc<dyn TransferBackend>> {
         },
         mode,
         epoch: ctx.epoch,
+        stale: Mutex::new(None),
     }))
 }
 

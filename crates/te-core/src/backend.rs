@@ -3,7 +3,7 @@
 use std::cell::UnsafeCell;
 use std::fmt;
 use std::mem::ManuallyDrop;
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -310,25 +310,26 @@ impl BatchStage {
 
 /// What the engine and the backend share of one batch besides its result: the abort
 /// flag, and the first and last instants (monotonic nanoseconds) of each stage the
-/// backend timed. Owned by the completion's context; C layout, so a plugin's copy of
-/// te-core reads and writes it the same way.
+/// backend timed. It lives in a never-freed [`Slot`], reset for each batch the slot
+/// serves, so a completion's pointer to it stays valid whatever a backend does with
+/// copies of the completion; C layout, so a plugin's copy of te-core reads and writes
+/// it the same way.
 #[repr(C)]
 #[derive(Debug, StableAbi)]
 pub(crate) struct Signals {
-    pub(crate) abort: AtomicU8,
+    /// The slot's ticket (a multiple of [`TICKET`]) plus the abort reason in the low
+    /// byte (non-zero once the batch is to be aborted), in one word, so that a
+    /// completion reads its ticket and its batch's abort flag together.
+    state: AtomicU64,
     first_ns: [AtomicU64; 2],
     last_ns: [AtomicU64; 2],
 }
 
-impl Signals {
-    pub(crate) fn new() -> Signals {
-        Signals {
-            abort: AtomicU8::new(0),
-            first_ns: [AtomicU64::new(u64::MAX), AtomicU64::new(u64::MAX)],
-            last_ns: [AtomicU64::new(0), AtomicU64::new(0)],
-        }
-    }
+/// One step of a slot's ticket; the bits below it hold the abort reason.
+const TICKET: u64 = 1 << 8;
+const ABORT: u64 = TICKET - 1;
 
+impl Signals {
     /// Each stage the backend timed, with its first and last instants.
     pub(crate) fn stages(&self) -> impl Iterator<Item = (BatchStage, u64, u64)> + '_ {
         BatchStage::ALL.into_iter().filter_map(|s| {
@@ -347,16 +348,18 @@ impl Signals {
 /// of the batch touches its local memory any more. It is plain data with a C layout,
 /// so a backend loaded as a plugin completes it the same way a built-in one does.
 ///
-/// A copy of it (which only unsafe code, or a plugin not written in Rust, can make)
-/// completed after the first is ignored and logged as a bug in the backend: the first
-/// completion hands the batch back, and a later one touches nothing of it.
+/// A copy of it (which only unsafe code, or a plugin not written in Rust, can make) is
+/// harmless once the first is consumed, though still a bug in the backend: completing
+/// it again is ignored and logged, [`Completion::is_aborted`] says `true` (the batch is
+/// over), and its stage notes are dropped; it reads and writes nothing of the batches
+/// that come after.
 #[repr(C)]
 #[derive(StableAbi)]
 pub struct Completion {
-    /// The [`Slot`] holding the batch's context; slots are never freed.
+    /// The [`Slot`] holding the batch's context and signals; slots are never freed.
     ctx: *mut (),
-    /// Which use of the slot this completion is: a copy completed again, after the
-    /// slot moved on, no longer matches it.
+    /// Which use of the slot this completion is: a copy used after the slot moved on
+    /// (at this completion, and at each reuse) no longer matches it.
     ticket: u64,
     call: unsafe extern "C" fn(
         ctx: *mut (),
@@ -364,8 +367,8 @@ pub struct Completion {
         result: RResult<(), FfiError>,
         dropped: bool,
     ),
-    /// The abort flag (non-zero once the batch is to be aborted) and the stage times;
-    /// owned by the context, so valid while the completion lives.
+    /// The slot's signals; they belong to this completion's batch while `ticket` is
+    /// the slot's.
     signals: *const Signals,
     batch: BatchId,
     deadline: Deadline,
@@ -373,37 +376,33 @@ pub struct Completion {
 
 // SAFETY: the context is a boxed `FnOnce + Send` closure, taken at most once (by the
 // ticket's compare-exchange), from whichever thread completes; the signals are atomics
-// the context keeps alive.
+// in a slot that is never freed.
 unsafe impl Send for Completion {}
 // SAFETY: `&Completion` only touches the atomic signals and reads plain data.
 unsafe impl Sync for Completion {}
 
 type Callback = Box<dyn FnOnce(Result<()>, bool) + Send>;
 
-struct Context {
-    f: Callback,
-    _signals: Arc<Signals>,
-}
-
-/// Where a completion's context lives while the batch is in flight. Slots are leaked
-/// and reused, never freed, so a completion's `ctx` stays a valid pointer for the life
-/// of the process, whatever a backend does with copies of it; the pool grows to the
-/// most completions ever alive at once (per shard) and stays there.
+/// Where a batch's signals and its completion's context live. Slots are leaked and
+/// reused, never freed, so a completion's `ctx` and `signals` stay valid pointers for
+/// the life of the process, whatever a backend does with copies of it; the pool grows
+/// to the most batches alive at once (per shard) and stays there.
 struct Slot {
-    /// Odd while the slot holds the context of the completion with this ticket; even
-    /// while it is free. Each use moves it on by two.
-    ticket: AtomicU64,
+    signals: Signals,
+    /// Who holds the slot's current use: its [`BatchSignals`] and its completion until
+    /// that is consumed. The last to let go puts the slot back on its free list.
+    holders: AtomicUsize,
     /// The free list the slot goes back to.
     shard: usize,
-    /// Written only by the slot's owner: the thread that took it off the free list
-    /// (before publishing its ticket), then the one whose compare-exchange of the
-    /// ticket succeeded (before putting it back).
-    context: UnsafeCell<Option<Context>>,
+    /// Written only by the slot's owner: the thread that builds the completion (before
+    /// the completion exists, so before its ticket can be matched), then the one whose
+    /// compare-exchange of the ticket succeeded.
+    context: UnsafeCell<Option<Callback>>,
 }
 
 // SAFETY: `context` is only touched by the slot's one owner at a time, as its doc
-// says; the ticket's release store and acquiring compare-exchange, and the free list's
-// lock, order each owner's accesses before the next one's.
+// says; the completion's hand-over to the backend, and the ticket's acquiring
+// compare-exchange, order each owner's accesses before the next one's.
 unsafe impl Sync for Slot {}
 
 const SHARDS: usize = 16;
@@ -421,34 +420,102 @@ fn shard() -> usize {
 }
 
 impl Slot {
-    /// Takes a free slot, puts `context` in it and returns it with its live ticket.
-    fn fill(context: Context) -> (&'static Slot, u64) {
+    /// The context of the completion with `ticket`, once: `None` if that completion
+    /// was completed (or dropped) before. Moves the ticket on and lets the completion's
+    /// hold on the slot go.
+    fn take(&'static self, ticket: u64) -> Option<Callback> {
+        self.signals
+            .state
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |s| {
+                (s & !ABORT == ticket).then_some(s.wrapping_add(TICKET))
+            })
+            .ok()?;
+        // SAFETY: the compare-exchange made this thread the slot's owner, after the
+        // thread that built the completion (which handed it over since).
+        let f = unsafe { (*self.context.get()).take() };
+        self.release();
+        f
+    }
+
+    /// Lets one holder go; the last puts the slot back on its free list.
+    fn release(&'static self) {
+        if self.holders.fetch_sub(1, Ordering::AcqRel) == 1 {
+            FREE[self.shard].lock().push(self);
+        }
+    }
+}
+
+/// A batch's signals, held by the engine (or an [`Aborter`]) for as long as it needs
+/// them: the slot is not reused before its holders let it go.
+pub(crate) struct BatchSignals {
+    slot: &'static Slot,
+    ticket: u64,
+}
+
+impl BatchSignals {
+    /// Takes a free slot (or leaks a new one) and resets its signals for a new batch.
+    pub(crate) fn new() -> BatchSignals {
         let shard = shard();
         let slot = FREE[shard].lock().pop().unwrap_or_else(|| {
             Box::leak(Box::new(Slot {
-                ticket: AtomicU64::new(0),
+                signals: Signals {
+                    state: AtomicU64::new(0),
+                    first_ns: [AtomicU64::new(u64::MAX), AtomicU64::new(u64::MAX)],
+                    last_ns: [AtomicU64::new(0), AtomicU64::new(0)],
+                },
+                holders: AtomicUsize::new(0),
                 shard,
                 context: UnsafeCell::new(None),
             }))
         });
-        // SAFETY: the slot is free and off the free list, so this thread owns it.
-        unsafe { *slot.context.get() = Some(context) };
-        let ticket = slot.ticket.load(Ordering::Relaxed) + 1;
-        slot.ticket.store(ticket, Ordering::Release);
-        (slot, ticket)
+        let s = &slot.signals;
+        for i in 0..BatchStage::ALL.len() {
+            s.first_ns[i].store(u64::MAX, Ordering::Relaxed);
+            s.last_ns[i].store(0, Ordering::Relaxed);
+        }
+        slot.holders.store(1, Ordering::Relaxed);
+        // A new ticket and no abort; published after the reset, so that a completion
+        // that sees its ticket sees its batch's signals.
+        let ticket = (s.state.load(Ordering::Relaxed) & !ABORT).wrapping_add(TICKET);
+        s.state.store(ticket, Ordering::Release);
+        BatchSignals { slot, ticket }
     }
 
-    /// The context of the completion with `ticket`, once: `None` if that completion
-    /// was completed (or dropped) before.
-    fn take(&'static self, ticket: u64) -> Option<Context> {
-        self.ticket
-            .compare_exchange(ticket, ticket + 1, Ordering::AcqRel, Ordering::Relaxed)
-            .ok()?;
-        // SAFETY: the compare-exchange made this thread the slot's owner, after the
-        // owner that filled it (whose writes its acquire ordering makes visible).
-        let context = unsafe { (*self.context.get()).take() };
-        FREE[self.shard].lock().push(self);
-        context
+    /// The signals (the holder may read them whatever the completion did).
+    pub(crate) fn signals(&self) -> &Signals {
+        &self.slot.signals
+    }
+
+    /// Sets the abort reason `why` (non-zero) unless one is set; returns whether this
+    /// call set it.
+    pub(crate) fn abort(&self, why: u8) -> bool {
+        self.slot
+            .signals
+            .state
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |s| {
+                (s & ABORT == 0).then_some(s | u64::from(why))
+            })
+            .is_ok()
+    }
+
+    /// The abort reason; zero while there is none.
+    pub(crate) fn aborted(&self) -> u8 {
+        (self.slot.signals.state.load(Ordering::SeqCst) & ABORT) as u8
+    }
+}
+
+impl Drop for BatchSignals {
+    fn drop(&mut self) {
+        self.slot.release();
+    }
+}
+
+impl fmt::Debug for BatchSignals {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BatchSignals")
+            .field("ticket", &self.ticket)
+            .field("aborted", &self.aborted())
+            .finish()
     }
 }
 
@@ -462,7 +529,7 @@ unsafe extern "C" fn call_slot(
     // it: slots are never freed, so it is valid however often it is called.
     let slot = unsafe { &*(ctx as *const Slot) };
     match slot.take(ticket) {
-        Some(c) => (c.f)(from_ffi(result), dropped),
+        Some(f) => f(from_ffi(result), dropped),
         None => tracing::error!(
             dropped,
             "the backend completed a batch that it had completed (or dropped) before; the second completion is ignored; this is a bug in the backend"
@@ -473,15 +540,12 @@ unsafe extern "C" fn call_slot(
 /// Aborts the [`Completion`] it was made with (for backends' own tests; the engine
 /// aborts through its batches).
 #[derive(Debug, Clone)]
-pub struct Aborter(Arc<Signals>);
+pub struct Aborter(Arc<BatchSignals>);
 
 impl Aborter {
     /// Sets the completion's abort flag.
     pub fn abort(&self) {
-        let _ = self
-            .0
-            .abort
-            .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire);
+        self.0.abort(1);
     }
 }
 
@@ -489,7 +553,8 @@ impl Completion {
     /// A completion that runs `f` once with the batch's result and whether the backend
     /// dropped it without completing. `timeout` is the time the batch has left.
     pub fn new(timeout: Duration, f: impl FnOnce(Result<()>, bool) + Send + 'static) -> Completion {
-        Completion::abortable(Deadline::after(timeout), f).0
+        let signals = BatchSignals::new();
+        Completion::build(BatchId(0), Deadline::after(timeout), &signals, Box::new(f))
     }
 
     /// As [`Completion::new`], with a deadline, and the [`Aborter`] that sets its flag.
@@ -497,28 +562,31 @@ impl Completion {
         deadline: Deadline,
         f: impl FnOnce(Result<()>, bool) + Send + 'static,
     ) -> (Completion, Aborter) {
-        let flag = Arc::new(Signals::new());
-        let c = Completion::build(BatchId(0), deadline, flag.clone(), Box::new(f));
-        (c, Aborter(flag))
+        let signals = BatchSignals::new();
+        let c = Completion::build(BatchId(0), deadline, &signals, Box::new(f));
+        (c, Aborter(Arc::new(signals)))
     }
 
-    /// The engine's completion for batch `batch`, sharing `signals` with its state.
+    /// The engine's completion for batch `batch`, on `signals`, which no completion was
+    /// built on before (the slot's context is this completion's alone).
     pub(crate) fn build(
         batch: BatchId,
         deadline: Deadline,
-        signals: Arc<Signals>,
+        signals: &BatchSignals,
         f: Callback,
     ) -> Completion {
-        let ptr = Arc::as_ptr(&signals);
-        let (slot, ticket) = Slot::fill(Context {
-            f,
-            _signals: signals,
-        });
+        let slot = signals.slot;
+        slot.holders.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: no completion with the slot's ticket exists yet (this makes the one),
+        // so nothing else can take the context: this thread owns it.
+        let context = unsafe { &mut *slot.context.get() };
+        debug_assert!(context.is_none(), "a second completion on one BatchSignals");
+        *context = Some(f);
         Completion {
             ctx: slot as *const Slot as *mut (),
-            ticket,
+            ticket: signals.ticket,
             call: call_slot,
-            signals: ptr,
+            signals: &slot.signals,
             batch,
             deadline,
         }
@@ -549,27 +617,46 @@ impl Completion {
 
     /// Whether the engine asked to stop the batch (deadline, cancel, deregistration):
     /// post nothing more of it, discard what arrives for it, and complete it once
-    /// nothing of it touches local memory.
+    /// nothing of it touches local memory. Always `true` for a copy of a completion
+    /// that was consumed: its batch is over.
     pub fn is_aborted(&self) -> bool {
-        self.signals().abort.load(Ordering::Acquire) != 0
+        let s = self.signals().state.load(Ordering::Acquire);
+        s & !ABORT != self.ticket || s & ABORT != 0
     }
 
     /// Notes that `stage` of the batch began now (the earliest of such notes counts):
     /// call it as each slice enters the stage, or once.
     pub fn stage_began(&self, stage: BatchStage) {
         let now = crate::time::monotonic_ns();
-        self.signals().first_ns[stage as usize].fetch_min(now, Ordering::AcqRel);
+        if self.is_current() {
+            self.signals().first_ns[stage as usize].fetch_min(now, Ordering::AcqRel);
+        }
     }
 
     /// Notes that `stage` of the batch ended now (the latest of such notes counts).
     pub fn stage_ended(&self, stage: BatchStage) {
         let now = crate::time::monotonic_ns();
-        self.signals().last_ns[stage as usize].fetch_max(now, Ordering::AcqRel);
+        if self.is_current() {
+            self.signals().last_ns[stage as usize].fetch_max(now, Ordering::AcqRel);
+        }
+    }
+
+    /// Whether the slot's signals are still this completion's batch's (only a copy
+    /// used after the completion was consumed finds they are not).
+    ///
+    /// A copy's note that passes this check just before the first completion is
+    /// consumed still lands: in its own batch's times, or, should its thread stall
+    /// past that batch's end and the slot's reuse, in a later batch's, with an instant
+    /// from before that batch began. That costs one batch's stage telemetry, never
+    /// memory, an abort or a result, and only where a backend already broke the rule;
+    /// closing it would cost every note a reference count.
+    fn is_current(&self) -> bool {
+        self.signals().state.load(Ordering::Acquire) & !ABORT == self.ticket
     }
 
     fn signals(&self) -> &Signals {
-        // SAFETY: the signals are kept alive by the context, which lives as long as
-        // `self`.
+        // SAFETY: `signals` points into a slot, and slots are never freed; whose batch
+        // the signals are is for the caller to check against the ticket.
         unsafe { &*self.signals }
     }
 }
@@ -671,6 +758,78 @@ mod tests {
         assert!(rx.try_recv().is_err(), "the copy completed something");
         second.complete(Ok(()));
         assert_eq!(rx.try_recv().unwrap(), ("second", true));
+    }
+
+    #[test]
+    fn a_copy_used_after_its_completion_says_its_batch_is_over_and_sees_no_other_batch() {
+        let first = Completion::new(Duration::from_secs(1), |_, _| {});
+        // SAFETY (deliberately broken, as a C plugin might): a second owner of the same
+        // completion, used after the first is completed.
+        let copy = unsafe { std::ptr::read(&first) };
+        first.complete(Ok(()));
+        // Later batches, which may reuse what the first one's signals were in.
+        let next: Vec<_> = (0..8)
+            .map(|_| Completion::abortable(Deadline::after(Duration::from_secs(1)), |_, _| {}))
+            .collect();
+        let before = copy.is_aborted();
+        copy.stage_began(BatchStage::Wire);
+        copy.stage_ended(BatchStage::Wire);
+        for (_, aborter) in &next {
+            aborter.abort();
+        }
+        let after = copy.is_aborted();
+        assert_eq!(
+            (before, after),
+            (true, true),
+            "the copy of a completed completion must say its batch is over, whatever later batches do"
+        );
+        for (done, _) in next {
+            assert!(done.is_aborted());
+            done.complete(Ok(()));
+        }
+        copy.complete(Ok(()));
+    }
+
+    #[test]
+    fn a_copys_notes_after_its_completion_reach_no_later_batch_on_its_slot() {
+        let deadline = Deadline::after(Duration::from_secs(1));
+        // The free list is per thread and last-in first-out, so the next batch almost
+        // always takes the slot the first left; another test's thread on the same
+        // shard may take it first, hence the retries.
+        for _ in 0..100 {
+            let first = Completion::new(Duration::from_secs(1), |_, _| {});
+            // SAFETY (deliberately broken, as a C plugin might): a second owner of the
+            // same completion, used after the first is completed.
+            let copy = unsafe { std::ptr::read(&first) };
+            first.complete(Ok(()));
+            let next = BatchSignals::new();
+            if !std::ptr::eq(next.slot, copy.ctx as *const Slot) {
+                std::mem::forget(copy);
+                continue;
+            }
+            let done = Completion::build(BatchId(1), deadline, &next, Box::new(|_, _| {}));
+            copy.stage_began(BatchStage::Wire);
+            copy.stage_ended(BatchStage::Wire);
+            assert_eq!(
+                next.signals().stages().count(),
+                0,
+                "the copy's notes landed"
+            );
+            assert!(copy.is_aborted() && !done.is_aborted());
+            done.stage_began(BatchStage::Device);
+            done.stage_ended(BatchStage::Device);
+            assert!(next.abort(2));
+            assert!(done.is_aborted() && next.aborted() == 2);
+            copy.complete(Ok(()));
+            let stages: Vec<_> = next.signals().stages().map(|s| s.0).collect();
+            assert_eq!(stages, [BatchStage::Device]);
+            done.complete(Ok(()));
+            // The engine still reads its batch's signals after the completion.
+            assert_eq!(next.aborted(), 2);
+            assert_eq!(next.signals().stages().count(), 1);
+            return;
+        }
+        panic!("no later batch took the first one's slot in 100 tries");
     }
 
     #[test]

@@ -18,7 +18,7 @@ use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::backend::{BatchId, Signals};
+use crate::backend::{BatchId, BatchSignals};
 use crate::error::{Error, ErrorKind, Result};
 use crate::metrics::{BatchMeter, BatchTelemetry};
 use crate::time::Deadline;
@@ -96,7 +96,9 @@ pub(crate) type DriveHook = Arc<dyn Fn(Deadline) -> bool + Send + Sync>;
 pub(crate) struct BatchState {
     id: BatchId,
     done: AtomicBool,
-    signals: Arc<Signals>,
+    /// The abort flag and stage times it shares with its completion, held until the
+    /// batch's state is dropped.
+    signals: BatchSignals,
     phase: AtomicU8,
     hook: Mutex<Option<AbortHook>>,
     drive: Mutex<Option<DriveHook>>,
@@ -113,7 +115,7 @@ impl BatchState {
         Arc::new(BatchState {
             id,
             done: AtomicBool::new(false),
-            signals: Arc::new(Signals::new()),
+            signals: BatchSignals::new(),
             phase: AtomicU8::new(PHASE_BACKEND),
             hook: Mutex::new(None),
             drive: Mutex::new(None),
@@ -149,14 +151,14 @@ impl BatchState {
         self.deadline
     }
 
-    /// The flag the backend's completion shares.
-    pub(crate) fn signals(&self) -> Arc<Signals> {
-        self.signals.clone()
+    /// The signals the backend's completion shares.
+    pub(crate) fn signals(&self) -> &BatchSignals {
+        &self.signals
     }
 
     /// Why the batch is being aborted, if it is.
     pub(crate) fn aborted(&self) -> Option<Abort> {
-        Abort::from_flag(self.signals.abort.load(Ordering::SeqCst))
+        Abort::from_flag(self.signals.aborted())
     }
 
     /// Sets how the backend is told to stop (once it has the batch).
@@ -205,13 +207,7 @@ impl BatchState {
     /// handle resolves when the backend releases it; once only its notification is
     /// left, the batch ends at once. Returns whether this call set the reason.
     pub(crate) fn request_abort(&self, why: Abort) -> bool {
-        if self.is_done()
-            || self
-                .signals
-                .abort
-                .compare_exchange(0, why as u8, Ordering::SeqCst, Ordering::SeqCst)
-                .is_err()
-        {
+        if self.is_done() || !self.signals.abort(why as u8) {
             return false;
         }
         if self.phase.load(Ordering::SeqCst) == PHASE_NOTIFY {
@@ -237,7 +233,7 @@ impl BatchState {
                 return false;
             }
             if let Some(m) = self.meter.get() {
-                m.end(&result, &self.signals);
+                m.end(&result, self.signals.signals());
             }
             slot.result = Some(result);
             self.done.store(true, Ordering::Release);
