@@ -59,8 +59,9 @@
 //! process published) gets its device-to-device frames, where both regions are on one
 //! runtime and device, as one group of device copies instead (`local_copies`): the
 //! frame is admitted against the target's registrations as a served frame is, and both
-//! regions stay pinned until the copies end. Everything else still goes over its
-//! connections.
+//! regions stay pinned until the copies end. Pieces of a batch that overlap one another
+//! (a region moved into itself) are never in one group: each such piece waits for the
+//! group before it to end. Everything else still goes over its connections.
 //!
 //! A peer in another process of this host, proven so by a channel on an abstract Unix
 //! socket that only the process behind its authenticated data connection can open,

@@ -18,10 +18,20 @@
 //! entry's bounds), a refusal fails the batch with the target's error, and the target's
 //! pin holds its region until the copies end, so deregistration there waits for them
 //! as it waits for a served request. The initiator's pins hold its region likewise.
+//!
+//! The copies of one device group may run at once (a list-copy kernel runs them in
+//! parallel), so they must not overlap. A part whose own two ranges overlap goes over
+//! the socket, staged; and where a batch moves a region into itself so that a part
+//! writes bytes an earlier part of the group reads or writes (or reads bytes it
+//! writes), that part starts the group's next **wave**: a group of its own, started
+//! once the one before it has ended. So overlapping parts run one after another, in
+//! the order of the batch's frames (request order for one op and remote region), and
+//! a batch without such overlaps is still one group.
 
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Weak};
 
-use te_core::device::DeviceCopy;
+use te_core::device::{DeviceCopy, DeviceRuntime};
 use te_core::sync::Mutex;
 use te_core::{BatchStage, Op, Result};
 
@@ -63,8 +73,11 @@ pub(crate) struct Local {
 
 /// One runtime's share of a batch's local frames.
 struct LocalGroup {
-    rt: Arc<dyn te_core::device::DeviceRuntime>,
-    copies: Vec<DeviceCopy>,
+    rt: Arc<dyn DeviceRuntime>,
+    /// The copies in waves, each one device group, started once the wave before it
+    /// has ended: a copy that meets the bytes of one already in the last wave (writes
+    /// what it reads or writes, or reads what it writes) opens the next.
+    waves: Vec<Wave>,
     /// Per frame: its batch (finished when the group ends), the target's pin on its
     /// region and the batch's pins on the local ones, held until then.
     frames: Vec<(Arc<Batch>, Pin, Arc<Vec<Pin>>)>,
@@ -139,47 +152,26 @@ impl Local {
             batch.finish_slice(Err(timeout_error()));
             return Ok(());
         };
-        // Parts that follow one another on both sides are one copy, as staging merges
-        // adjacent pieces: a frame of adjacent blocks is one copy, not one per block.
-        let mut runs: Vec<(u64, u64, usize)> = Vec::new();
-        for p in &parts {
-            let (here, there) = (p.local as u64, region.addr + p.remote_offset);
-            let (src, dst) = match slice.op {
-                Op::Write => (here, there),
-                Op::Read => (there, here),
-            };
-            match runs.last_mut() {
-                Some(r)
-                    if r.0.checked_add(r.2 as u64) == Some(src)
-                        && r.1.checked_add(r.2 as u64) == Some(dst) =>
-                {
-                    r.2 += p.len as usize
-                }
-                _ => runs.push((src, dst, p.len as usize)),
-            }
-        }
-        let copies = runs
-            .into_iter()
-            .map(|(src, dst, len)| DeviceCopy::DeviceToDevice {
-                src_ordinal: ordinal,
-                src,
-                dst_ordinal: ordinal,
-                dst,
-                len,
-            });
         let group = match self.groups.iter_mut().position(|g| Arc::ptr_eq(&g.rt, &rt)) {
             Some(i) => &mut self.groups[i],
             None => {
                 self.groups.push(LocalGroup {
                     rt,
-                    copies: Vec::new(),
+                    waves: Vec::new(),
                     frames: Vec::new(),
                 });
                 let last = self.groups.len() - 1;
                 &mut self.groups[last]
             }
         };
-        group.copies.extend(copies);
+        for p in &parts {
+            let (here, there) = (p.local as u64, region.addr + p.remote_offset);
+            let (src, dst) = match slice.op {
+                Op::Write => (here, there),
+                Op::Read => (there, here),
+            };
+            group.copy(ordinal, src, dst, p.len);
+        }
         group.frames.push((batch.clone(), pin, pins));
         Ok(())
     }
@@ -189,6 +181,8 @@ impl Local {
     pub(crate) fn start(self) {
         for g in self.groups {
             let frames = g.frames;
+            let mut batches: Vec<Arc<Batch>> = frames.iter().map(|f| f.0.clone()).collect();
+            batches.dedup_by(|a, b| Arc::ptr_eq(a, b));
             // A batch's frames come together: each batch's stage is noted once.
             for (i, (batch, _, _)) in frames.iter().enumerate() {
                 if i == 0 || !Arc::ptr_eq(batch, &frames[i - 1].0) {
@@ -209,13 +203,124 @@ impl Local {
                     batch.finish_slice(r.clone());
                 }
             };
+            let waves = g.waves.into_iter().map(|w| w.copies).collect();
             // SAFETY: the initiator's ranges lie in its regions, checked at submission
             // and kept registered by the batch's pins; the target's were admitted
             // against its regions, which the frames' pins keep registered; `done` owns
-            // every pin until the copies end. Distinct frames' ranges do not overlap on
-            // the destination side unless the caller's requests do, which the backend
-            // contract leaves undefined as for any fabric.
-            unsafe { stage::start_all(&g.rt, g.copies, done) };
+            // every pin until the last wave's copies end. No two copies of one wave
+            // overlap (`LocalGroup::copy`), and a wave starts only once the one before
+            // it has ended.
+            unsafe { in_waves(g.rt, waves, batches, Box::new(done)) };
         }
     }
+}
+
+impl LocalGroup {
+    /// Adds the copy of `len` bytes from `src` to `dst` (device `ordinal`, ranges that
+    /// do not overlap each other) to the last wave, or to a new one where it meets that
+    /// wave's bytes; it extends the wave's last copy where it follows it on both sides,
+    /// as staging merges adjacent pieces: a frame of adjacent blocks is one copy.
+    fn copy(&mut self, ordinal: u32, src: u64, dst: u64, len: u64) {
+        let (s, d) = (
+            (src, src.saturating_add(len)),
+            (dst, dst.saturating_add(len)),
+        );
+        let fits = self
+            .waves
+            .last()
+            .is_some_and(|w| !w.writes.meet(d) && !w.reads.meet(d) && !w.writes.meet(s));
+        if !fits {
+            self.waves.push(Wave::default());
+        }
+        let Some(w) = self.waves.last_mut() else {
+            return;
+        };
+        w.reads.add(s);
+        w.writes.add(d);
+        if let Some(DeviceCopy::DeviceToDevice {
+            src: a,
+            dst: b,
+            len: n,
+            ..
+        }) = w.copies.last_mut()
+        {
+            if a.checked_add(*n as u64) == Some(src) && b.checked_add(*n as u64) == Some(dst) {
+                *n += len as usize;
+                return;
+            }
+        }
+        w.copies.push(DeviceCopy::DeviceToDevice {
+            src_ordinal: ordinal,
+            src,
+            dst_ordinal: ordinal,
+            dst,
+            len: len as usize,
+        });
+    }
+}
+
+/// Copies that may run at once: none writes a byte another reads or writes.
+#[derive(Default)]
+struct Wave {
+    copies: Vec<DeviceCopy>,
+    /// The bytes the copies read, and those they write.
+    reads: Spans,
+    writes: Spans,
+}
+
+/// Byte ranges `[start, end)`, merged where they meet or touch, by start.
+#[derive(Default)]
+struct Spans(BTreeMap<u64, u64>);
+
+impl Spans {
+    /// Whether `[start, end)` shares a byte with a range here.
+    fn meet(&self, (start, end): (u64, u64)) -> bool {
+        self.0
+            .range(..end)
+            .next_back()
+            .is_some_and(|(_, &e)| e > start)
+    }
+
+    /// Adds `[start, end)`, merged with the ranges it meets or touches.
+    fn add(&mut self, (mut start, mut end): (u64, u64)) {
+        while let Some((&a, &b)) = self.0.range(..=end).next_back() {
+            if b < start {
+                break;
+            }
+            self.0.remove(&a);
+            (start, end) = (start.min(a), end.max(b));
+        }
+        self.0.insert(start, end);
+    }
+}
+
+/// Starts the first of `waves` as one device group, and each next one once the one
+/// before it has ended; `done` runs once, with the first failure or once the last has
+/// ended — or, where one of `batches` stopped meanwhile, instead of the next wave.
+///
+/// # Safety
+/// As [`stage::start_all`], for every wave: `done` keeps every range valid until it
+/// runs; no two copies of one wave overlap.
+unsafe fn in_waves(
+    rt: Arc<dyn DeviceRuntime>,
+    mut waves: VecDeque<Vec<DeviceCopy>>,
+    batches: Vec<Arc<Batch>>,
+    done: Box<dyn FnOnce(Result<()>) + Send>,
+) {
+    let Some(copies) = waves.pop_front() else {
+        return done(Ok(()));
+    };
+    let next = rt.clone();
+    let after = move |r: Result<()>| match r {
+        Ok(()) if !waves.is_empty() => {
+            if batches.iter().any(|b| b.stopped()) {
+                return done(Err(timeout_error()));
+            }
+            // SAFETY: forwarded from the caller; the wave before has ended.
+            unsafe { in_waves(next, waves, batches, done) }
+        }
+        r => done(r),
+    };
+    // SAFETY: forwarded from the caller.
+    unsafe { stage::start_all(&rt, copies, after) };
 }
