@@ -31,7 +31,7 @@ fn handshake_with_token(
     s.write_all(&common::frame(
         kind::HELLO,
         0,
-        &common::hello((2, 2), name, epoch),
+        &common::hello(te_core::CONTROL_VERSIONS, name, epoch),
     ))
     .map_err(|e| e.to_string())?;
     let (k, _, p) = common::read_frame(&mut s).map_err(|e| e.to_string())?;

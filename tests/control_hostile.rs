@@ -351,7 +351,7 @@ fn without_the_token_a_peer_learns_nothing_and_cannot_fetch_the_descriptor() {
     s.write_all(&common::frame(
         kind::HELLO,
         0,
-        &common::hello((2, 2), "mallory", 1),
+        &common::hello(te_core::CONTROL_VERSIONS, "mallory", 1),
     ))
     .unwrap();
     s.write_all(&common::frame(kind::GET_SEGMENT, 1, &[]))
@@ -412,7 +412,7 @@ fn a_forged_notification_is_refused_and_the_sender_is_the_authenticated_one() {
         s.write_all(&common::frame(
             kind::HELLO,
             0,
-            &common::hello((2, 2), "prefill-0", prefill.epoch()),
+            &common::hello(te_core::CONTROL_VERSIONS, "prefill-0", prefill.epoch()),
         ))
         .unwrap();
         if let Some(p) = &proof {
@@ -567,4 +567,212 @@ fn running_out_of_descriptors_neither_spins_nor_stops_accepting() {
     s.write_all(&common::frame(kind::GET_SEGMENT, 1, &[]))
         .unwrap();
     assert_eq!(common::read_frame(&mut s).unwrap().0, kind::SEGMENT);
+}
+
+/// Every byte string in a decoded CBOR value (a frame's payload), however nested.
+fn byte_strings(v: &Value, out: &mut Vec<Vec<u8>>) {
+    match v {
+        Value::Bytes(b) => out.push(b.clone()),
+        Value::Array(a) => a.iter().for_each(|v| byte_strings(v, out)),
+        Value::Map(m) => m.iter().for_each(|(k, v)| {
+            byte_strings(k, out);
+            byte_strings(v, out)
+        }),
+        Value::Tag(_, v) => byte_strings(v, out),
+        _ => {}
+    }
+}
+
+/// The byte strings of `payload` that a guesser can check a guessed token against:
+/// a proof of the guess, for either role, over the two nonces in either order.
+fn checkable(payload: &[u8], guess: &str, nonces: [&[u8]; 2]) -> Vec<Vec<u8>> {
+    let mut found = Vec::new();
+    if let Ok(v) = ciborium::from_reader::<Value, _>(payload) {
+        byte_strings(&v, &mut found);
+    }
+    found.retain(|b| {
+        ["te-server", "te-client"].iter().any(|role| {
+            [(nonces[0], nonces[1]), (nonces[1], nonces[0])]
+                .iter()
+                .any(|(a, b2)| te_core::auth::verify(guess.as_bytes(), role, a, b2, b))
+        })
+    });
+    found
+}
+
+/// Anyone who reaches the port may send a hello: what the engine answers before the
+/// peer proved the token carries nothing a guessed token can be checked against
+/// offline (a weak token would fall to a dictionary), and a wrong proof gets nothing
+/// either. A peer that proves the token gets the engine's proof in `Ready`.
+#[test]
+fn a_hello_without_the_token_gets_nothing_to_check_a_guessed_token_against() {
+    let _s = serial();
+    let token = "s3cret";
+    let target = engine(|c| c.auth_token = Some(token.into()));
+    let addr = target.address().to_string();
+    let versions = te_core::CONTROL_VERSIONS;
+    let mine = vec![7u8; 32]; // what common::hello sends
+    let hello = |s: &mut TcpStream| {
+        s.write_all(&common::frame(
+            kind::HELLO,
+            0,
+            &common::hello(versions, "guesser", 1),
+        ))
+        .unwrap();
+        let (k, _, p) = common::read_frame(s).unwrap();
+        assert_eq!(k, kind::WELCOME, "{}", common::error_message(&p));
+        let theirs = common::field(&p, "nonce")
+            .and_then(|v| v.into_bytes().ok())
+            .expect("a welcome carries a nonce");
+        (p, theirs)
+    };
+
+    // The guesser's first try at the dictionary is the right word.
+    let mut s = common::raw(&addr);
+    let (welcome, theirs) = hello(&mut s);
+    let leaked = checkable(&welcome, token, [&mine, &theirs]);
+    assert!(
+        leaked.is_empty(),
+        "the welcome to a hello from a peer that proved nothing carries {} byte string(s) \
+         that verify as a proof of the guessed token: an offline guesser knows it was right",
+        leaked.len()
+    );
+    let wrong = common::cbor(vec![("proof", Value::Bytes(vec![0; 32]))]);
+    s.write_all(&common::frame(kind::PROOF, 0, &wrong)).unwrap();
+    let after: Vec<u8> = common::frames_until_closed(&mut s)
+        .into_iter()
+        .flat_map(|f| f.2)
+        .collect();
+    assert!(checkable(&after, token, [&mine, &theirs]).is_empty());
+
+    // The holder of the token proves it, and then learns the engine's proof.
+    let mut s = common::raw(&addr);
+    let (_, theirs) = hello(&mut s);
+    let proof = te_core::auth::prove(token.as_bytes(), "te-client", &mine, &theirs);
+    let body = common::cbor(vec![("proof", Value::Bytes(proof.to_vec()))]);
+    s.write_all(&common::frame(kind::PROOF, 0, &body)).unwrap();
+    let (k, _, ready) = common::read_frame(&mut s).unwrap();
+    assert_eq!(k, kind::READY, "{}", common::error_message(&ready));
+    let servers = common::field(&ready, "proof")
+        .and_then(|v| v.into_bytes().ok())
+        .expect("ready carries the engine's proof");
+    assert!(te_core::auth::verify(
+        token.as_bytes(),
+        "te-server",
+        &theirs,
+        &mine,
+        &servers
+    ));
+}
+
+/// Control protocol 3 moved the server's proof after the client's. An engine with a
+/// token refuses a version-2 hello, naming both versions; a client with a token
+/// refuses a version-2 server that proves first, and sends it no proof. Without a
+/// token the versions are the same on the wire, and version 2 is still spoken.
+#[test]
+fn with_a_token_the_previous_protocol_is_refused_by_both_sides_naming_both_versions() {
+    let _s = serial();
+    let token = |c: &mut EngineConfig| c.auth_token = Some("s3cret".into());
+    let target = engine(token);
+    let mut s = common::raw(&target.address().to_string());
+    s.write_all(&common::frame(
+        kind::HELLO,
+        0,
+        &common::hello((2, 2), "old", 1),
+    ))
+    .unwrap();
+    let frames = common::frames_until_closed(&mut s);
+    assert_eq!(frames.len(), 1, "one refusal, then closed");
+    let m = common::error_message(&frames[0].2);
+    assert_eq!(frames[0].0, kind::ERROR, "{m}");
+    assert!(m.contains("version 3") && m.contains("2..=2"), "{m}");
+
+    // A version-2 server with a token: its welcome carries its proof.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let (k, _, _) = common::read_frame(&mut s).unwrap();
+        assert_eq!(k, kind::HELLO);
+        let welcome = common::cbor(vec![
+            ("version", common::int(2)),
+            ("nonce", Value::Bytes(vec![1; 32])),
+            ("proof", Value::Bytes(vec![2; 32])),
+        ]);
+        s.write_all(&common::frame(kind::WELCOME, 0, &welcome))
+            .unwrap();
+        common::frames_until_closed(&mut s)
+    });
+    let me = engine(token);
+    let e = me
+        .connect_with(&addr, Duration::from_secs(5))
+        .expect_err("a version-2 server with a token is refused");
+    assert_eq!(e.kind(), ErrorKind::Protocol, "{e}");
+    assert!(
+        e.to_string().contains("version 2") && e.to_string().contains("version 3"),
+        "{e}"
+    );
+    let after = server.join().unwrap();
+    assert!(
+        after.is_empty(),
+        "the client sent {after:?} after the welcome"
+    );
+
+    // Without a token, version 2 is agreed.
+    let open = engine(|_| {});
+    let (_s, ready) = common::handshake(&open.address().to_string(), "old", 1)
+        .expect("a version-2 peer of an engine without a token");
+    assert!(common::field(&ready, "proof").is_none());
+}
+
+/// A server that takes the client's proof but cannot prove the token back (none in
+/// `Ready`, or a wrong one) is refused: the client checks the server's proof before it
+/// trusts the session, and sends it no request.
+#[test]
+fn a_server_that_does_not_prove_the_token_back_is_refused() {
+    let _s = serial();
+    let me = engine(|c| c.auth_token = Some("s3cret".into()));
+    for proof in [None, Some(vec![0u8; 32])] {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let ready_proof = proof.clone();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let (k, _, _) = common::read_frame(&mut s).unwrap();
+            assert_eq!(k, kind::HELLO);
+            let welcome = common::cbor(vec![
+                ("version", common::int(te_core::CONTROL_VERSIONS.1.into())),
+                ("nonce", Value::Bytes(vec![1; 32])),
+                ("auth", Value::Bool(true)),
+            ]);
+            s.write_all(&common::frame(kind::WELCOME, 0, &welcome))
+                .unwrap();
+            let (k, _, _) = common::read_frame(&mut s).unwrap();
+            assert_eq!(k, kind::PROOF, "the client proves first");
+            let mut ready = vec![
+                ("name", Value::Text("impostor".into())),
+                ("epoch", common::int(1)),
+                ("address", Value::Text("127.0.0.1:9".into())),
+                ("heartbeat_ms", common::int(1000)),
+            ];
+            if let Some(p) = ready_proof {
+                ready.push(("proof", Value::Bytes(p)));
+            }
+            s.write_all(&common::frame(kind::READY, 0, &common::cbor(ready)))
+                .unwrap();
+            common::frames_until_closed(&mut s)
+        });
+        let e = me
+            .connect_with(&addr, Duration::from_secs(5))
+            .expect_err("a server that does not prove the token");
+        assert_eq!(e.kind(), ErrorKind::Unauthorized, "{proof:?}: {e}");
+        assert!(e.to_string().contains("could not prove"), "{e}");
+        let after = server.join().unwrap();
+        assert!(
+            after.iter().all(|f| f.0 != kind::GET_SEGMENT),
+            "the client asked an unproven server for its descriptor"
+        );
+    }
 }

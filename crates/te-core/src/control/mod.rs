@@ -13,7 +13,8 @@
 //!   evicted to make room; sessions are capped in all and per source address; running
 //!   out of descriptors backs off and evicts, never spins or stops.
 //! - **Authentication** (`auth`): with `[engine] auth_token`, both sides prove the token
-//!   (HMAC challenge–response) before the server says anything about itself; without
+//!   (HMAC challenge–response), the client first: the server says nothing about itself,
+//!   and nothing made with the token, before it has checked the client's proof; without
 //!   it a peer learns nothing and can send nothing.
 //! - **Peer events**: a session that breaks without a goodbye, or a peer that comes
 //!   back with a new epoch, is reported to the engine's user.

@@ -13,7 +13,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
 use super::session::{read_header, read_payload, within};
-use super::wire::{self, BackendMsg, Hello, Identity, Kind, Notice, Proof, Welcome};
+use super::wire::{self, BackendMsg, Hello, Identity, Kind, Notice, Proof, Ready, Welcome};
 use super::{closed, Shared};
 use crate::auth;
 use crate::error::{Error, ErrorKind, Result};
@@ -174,7 +174,8 @@ async fn serve(mut ticket: Ticket, stream: TcpStream, addr: SocketAddr) {
         }
         _ = closed(&mut closing) => return,
     };
-    let (peer, source) = match handshake.and_then(|peer| ticket.promote().map(|s| (peer, s))) {
+    let admitted = handshake.and_then(|(peer, proof)| ticket.promote().map(|s| (peer, proof, s)));
+    let (peer, proof, source) = match admitted {
         Ok(admitted) => {
             let peer = &admitted.0;
             tracing::debug!(%addr, peer = %peer.name, epoch = peer.epoch, "control plane: handshake accepted");
@@ -188,7 +189,11 @@ async fn serve(mut ticket: Ticket, stream: TcpStream, addr: SocketAddr) {
             return;
         }
     };
-    let ready = wire::frame(Kind::Ready, 0, &wire::encode(&shared.identity()));
+    let ready = Ready {
+        identity: shared.identity(),
+        proof,
+    };
+    let ready = wire::frame(Kind::Ready, 0, &wire::encode(&ready));
     if writer.write_all(&ready).await.is_err() {
         return;
     }
@@ -207,13 +212,15 @@ async fn write(w: &mut (impl AsyncWriteExt + Unpin), f: &[u8]) -> Result<()> {
         .map_err(|e| Error::io("write frame", "the connection to the peer broke", e))
 }
 
-/// Hello → Welcome (with this side's proof) → Proof → checked. Nothing about this
-/// engine is said before the peer has proved the token.
+/// Hello → Welcome → (with a token) Proof → checked; returns the peer and, with a
+/// token, this side's proof for `Ready`. Nothing about this engine, and nothing made
+/// with the token, is said before the peer has proved the token: a proof sent to
+/// anyone who says hello would let them check guessed tokens offline.
 async fn handshake(
     shared: &Shared,
     reader: &mut tokio::net::tcp::OwnedReadHalf,
     writer: &mut tokio::net::tcp::OwnedWriteHalf,
-) -> Result<Identity> {
+) -> Result<(Identity, Option<Vec<u8>>)> {
     let s = &shared.settings;
     // Each frame's kind is checked before its payload is read: before the handshake a
     // peer may send only small frames, whatever limit its kind has later.
@@ -235,21 +242,32 @@ async fn handshake(
             ),
         ));
     }
+    if s.token.is_some() && version < wire::CLIENT_PROVES_FIRST {
+        return Err(Error::new(
+            ErrorKind::Protocol,
+            format!(
+                "this engine has an auth_token and needs control protocol version {} or newer \
+                 (the client proves the token first); the peer speaks {}..={}: run the same te \
+                 version on both",
+                wire::CLIENT_PROVES_FIRST,
+                hello.versions.0,
+                hello.versions.1
+            ),
+        ));
+    }
     let nonce = auth::nonce();
-    let proof = s
-        .token
-        .as_ref()
-        .map(|t| auth::prove(t, "te-server", &nonce, &hello.nonce).to_vec());
     let welcome = Welcome {
         version,
         nonce: nonce.to_vec(),
-        proof,
+        auth: s.token.is_some(),
+        proof: None,
     };
     write(
         writer,
         &wire::frame(Kind::Welcome, 0, &wire::encode(&welcome)),
     )
     .await?;
+    let mut proof = None;
     if let Some(token) = &s.token {
         let h = read_header(reader, 0).await?;
         if h.kind != Kind::Proof {
@@ -268,14 +286,16 @@ async fn handshake(
                 "the peer could not prove the auth_token: set the same [engine] auth_token on both engines",
             ));
         }
+        proof = Some(auth::prove(token, "te-server", &nonce, &hello.nonce).to_vec());
     }
-    Ok(Identity {
+    let peer = Identity {
         name: hello.name,
         epoch: hello.epoch,
         address: hello.address,
         heartbeat_ms: hello.heartbeat_ms,
         notification_max: None,
-    })
+    };
+    Ok((peer, proof))
 }
 
 /// Replies queued for a session's writer, at most.

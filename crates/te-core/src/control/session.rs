@@ -11,7 +11,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
-use super::wire::{self, Header, Hello, Identity, Kind, Proof, Welcome, HEADER};
+use super::wire::{self, Header, Hello, Identity, Kind, Proof, Ready, Welcome, HEADER};
 use super::{closed, Shared};
 use crate::auth;
 use crate::error::{Error, ErrorKind, Result};
@@ -291,12 +291,18 @@ async fn open(shared: &Shared, addr: &str, deadline: Deadline) -> Result<(TcpStr
                 ),
             ));
         }
-        match (&s.token, &welcome.proof) {
-            (Some(token), Some(proof)) => {
-                if !auth::verify(token, "te-server", &welcome.nonce, &nonce, proof) {
+        // The client proves the token first; the server proves it back in `Ready`.
+        let asks = welcome.auth || welcome.proof.is_some();
+        match (&s.token, asks) {
+            (Some(token), true) => {
+                if welcome.version < wire::CLIENT_PROVES_FIRST {
                     return Err(Error::new(
-                        ErrorKind::Unauthorized,
-                        "the peer could not prove this engine's auth_token: set the same token on both",
+                        ErrorKind::Protocol,
+                        format!(
+                            "the peer speaks control protocol version {}, in which the server proves the auth_token first; with a token this engine needs version {} or newer: run the same te version on both",
+                            welcome.version,
+                            wire::CLIENT_PROVES_FIRST
+                        ),
                     ));
                 }
                 let mine = auth::prove(token, "te-client", &nonce, &welcome.nonce);
@@ -305,30 +311,44 @@ async fn open(shared: &Shared, addr: &str, deadline: Deadline) -> Result<(TcpStr
                 };
                 write(&mut stream, &wire::frame(Kind::Proof, 0, &wire::encode(&proof))).await?;
             }
-            (Some(_), None) => {
+            (Some(_), false) => {
                 return Err(Error::new(
                     ErrorKind::Unauthorized,
                     "the peer has no auth_token and this engine requires one: set the same token on both",
                 ))
             }
-            (None, Some(_)) => {
+            (None, true) => {
                 return Err(Error::new(
                     ErrorKind::Unauthorized,
                     "the peer requires an auth_token: set the same [engine] auth_token on this engine",
                 ))
             }
-            (None, None) => {}
+            (None, false) => {}
         }
-        match read_answer(&mut stream, Kind::Ready, "the handshake").await? {
-            (h, p) if h.kind == Kind::Ready => wire::decode::<Identity>(&p, "ready"),
+        let ready: Ready = match read_answer(&mut stream, Kind::Ready, "the handshake").await? {
+            (h, p) if h.kind == Kind::Ready => wire::decode(&p, "ready")?,
             (h, p) if h.kind == Kind::Error => {
-                Err(wire::decode::<wire::WireError>(&p, "error")?.into_error())
+                return Err(wire::decode::<wire::WireError>(&p, "error")?.into_error())
             }
-            (h, _) => Err(Error::new(
-                ErrorKind::Protocol,
-                format!("the peer answered the handshake with {:?}", h.kind),
-            )),
+            (h, _) => {
+                return Err(Error::new(
+                    ErrorKind::Protocol,
+                    format!("the peer answered the handshake with {:?}", h.kind),
+                ))
+            }
+        };
+        if let Some(token) = &s.token {
+            let proved = ready.proof.as_ref().is_some_and(|p| {
+                auth::verify(token, "te-server", &welcome.nonce, &nonce, p)
+            });
+            if !proved {
+                return Err(Error::new(
+                    ErrorKind::Unauthorized,
+                    "the peer could not prove this engine's auth_token: set the same token on both",
+                ));
+            }
         }
+        Ok(ready.identity)
     })
     .await
     .inspect_err(|e| tracing::debug!(%addr, error = %e, "control plane: handshake refused"))?;

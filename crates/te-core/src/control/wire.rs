@@ -26,7 +26,15 @@ pub(crate) const HEADER: usize = 16;
 pub const MAX_FRAME: usize = 64 << 20;
 
 /// The protocol versions this build speaks, oldest first.
-pub const VERSIONS: (u16, u16) = (2, 2);
+///
+/// Version 3 changed only the handshake with an `auth_token`: the client proves the
+/// token first and the server's proof comes in `Ready`, once the client's was checked.
+/// Without a token the two versions are the same on the wire, so an engine without one
+/// still talks to version 2; an engine with one refuses it ([`CLIENT_PROVES_FIRST`]).
+pub const VERSIONS: (u16, u16) = (2, 3);
+/// The first version in which the client proves the token first; an engine with an
+/// `auth_token` speaks no older one.
+pub(crate) const CLIENT_PROVES_FIRST: u16 = 3;
 
 /// What a frame is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,11 +42,11 @@ pub const VERSIONS: (u16, u16) = (2, 2);
 pub(crate) enum Kind {
     /// Client → server, first frame: versions, identity, nonce.
     Hello = 1,
-    /// Server → client: the agreed version, its nonce and proof.
+    /// Server → client: the agreed version, its nonce, and whether it asks for a proof.
     Welcome = 2,
     /// Client → server: the client's proof.
     Proof = 3,
-    /// Server → client: authenticated; the server's identity.
+    /// Server → client: authenticated; the server's identity, and its proof.
     Ready = 4,
     /// Either way: a refusal or a failed request.
     Error = 5,
@@ -203,7 +211,13 @@ pub(crate) struct Welcome {
     pub(crate) version: u16,
     #[serde(with = "bytes")]
     pub(crate) nonce: Vec<u8>,
-    /// The server's proof, when it has a token; then the client must prove its own.
+    /// The server has a token: the client must prove it, before the server proves it
+    /// back in `Ready`.
+    #[serde(default)]
+    pub(crate) auth: bool,
+    /// Version 2 only: the server's proof, sent before the client proved anything (so
+    /// anyone could collect one and guess the token offline). A client reads it only
+    /// to tell that such a server wants a token; this build never sends it.
     #[serde(default, with = "opt_bytes")]
     pub(crate) proof: Option<Vec<u8>>,
 }
@@ -227,6 +241,16 @@ pub(crate) struct Identity {
     /// engine that does not announce it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) notification_max: Option<u64>,
+}
+
+/// The server's last handshake frame: who it is, and where it has a token its proof,
+/// made only after it checked the client's.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Ready {
+    #[serde(flatten)]
+    pub(crate) identity: Identity,
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "opt_bytes")]
+    pub(crate) proof: Option<Vec<u8>>,
 }
 
 /// A notification as it travels: the receiver's expected epoch and the message. The
@@ -418,7 +442,35 @@ mod tests {
             "welcome",
         )
         .unwrap();
-        assert_eq!((w.version, w.nonce, w.proof), (3, vec![1, 2], None));
+        assert_eq!(
+            (w.version, w.nonce, w.auth, w.proof),
+            (3, vec![1, 2], false, None)
+        );
+    }
+
+    #[test]
+    fn ready_carries_the_identity_and_an_optional_proof() {
+        let identity = Identity {
+            name: "decode-0".into(),
+            epoch: 7,
+            address: "127.0.0.1:9".into(),
+            heartbeat_ms: 1000,
+            notification_max: Some(4096),
+        };
+        for proof in [None, Some(vec![9u8; 32])] {
+            let r: Ready = decode(
+                &encode(&Ready {
+                    identity: identity.clone(),
+                    proof: proof.clone(),
+                }),
+                "ready",
+            )
+            .unwrap();
+            assert_eq!((r.identity, r.proof), (identity.clone(), proof));
+        }
+        // A version-2 ready is the identity alone.
+        let r: Ready = decode(&encode(&identity), "ready").unwrap();
+        assert_eq!((r.identity, r.proof), (identity, None));
     }
 
     proptest::proptest! {
