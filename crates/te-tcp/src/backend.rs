@@ -120,6 +120,7 @@ impl TcpBackend {
             watch: Arc::default(),
             nonces: Default::default(),
             imports: Default::default(),
+            channel_bytes: AtomicU64::new(0),
         });
         let watch = shared.watch.clone();
         shared.tasks.spawn(async move { watch.run().await })?;
@@ -577,7 +578,12 @@ impl TransferBackend for TcpBackend {
     }
 
     fn gauges(&self) -> Vec<(String, u64)> {
-        self.shared.staging.gauges()
+        let mut g = self.shared.staging.gauges();
+        g.push((
+            "samehost_request_bytes".into(),
+            self.shared.channel_bytes.load(Ordering::Relaxed),
+        ));
+        g
     }
 
     fn path_to(&self, peer: PeerId) -> Option<String> {

@@ -42,6 +42,9 @@ pub(crate) struct Shared {
     pub(crate) nonces: crate::samehost::Nonces,
     /// What same-host peers' channels mapped here, shared between a peer's channels.
     pub(crate) imports: crate::samehost::Imports,
+    /// Bytes the channels served here hold for requests' entries (the gauge
+    /// `samehost_request_bytes`).
+    pub(crate) channel_bytes: AtomicU64,
 }
 
 impl Shared {

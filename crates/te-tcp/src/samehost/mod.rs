@@ -72,12 +72,18 @@
 //!
 //! A malformed message closes the channel; a request the target refuses is answered
 //! with an error and the channel goes on.
+//!
+//! A target reads a request's entries in steps no larger than what arrived already (64
+//! KiB at first), its buffer growing with them, so a peer that announces the most
+//! entries (2.6 MB) and sends few costs it at most twice what was sent, not what was
+//! announced. What its channels hold for requests is the backend's gauge
+//! `samehost_request_bytes`.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -103,6 +109,9 @@ pub(crate) const MAX_ENTRIES: usize = 1 << 16;
 /// Entries whose buffers a target's channel keeps for its next request (a KV batch of
 /// 64 blocks over 64 layer slots); a larger request's are freed after it.
 const KEPT_ENTRIES: usize = 4096;
+/// The first step in which a target's channel reads a request's entries; each next
+/// step is at most what arrived already, so its buffer grows with what the peer sent.
+const READ_STEP: usize = 64 << 10;
 const MAX_HANDLE: usize = 256;
 pub(crate) const MAX_NAME: usize = 128;
 const MAX_MESSAGE: usize = 4096;

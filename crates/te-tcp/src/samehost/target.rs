@@ -239,6 +239,10 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
     // A request's entries, as read and as decoded: kept from one request to the next
     // (up to KEPT_ENTRIES of them).
     let (mut raw, mut entries): (Vec<u8>, Vec<Range>) = (Vec::new(), Vec::new());
+    let mut held = Held {
+        gauge: &shared.channel_bytes,
+        mine: 0,
+    };
     loop {
         let mut h = [0u8; HEADER_LEN];
         let fd = match local::recv_with_fd(s, &mut h) {
@@ -333,11 +337,22 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
                         "a request of {n} entries (1..={MAX_ENTRIES})"
                     )));
                 }
+                // Read in steps of at most what arrived already (READ_STEP at first),
+                // the buffer growing with them: a peer that announces the most entries
+                // and sends few makes this channel hold at most twice what it sent (and
+                // never more than it announced), not the 2.6 MB it announced.
                 raw.clear();
-                raw.resize(n * ENTRY_LEN, 0);
-                (&mut &*s)
-                    .read_exact(&mut raw)
-                    .map_err(|e| io_error("receive failed", e))?;
+                let want = n * ENTRY_LEN;
+                while raw.len() < want {
+                    let at = raw.len();
+                    let next = want.min(at + at.max(READ_STEP));
+                    raw.reserve_exact(next - at);
+                    raw.resize(next, 0);
+                    held.set(raw.capacity(), entries.capacity());
+                    (&mut &*s)
+                        .read_exact(&mut raw[at..])
+                        .map_err(|e| io_error("receive failed", e))?;
+                }
                 entries.clear();
                 entries.extend(raw.chunks_exact(ENTRY_LEN).map(|e| {
                     let u =
@@ -350,6 +365,7 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
                         addr: u(32),
                     }
                 }));
+                held.set(raw.capacity(), entries.capacity());
                 let total = entries.iter().try_fold(0u64, |t, e| t.checked_add(e.len));
                 if total != Some(m.b) || entries.iter().any(|e| e.len == 0) {
                     return Err(protocol(
@@ -364,6 +380,7 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
                 // sent: the buffers of a request larger than KEPT_ENTRIES go with it.
                 if n > KEPT_ENTRIES {
                     (raw, entries) = (Vec::new(), Vec::new());
+                    held.set(raw.capacity(), entries.capacity());
                 }
                 let reply = answer(DONE, FAIL, m.id, r.as_ref().map(|_| ()));
                 (&mut &*s)
@@ -379,6 +396,32 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
             }
             k => return Err(protocol(format!("a message of kind {k}"))),
         }
+    }
+}
+
+/// A channel's part of its backend's `samehost_request_bytes` gauge: what its request
+/// buffers hold, given back when the channel ends.
+struct Held<'a> {
+    gauge: &'a AtomicU64,
+    mine: u64,
+}
+
+impl Held<'_> {
+    /// Notes the capacities of the raw request buffer and of its decoded entries.
+    fn set(&mut self, raw: usize, entries: usize) {
+        let now = (raw + entries * std::mem::size_of::<Range>()) as u64;
+        if now >= self.mine {
+            self.gauge.fetch_add(now - self.mine, Ordering::Relaxed);
+        } else {
+            self.gauge.fetch_sub(self.mine - now, Ordering::Relaxed);
+        }
+        self.mine = now;
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.gauge.fetch_sub(self.mine, Ordering::Relaxed);
     }
 }
 

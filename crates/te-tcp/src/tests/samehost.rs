@@ -1022,3 +1022,82 @@ fn a_target_that_breaks_the_protocol_inside_a_copy_holds_the_batch_until_its_end
     assert!(r.is_err());
     assert!(!ch.is_alive());
 }
+
+/// Bytes written to `s` that its peer has not read yet.
+fn unread(s: &std::os::unix::net::UnixStream) -> i32 {
+    use std::os::fd::AsRawFd;
+    let mut n: libc::c_int = 0;
+    // SAFETY: TIOCOUTQ (SIOCOUTQ) writes one int, to `n`, which lives for the call.
+    let r = unsafe { libc::ioctl(s.as_raw_fd(), libc::TIOCOUTQ, &mut n) };
+    if r < 0 {
+        -1
+    } else {
+        n
+    }
+}
+
+/// The target's `samehost_request_bytes` gauge.
+fn request_bytes(target: &TcpBackend) -> u64 {
+    let g = TransferBackend::gauges(target);
+    g.iter()
+        .find(|(n, _)| n == "samehost_request_bytes")
+        .map(|(_, v)| *v)
+        .expect("the gauge")
+}
+
+#[test]
+fn a_peer_that_announces_the_largest_request_and_sends_little_makes_the_target_hold_little() {
+    use std::io::Write;
+    let target = backend(|_| {});
+    let mut remote = vec![0u8; 64];
+    register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
+    let n = crate::samehost::MAX_ENTRIES as u64;
+    // Channels that announce the most entries a request may carry (2.6 MB of them) and
+    // send one entry's bytes, then nothing.
+    let peers = 8;
+    let hostile: Vec<_> = (0..peers)
+        .map(|_| {
+            let mut s = proven_raw(&target);
+            s.write_all(&message(2, n as u32, [1, 0, n, 0], &[7u8; 40]))
+                .unwrap();
+            s
+        })
+        .collect();
+    // Once the target has read all that was sent, each channel's buffer is there.
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    while hostile.iter().any(|s| unread(s) != 0) && std::time::Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        hostile.iter().all(|s| unread(s) == 0),
+        "the target read every header and entry"
+    );
+    let held = request_bytes(&target);
+    assert!(
+        held >= peers * 40,
+        "each channel holds the entry it read ({held} bytes)"
+    );
+    assert!(
+        held <= peers * (128 << 10),
+        "the target holds what arrived, not what was announced: {held} bytes for {peers} channels"
+    );
+
+    // A good peer is still served, and the hostile channels give back what they held
+    // when they close.
+    let ch = channel(&target);
+    let src = [9u8; 16];
+    request(&ch, Op::Write, vec![host(1, 0, 16, src.as_ptr())]).unwrap();
+    assert_eq!(&remote[..16], &src);
+    for s in hostile {
+        let _ = s.shutdown(std::net::Shutdown::Both);
+    }
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    while request_bytes(&target) > 4096 && std::time::Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        request_bytes(&target) <= 4096,
+        "closed channels hold nothing ({} bytes left: the good channel's)",
+        request_bytes(&target)
+    );
+}
