@@ -319,3 +319,53 @@ fn etcd_unreachable_at_start_is_a_clear_error_naming_it() {
         "{e}"
     );
 }
+
+/// A listener that takes connections and never answers (an etcd whose host froze, or a
+/// proxy in front of a dead one). Returns its address and how many connections it took.
+fn blackhole() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let taken = std::sync::Arc::new(AtomicUsize::new(0));
+    let count = taken.clone();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in l.incoming().take(64) {
+            count.fetch_add(1, Ordering::SeqCst);
+            held.push(c);
+        }
+    });
+    (addr, taken)
+}
+
+/// The first of two endpoints accepts and never answers: a call given 3 s still gets
+/// its answer from the second, and later calls go to the one that answered.
+#[test]
+fn an_endpoint_that_never_answers_leaves_time_for_the_next() {
+    use std::sync::atomic::Ordering;
+    let Some(etcd) = Etcd::start() else { return };
+    let (hole, taken) = blackhole();
+    let mut c = config(&etcd, "decode-0", "/h/");
+    c.engine.metadata = format!("etcd://{hole},127.0.0.1:{}", etcd.client);
+    let store = te_core::metadata::open(&c.engine).unwrap();
+    let start = Instant::now();
+    let first = store.list(Deadline::after(Duration::from_secs(3)));
+    let took = start.elapsed();
+    assert!(
+        first.is_ok(),
+        "with a silent endpoint first and etcd second, a call given 3 s failed after \
+         {took:?}: {}",
+        first.unwrap_err()
+    );
+    assert_eq!(taken.load(Ordering::SeqCst), 1);
+    for _ in 0..3 {
+        store
+            .list(Deadline::after(Duration::from_secs(3)))
+            .expect("etcd answers");
+    }
+    assert_eq!(
+        taken.load(Ordering::SeqCst),
+        1,
+        "calls after etcd answered went to the silent endpoint first again"
+    );
+}

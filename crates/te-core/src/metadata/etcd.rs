@@ -27,6 +27,9 @@ use crate::time::Deadline;
 const REQUEST: Duration = Duration::from_secs(3);
 /// The pause before the watcher tries again after its stream broke.
 const RETRY: Duration = Duration::from_secs(1);
+/// The least time a call gives one endpoint before it tries the next (where the
+/// caller's deadline leaves that much).
+const ENDPOINT_FLOOR: Duration = Duration::from_millis(250);
 
 pub(super) struct Etcd {
     shared: Arc<Shared>,
@@ -199,25 +202,50 @@ impl Shared {
     }
 
     /// POSTs to the first endpoint that answers, starting with the last one that did.
+    ///
+    /// Each endpoint gets its share of the time left: that time over the endpoints not
+    /// yet tried, at least [`ENDPOINT_FLOOR`], the last one all of it. So an endpoint
+    /// whose lookup, connection or answer hangs leaves time for the next, instead of
+    /// taking the whole deadline.
     fn call(&self, path: &str, body: Value, deadline: Deadline) -> Result<Value> {
         let n = self.endpoints.len();
         let first = self.preferred.load(Ordering::Relaxed);
         let mut failures = Vec::new();
         for i in 0..n {
+            let left = deadline.remaining();
+            if left.is_zero() {
+                break;
+            }
+            let share = (left / (n - i) as u32).max(ENDPOINT_FLOOR).min(left);
             let at = (first + i) % n;
-            match http::post(&self.endpoints[at], path, &body, deadline).and_then(|r| r.json()) {
+            let answer = http::post(&self.endpoints[at], path, &body, Deadline::after(share))
+                .and_then(|r| r.json());
+            match answer {
                 Ok(v) => {
                     self.preferred.store(at, Ordering::Relaxed);
                     return Ok(v);
                 }
-                Err(e) if e.kind() == ErrorKind::PeerUnreachable => failures.push(e.to_string()),
+                Err(e) if matches!(e.kind(), ErrorKind::PeerUnreachable | ErrorKind::Timeout) => {
+                    failures.push(e.to_string())
+                }
                 Err(e) => return Err(e),
             }
         }
+        let (kind, why) = if deadline.is_past() {
+            (
+                ErrorKind::Timeout,
+                "the deadline passed before one answered",
+            )
+        } else {
+            (ErrorKind::PeerUnreachable, "is etcd running there?")
+        };
+        if failures.len() < n {
+            failures.push(format!("{} not tried", n - failures.len()));
+        }
         Err(Error::new(
-            ErrorKind::PeerUnreachable,
+            kind,
             format!(
-                "cannot reach the metadata store etcd://{} ({}); is etcd running there?",
+                "cannot reach the metadata store etcd://{} ({}); {why}",
                 self.endpoints.join(","),
                 failures.join("; ")
             ),
