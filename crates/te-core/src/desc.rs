@@ -5,10 +5,11 @@
 //! [`Op`]) are `#[repr(C)]` plain data with a checked layout; the rest cross it
 //! encoded, like they cross the wire.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::str::FromStr;
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::error::{Error, ErrorKind, Result};
 pub use crate::request::{Op, PeerId, RegionId, TransferRequest};
@@ -180,7 +181,9 @@ pub struct SegmentDesc {
     pub backend: String,
     /// The backend's endpoint bytes: what a peer's backend needs to reach this one.
     pub endpoint: Vec<u8>,
-    /// The regions registered with remote access.
+    /// The regions registered with remote access. Decoding refuses a list that
+    /// [`SegmentDesc::check_regions`] refuses.
+    #[serde(deserialize_with = "checked_regions")]
     pub regions: Vec<RegionDesc>,
     /// The KV-cache layouts registered on the engine.
     pub layouts: Vec<crate::kv::KvLayout>,
@@ -202,6 +205,34 @@ impl SegmentDesc {
         self.layouts.iter().find(|l| l.name == name)
     }
 
+    /// Checks what every backend assumes of a peer's regions: each lies inside the
+    /// 64-bit address space (`addr + len` does not overflow), so an address computed
+    /// from an offset the engine checked against the region's length cannot wrap; and
+    /// no id is listed twice, so the engine's checks and a backend's table of the
+    /// peer's regions describe the same region. Empty and overlapping regions pass:
+    /// they are a peer's to describe (a KV slot's view lies inside its region), and a
+    /// request into an empty one is out of its bounds.
+    ///
+    /// Every descriptor decoded from bytes ([`SegmentDesc::decode`], the control
+    /// plane's frames) has passed it, so an engine refuses such a peer at connect,
+    /// before its backend sees the descriptor; a backend calls it at connect for a
+    /// descriptor it is handed as a value.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Protocol`], naming the engine and the region.
+    pub fn check_regions(&self) -> Result<()> {
+        match unfit(&self.regions) {
+            None => Ok(()),
+            Some(why) => Err(Error::new(
+                ErrorKind::Protocol,
+                format!(
+                    "the descriptor of engine `{}` is forged or corrupt: {why}",
+                    self.engine
+                ),
+            )),
+        }
+    }
+
     /// Encodes the descriptor as it travels in frames and across the plugin boundary.
     pub fn encode(&self) -> Vec<u8> {
         crate::codec::encode(self)
@@ -210,9 +241,40 @@ impl SegmentDesc {
     /// Decodes a descriptor.
     ///
     /// # Errors
-    /// [`ErrorKind::Protocol`] if the bytes are not a descriptor.
+    /// [`ErrorKind::Protocol`] if the bytes are not a descriptor, or describe regions
+    /// [`SegmentDesc::check_regions`] refuses.
     pub fn decode(bytes: &[u8]) -> Result<SegmentDesc> {
         crate::codec::decode(bytes, "segment descriptor")
+    }
+}
+
+/// Why `regions` cannot be a peer's (see [`SegmentDesc::check_regions`]), if so.
+fn unfit(regions: &[RegionDesc]) -> Option<String> {
+    let mut ids = HashSet::with_capacity(regions.len());
+    for r in regions {
+        if r.addr.checked_add(r.len).is_none() {
+            return Some(format!(
+                "region {} at {:#x} of {} bytes runs past the end of the 64-bit address space",
+                r.id, r.addr, r.len
+            ));
+        }
+        if !ids.insert(r.id) {
+            return Some(format!("region {} is listed twice", r.id));
+        }
+    }
+    None
+}
+
+/// Decodes a descriptor's regions, refusing what [`unfit`] refuses.
+fn checked_regions<'de, D: Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Vec<RegionDesc>, D::Error> {
+    let regions = Vec::<RegionDesc>::deserialize(d)?;
+    match unfit(&regions) {
+        Some(why) => Err(serde::de::Error::custom(format_args!(
+            "{why}: a forged or corrupt descriptor"
+        ))),
+        None => Ok(regions),
     }
 }
 
@@ -251,18 +313,4 @@ pub struct BackendInfo {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn memory_kinds_parse_and_print() {
-        assert_eq!("host".parse::<MemoryKind>().unwrap(), MemoryKind::Host);
-        let cuda: MemoryKind = "cuda:1".parse().unwrap();
-        assert_eq!(cuda.to_string(), "cuda:1");
-        assert_eq!(cuda.runtime(), "cuda");
-        for bad in ["", "cuda", "cuda:", "cuda:x", ":0", "cu-da:0"] {
-            let e = bad.parse::<MemoryKind>().unwrap_err();
-            assert_eq!(e.kind(), ErrorKind::InvalidRequest, "{bad}");
-        }
-    }
-}
+mod tests;
