@@ -134,8 +134,8 @@ impl FlagcxBackend {
     /// the batches parked for it) reached its deadline.
     ///
     /// # Errors
-    /// `Protocol` for an endpoint that is not text, a region that runs past the end of
-    /// the address space, or an instance (its epoch) already known with another
+    /// `Protocol` for an endpoint that is not text, regions
+    /// [`SegmentDesc::check_regions`] refuses, or an instance (its epoch) already known with another
     /// endpoint or control-plane address (the known peer is left as it was); the
     /// shim's error if the connection fails (`PeerUnreachable`, …); `Timeout`, naming
     /// the endpoint, if it is not up by `deadline` (it goes on only for callers and
@@ -147,24 +147,15 @@ impl FlagcxBackend {
                 "the peer's FlagCX endpoint is not UTF-8 text",
             )
         })?;
+        peer.check_regions().map_err(|e| {
+            e.with_operation("connect")
+                .with_context("endpoint", endpoint)
+        })?;
         let remote: Table = Arc::new(
             peer.regions
                 .iter()
-                .map(|r| {
-                    if r.addr.checked_add(r.len).is_none() {
-                        return Err(Error::new(
-                            ErrorKind::Protocol,
-                            format!(
-                                "the peer's region {} at {:#x} of {} bytes runs past the end of the address space: the descriptor is forged or corrupt",
-                                r.id, r.addr, r.len
-                            ),
-                        )
-                        .with_operation("connect")
-                        .with_context("endpoint", endpoint));
-                    }
-                    Ok((r.id, (r.addr, r.len)))
-                })
-                .collect::<Result<_>>()?,
+                .map(|r| (r.id, (r.addr, r.len)))
+                .collect(),
         );
         let (id, state) = {
             let mut peers = self.peers.write();
