@@ -26,6 +26,9 @@
  *   importer receives the descriptor with SCM_RIGHTS. Nothing goes through /proc.
  *   An allocation's handle is given once: a second cnrtAcquireMemHandle for it fails
  *   with cnrtErrorOpsNotPermitted (CNRT's habit, the code is the fake's choice).
+ *   Whether a new allocation at a freed base gets the freed one's handle value is
+ *   unknown of real CNRT: te_fake_cnrt_handles_by_base(1) makes handles name the
+ *   base, so it does (fake_cnrt_ipc.c).
  * - cnrtMalloc reuses the address range of a freed allocation, so a new allocation
  *   may start where a freed one started.
  * - Errors can be injected per function name: te_fake_cnrt_inject(name, code, count),
@@ -66,7 +69,7 @@ FAKE_HIDDEN __thread int t_device;
 FAKE_HIDDEN unsigned g_flag[MAX_DEVICES];
 FAKE_HIDDEN int g_active[MAX_DEVICES];
 /* Counters for tests (te_fake_cnrt_counter). */
-FAKE_HIDDEN uint64_t g_spin_ns, g_syncs, g_copies;
+FAKE_HIDDEN uint64_t g_spin_ns, g_syncs, g_copies, g_maps, g_unmaps;
 
 uint64_t now_ns(void) {
   struct timespec ts;
@@ -142,12 +145,15 @@ EXPORT void te_fake_cnrt_set_version(int major, int minor, int patch) {
 }
 
 /* Fake-only: a counter for tests: "spin_ns" (time cnrtQueueSync spent busy waiting),
- * "syncs" (cnrtQueueSync calls), "copies" (asynchronous copies enqueued). */
+ * "syncs" (cnrtQueueSync calls), "copies" (asynchronous copies enqueued), "maps" and
+ * "unmaps" (IPC handles mapped by cnrtMapMemHandle, and unmapped again). */
 EXPORT uint64_t te_fake_cnrt_counter(const char *name) {
   if (!name) return 0;
   if (strcmp(name, "spin_ns") == 0) return __atomic_load_n(&g_spin_ns, __ATOMIC_RELAXED);
   if (strcmp(name, "syncs") == 0) return __atomic_load_n(&g_syncs, __ATOMIC_RELAXED);
   if (strcmp(name, "copies") == 0) return __atomic_load_n(&g_copies, __ATOMIC_RELAXED);
+  if (strcmp(name, "maps") == 0) return __atomic_load_n(&g_maps, __ATOMIC_RELAXED);
+  if (strcmp(name, "unmaps") == 0) return __atomic_load_n(&g_unmaps, __ATOMIC_RELAXED);
   return 0;
 }
 

@@ -114,7 +114,7 @@ extern FAKE_HIDDEN __thread int t_device;
 extern FAKE_HIDDEN unsigned g_flag[MAX_DEVICES];
 extern FAKE_HIDDEN int g_active[MAX_DEVICES];
 /* Counters for tests (te_fake_cnrt_counter). */
-extern FAKE_HIDDEN uint64_t g_spin_ns, g_syncs, g_copies;
+extern FAKE_HIDDEN uint64_t g_spin_ns, g_syncs, g_copies, g_maps, g_unmaps;
 
 /* fake_cnrt.c */
 FAKE_HIDDEN uint64_t now_ns(void);

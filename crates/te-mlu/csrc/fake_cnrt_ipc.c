@@ -4,6 +4,13 @@
  * allocation: a second acquire is refused with cnrtErrorOpsNotPermitted);
  * cnrtMapMemHandle asks that driver for the descriptor and maps it;
  * cnrtUnMapMemHandle releases the mapping.
+ *
+ * Whether real CNRT gives a new allocation at a freed base the handle value the freed
+ * one had is unknown, so the exporter says which it does (te_fake_cnrt_handles_by_base):
+ * by default a handle names the allocation itself, and a new allocation at the same
+ * base gets another value; by base, a handle names the base address, so the new
+ * allocation gets the freed one's value again, and mapping it maps whatever
+ * allocation is at that base then.
  */
 #include "fake_cnrt_internal.h"
 
@@ -24,10 +31,22 @@
 static pthread_once_t g_driver_once = PTHREAD_ONCE_INIT;
 static uint32_t g_token;
 static int g_driver_up;
+/* 1: handles name the allocation's base, not the allocation (te_fake_cnrt_handles_by_base). */
+static int g_by_base;
+
+/* The fd field of a handle that names a base: this flag and the base's 1 MiB step on
+ * its MLU. */
+#define BY_BASE (1u << 19)
 
 struct map_request {
-  uint32_t fd, check;
+  uint32_t fd, check, ordinal;
 };
+
+/* Fake-only: from now on, cnrtAcquireMemHandle gives handles that name the
+ * allocation's base (on) or the allocation (off, the default). */
+EXPORT void te_fake_cnrt_handles_by_base(int on) {
+  __atomic_store_n(&g_by_base, on != 0, __ATOMIC_SEQ_CST);
+}
 
 static socklen_t driver_addr(uint32_t token, struct sockaddr_un *a) {
   memset(a, 0, sizeof *a);
@@ -68,9 +87,13 @@ static void *driver_thread(void *arg) {
     int fd = -1;
     if (recv(c, &req, sizeof req, MSG_WAITALL) == (ssize_t)sizeof req) {
       pthread_mutex_lock(&g_lock);
+      uint64_t base = BASE + ((uint64_t)(req.ordinal & 0xf) << 40) +
+                      ((uint64_t)(req.fd & ~BY_BASE) << 20);
       for (size_t i = 0; i < g_n; i++) {
         struct alloc *a = &g_allocs[i];
-        if (!a->mapped && a->fd == (int)req.fd && (a->serial & 0xff) == req.check) {
+        int named = (req.fd & BY_BASE) ? a->dev == base
+                                       : a->fd == (int)req.fd && (a->serial & 0xff) == req.check;
+        if (!a->mapped && named) {
           fd = dup(a->fd);
           break;
         }
@@ -101,7 +124,8 @@ static void driver_start(void) {
 }
 
 /* Handle layout (8 bytes, the size of cnrtIpcMemHandle): driver token (32) | fd (20) |
- * ordinal (4) | serial check (8). */
+ * ordinal (4) | serial check (8); by base, the fd field is BY_BASE | the base's 1 MiB
+ * step on its MLU, and the check is 0. */
 EXPORT cnrtRet_t cnrtAcquireMemHandle(void **handle, void *ptr) {
   INJECT("cnrtAcquireMemHandle");
   if (!handle) return cnrtErrorArgsInvalid;
@@ -109,7 +133,8 @@ EXPORT cnrtRet_t cnrtAcquireMemHandle(void **handle, void *ptr) {
   if (!g_driver_up) return cnrtErrorSys;
   pthread_mutex_lock(&g_lock);
   struct alloc *a = is_device((uint64_t)ptr) ? find((uint64_t)ptr, 1) : NULL;
-  if (!a || a->mapped || a->dev != (uint64_t)ptr || a->fd >= (1 << 20)) {
+  uint64_t step = a ? (a->dev - BASE - ((uint64_t)a->ordinal << 40)) >> 20 : 0;
+  if (!a || a->mapped || a->dev != (uint64_t)ptr || a->fd >= (int)BY_BASE || step >= BY_BASE) {
     pthread_mutex_unlock(&g_lock);
     return cnrtErrorArgsInvalid;
   }
@@ -121,8 +146,10 @@ EXPORT cnrtRet_t cnrtAcquireMemHandle(void **handle, void *ptr) {
     return cnrtErrorOpsNotPermitted;
   }
   a->acquired = 1;
-  uint64_t h = ((uint64_t)g_token << 32) | ((uint64_t)a->fd << 12) |
-               ((uint64_t)(a->ordinal & 0xf) << 8) | (a->serial & 0xff);
+  int by_base = __atomic_load_n(&g_by_base, __ATOMIC_SEQ_CST);
+  uint64_t field = by_base ? (BY_BASE | step) : (uint64_t)a->fd;
+  uint64_t h = ((uint64_t)g_token << 32) | (field << 12) | ((uint64_t)(a->ordinal & 0xf) << 8) |
+               (by_base ? 0 : (a->serial & 0xff));
   pthread_mutex_unlock(&g_lock);
   *handle = (void *)h;
   return cnrtSuccess;
@@ -130,14 +157,14 @@ EXPORT cnrtRet_t cnrtAcquireMemHandle(void **handle, void *ptr) {
 
 #ifndef FAKE_NO_IPC_MAP
 /* Asks the exporter's fake driver for the allocation's descriptor. */
-static int fetch_fd(uint32_t token, uint32_t fd, uint32_t check) {
+static int fetch_fd(uint32_t token, uint32_t fd, uint32_t check, uint32_t ordinal) {
   int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (s < 0) return -1;
   struct timeval tv = {5, 0};
   setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   struct sockaddr_un a;
   socklen_t len = driver_addr(token, &a);
-  struct map_request req = {fd, check};
+  struct map_request req = {fd, check, ordinal};
   int32_t status = cnrtErrorInvalidResourceHandle;
   char space[CMSG_SPACE(sizeof(int))];
   struct iovec iov = {&status, sizeof status};
@@ -165,7 +192,7 @@ EXPORT cnrtRet_t cnrtMapMemHandle(void **ptr, void *handle, int flags) {
   uint32_t token = (uint32_t)(h >> 32), fd = (uint32_t)((h >> 12) & 0xfffff);
   int ordinal = (int)((h >> 8) & 0xf);
   uint32_t check = (uint32_t)(h & 0xff);
-  int nfd = fetch_fd(token, fd, check);
+  int nfd = fetch_fd(token, fd, check, (uint32_t)ordinal);
   if (nfd < 0) return cnrtErrorInvalidResourceHandle;
   struct stat st;
   if (fstat(nfd, &st) != 0 || st.st_size <= 0) {
@@ -185,6 +212,7 @@ EXPORT cnrtRet_t cnrtMapMemHandle(void **ptr, void *handle, int flags) {
     close(nfd);
     return cnrtErrorSysNoMem;
   }
+  __atomic_add_fetch(&g_maps, 1, __ATOMIC_RELAXED);
   *ptr = (void *)dev;
   return cnrtSuccess;
 }
@@ -192,5 +220,7 @@ EXPORT cnrtRet_t cnrtMapMemHandle(void **ptr, void *handle, int flags) {
 
 EXPORT cnrtRet_t cnrtUnMapMemHandle(void *ptr) {
   INJECT("cnrtUnMapMemHandle");
-  return release(ptr, 1);
+  cnrtRet_t r = release(ptr, 1);
+  if (r == cnrtSuccess) __atomic_add_fetch(&g_unmaps, 1, __ATOMIC_RELAXED);
+  return r;
 }

@@ -6,12 +6,13 @@
 //!   the PCI bus ids of the MLUs this process sees (ordinals differ between processes
 //!   with different `MLU_VISIBLE_DEVICES`; bus ids do not).
 //! - `register`: a remotely accessible `mlu:N` region's key carries the IPC handle of
-//!   its allocation (`cnrtAcquireMemHandle`) and the region's offset in it, plus its
-//!   slot in the region table.
+//!   its allocation (`cnrtAcquireMemHandle`), the generation of that export (te's
+//!   name for the allocation, whatever handle values CNRT gives) and the region's
+//!   offset in it, plus its slot in the region table.
 //! - `connect` (module `peers`): refuses peers on other hosts; receives the peer's region
 //!   table over its socket (`SCM_RIGHTS`); maps each of the peer's regions into this
-//!   process (`cnrtMapMemHandle`, once per allocation) or, for a peer in this process,
-//!   uses its addresses as they are.
+//!   process (`cnrtMapMemHandle`, once per allocation and generation) or, for a peer in
+//!   this process, uses its addresses as they are.
 //! - `submit`: checks every request against both sides' regions again, counts the batch
 //!   in on each region it touches (so deregistration on either side waits for it), and
 //!   hands it to a worker thread, which enqueues all the batch's copies
@@ -40,7 +41,7 @@ use te_core::{
 };
 
 use crate::config::MluConfig;
-use crate::endpoint::{host_identity, Endpoint, Key};
+use crate::endpoint::{host_identity, Endpoint, Ipc, Key};
 use crate::ffi::{dir, IpcHandle};
 use crate::handoff::{self, Server};
 use crate::peers::PeerState;
@@ -189,14 +190,18 @@ impl TransferBackend for MluBackend {
 
     fn register(&self, id: RegionId, mem: &MemoryDesc) -> Result<Vec<u8>> {
         let remote = mem.access.remote_read || mem.access.remote_write;
-        let (kind, handle, export) = match &mem.kind {
+        let (kind, ipc, export) = match &mem.kind {
             MemoryKind::Host => (Mem::Host, None, None),
             MemoryKind::Device { runtime, ordinal } if runtime == RUNTIME => {
                 let info = te_core::device::DeviceRuntime::pointer_info(&*self.rt, mem.addr)?;
                 if remote {
-                    let h = self.rt.export(&info)?;
-                    let handle = Some((h, mem.addr - info.base));
-                    (Mem::Mlu(*ordinal), handle, Some((info.base, h)))
+                    let (handle, generation) = self.rt.export(&info)?;
+                    let ipc = Ipc {
+                        handle,
+                        generation,
+                        offset: mem.addr - info.base,
+                    };
+                    (Mem::Mlu(*ordinal), Some(ipc), Some((info.base, handle)))
                 } else {
                     (Mem::Mlu(*ordinal), None, None)
                 }
@@ -210,8 +215,9 @@ impl TransferBackend for MluBackend {
         };
         let extent = Extent {
             addr: mem.addr,
-            offset: handle.map_or(0, |(_, off)| off),
-            handle: handle_word(handle),
+            offset: ipc.map_or(0, |i| i.offset),
+            handle: handle_word(ipc),
+            generation: ipc.map_or(0, |i| i.generation),
             len: mem.len,
             read: mem.access.remote_read,
             write: mem.access.remote_write,
@@ -234,7 +240,7 @@ impl TransferBackend for MluBackend {
                 export,
             },
         );
-        Ok(Key { slot, handle }.encode())
+        Ok(Key { slot, ipc }.encode())
     }
 
     fn deregister(&self, id: RegionId, deadline: Deadline) -> Result<()> {
@@ -293,9 +299,6 @@ impl TransferBackend for MluBackend {
                 // The engine checked the request against both regions (bounds,
                 // rights); the peer's own table is checked below, when it is entered.
                 let raddr = rm.addr.clone()?;
-                if let Some(m) = &rm.mapping {
-                    maps.push(m.clone());
-                }
                 let (l_at, r_at) = (l.addr + r.local_offset, raddr + r.remote_offset);
                 let ((src, smem), (dst, dmem)) = match r.op {
                     Op::Write => ((l_at, l.mem), (r_at, rm.mem)),
@@ -377,7 +380,7 @@ impl TransferBackend for MluBackend {
                         format!("the peer's region {} was deregistered", r.remote),
                     ));
                 };
-                if (ext.addr, ext.offset, ext.handle) != rm.origin {
+                if ext.origin() != rm.origin {
                     return Err(region_error(
                         ErrorKind::Protocol,
                         format!("the descriptor of the peer's region {} disagrees with the peer's own region table (a stale or forged descriptor): connect again", r.remote),
@@ -405,11 +408,19 @@ impl TransferBackend for MluBackend {
                     ));
                 }
             }
+            // Only a job holds the peer's mappings beyond the region table's lock, so
+            // once its guards are gone (it drops its mappings first), nothing of a
+            // batch keeps a deregistered allocation mapped.
+            for r in batch {
+                if let Some(m) = remotes.get(&r.remote).and_then(|rm| rm.mapping.clone()) {
+                    maps.push(m);
+                }
+            }
         }
         let job = Job {
             copies,
+            maps,
             guards,
-            _maps: maps,
             done,
         };
         self.shared
@@ -421,7 +432,10 @@ impl TransferBackend for MluBackend {
         // A batch still queued has touched nothing: it is released at once. One whose
         // copies are enqueued is released when its queues have been synchronised.
         if let Some(job) = self.shared.remove(|j| j.done.batch() == batch) {
-            let Job { guards, done, .. } = job;
+            let Job {
+                maps, guards, done, ..
+            } = job;
+            drop(maps);
             drop(guards);
             done.complete(Err(Error::new(
                 ErrorKind::Cancelled,

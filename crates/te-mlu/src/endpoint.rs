@@ -19,7 +19,7 @@ pub(crate) struct Endpoint {
     pub(crate) buses: Vec<String>,
 }
 
-const ENDPOINT_MAGIC: &[u8; 6] = b"TEMLU\x04";
+const ENDPOINT_MAGIC: &[u8; 6] = b"TEMLU\x05";
 
 /// This host's identity: host name and boot id, so that two containers with one host
 /// name on different machines, or one machine rebooted, never look alike.
@@ -54,12 +54,22 @@ impl Endpoint {
     }
 }
 
-/// A region's remote key: its table slot and, for MLU memory, the IPC handle of its
-/// allocation and its offset there.
+/// A region's remote key: its table slot and, for MLU memory, how a peer maps it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Key {
     pub(crate) slot: u32,
-    pub(crate) handle: Option<(IpcHandle, u64)>,
+    pub(crate) ipc: Option<Ipc>,
+}
+
+/// How a peer reaches a region of MLU memory: the IPC handle of its allocation, the
+/// generation the owner gave that export (new with each handle CNRT gives, so two
+/// allocations are told apart even where CNRT gives them one handle value), and the
+/// region's offset in the allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Ipc {
+    pub(crate) handle: IpcHandle,
+    pub(crate) generation: u64,
+    pub(crate) offset: u64,
 }
 
 impl Key {
@@ -87,13 +97,14 @@ mod tests {
         assert_eq!(Endpoint::decode(&ep.encode()).unwrap(), ep);
         assert!(Endpoint::decode(&ep.encode()[..10]).is_err());
         for k in [
-            Key {
-                slot: 3,
-                handle: None,
-            },
+            Key { slot: 3, ipc: None },
             Key {
                 slot: 4,
-                handle: Some(([1, 2, 3, 4, 5, 6, 7, 8], 4096)),
+                ipc: Some(Ipc {
+                    handle: [1, 2, 3, 4, 5, 6, 7, 8],
+                    generation: 9,
+                    offset: 4096,
+                }),
             },
         ] {
             assert_eq!(Key::decode(&k.encode()).unwrap(), k);

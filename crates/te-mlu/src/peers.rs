@@ -4,23 +4,46 @@
 //! (`cnrtMapMemHandle`, once per allocation), or, for a peer in this process, its
 //! address as it is.
 //!
+//! A mapping is known by its handle value and the generation the owner gave that
+//! export, never by the handle value alone: CNRT may give a new allocation at a freed
+//! base the freed one's handle value, and a mapping of the freed allocation reached
+//! through it would read and write memory the owner no longer registers. Mappings are
+//! shared by every backend of this process, and one handle value is mapped for one
+//! generation at a time (CNRT may answer a handle value mapped already with the
+//! mapping it has); a mapping is unmapped once no region known here and no batch
+//! holds it, and regions the owner deregistered are let go at each `connect`.
+//!
 //! Whether a peer is in this process is never taken from its endpoint, which any
 //! process can forge: it is a peer whose instance is one of this process's live
 //! backends ([`publish`]), and it is then served from that backend's own table.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Weak};
-use te_core::sync::{Mutex, RwLock};
+use te_core::sync::{Condvar, Mutex, RwLock};
 
 use te_core::{Deadline, Error, ErrorKind, MemoryKind, PeerId, RegionId, Result, SegmentDesc};
 
 use crate::backend::{Mem, MluBackend};
 use crate::config::IpcMode;
-use crate::endpoint::{Endpoint, Key};
+use crate::endpoint::{Endpoint, Ipc, Key};
 use crate::ffi::IpcHandle;
 use crate::handoff;
 use crate::runtime::{MluRuntime, RUNTIME};
 use crate::shm::{handle_word, Table};
+
+/// The peers' allocations this process maps, by IPC handle value: the generation of
+/// the export mapped, and the mapping while anything holds it.
+///
+/// An entry goes only when its mapping is unmapped (`Mapping::drop`), so a handle value
+/// is never mapped again while a mapping of it is still being undone.
+static MAPPINGS: Mutex<BTreeMap<IpcHandle, (u64, Weak<Mapping>)>> = Mutex::new(BTreeMap::new());
+
+/// Notified when a mapping is gone from [`MAPPINGS`].
+static UNMAPPED: Condvar = Condvar::new();
+
+/// The peers of this process's backend instances, so that regions a peer deregistered
+/// can be let go wherever they are known ([`let_go_of_deregistered`]).
+static PEERS: Mutex<Vec<Weak<PeerState>>> = Mutex::new(Vec::new());
 
 /// The region tables of this process's live backend instances, by instance id.
 static LOCAL_TABLES: Mutex<BTreeMap<u64, Weak<Table>>> = Mutex::new(BTreeMap::new());
@@ -43,19 +66,31 @@ fn local_table(instance: u64) -> Option<Arc<Table>> {
     LOCAL_TABLES.lock().get(&instance).and_then(Weak::upgrade)
 }
 
-/// A peer's allocation mapped into this process; unmapped when the last user goes.
+/// A peer's allocation mapped into this process; unmapped when the last user (a region
+/// known here, or a batch) goes.
 #[derive(Debug)]
 pub(crate) struct Mapping {
     rt: Arc<MluRuntime>,
+    handle: IpcHandle,
     ordinal: u32,
     addr: u64,
 }
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        let mut maps = MAPPINGS.lock();
         if let Err(e) = self.rt.unmap(self.ordinal, self.addr) {
             tracing::warn!(error = %e, "unmapping a peer's MLU memory failed");
         }
+        let me: *const Mapping = self;
+        if maps
+            .get(&self.handle)
+            .is_some_and(|(_, m)| std::ptr::eq(m.as_ptr(), me))
+        {
+            maps.remove(&self.handle);
+        }
+        drop(maps);
+        UNMAPPED.notify_all();
     }
 }
 
@@ -66,9 +101,10 @@ pub(crate) struct Remote {
     pub(crate) mapping: Option<Arc<Mapping>>,
     pub(crate) mem: Mem,
     pub(crate) slot: u32,
-    /// The descriptor's address, and the key's offset in the allocation and its IPC
-    /// handle (as `shm::handle_word`), which must agree with the peer's own region table.
-    pub(crate) origin: (u64, u64, u64),
+    /// The descriptor's address, and the key's offset in the allocation, its IPC
+    /// handle (as `shm::handle_word`) and the export's generation, which must agree
+    /// with the peer's own region table (`shm::Extent::origin`).
+    pub(crate) origin: (u64, u64, u64, u64),
 }
 
 #[derive(Debug)]
@@ -78,16 +114,37 @@ pub(crate) struct PeerState {
     pub(crate) same_process: bool,
     pub(crate) table: Arc<Table>,
     pub(crate) regions: RwLock<HashMap<RegionId, Arc<Remote>>>,
-    pub(crate) maps: Mutex<HashMap<IpcHandle, Weak<Mapping>>>,
 }
 
 impl PeerState {
     /// Forgets the peer's region `id`, which its table says it deregistered: a batch
     /// naming it is refused from now on without entering the table, and the peer's
-    /// allocation is unmapped here once no region or batch of this backend holds it.
+    /// allocation is unmapped here once no region or batch holds it.
     pub(crate) fn forget(&self, id: RegionId) {
         self.regions.write().remove(&id);
-        self.maps.lock().retain(|_, m| m.strong_count() > 0);
+    }
+
+    /// Whether the peer's table holds `id` live in `slot` now.
+    fn live(&self, id: RegionId, slot: u32) -> bool {
+        self.table.extent(slot, id.0).is_some()
+    }
+
+    /// Forgets every region of the peer's that its table no longer holds.
+    fn forget_deregistered(&self) {
+        self.regions.write().retain(|id, r| self.live(*id, r.slot));
+    }
+}
+
+/// Forgets, in every peer of this process's backends, the regions their owners
+/// deregistered, so that their allocations are unmapped once no batch holds them.
+fn let_go_of_deregistered() {
+    let peers: Vec<Arc<PeerState>> = {
+        let mut peers = PEERS.lock();
+        peers.retain(|p| p.strong_count() > 0);
+        peers.iter().filter_map(Weak::upgrade).collect()
+    };
+    for p in peers {
+        p.forget_deregistered();
     }
 }
 
@@ -140,15 +197,26 @@ impl MluBackend {
                         (Arc::new(Table::open(fd, ep.instance)?), false)
                     }
                 };
-                Arc::new(PeerState {
+                let state = Arc::new(PeerState {
                     endpoint: ep,
                     same_process,
                     table,
                     regions: RwLock::new(HashMap::new()),
-                    maps: Mutex::new(HashMap::new()),
-                })
+                });
+                let mut peers = PEERS.lock();
+                peers.retain(|p| p.strong_count() > 0);
+                peers.push(Arc::downgrade(&state));
+                state
             }
         };
+        // What is known of regions the peer no longer lists, or has deregistered since,
+        // goes first: their allocations are unmapped (once no batch holds them) before
+        // any handle is mapped again. A region that could not be reached is tried again.
+        let listed: HashSet<RegionId> = peer.regions.iter().map(|r| r.id).collect();
+        state
+            .regions
+            .write()
+            .retain(|id, r| listed.contains(id) && r.addr.is_ok() && state.live(*id, r.slot));
         let old = state.regions.read().clone();
         let mut regions = HashMap::new();
         for r in &peer.regions {
@@ -190,20 +258,54 @@ impl MluBackend {
             })
     }
 
-    fn map(&self, peer: &PeerState, ordinal: u32, handle: IpcHandle) -> Result<Arc<Mapping>> {
-        let mut maps = peer.maps.lock();
-        if let Some(m) = maps.get(&handle).and_then(Weak::upgrade) {
-            return Ok(m);
+    /// The mapping of the allocation `ipc` names, on local MLU `ordinal`: the one this
+    /// process holds for that handle and generation, or a new one. A handle value
+    /// mapped for another generation (an allocation the owner freed, which may have
+    /// given its handle value to this one) is not mapped again until that mapping is
+    /// gone: regions their owners deregistered are let go first, and if a batch or a
+    /// region still live in its owner's table holds it, this is `Busy`.
+    ///
+    /// No `Arc<Mapping>` may drop while `MAPPINGS` is locked here: its unmapping locks it.
+    fn map(&self, ordinal: u32, ipc: Ipc) -> Result<Arc<Mapping>> {
+        let mut let_go = false;
+        let mut maps = MAPPINGS.lock();
+        loop {
+            let Some((generation, weak)) = maps.get(&ipc.handle).cloned() else {
+                let addr = self.rt.map(ordinal, ipc.handle)?;
+                let m = Arc::new(Mapping {
+                    rt: self.rt.clone(),
+                    handle: ipc.handle,
+                    ordinal,
+                    addr,
+                });
+                maps.insert(ipc.handle, (ipc.generation, Arc::downgrade(&m)));
+                return Ok(m);
+            };
+            let Some(m) = weak.upgrade() else {
+                // Its last holder is unmapping it, and removes it when done.
+                maps = UNMAPPED.wait(maps);
+                continue;
+            };
+            drop(maps);
+            if generation == ipc.generation && m.ordinal == ordinal {
+                return Ok(m);
+            }
+            let mapped_on = m.ordinal;
+            drop(m);
+            if let_go {
+                return Err(Error::new(
+                    ErrorKind::Busy,
+                    format!(
+                        "the peer's MLU allocation behind IPC handle {:#x} (export generation {:#x}, on mlu:{ordinal}) cannot be mapped while this process maps that handle for another allocation (generation {generation:#x}, on mlu:{mapped_on}) that a batch in flight, or a region its owner still holds, uses: refresh the peer and retry once those batches are done",
+                        u64::from_ne_bytes(ipc.handle),
+                        ipc.generation,
+                    ),
+                ));
+            }
+            let_go_of_deregistered();
+            let_go = true;
+            maps = MAPPINGS.lock();
         }
-        let addr = self.rt.map(ordinal, handle)?;
-        let m = Arc::new(Mapping {
-            rt: self.rt.clone(),
-            ordinal,
-            addr,
-        });
-        maps.retain(|_, m| m.strong_count() > 0);
-        maps.insert(handle, Arc::downgrade(&m));
-        Ok(m)
     }
 
     fn remote(&self, peer: &PeerState, r: &te_core::RegionDesc) -> Result<Remote> {
@@ -217,10 +319,30 @@ impl MluBackend {
             slot: key.slot,
             origin: (
                 r.addr,
-                key.handle.map_or(0, |(_, off)| off),
-                handle_word(key.handle),
+                key.ipc.map_or(0, |i| i.offset),
+                handle_word(key.ipc),
+                key.ipc.map_or(0, |i| i.generation),
             ),
         };
+        // Only what the owner's table holds live now is mapped: a handle it does not
+        // vouch for (a region deregistered since, a stale or forged descriptor) never is.
+        match peer.table.extent(key.slot, r.id.0) {
+            None => {
+                remote.addr = Err(Error::new(
+                    ErrorKind::NotRegistered,
+                    format!("the peer's region {} was deregistered", r.id),
+                ));
+                return Ok(remote);
+            }
+            Some(ext) if ext.origin() != remote.origin => {
+                remote.addr = Err(Error::new(
+                    ErrorKind::Protocol,
+                    format!("the descriptor of the peer's region {} disagrees with the peer's own region table (a stale or forged descriptor): connect again", r.id),
+                ));
+                return Ok(remote);
+            }
+            Some(_) => {}
+        }
         match &r.kind {
             MemoryKind::Host if same_process => {}
             MemoryKind::Host => {
@@ -234,9 +356,9 @@ impl MluBackend {
                     Ok(local) => {
                         remote.mem = Mem::Mlu(local);
                         if !direct {
-                            remote.addr = match key.handle {
-                                Some((h, off)) => self.map(peer, local, h).map(|m| {
-                                    let a = m.addr + off;
+                            remote.addr = match key.ipc {
+                                Some(ipc) => self.map(local, ipc).map(|m| {
+                                    let a = m.addr + ipc.offset;
                                     remote.mapping = Some(m);
                                     a
                                 }),

@@ -51,6 +51,10 @@ pub struct MluRuntime {
 #[derive(Debug, Clone, Copy)]
 struct Export {
     handle: IpcHandle,
+    /// te's number for this allocation's export, random and new with every handle
+    /// CNRT gives: peers tell allocations apart by it, whatever handle values CNRT
+    /// gives (a new allocation at a freed base may get the freed one's).
+    generation: u64,
     ordinal: u32,
     len: u64,
     users: usize,
@@ -299,20 +303,23 @@ impl MluRuntime {
         }
     }
 
-    /// The IPC handle of the allocation `info` describes, for one more registration;
-    /// [`MluRuntime::release_handle`] says when that registration is gone.
+    /// The IPC handle of the allocation `info` describes, and its export's
+    /// generation, for one more registration; [`MluRuntime::release_handle`] says when
+    /// that registration is gone.
     ///
     /// While a registration holds the allocation, its handle is the one kept. Without
     /// one, the application may have freed the allocation and made another at its
     /// base, so CNRT is asked again: a handle it gives is the current allocation's; a
     /// refusal because it gave this allocation's handle out already means the
     /// allocation is the one whose handle te kept (same base, MLU and size), which is
-    /// served again.
+    /// served again. A handle CNRT gives gets a new generation, one served again keeps
+    /// its own: the generation names the allocation even where CNRT gives a new
+    /// allocation the handle value of a freed one.
     ///
     /// # Errors
     /// CNRT's error from `cnrtAcquireMemHandle`; `InvalidRequest` if the allocation
     /// changed while registered, or CNRT gave its handle to someone else than te.
-    pub(crate) fn export(&self, info: &PointerInfo) -> Result<IpcHandle> {
+    pub(crate) fn export(&self, info: &PointerInfo) -> Result<(IpcHandle, u64)> {
         let mut handles = self.handles.lock();
         let same = |e: &Export| e.ordinal == info.ordinal && e.len == info.len;
         if let Some(e) = handles.get_mut(&info.base).filter(|e| e.users > 0) {
@@ -323,14 +330,14 @@ impl MluRuntime {
                 ));
             }
             e.users += 1;
-            return Ok(e.handle);
+            return Ok((e.handle, e.generation));
         }
         let acquired = self
             .cnrt
             .with_device(info.ordinal, || self.cnrt.acquire_mem_handle(info.base))?;
-        let handle = match (acquired, handles.get(&info.base)) {
-            (Some(h), _) => h,
-            (None, Some(e)) if same(e) => e.handle,
+        let (handle, generation) = match (acquired, handles.get(&info.base)) {
+            (Some(h), _) => (h, te_core::random_nonzero()),
+            (None, Some(e)) if same(e) => (e.handle, e.generation),
             (None, _) => {
                 return Err(Error::new(
                     ErrorKind::InvalidRequest,
@@ -342,12 +349,13 @@ impl MluRuntime {
             info.base,
             Export {
                 handle,
+                generation,
                 ordinal: info.ordinal,
                 len: info.len,
                 users: 1,
             },
         );
-        Ok(handle)
+        Ok((handle, generation))
     }
 
     /// A registration that [`MluRuntime::export`] served `handle` for the allocation

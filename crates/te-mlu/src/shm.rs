@@ -15,8 +15,8 @@
 //! waits for it.
 //!
 //! The table is also the owner's word on each region's extent: its address, its
-//! allocation's IPC handle and its offset there, its length and its rights, written
-//! before the region goes live.
+//! allocation's IPC handle, the export's generation and its offset there, its length
+//! and its rights, written before the region goes live.
 //! An initiator checks every request against these, not against the descriptor it was
 //! sent, so a forged or stale descriptor cannot reach outside a region (or a KV slot,
 //! which is a region of its own).
@@ -27,9 +27,9 @@ use std::time::{Duration, Instant};
 
 use te_core::{local, Error, ErrorKind, Result};
 
-use crate::ffi::IpcHandle;
+use crate::endpoint::Ipc;
 
-const MAGIC: u64 = 0x7465_6d6c_7574_6233; // "temlutb3"
+const MAGIC: u64 = 0x7465_6d6c_7574_6234; // "temlutb4"
 /// Regions one backend instance can register.
 pub(crate) const SLOTS: usize = 8192;
 
@@ -55,6 +55,7 @@ struct Slot {
     offset: AtomicU64,
     len: AtomicU64,
     handle: AtomicU64,
+    generation: AtomicU64,
 }
 
 /// A live region's extent, as its owner registered it.
@@ -70,16 +71,28 @@ pub(crate) struct Extent {
     /// [`handle_word`]), 0 for host memory: a descriptor naming another allocation's
     /// handle for this region is refused.
     pub(crate) handle: u64,
+    /// The generation of its allocation's export (see `endpoint::Ipc`), 0 for host
+    /// memory: a descriptor naming another allocation that had the same handle value
+    /// is refused.
+    pub(crate) generation: u64,
     /// Peers may read it.
     pub(crate) read: bool,
     /// Peers may write it.
     pub(crate) write: bool,
 }
 
+impl Extent {
+    /// What a peer's descriptor must agree with: the address, the offset in the
+    /// allocation, its IPC handle and the export's generation.
+    pub(crate) fn origin(&self) -> (u64, u64, u64, u64) {
+        (self.addr, self.offset, self.handle, self.generation)
+    }
+}
+
 /// A region key's IPC handle as the word the table keeps: its bytes in native order,
 /// 0 without one.
-pub(crate) fn handle_word(handle: Option<(IpcHandle, u64)>) -> u64 {
-    handle.map_or(0, |(h, _)| u64::from_ne_bytes(h))
+pub(crate) fn handle_word(ipc: Option<Ipc>) -> u64 {
+    ipc.map_or(0, |i| u64::from_ne_bytes(i.handle))
 }
 
 const SIZE: usize = std::mem::size_of::<Header>() + SLOTS * std::mem::size_of::<Slot>();
@@ -203,6 +216,7 @@ impl Table {
                 s.offset.store(extent.offset, SeqCst);
                 s.len.store(extent.len, SeqCst);
                 s.handle.store(extent.handle, SeqCst);
+                s.generation.store(extent.generation, SeqCst);
                 s.access.store(
                     u32::from(extent.read) | u32::from(extent.write) << 1,
                     SeqCst,
@@ -243,6 +257,7 @@ impl Table {
             offset: s.offset.load(SeqCst),
             len: s.len.load(SeqCst),
             handle: s.handle.load(SeqCst),
+            generation: s.generation.load(SeqCst),
             read: access & 1 != 0,
             write: access & 2 != 0,
         })

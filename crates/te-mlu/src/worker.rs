@@ -50,8 +50,11 @@ pub(crate) struct Copy {
 
 pub(crate) struct Job {
     pub(crate) copies: Vec<Copy>,
+    /// The peer's allocations the copies reach, mapped here. Dropped before `guards`
+    /// (as fields drop in order): once the owner sees the batch leave a region, the
+    /// batch holds no mapping of its allocation, which the owner may then free.
+    pub(crate) maps: Vec<Arc<Mapping>>,
     pub(crate) guards: Vec<Guard>,
-    pub(crate) _maps: Vec<Arc<Mapping>>,
     pub(crate) done: Completion,
 }
 
@@ -70,7 +73,10 @@ pub(crate) fn worker(queue: &DueQueue<Job>, cnrt: &Cnrt) {
             job.done.stage_ended(BatchStage::Device);
             r
         };
-        let Job { guards, done, .. } = job;
+        let Job {
+            maps, guards, done, ..
+        } = job;
+        drop(maps);
         drop(guards);
         done.complete(result);
     }

@@ -2,8 +2,10 @@
 //! models it: a queue only takes copies while its own MLU is current; `cnrtQueueSync`
 //! spins unless the device flag says block; copies waiting together are synchronized
 //! together; a peer's `/proc/PID/fd` is out of reach from another PID namespace; a
-//! region a peer may still be copying into is never reported deregistered; and an
-//! allocation gives its IPC handle once, while `cnrtMalloc` reuses freed bases.
+//! region a peer may still be copying into is never reported deregistered; an
+//! allocation gives its IPC handle once, while `cnrtMalloc` reuses freed bases; and
+//! (where the fake is told so) allocations made one after the other at one base get
+//! one handle value.
 //!
 //! The tests run one at a time: they read the fake's process-wide counters. Copies take
 //! 20 ms, so every wait for a queue really waits. The binary re-executes itself with
@@ -107,13 +109,36 @@ fn app_write(addr: u64, data: &[u8]) -> Result<(), Failed> {
 
 /// `cnrtAcquireMemHandle`'s return code for the allocation at `addr`.
 fn app_acquire(addr: u64) -> Result<i32, Failed> {
+    app_handle(addr).map(|(r, _)| r)
+}
+
+/// `cnrtAcquireMemHandle` for the allocation at `addr`: its return code and the handle.
+fn app_handle(addr: u64) -> Result<(i32, u64), Failed> {
     let lib = app_cnrt()?;
     // SAFETY: cnrtAcquireMemHandle's prototype.
     let f: libloading::Symbol<'_, Acquire> =
         unsafe { lib.get(b"cnrtAcquireMemHandle\0") }.map_err(|e| e.to_string())?;
     let mut h = std::ptr::null_mut();
     // SAFETY: a valid out-parameter; CNRT checks the address.
-    Ok(unsafe { f(&mut h, addr as *mut std::ffi::c_void) })
+    let r = unsafe { f(&mut h, addr as *mut std::ffi::c_void) };
+    Ok((r, h as u64))
+}
+
+/// Whether the fake gives two allocations made one after the other at one base the
+/// same IPC handle value.
+fn handle_values_repeat(len: usize) -> Result<bool, Failed> {
+    let first = app_malloc(len)?;
+    let a = app_handle(first);
+    app_free(first)?;
+    let second = app_malloc(len)?;
+    let b = app_handle(second);
+    app_free(second)?;
+    let ((ra, a), (rb, b)) = (a?, b?);
+    ensure!(
+        ra == 0 && rb == 0 && first == second,
+        "the fake gave no handles for two allocations at one base ({ra} at {first:#x}, {rb} at {second:#x}): this test proves nothing"
+    );
+    Ok(a == b)
 }
 
 fn e2f(e: te_core::Error) -> Failed {
@@ -440,6 +465,189 @@ fn a_region_registered_again_on_the_same_allocation_is_reached_through_its_one_h
     result
 }
 
+/// Makes the fake's IPC handles name the allocation's base (`true`: a new allocation
+/// at a freed base gets the freed one's handle value) or the allocation (`false`).
+fn handles_by_base(on: bool) -> Result<(), Failed> {
+    let lib = app_cnrt()?;
+    // SAFETY: the fake-only control's prototype.
+    let f: libloading::Symbol<'_, unsafe extern "C" fn(i32)> =
+        unsafe { lib.get(b"te_fake_cnrt_handles_by_base\0") }.map_err(|e| e.to_string())?;
+    // SAFETY: plain call.
+    unsafe { f(i32::from(on)) };
+    Ok(())
+}
+
+/// IPC mappings this process holds now (`cnrtMapMemHandle` less `cnrtUnMapMemHandle`).
+fn mapped() -> u64 {
+    counter("maps") - counter("unmaps")
+}
+
+/// A peer keeps reading one base the application frees and allocates again, `ROUNDS`
+/// times, once with handles that name the allocation and once with handles that name
+/// the base (the same value for every allocation there).
+fn a_peer_reads_each_allocation_made_at_one_base_whatever_handle_values_cnrt_gives(
+) -> Result<(), Failed> {
+    const ROUNDS: u8 = 4;
+    te_mlu::runtime().map_err(e2f)?;
+    let len = 64usize << 10;
+    for by_base in [false, true] {
+        let mode = if by_base { "by base" } else { "by allocation" };
+        handles_by_base(by_base)?;
+        ensure!(
+            handle_values_repeat(len)? == by_base,
+            "{mode}: the fake does not give the handle values this test is about: it proves nothing"
+        );
+        let target = Engine::from_config(&config("mlu", "")).map_err(e2f)?;
+        // Through IPC handles, as a peer in another process maps them.
+        let initiator = Engine::from_config(&config("mlu", "ipc = \"always\"")).map_err(e2f)?;
+        let back = initiator
+            .alloc_on(&mlu(1), "back", len, Access::LOCAL)
+            .map_err(e2f)?;
+        let before = mapped();
+        let mut base = None;
+        let mut peer = None;
+        let result = (|| -> Result<(), Failed> {
+            for round in 1..=ROUNDS {
+                let mem = app_malloc(len)?;
+                let at = *base.get_or_insert(mem);
+                let round_result = (|| -> Result<(), Failed> {
+                    ensure!(
+                        mem == at,
+                        "{mode}, round {round}: cnrtMalloc put the allocation at {mem:#x}, not at the freed base {at:#x}: this test proves nothing"
+                    );
+                    app_write(mem, &te_core::testkit::pattern(len, round))?;
+                    let name = format!("r{round}");
+                    let reg = register_app_memory(&target, &name, mem, len as u64).map_err(e2f)?;
+                    let p = match &peer {
+                        Some(p) => {
+                            initiator.refresh(p, Duration::from_secs(10)).map_err(e2f)?;
+                            p
+                        }
+                        None => peer.insert(
+                            initiator
+                                .connect(&target.address().to_string())
+                                .map_err(e2f)?,
+                        ),
+                    };
+                    let read = read_and_check(&initiator, p, &name, &back, round).map_err(|e| {
+                        format!("{mode}, round {round}: {}", e.message().unwrap_or("failed"))
+                    });
+                    let held = mapped() - before;
+                    reg.deregister().map_err(e2f)?;
+                    read?;
+                    ensure!(
+                        held == 1,
+                        "{mode}, round {round}: the peer holds {held} mappings of the target's one registered allocation"
+                    );
+                    Ok(())
+                })();
+                app_free(mem)?;
+                round_result?;
+            }
+            Ok(())
+        })();
+        drop((peer, back, initiator, target));
+        let left = mapped() - before;
+        result?;
+        ensure!(
+            left == 0,
+            "{mode}: {left} mappings of the target's freed allocations are left once both engines are gone"
+        );
+    }
+    handles_by_base(false)
+}
+
+/// Two engines of one process read one target's allocation, which the application
+/// frees and makes again at the same base, with handles that name the base: one
+/// mapping serves both, and the engine that has not refreshed yet does not keep the
+/// freed allocation mapped under the handle value the new one has.
+fn two_engines_of_one_process_reach_a_reallocation_at_one_base_through_one_mapping(
+) -> Result<(), Failed> {
+    te_mlu::runtime().map_err(e2f)?;
+    let len = 64usize << 10;
+    handles_by_base(true)?;
+    ensure!(
+        handle_values_repeat(len)?,
+        "the fake gives two allocations at one base different handles: this test proves nothing"
+    );
+    let target = Engine::from_config(&config("mlu", "")).map_err(e2f)?;
+    let ipc = "ipc = \"always\"";
+    let one = Engine::from_config(&config("mlu", ipc)).map_err(e2f)?;
+    let two = Engine::from_config(&config("mlu", ipc)).map_err(e2f)?;
+    let back_one = one
+        .alloc_on(&mlu(1), "back", len, Access::LOCAL)
+        .map_err(e2f)?;
+    let back_two = two
+        .alloc_on(&mlu(1), "back", len, Access::LOCAL)
+        .map_err(e2f)?;
+    let before = mapped();
+    let first = app_malloc(len)?;
+    let mut second = None;
+    let result = (|| -> Result<(), Failed> {
+        app_write(first, &te_core::testkit::pattern(len, 1))?;
+        let reg = register_app_memory(&target, "first", first, len as u64).map_err(e2f)?;
+        let addr = target.address().to_string();
+        let p1 = one.connect(&addr).map_err(e2f)?;
+        let p2 = two.connect(&addr).map_err(e2f)?;
+        read_and_check(&one, &p1, "first", &back_one, 1)?;
+        read_and_check(&two, &p2, "first", &back_two, 1)?;
+        let held = mapped() - before;
+        ensure!(
+            held == 1,
+            "two engines of one process hold {held} mappings of one allocation"
+        );
+        reg.deregister().map_err(e2f)?;
+        app_free(first)?;
+        let mem = *second.insert(app_malloc(len)?);
+        ensure!(
+            mem == first,
+            "cnrtMalloc put the new allocation at {mem:#x}, not at the freed base {first:#x}: this test proves nothing"
+        );
+        app_write(mem, &te_core::testkit::pattern(len, 2))?;
+        let reg = register_app_memory(&target, "second", mem, len as u64).map_err(e2f)?;
+        let reads = (|| -> Result<(), Failed> {
+            // The second engine learns of the new allocation while the first still
+            // knows the freed one's region.
+            two.refresh(&p2, Duration::from_secs(10)).map_err(e2f)?;
+            read_and_check(&two, &p2, "second", &back_two, 2).map_err(|e| {
+                format!(
+                    "the engine that refreshed: {}",
+                    e.message().unwrap_or("failed")
+                )
+            })?;
+            one.refresh(&p1, Duration::from_secs(10)).map_err(e2f)?;
+            read_and_check(&one, &p1, "second", &back_one, 2).map_err(|e| {
+                format!(
+                    "the engine that refreshed later: {}",
+                    e.message().unwrap_or("failed")
+                )
+            })?;
+            let held = mapped() - before;
+            ensure!(
+                held == 1,
+                "two engines of one process hold {held} mappings of the target's one registered allocation"
+            );
+            Ok(())
+        })();
+        reg.deregister().map_err(e2f)?;
+        reads
+    })();
+    drop((back_one, back_two, one, two, target));
+    match second {
+        Some(mem) => app_free(mem)?,
+        None if result.is_err() => {}
+        None => app_free(first)?,
+    }
+    let left = mapped() - before;
+    handles_by_base(false)?;
+    result?;
+    ensure!(
+        left == 0,
+        "{left} mappings of the target's freed allocations are left once the engines are gone"
+    );
+    Ok(())
+}
+
 /// The second process: a target engine on the mlu backend, serving until stdin closes.
 fn target_main() {
     let e = Engine::from_config(&config("mlu", "")).expect("target engine");
@@ -542,7 +750,7 @@ fn main() {
         return;
     }
     type Test = fn() -> Result<(), Failed>;
-    let tests: [(&str, Test); 7] = [
+    let tests: [(&str, Test); 9] = [
         (
             "copies_alternating_between_mlus_each_run_with_their_own_mlu_current",
             copies_alternating_between_mlus_each_run_with_their_own_mlu_current,
@@ -570,6 +778,14 @@ fn main() {
         (
             "a_region_registered_again_on_the_same_allocation_is_reached_through_its_one_handle",
             a_region_registered_again_on_the_same_allocation_is_reached_through_its_one_handle,
+        ),
+        (
+            "a_peer_reads_each_allocation_made_at_one_base_whatever_handle_values_cnrt_gives",
+            a_peer_reads_each_allocation_made_at_one_base_whatever_handle_values_cnrt_gives,
+        ),
+        (
+            "two_engines_of_one_process_reach_a_reallocation_at_one_base_through_one_mapping",
+            two_engines_of_one_process_reach_a_reallocation_at_one_base_through_one_mapping,
         ),
     ];
     let trials = tests

@@ -39,7 +39,7 @@ struct Endpoint {
     host: String,
     buses: Vec<String>,
 }
-const ENDPOINT_MAGIC: &[u8; 6] = b"TEMLU\x04";
+const ENDPOINT_MAGIC: &[u8; 6] = b"TEMLU\x05";
 
 fn decode_endpoint(b: &[u8]) -> Endpoint {
     let rest = b
@@ -56,10 +56,10 @@ fn encode_endpoint(e: &Endpoint) -> Vec<u8> {
 
 /// te-mlu's region table layout: a header {magic, instance}, then 8192 slots of
 /// {region u64, state u32, inflight u32, waiters u32, access u32, addr, offset, len,
-/// handle}.
-const MAGIC: u64 = 0x7465_6d6c_7574_6233;
+/// handle, generation}.
+const MAGIC: u64 = 0x7465_6d6c_7574_6234;
 const HEADER: usize = 16;
-const SLOT: usize = 56;
+const SLOT: usize = 64;
 const SLOTS: usize = 8192;
 const TABLE_SIZE: usize = HEADER + SLOTS * SLOT;
 
@@ -152,11 +152,18 @@ fn claiming(a: &MluBackend, instance: u64) -> Endpoint {
 }
 
 /// Region key bytes: table slot `slot` and, for MLU memory, the IPC handle of its
-/// allocation and the offset there.
+/// allocation, the export's generation and the offset there.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Key {
     slot: u32,
-    handle: Option<([u8; 8], u64)>,
+    ipc: Option<Ipc>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+struct Ipc {
+    handle: [u8; 8],
+    generation: u64,
+    offset: u64,
 }
 
 fn region(id: u64, addr: u64, len: usize, ordinal: u32, key: Vec<u8>) -> RegionDesc {
@@ -436,10 +443,7 @@ fn a_peer_naming_our_unregistered_memory_cannot_make_us_write_into_it() {
     let victim = rt.alloc(0, len).unwrap(); // the application's; never registered
     a.register(RegionId(10), &mlu_mem(src, len, 0, Access::LOCAL))
         .unwrap();
-    let key = te_core::codec::encode(&Key {
-        slot: 0,
-        handle: None,
-    });
+    let key = te_core::codec::encode(&Key { slot: 0, ipc: None });
     // As an instance of another process, with a table that says the victim's address
     // is its region; and as this very instance, whose table says nothing of it.
     let foreign = other_process(&a);
@@ -504,7 +508,10 @@ fn a_descriptor_carrying_another_allocations_handle_cannot_make_us_write_there()
     // Region 1's descriptor, exact in all but the handle: the victim allocation's.
     let mut forged: Key = te_core::codec::decode(&key, "key").unwrap();
     let theirs: Key = te_core::codec::decode(&old, "key").unwrap();
-    forged.handle = theirs.handle;
+    let (Some(ours), Some(victims)) = (forged.ipc.as_mut(), theirs.ipc) else {
+        panic!("MLU regions' keys carry IPC handles")
+    };
+    ours.handle = victims.handle;
     let peer = a
         .connect(
             &seg(
