@@ -61,6 +61,7 @@ fn a_scrape_answers_the_engines_counters_in_openmetrics_text() {
         "te_batch_latency_seconds_count 1",
         "te_batch_latency_seconds_bucket{le=\"+Inf\"} 1",
         "te_registered_bytes{memory=\"host\"} 8192",
+        "te_control_request_bytes 0",
         "# EOF",
     ] {
         assert!(answer.contains(line), "missing `{line}`");

@@ -394,6 +394,11 @@ pub(crate) fn encode(m: &Metrics) -> String {
         refused,
     );
     r.register(
+        "control_request_bytes",
+        "Bytes of peers' backend requests read and not yet answered",
+        gauge(m.control_request_bytes),
+    );
+    r.register(
         "peer_batches_completed",
         "Batches to a peer completed",
         done,
