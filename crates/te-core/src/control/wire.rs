@@ -182,7 +182,14 @@ pub(crate) fn encode<T: Serialize>(value: &T) -> Vec<u8> {
 /// Decodes a payload.
 pub(crate) fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T> {
     ciborium::from_reader(bytes).map_err(|e| {
-        Error::new(ErrorKind::Protocol, format!("{what} is malformed: {e}"))
+        use ciborium::de::Error as De;
+        let why = match e {
+            De::Semantic(_, m) => m,
+            De::Syntax(at) => format!("not valid CBOR at byte {at}"),
+            De::Io(e) => format!("cut short ({e:?})"),
+            De::RecursionLimitExceeded => "nested too deeply".into(),
+        };
+        Error::new(ErrorKind::Protocol, format!("{what} is malformed: {why}"))
             .with_operation("read frame")
     })
 }
@@ -365,6 +372,29 @@ mod opt_bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_malformed_payload_says_why_in_words() {
+        #[derive(Debug, Deserialize)]
+        struct Wants {
+            _n: u32,
+        }
+        let cases: [(&[u8], &str); 3] = [
+            (&encode(&"text"), "invalid type"),
+            (&[0xa1, 0x1c], "not valid CBOR at byte 1"),
+            (&[0xa1], "cut short"),
+        ];
+        for (bytes, want) in cases {
+            let e = decode::<Wants>(bytes, "the payload").unwrap_err();
+            let text = e.to_string();
+            assert_eq!(e.kind(), ErrorKind::Protocol);
+            assert!(text.contains(want), "{text}");
+            assert!(
+                !text.contains("Semantic(") && !text.contains("Syntax("),
+                "{text}"
+            );
+        }
+    }
 
     #[test]
     fn headers_round_trip_and_are_checked_per_kind() {
