@@ -118,7 +118,8 @@
 //! `initiator` (planning, data connections, the deadline watcher, in-process copies)
 //! and `target` (the listener and its responder); `samehost` has both sides of the
 //! same-host channel. Beneath them: `handshake`, `wire`, `sock` (a connection's socket),
-//! `runtime` (the I/O threads) and `stage` (pinned staging memory).
+//! `runtime` (the I/O threads), `stage` (pinned staging memory) and `waves` (device
+//! copies that overlap one another, in groups one after another).
 
 #![warn(missing_debug_implementations, missing_docs, unreachable_pub)]
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
@@ -142,6 +143,7 @@ mod state;
 mod target;
 #[cfg(test)]
 mod tests;
+mod waves;
 mod wire;
 
 pub use backend::TcpBackend;

@@ -1,145 +1,20 @@
 //! A region moved into itself through a peer in this process: pieces whose ranges
 //! overlap one another never share a device group, whose copies a list-copy kernel runs
-//! at once. Checked through `listcopy`, a runtime of this test binary over `fakedev`
-//! that counts groups whose copies overlap and runs each group's copies last to first,
-//! as a kernel's threads may finish them. One test, as it reads process-wide counters.
+//! at once. Checked through `listcopy` (`common/listcopy.rs`), a runtime of this test
+//! binary over `fakedev` that counts groups whose copies overlap and runs each group's
+//! copies last to first, as a kernel's threads may finish them. One test, as it reads
+//! process-wide counters.
 
 mod common;
-
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+#[path = "common/listcopy.rs"]
+mod listcopy;
 
 use common::{backend, connect, deregister, pattern, run};
-use te_core::device::{CopyDone, DeviceCopy, DeviceRuntime, PointerInfo};
-use te_core::{
-    Access, MemoryDesc, MemoryKind, Op, RegionId, Result, TransferBackend, TransferRequest,
-};
+use listcopy::{Mem, NAME};
+use te_core::{Access, MemoryDesc, MemoryKind, Op, RegionId, TransferBackend, TransferRequest};
 
-const NAME: &str = "listcopy";
 const BLOCK: u64 = 4096;
 const BLOCKS: u64 = 16;
-
-/// Device-to-device groups started, and those of them with overlapping copies.
-static GROUPS: AtomicU64 = AtomicU64::new(0);
-static OVERLAPPING: AtomicU64 = AtomicU64::new(0);
-
-#[derive(Debug)]
-struct ListCopy;
-
-fn create(_: &toml::Table) -> Result<Arc<dyn DeviceRuntime>> {
-    Ok(Arc::new(ListCopy))
-}
-
-/// The process's fakedev runtime, looked up on first use (not while `create` runs,
-/// inside te-core's lookup).
-fn fakedev() -> &'static Arc<dyn DeviceRuntime> {
-    static FAKEDEV: OnceLock<Arc<dyn DeviceRuntime>> = OnceLock::new();
-    FAKEDEV
-        .get_or_init(|| te_core::device::runtime(te_core::device::fakedev::NAME).expect("fakedev"))
-}
-
-te_core::register_runtime!(NAME, "fakedev, copying a group's copies in reverse", create);
-
-/// Whether `[a, a + n)` and `[b, b + m)` share a byte.
-fn meet(a: u64, n: usize, b: u64, m: usize) -> bool {
-    a < b + m as u64 && b < a + n as u64
-}
-
-impl DeviceRuntime for ListCopy {
-    fn name(&self) -> &str {
-        NAME
-    }
-    fn device_count(&self) -> Result<u32> {
-        fakedev().device_count()
-    }
-    fn pointer_info(&self, addr: u64) -> Result<PointerInfo> {
-        fakedev().pointer_info(addr)
-    }
-    fn alloc(&self, ordinal: u32, len: usize) -> Result<u64> {
-        fakedev().alloc(ordinal, len)
-    }
-    fn free(&self, ordinal: u32, addr: u64) -> Result<()> {
-        fakedev().free(ordinal, addr)
-    }
-    fn alloc_pinned(&self, len: usize) -> Result<*mut u8> {
-        fakedev().alloc_pinned(len)
-    }
-    unsafe fn free_pinned(&self, ptr: *mut u8, len: usize) {
-        // SAFETY: forwarded from the caller.
-        unsafe { fakedev().free_pinned(ptr, len) }
-    }
-    unsafe fn copy(&self, copy: DeviceCopy, done: CopyDone) -> Result<()> {
-        // SAFETY: forwarded from the caller.
-        unsafe { fakedev().copy(copy, done) }
-    }
-    unsafe fn copy_group(&self, copies: &[DeviceCopy], done: CopyDone) -> Result<()> {
-        let d2d: Vec<(u64, u64, usize)> = copies
-            .iter()
-            .filter_map(|c| match *c {
-                DeviceCopy::DeviceToDevice { src, dst, len, .. } => Some((src, dst, len)),
-                _ => None,
-            })
-            .collect();
-        if !d2d.is_empty() {
-            GROUPS.fetch_add(1, Ordering::SeqCst);
-        }
-        // A destination that meets any copy's source or destination (its own source
-        // included), all on one device here.
-        let overlap = d2d.iter().enumerate().any(|(i, &(_, d, n))| {
-            d2d.iter()
-                .enumerate()
-                .any(|(j, &(s, d2, m))| meet(d, n, s, m) || (i != j && meet(d, n, d2, m)))
-        });
-        if overlap {
-            OVERLAPPING.fetch_add(1, Ordering::SeqCst);
-        }
-        let reversed: Vec<DeviceCopy> = copies.iter().rev().copied().collect();
-        // SAFETY: forwarded from the caller; a group's copies are not ordered.
-        unsafe { fakedev().copy_group(&reversed, done) }
-    }
-}
-
-/// `BLOCKS` blocks of `listcopy` device 0, freed on drop.
-struct Mem {
-    rt: Arc<dyn DeviceRuntime>,
-    addr: u64,
-}
-
-impl Mem {
-    fn new() -> Mem {
-        let rt = te_core::device::runtime(NAME).expect("the listcopy runtime");
-        let addr = rt.alloc(0, (BLOCK * BLOCKS) as usize).expect("alloc");
-        Mem { rt, addr }
-    }
-    fn copy(&self, c: DeviceCopy) {
-        // SAFETY: the host side outlives the synchronous copy; both sides are in range.
-        unsafe { self.rt.copy_sync(c) }.expect("copy");
-    }
-    fn fill(&self, v: &[u8]) {
-        self.copy(DeviceCopy::ToDevice {
-            ordinal: 0,
-            device: self.addr,
-            host: v.as_ptr(),
-            len: v.len(),
-        });
-    }
-    fn read(&self) -> Vec<u8> {
-        let mut v = vec![0u8; (BLOCK * BLOCKS) as usize];
-        self.copy(DeviceCopy::ToHost {
-            ordinal: 0,
-            device: self.addr,
-            host: v.as_mut_ptr(),
-            len: v.len(),
-        });
-        v
-    }
-}
-
-impl Drop for Mem {
-    fn drop(&mut self) {
-        let _ = self.rt.free(0, self.addr);
-    }
-}
 
 /// A request of `n` blocks from block `from` to block `to` of region 1, as `op` names
 /// them: a WRITE's source is local, a READ's remote.
@@ -178,7 +53,7 @@ fn in_order(was: &[u8], reqs: &[Move]) -> Vec<u8> {
 #[test]
 fn pieces_of_a_batch_that_overlap_one_another_never_share_a_device_group() {
     let b = backend(true);
-    let mem = Mem::new();
+    let mem = Mem::new((BLOCK * BLOCKS) as usize);
     let desc = MemoryDesc {
         name: "d".into(),
         addr: mem.addr,
@@ -236,7 +111,7 @@ fn pieces_of_a_batch_that_overlap_one_another_never_share_a_device_group() {
         let batch: Vec<TransferRequest> = reqs.iter().map(|&(f, t, n)| mv(*op, f, t, n)).collect();
         run(&b, me, &batch).unwrap_or_else(|e| panic!("case {k} ({reqs:?}): {e}"));
         assert_eq!(
-            OVERLAPPING.load(Ordering::SeqCst),
+            listcopy::groups().1,
             0,
             "case {k} ({op:?} {reqs:?}): no device group held copies that overlap"
         );
@@ -247,13 +122,13 @@ fn pieces_of_a_batch_that_overlap_one_another_never_share_a_device_group() {
     }
 
     // Moves apart from one another are still one group.
-    let before = GROUPS.load(Ordering::SeqCst);
+    let before = listcopy::groups().0;
     let apart = [(0, 8, 2), (2, 10, 2), (5, 13, 3)];
     let batch: Vec<TransferRequest> = apart
         .iter()
         .map(|&(f, t, n)| mv(Op::Write, f, t, n))
         .collect();
     run(&b, me, &batch).expect("moves apart");
-    assert_eq!(GROUPS.load(Ordering::SeqCst) - before, 1, "one group");
+    assert_eq!(listcopy::groups().0 - before, 1, "one group");
     deregister(&b, &[1]);
 }

@@ -23,12 +23,12 @@
 //! parallel), so they must not overlap. A part whose own two ranges overlap goes over
 //! the socket, staged; and where a batch moves a region into itself so that a part
 //! writes bytes an earlier part of the group reads or writes (or reads bytes it
-//! writes), that part starts the group's next **wave**: a group of its own, started
-//! once the one before it has ended. So overlapping parts run one after another, in
-//! the order of the batch's frames (request order for one op and remote region), and
-//! a batch without such overlaps is still one group.
+//! writes), that part starts the group's next **wave** (`crate::waves`): a group of its
+//! own, started once the one before it has ended. So overlapping parts run one after
+//! another, in the order of the batch's frames (request order for one op and remote
+//! region), and a batch without such overlaps is still one group.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::{Arc, Weak};
 
 use te_core::device::{DeviceCopy, DeviceRuntime};
@@ -41,6 +41,7 @@ use crate::initiator::slice::{Part, Slice};
 use crate::regions::Pin;
 use crate::stage;
 use crate::state::Shared;
+use crate::waves::{Span, Waves};
 use crate::wire::{Entry, Header, Kind};
 
 /// Backends of this process, by endpoint.
@@ -75,9 +76,8 @@ pub(crate) struct Local {
 struct LocalGroup {
     rt: Arc<dyn DeviceRuntime>,
     /// The copies in waves, each one device group, started once the wave before it
-    /// has ended: a copy that meets the bytes of one already in the last wave (writes
-    /// what it reads or writes, or reads what it writes) opens the next.
-    waves: Vec<Wave>,
+    /// has ended; all in one address space, this process's.
+    waves: Waves,
     /// Per frame: its batch (finished when the group ends), the target's pin on its
     /// region and the batch's pins on the local ones, held until then.
     frames: Vec<(Arc<Batch>, Pin, Arc<Vec<Pin>>)>,
@@ -157,7 +157,7 @@ impl Local {
             None => {
                 self.groups.push(LocalGroup {
                     rt,
-                    waves: Vec::new(),
+                    waves: Waves::default(),
                     frames: Vec::new(),
                 });
                 let last = self.groups.len() - 1;
@@ -170,7 +170,21 @@ impl Local {
                 Op::Write => (here, there),
                 Op::Read => (there, here),
             };
-            group.copy(ordinal, src, dst, p.len);
+            let copy = DeviceCopy::DeviceToDevice {
+                src_ordinal: ordinal,
+                src,
+                dst_ordinal: ordinal,
+                dst,
+                len: p.len as usize,
+            };
+            // Adjacent pieces are one copy, as staging merges them: a frame of adjacent
+            // blocks is one copy, not one per block.
+            let span = |addr| Span {
+                space: 0,
+                addr,
+                len: p.len,
+            };
+            group.waves.add(copy, span(src), span(dst), true);
         }
         group.frames.push((batch.clone(), pin, pins));
         Ok(())
@@ -203,94 +217,15 @@ impl Local {
                     batch.finish_slice(r.clone());
                 }
             };
-            let waves = g.waves.into_iter().map(|w| w.copies).collect();
+            let waves = g.waves.into_groups();
             // SAFETY: the initiator's ranges lie in its regions, checked at submission
             // and kept registered by the batch's pins; the target's were admitted
             // against its regions, which the frames' pins keep registered; `done` owns
             // every pin until the last wave's copies end. No two copies of one wave
-            // overlap (`LocalGroup::copy`), and a wave starts only once the one before
-            // it has ended.
+            // overlap (`Waves::add`; the pieces' own two ranges were checked apart above),
+            // and a wave starts only once the one before it has ended.
             unsafe { in_waves(g.rt, waves, batches, Box::new(done)) };
         }
-    }
-}
-
-impl LocalGroup {
-    /// Adds the copy of `len` bytes from `src` to `dst` (device `ordinal`, ranges that
-    /// do not overlap each other) to the last wave, or to a new one where it meets that
-    /// wave's bytes; it extends the wave's last copy where it follows it on both sides,
-    /// as staging merges adjacent pieces: a frame of adjacent blocks is one copy.
-    fn copy(&mut self, ordinal: u32, src: u64, dst: u64, len: u64) {
-        let (s, d) = (
-            (src, src.saturating_add(len)),
-            (dst, dst.saturating_add(len)),
-        );
-        let fits = self
-            .waves
-            .last()
-            .is_some_and(|w| !w.writes.meet(d) && !w.reads.meet(d) && !w.writes.meet(s));
-        if !fits {
-            self.waves.push(Wave::default());
-        }
-        let Some(w) = self.waves.last_mut() else {
-            return;
-        };
-        w.reads.add(s);
-        w.writes.add(d);
-        if let Some(DeviceCopy::DeviceToDevice {
-            src: a,
-            dst: b,
-            len: n,
-            ..
-        }) = w.copies.last_mut()
-        {
-            if a.checked_add(*n as u64) == Some(src) && b.checked_add(*n as u64) == Some(dst) {
-                *n += len as usize;
-                return;
-            }
-        }
-        w.copies.push(DeviceCopy::DeviceToDevice {
-            src_ordinal: ordinal,
-            src,
-            dst_ordinal: ordinal,
-            dst,
-            len: len as usize,
-        });
-    }
-}
-
-/// Copies that may run at once: none writes a byte another reads or writes.
-#[derive(Default)]
-struct Wave {
-    copies: Vec<DeviceCopy>,
-    /// The bytes the copies read, and those they write.
-    reads: Spans,
-    writes: Spans,
-}
-
-/// Byte ranges `[start, end)`, merged where they meet or touch, by start.
-#[derive(Default)]
-struct Spans(BTreeMap<u64, u64>);
-
-impl Spans {
-    /// Whether `[start, end)` shares a byte with a range here.
-    fn meet(&self, (start, end): (u64, u64)) -> bool {
-        self.0
-            .range(..end)
-            .next_back()
-            .is_some_and(|(_, &e)| e > start)
-    }
-
-    /// Adds `[start, end)`, merged with the ranges it meets or touches.
-    fn add(&mut self, (mut start, mut end): (u64, u64)) {
-        while let Some((&a, &b)) = self.0.range(..=end).next_back() {
-            if b < start {
-                break;
-            }
-            self.0.remove(&a);
-            (start, end) = (start.min(a), end.max(b));
-        }
-        self.0.insert(start, end);
     }
 }
 
