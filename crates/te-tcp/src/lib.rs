@@ -67,7 +67,8 @@
 //! socket that only the process behind its authenticated data connection can open,
 //! gets its frames through that channel (`local_ipc`): the target admits each request
 //! as a served frame and copies it itself — host memory with cross-memory attach,
-//! device memory of one runtime through the runtime's IPC handles as one device group.
+//! device memory of one runtime through the runtime's IPC handles as one device group
+//! (entries that overlap one another in groups one after another, as above).
 //! [`TcpBackend::peer_path`] says which path a peer takes; see `samehost.rs`.
 //!
 //! # Options (`[backends.tcp]`)

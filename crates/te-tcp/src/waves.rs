@@ -1,5 +1,5 @@
 //! Device copies in **waves**, for the paths that copy device memory themselves (a peer
-//! in this process).
+//! in this process, a same-host channel's target).
 //!
 //! The copies of one device group may run at once (a list-copy kernel runs them in
 //! parallel), so no two of them may overlap: none may write a byte another reads or

@@ -22,8 +22,14 @@
 //!   it sends from once per channel (`DeviceRuntime::ipc_export`: CUDA's IPC handle,
 //!   fakedev's memfd over `SCM_RIGHTS`), the target maps it once
 //!   (`ipc_import`), and a request's copies run as one device group — CUDA's list-copy
-//!   kernel on one GPU, not one driver call per block. No caller waits for the answer
-//!   to a share: an allocation's frames go over the socket until the target has
+//!   kernel on one GPU, not one driver call per block. A group's copies may run at
+//!   once, so entries that overlap one another (one writes bytes another reads or
+//!   writes: judged on the target's addresses for its side, on the initiator's for the
+//!   initiator's, and on one for both where the initiator is the target's own process)
+//!   are never in one group: such an entry starts the next **wave**, a group run once
+//!   the one before has ended (`crate::waves`). So they take effect in the request's
+//!   order, and a request without overlaps is still one group. No caller waits for the
+//!   answer to a share: an allocation's frames go over the socket until the target has
 //!   answered, then over the channel, or over the socket for good where the target
 //!   could not map it (it also refuses a request naming such an allocation).
 //!

@@ -2,6 +2,7 @@
 //! by copying itself (cross-memory attach, or device copies of imported allocations).
 
 use super::*;
+use crate::waves::{Span, Waves};
 
 /// A target's channel listener and the channels it serves; dropping it closes them.
 pub(crate) struct Server {
@@ -549,7 +550,12 @@ fn run<'f>(
     }
     let mut host_here: Vec<(usize, usize)> = Vec::new();
     let mut host_there: Vec<(u64, usize)> = Vec::new();
-    let mut groups: Vec<(Arc<dyn DeviceRuntime>, Vec<DeviceCopy>)> = Vec::new();
+    // Overlap is judged on this process's addresses for the region's side and on the
+    // initiator's for its side (one allocation may be mapped here twice, under two
+    // keys): two spaces, unless the initiator is this process, where they are one
+    // (its memory mapped here aliases the region it moves into itself).
+    let there_space = u8::from(u32::try_from(pid) != Ok(std::process::id()));
+    let mut groups: Vec<(Arc<dyn DeviceRuntime>, Waves)> = Vec::new();
     let mut last_import: Option<(u64, &Arc<Import>)> = None;
     for (e, &at) in entries.iter().zip(&index) {
         let region = pins[at].region();
@@ -600,10 +606,30 @@ fn run<'f>(
                     dst,
                     len: e.len as usize,
                 };
-                match groups.iter_mut().find(|g| Arc::ptr_eq(&g.0, rt)) {
-                    Some(g) => g.1.push(copy),
-                    None => groups.push((rt.clone(), vec![copy])),
-                }
+                let (ours, theirs) = (
+                    Span {
+                        space: 0,
+                        addr: here,
+                        len: e.len,
+                    },
+                    Span {
+                        space: there_space,
+                        addr: e.addr,
+                        len: e.len,
+                    },
+                );
+                let (reads, writes) = match op {
+                    Op::Write => (theirs, ours),
+                    Op::Read => (ours, theirs),
+                };
+                let g = match groups.iter().position(|g| Arc::ptr_eq(&g.0, rt)) {
+                    Some(g) => g,
+                    None => {
+                        groups.push((rt.clone(), Waves::default()));
+                        groups.len() - 1
+                    }
+                };
+                groups[g].1.add(copy, reads, writes, false);
             }
             _ => {
                 return Err(Error::new(
@@ -630,12 +656,15 @@ fn run<'f>(
             )
         })?;
     }
-    for (rt, copies) in groups {
-        // SAFETY: the region ranges were admitted and are pinned until after the call;
-        // the initiator's ranges lie in allocations mapped here (checked above), which
-        // stay mapped while this channel serves, and its batch keeps them registered
-        // until this request is answered.
-        unsafe { rt.copy_group_wait(&copies) }?;
+    for (rt, waves) in groups {
+        for copies in waves.into_groups() {
+            // SAFETY: the region ranges were admitted and are pinned until after the
+            // call; the initiator's ranges lie in allocations mapped here (checked
+            // above), which stay mapped while this channel serves, and its batch keeps
+            // them registered until this request is answered. No two copies of a wave
+            // overlap (`Waves::add`), and a wave starts once the one before has ended.
+            unsafe { rt.copy_group_wait(&copies) }?;
+        }
     }
     drop(copying);
     drop(pins);

@@ -21,6 +21,7 @@ mod handshake;
 mod hostile;
 mod listener;
 mod samehost;
+mod samehost_waves;
 mod transfer;
 
 use te_core::testkit::{pattern, soon};

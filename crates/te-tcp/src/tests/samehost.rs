@@ -23,7 +23,7 @@ fn nonce(target: &TcpBackend) -> [u8; 32] {
     nonce
 }
 
-fn channel(target: &TcpBackend) -> Arc<Channel> {
+pub(super) fn channel(target: &TcpBackend) -> Arc<Channel> {
     let instance = decode_endpoint(&target.endpoint()).unwrap().instance;
     Channel::open(
         instance,
@@ -36,7 +36,7 @@ fn channel(target: &TcpBackend) -> Arc<Channel> {
 }
 
 /// One request of `ranges` on `ch`, waited for.
-fn request(ch: &Channel, op: Op, ranges: Vec<Range>) -> Result<()> {
+pub(super) fn request(ch: &Channel, op: Op, ranges: Vec<Range>) -> Result<()> {
     let (tx, rx) = mpsc::channel();
     let done = Completion::new(Duration::from_secs(10), move |r, _| {
         let _ = tx.send(r);
@@ -483,7 +483,7 @@ fn a_request_naming_a_new_region_at_every_entry_is_refused_and_nothing_copied() 
 
 /// What [`Link::key`] gives for `addr` once the target has answered its share (it
 /// shares on the first call, and gives the socket until the answer comes).
-fn answered_key(
+pub(super) fn answered_key(
     ch: &Channel,
     rt: &Arc<dyn te_core::device::DeviceRuntime>,
     region: te_core::RegionId,
@@ -529,7 +529,7 @@ fn memory_the_runtime_will_not_export_takes_the_socket_alone() {
 
 /// Held by the tests that count fakedev's imports or make it refuse them: both are
 /// process-wide.
-static IMPORTS: te_core::sync::Mutex<()> = te_core::sync::Mutex::new(());
+pub(super) static IMPORTS: te_core::sync::Mutex<()> = te_core::sync::Mutex::new(());
 
 #[test]
 fn memory_the_target_cannot_map_takes_the_socket_and_is_not_offered_again() {
