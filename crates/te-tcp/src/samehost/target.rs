@@ -442,19 +442,35 @@ impl Fence {
             ));
         }
         self.0.word(BUSY).store(1, Ordering::SeqCst);
-        let copying = Copying(self);
-        if self.0.word(CLOSED).load(Ordering::SeqCst) != 0 {
-            return Err(Error::new(
-                ErrorKind::Cancelled,
-                "the initiator stopped the channel before the request's copies started",
-            ));
-        }
+        let copying = Copying(self, deadline_us);
+        copying.wanted("started")?;
         Ok(copying)
     }
 }
 
-/// A request's copies running: `BUSY` is cleared when this drops.
-struct Copying<'a>(&'a Fence);
+/// A request's copies running, and its deadline: `BUSY` is cleared when this drops.
+struct Copying<'a>(&'a Fence, u64);
+
+impl Copying<'_> {
+    /// Whether the request's next copies may start (`what` says which: "started", or
+    /// "went on"): not after the initiator stopped the channel, nor after its batch's
+    /// deadline, when it may have been handed back.
+    fn wanted(&self, what: &str) -> Result<()> {
+        if self.0 .0.word(CLOSED).load(Ordering::SeqCst) != 0 {
+            return Err(Error::new(
+                ErrorKind::Cancelled,
+                format!("the initiator stopped the channel before the request's copies {what}"),
+            ));
+        }
+        if self.1 != 0 && monotonic_us() >= self.1 {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!("the batch's deadline passed before the request's copies {what}"),
+            ));
+        }
+        Ok(())
+    }
+}
 
 impl Drop for Copying<'_> {
     fn drop(&mut self) {
@@ -656,8 +672,14 @@ fn run<'f>(
             )
         })?;
     }
+    let mut first = true;
     for (rt, waves) in groups {
         for copies in waves.into_groups() {
+            // A request of many waves (entries that overlap one another) stops between
+            // them once its batch is over, as it would not have started.
+            if !std::mem::take(&mut first) {
+                copying.wanted("went on")?;
+            }
             // SAFETY: the region ranges were admitted and are pinned until after the
             // call; the initiator's ranges lie in allocations mapped here (checked
             // above), which stay mapped while this channel serves, and its batch keeps

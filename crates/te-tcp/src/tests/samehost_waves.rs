@@ -6,6 +6,8 @@
 //! `fakedev` that counts groups whose copies overlap and runs each group's copies last
 //! to first. One test, as it reads process-wide counters.
 
+use std::time::Duration;
+
 use te_core::{Access, MemoryDesc, MemoryKind, Op, RegionId, TransferBackend};
 
 use super::samehost::{answered_key, channel, request, IMPORTS};
@@ -174,6 +176,34 @@ fn entries_of_a_request_that_overlap_one_another_never_share_a_device_group() {
         request(&ch, op, ranges).expect("entries apart");
         assert_eq!(listcopy::groups().0 - before, 1, "{op:?}: one group");
     }
+
+    // A chain of 8 waves of 100 ms each, in a batch given 250 ms: the target stops
+    // between waves once the deadline passed, as it would not have started.
+    listcopy::set_group_delay(100);
+    let before = listcopy::groups().0;
+    let chain: Vec<Range> = (0..8)
+        .map(|i| entry(Op::Write, (i, i + 1, 1), region.addr, itself))
+        .collect();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let done = te_core::Completion::new(Duration::from_millis(250), move |r, _| {
+        let _ = tx.send(r);
+    });
+    let batch = std::sync::Arc::new(crate::completion::Batch::new(1, done, Vec::new()));
+    ch.submit(vec![crate::samehost::Frame {
+        op: Op::Write,
+        ranges: chain,
+        batch,
+    }]);
+    let r = rx.recv_timeout(Duration::from_secs(5)).expect("answered");
+    assert!(r.is_err(), "a batch past its deadline failed: {r:?}");
+    // Long enough for all 8 waves, had the target gone on.
+    std::thread::sleep(Duration::from_millis(1000));
+    listcopy::set_group_delay(0);
+    let started = listcopy::groups().0 - before;
+    assert!(
+        started <= 4,
+        "{started} of 8 waves started for a batch whose 250 ms deadline passed after the third"
+    );
     drop(ch);
     target.deregister(RegionId(1), soon()).unwrap();
 }

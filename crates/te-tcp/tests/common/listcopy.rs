@@ -22,6 +22,14 @@ pub(crate) const NAME: &str = "listcopy";
 static GROUPS: AtomicU64 = AtomicU64::new(0);
 static OVERLAPPING: AtomicU64 = AtomicU64::new(0);
 
+/// How long each device-to-device group takes at least, in milliseconds.
+static GROUP_DELAY_MS: AtomicU64 = AtomicU64::new(0);
+
+/// Makes each device-to-device group take at least `ms` milliseconds (0: no delay).
+pub(crate) fn set_group_delay(ms: u64) {
+    GROUP_DELAY_MS.store(ms, Ordering::SeqCst);
+}
+
 /// The groups started so far, and how many of them held overlapping copies.
 pub(crate) fn groups() -> (u64, u64) {
     (
@@ -89,6 +97,8 @@ impl DeviceRuntime for ListCopy {
             .collect();
         if !d2d.is_empty() {
             GROUPS.fetch_add(1, Ordering::SeqCst);
+            let delay = GROUP_DELAY_MS.load(Ordering::SeqCst);
+            std::thread::sleep(std::time::Duration::from_millis(delay));
         }
         // A destination that meets any copy's source or destination (its own source
         // included), all in one address space here.
