@@ -154,6 +154,9 @@ impl MluBackend {
     /// fetched before `deadline`.
     pub(crate) fn connect_peer(&self, peer: &SegmentDesc, deadline: Deadline) -> Result<PeerId> {
         let ep = Endpoint::decode(&peer.endpoint)?;
+        // What an engine refuses when it decodes a descriptor, for one handed here as
+        // a value: regions past the end of the address space, an id listed twice.
+        peer.check_regions()?;
         if ep.host != self.endpoint.host {
             return Err(Error::new(
                 ErrorKind::Unsupported,

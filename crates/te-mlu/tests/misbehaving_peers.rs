@@ -667,3 +667,32 @@ fn a_peers_deregistered_allocation_is_unmapped_once_a_batch_finds_it_gone() {
         "the peer's freed allocation is still mapped here after a batch found its region deregistered: {line}"
     );
 }
+
+#[test]
+fn a_descriptor_handed_to_connect_is_checked_as_a_decoded_one_is() {
+    setup();
+    let rt = te_mlu::runtime().unwrap();
+    let a = backend(rand::random::<u64>() | 1);
+    let b = backend(rand::random::<u64>() | 1);
+    let len = 4096usize;
+    let t = rt.alloc(1, len).unwrap();
+    let key = b
+        .register(RegionId(1), &mlu_mem(t, len, 1, Access::REMOTE_READ_WRITE))
+        .unwrap();
+    let twice = vec![
+        region(1, t, len, 1, key.clone()),
+        region(1, t, len, 1, key.clone()),
+    ];
+    let past_the_end = vec![region(1, u64::MAX - 100, len, 1, key)];
+    let mut errors = Vec::new();
+    for regions in [twice, past_the_end] {
+        match a.connect(&seg(b.endpoint(), regions.clone()), soon()) {
+            Ok(_) => errors.push(format!("accepted {regions:?}")),
+            Err(e) if e.kind() == ErrorKind::Protocol && e.to_string().contains("region 1") => {}
+            Err(e) => errors.push(format!("{e} for {regions:?}")),
+        }
+    }
+    drop((a, b));
+    rt.free(1, t).unwrap();
+    assert!(errors.is_empty(), "{errors:#?}");
+}
