@@ -29,6 +29,10 @@
  *   Whether a new allocation at a freed base gets the freed one's handle value is
  *   unknown of real CNRT: te_fake_cnrt_handles_by_base(1) makes handles name the
  *   base, so it does (fake_cnrt_ipc.c).
+ * - A mapping of an IPC handle is an allocation of the importer's: at a fresh address
+ *   (after every earlier one on its MLU, with a gap), and cnrtPointerGetAttributes
+ *   answers for any address in it with the mapped allocation's base and size, as
+ *   CUDA's pointer queries do for IPC mappings (unconfirmed of real CNRT).
  * - cnrtMalloc reuses the address range of a freed allocation, so a new allocation
  *   may start where a freed one started.
  * - Errors can be injected per function name: te_fake_cnrt_inject(name, code, count),

@@ -7,7 +7,8 @@
  * allocation (the most recently freed one on the device that fits), so a new
  * allocation can start at the base of one just freed: whatever a program keeps by
  * base address outlives the allocation it was about. Mappings of IPC handles always
- * get fresh addresses.
+ * get fresh addresses, and cnrtPointerGetAttributes reports them as it reports
+ * cnrtMalloc'ed ones: device memory, with the allocation's base and size.
  */
 #include "fake_cnrt_internal.h"
 

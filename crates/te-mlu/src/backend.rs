@@ -97,6 +97,12 @@ fn region_error(kind: ErrorKind, m: String) -> Error {
     Error::new(kind, m).with_operation("transfer")
 }
 
+/// `base + offset`, if `len` bytes from there lie inside the 64-bit address space.
+fn span_at(base: u64, offset: u64, len: u64) -> Option<u64> {
+    base.checked_add(offset)
+        .filter(|at| at.checked_add(len).is_some())
+}
+
 impl MluBackend {
     /// A backend instance with its region table and worker threads.
     ///
@@ -299,7 +305,18 @@ impl TransferBackend for MluBackend {
                 // The engine checked the request against both regions (bounds,
                 // rights); the peer's own table is checked below, when it is entered.
                 let raddr = rm.addr.clone()?;
-                let (l_at, r_at) = (l.addr + r.local_offset, raddr + r.remote_offset);
+                let (Some(l_at), Some(r_at)) = (
+                    span_at(l.addr, r.local_offset, r.len),
+                    span_at(raddr, r.remote_offset, r.len),
+                ) else {
+                    return Err(region_error(
+                        ErrorKind::OutOfBounds,
+                        format!(
+                            "{} bytes at offset {} of local region {} and offset {} of the peer's region {} run past the end of the address space",
+                            r.len, r.local_offset, r.local, r.remote_offset, r.remote
+                        ),
+                    ));
+                };
                 let ((src, smem), (dst, dmem)) = match r.op {
                     Op::Write => ((l_at, l.mem), (r_at, rm.mem)),
                     Op::Read => ((r_at, rm.mem), (l_at, l.mem)),
@@ -392,6 +409,15 @@ impl TransferBackend for MluBackend {
                         format!(
                             "the peer refuses range {}+{} of its region {} of {} bytes",
                             r.remote_offset, r.len, r.remote, ext.len
+                        ),
+                    ));
+                }
+                if !fits(r.remote_offset, r.len, rm.room) {
+                    return Err(region_error(
+                        ErrorKind::Protocol,
+                        format!(
+                            "range {}+{} of the peer's region {} runs past the end of the allocation this process maps for it ({} bytes from the region's start), though the peer's table gives the region {} bytes: the peer's region table is forged or corrupt",
+                            r.remote_offset, r.len, r.remote, rm.room, ext.len
                         ),
                     ));
                 }

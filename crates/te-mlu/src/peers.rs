@@ -21,6 +21,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Weak};
 use te_core::sync::{Condvar, Mutex, RwLock};
 
+use te_core::kit::fits;
 use te_core::{Deadline, Error, ErrorKind, MemoryKind, PeerId, RegionId, Result, SegmentDesc};
 
 use crate::backend::{Mem, MluBackend};
@@ -74,6 +75,9 @@ pub(crate) struct Mapping {
     handle: IpcHandle,
     ordinal: u32,
     addr: u64,
+    /// Its bytes from `addr` on, as CNRT reports them for the mapped address: the
+    /// most that any region of it may reach, whatever its owner claims.
+    len: u64,
 }
 
 impl Drop for Mapping {
@@ -99,6 +103,11 @@ pub(crate) struct Remote {
     /// The address usable here, or why the region cannot be reached from here.
     pub(crate) addr: std::result::Result<u64, Error>,
     pub(crate) mapping: Option<Arc<Mapping>>,
+    /// The bytes from the region's start to the end of its mapped allocation: a
+    /// request must end inside them whatever the owner's table says of the region's
+    /// length, which its owner may rewrite at any time. Unbounded (`u64::MAX`) for a
+    /// region reached directly, which is this process's own.
+    pub(crate) room: u64,
     pub(crate) mem: Mem,
     pub(crate) slot: u32,
     /// The descriptor's address, and the key's offset in the allocation, its IPC
@@ -225,7 +234,7 @@ impl MluBackend {
         for r in &peer.regions {
             let remote = match old.get(&r.id) {
                 Some(known) => known.clone(),
-                None => Arc::new(self.remote(&state, r)?),
+                None => Arc::new(self.remote(&state, &peer.engine, r)?),
             };
             regions.insert(r.id, remote);
         }
@@ -275,11 +284,21 @@ impl MluBackend {
         loop {
             let Some((generation, weak)) = maps.get(&ipc.handle).cloned() else {
                 let addr = self.rt.map(ordinal, ipc.handle)?;
+                let len = match self.rt.mapped_len(addr) {
+                    Ok(len) => len,
+                    Err(e) => {
+                        if let Err(u) = self.rt.unmap(ordinal, addr) {
+                            tracing::warn!(error = %u, "unmapping a peer's MLU memory failed");
+                        }
+                        return Err(e);
+                    }
+                };
                 let m = Arc::new(Mapping {
                     rt: self.rt.clone(),
                     handle: ipc.handle,
                     ordinal,
                     addr,
+                    len,
                 });
                 maps.insert(ipc.handle, (ipc.generation, Arc::downgrade(&m)));
                 return Ok(m);
@@ -311,13 +330,16 @@ impl MluBackend {
         }
     }
 
-    fn remote(&self, peer: &PeerState, r: &te_core::RegionDesc) -> Result<Remote> {
+    /// The peer's region `r`, as engine `engine` describes it, resolved to an address
+    /// here; what cannot be reached says why in `addr`.
+    fn remote(&self, peer: &PeerState, engine: &str, r: &te_core::RegionDesc) -> Result<Remote> {
         let key = Key::decode(&r.key)?;
         let same_process = peer.same_process;
         let direct = same_process && self.config.ipc == IpcMode::Auto;
         let mut remote = Remote {
             addr: Ok(r.addr),
             mapping: None,
+            room: u64::MAX,
             mem: Mem::Host,
             slot: key.slot,
             origin: (
@@ -329,7 +351,7 @@ impl MluBackend {
         };
         // Only what the owner's table holds live now is mapped: a handle it does not
         // vouch for (a region deregistered since, a stale or forged descriptor) never is.
-        match peer.table.extent(key.slot, r.id.0) {
+        let ext = match peer.table.extent(key.slot, r.id.0) {
             None => {
                 remote.addr = Err(Error::new(
                     ErrorKind::NotRegistered,
@@ -344,8 +366,8 @@ impl MluBackend {
                 ));
                 return Ok(remote);
             }
-            Some(_) => {}
-        }
+            Some(ext) => ext,
+        };
         match &r.kind {
             MemoryKind::Host if same_process => {}
             MemoryKind::Host => {
@@ -360,10 +382,25 @@ impl MluBackend {
                         remote.mem = Mem::Mlu(local);
                         if !direct {
                             remote.addr = match key.ipc {
-                                Some(ipc) => self.map(local, ipc).map(|m| {
-                                    let a = m.addr + ipc.offset;
+                                Some(ipc) => self.map(local, ipc).and_then(|m| {
+                                    // The owner's key and table say where the region
+                                    // lies in the allocation; CNRT says how large it is.
+                                    let at = m
+                                        .addr
+                                        .checked_add(ipc.offset)
+                                        .filter(|_| fits(ipc.offset, ext.len, m.len))
+                                        .ok_or_else(|| {
+                                            Error::new(
+                                                ErrorKind::Protocol,
+                                                format!(
+                                                    "region {} of engine `{engine}` (the peer) is refused: its owner puts it at offset {} for {} bytes in an allocation of {} bytes (the size CNRT reports for this process's mapping of it), so it would reach memory past the allocation; the peer's region key and table are forged or corrupt",
+                                                    r.id, ipc.offset, ext.len, m.len
+                                                ),
+                                            )
+                                        })?;
+                                    remote.room = m.len - ipc.offset;
                                     remote.mapping = Some(m);
-                                    a
+                                    Ok(at)
                                 }),
                                 None => Err(Error::new(
                                     ErrorKind::Unsupported,

@@ -375,6 +375,43 @@ impl MluRuntime {
             .with_device(ordinal, || self.cnrt.map_mem_handle(handle))
     }
 
+    /// How many bytes of the peer's allocation that [`MluRuntime::map`] mapped at
+    /// `addr` lie from `addr` to its end, as CNRT reports them for the mapped address
+    /// (`cnrtPointerGetAttributes`: the allocation's base and size). This, not what
+    /// the allocation's owner claims, bounds what te reaches through the mapping.
+    ///
+    /// # Errors
+    /// `Unsupported` if CNRT does not report `addr` as MLU memory inside an
+    /// allocation of known size.
+    pub(crate) fn mapped_len(&self, addr: u64) -> Result<u64> {
+        let attrs = self.cnrt.pointer_attributes(addr);
+        let end = match &attrs {
+            Ok(a) if a.kind == MEM_TYPE_DEVICE && a.size > 0 => {
+                let base = if a.device_base_pointer.is_null() {
+                    addr
+                } else {
+                    a.device_base_pointer as u64
+                };
+                base.checked_add(a.size as u64)
+                    .filter(|&end| base <= addr && addr < end)
+            }
+            _ => None,
+        };
+        end.map(|end| end - addr).ok_or_else(|| {
+            let said = match attrs {
+                Ok(a) => format!(
+                    "cnrtPointerGetAttributes says type {}, {} bytes from base {:#x}",
+                    a.kind, a.size, a.device_base_pointer as u64
+                ),
+                Err(e) => e.to_string(),
+            };
+            Error::new(
+                ErrorKind::Unsupported,
+                format!("CNRT does not say how large the peer's MLU allocation mapped at {addr:#x} is ({said}), so te cannot keep copies through that mapping inside the allocation, and makes none"),
+            )
+        })
+    }
+
     /// Undoes [`MluRuntime::map`].
     pub(crate) fn unmap(&self, ordinal: u32, addr: u64) -> Result<()> {
         self.cnrt

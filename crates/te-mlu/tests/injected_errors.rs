@@ -30,6 +30,21 @@ fn inject(name: &str, code: i32, count: i32) {
     unsafe { f(name.as_ptr(), code, count) };
 }
 
+type Counter = unsafe extern "C" fn(*const std::ffi::c_char) -> u64;
+
+/// A counter of the fake libcnrt this process loaded.
+fn counter(name: &str) -> u64 {
+    // SAFETY: the same file te-mlu loaded, so dlopen returns the same instance; its
+    // initialisers only read environment variables.
+    let lib = unsafe { libloading::Library::new(env!("TE_MLU_FAKE_CNRT")) }.expect("fake");
+    // SAFETY: the fake-only function's prototype.
+    let f: libloading::Symbol<'_, Counter> =
+        unsafe { lib.get(b"te_fake_cnrt_counter\0") }.expect("te_fake_cnrt_counter");
+    let name = std::ffi::CString::new(name).expect("name");
+    // SAFETY: a NUL-terminated name.
+    unsafe { f(name.as_ptr()) }
+}
+
 fn e2f(e: te_core::Error) -> Failed {
     e.to_string().into()
 }
@@ -138,6 +153,61 @@ fn not_ready_from_a_queue_query_only_means_wait() -> Result<(), Failed> {
     Ok(())
 }
 
+fn a_mapping_whose_size_cnrt_does_not_report_is_never_copied_through() -> Result<(), Failed> {
+    // Peers in one process map each other's handles as peers elsewhere do.
+    let always = config("mlu", "ipc = \"always\"");
+    let target = Engine::from_config(&always).map_err(e2f)?;
+    let initiator = Engine::from_config(&always).map_err(e2f)?;
+    let dst = target
+        .alloc_on(&mlu(1), "dst", 64 << 10, Access::REMOTE_READ_WRITE)
+        .map_err(e2f)?;
+    let src = filled(&initiator, &mlu(0), "src", 64 << 10, Access::LOCAL, 3);
+    // CNRT fails to say how large the allocation it maps at connect is.
+    let (maps, unmaps) = (counter("maps"), counter("unmaps"));
+    inject("cnrtPointerGetAttributes", ARGS_INVALID, 1);
+    let peer = initiator.connect(&target.address().to_string());
+    // Whatever connect did, the error is not left for another test's call.
+    inject("cnrtPointerGetAttributes", 0, 0);
+    let peer = peer.map_err(e2f)?;
+    let remote = peer.region("dst").ok_or("no dst")?.id;
+    let req = [TransferRequest::write(src.id(), 0, remote, 0, 64 << 10)];
+    let e = match initiator.transfer(&peer, &req) {
+        Err(e) => e,
+        Ok(h) => match h.wait() {
+            Err(e) => e,
+            Ok(()) => {
+                return Err("a batch copied through a mapping whose size CNRT did not say".into())
+            }
+        },
+    };
+    if e.kind() != ErrorKind::Unsupported || !e.to_string().contains("CNRT does not say how large")
+    {
+        return Err(
+            format!("expected Unsupported saying CNRT did not say the size, got {e:?}").into(),
+        );
+    }
+    if dst.to_vec().map_err(e2f)?.iter().any(|&b| b != 0) {
+        return Err("the refused batch changed the target's memory".into());
+    }
+    let (mapped, unmapped) = (counter("maps") - maps, counter("unmaps") - unmaps);
+    if mapped != 1 || unmapped != 1 {
+        return Err(format!("the allocation was mapped {mapped} times and unmapped {unmapped} times: the mapping nothing may use must be undone at once").into());
+    }
+    // Once CNRT answers, refreshing the peer maps the allocation again.
+    initiator
+        .refresh(&peer, std::time::Duration::from_secs(10))
+        .map_err(e2f)?;
+    initiator
+        .transfer(&peer, &req)
+        .map_err(e2f)?
+        .wait()
+        .map_err(|e| format!("the batch after the refresh failed: {e}"))?;
+    if dst.to_vec().map_err(e2f)? != src.to_vec().map_err(e2f)? {
+        return Err("the batch after the refresh left wrong bytes".into());
+    }
+    Ok(())
+}
+
 fn a_failing_runtime_copy_fails_only_its_stub_batch() -> Result<(), Failed> {
     one_batch_fails(
         "stub",
@@ -150,7 +220,7 @@ fn a_failing_runtime_copy_fails_only_its_stub_batch() -> Result<(), Failed> {
 fn main() {
     use_fake_cnrt(&[("TE_FAKE_CNRT_COPY_DELAY_US", "50000")]);
     type Test = fn() -> Result<(), Failed>;
-    let tests: [(&str, Test); 5] = [
+    let tests: [(&str, Test); 6] = [
         (
             "mlu::an_allocation_without_device_memory_fails_clearly_and_the_next_succeeds",
             an_allocation_without_device_memory_fails_clearly_and_the_next_succeeds,
@@ -166,6 +236,10 @@ fn main() {
         (
             "mlu::not_ready_from_a_queue_query_only_means_wait",
             not_ready_from_a_queue_query_only_means_wait,
+        ),
+        (
+            "mlu::a_mapping_whose_size_cnrt_does_not_report_is_never_copied_through",
+            a_mapping_whose_size_cnrt_does_not_report_is_never_copied_through,
         ),
         (
             "stub_mlu::a_failing_runtime_copy_fails_only_its_stub_batch",

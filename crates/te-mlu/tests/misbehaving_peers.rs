@@ -90,15 +90,30 @@ fn forged_table(
     let mut img = vec![0u8; TABLE_SIZE];
     img[0..8].copy_from_slice(&MAGIC.to_ne_bytes());
     img[8..16].copy_from_slice(&instance.to_ne_bytes());
-    let s = HEADER + slot as usize * SLOT;
-    img[s..s + 8].copy_from_slice(&region.to_ne_bytes());
-    img[s + 8..s + 12].copy_from_slice(&2u32.to_ne_bytes()); // live
-    img[s + 20..s + 24].copy_from_slice(&3u32.to_ne_bytes()); // read | write
-    img[s + 24..s + 32].copy_from_slice(&addr.to_ne_bytes());
-    img[s + 40..s + 48].copy_from_slice(&len.to_ne_bytes());
     let mut f = std::fs::File::from(fd.try_clone().unwrap());
     std::io::Write::write_all(&mut f, &img).unwrap();
+    forge_slot(&fd, slot, region, addr, len, None);
     fd
+}
+
+/// Writes `region` into `slot` of the forged table `fd`: live, readable and writable,
+/// at `addr` for `len` bytes, and for MLU memory, reached through `ipc` (its handle,
+/// generation and offset in the allocation).
+fn forge_slot(fd: &OwnedFd, slot: u32, region: u64, addr: u64, len: u64, ipc: Option<Ipc>) {
+    let mut s = [0u8; SLOT];
+    s[0..8].copy_from_slice(&region.to_ne_bytes());
+    s[8..12].copy_from_slice(&2u32.to_ne_bytes()); // live
+    s[20..24].copy_from_slice(&3u32.to_ne_bytes()); // read | write
+    s[24..32].copy_from_slice(&addr.to_ne_bytes());
+    s[40..48].copy_from_slice(&len.to_ne_bytes());
+    if let Some(ipc) = ipc {
+        s[32..40].copy_from_slice(&ipc.offset.to_ne_bytes());
+        s[48..56].copy_from_slice(&ipc.handle);
+        s[56..64].copy_from_slice(&ipc.generation.to_ne_bytes());
+    }
+    let f = std::fs::File::from(fd.try_clone().unwrap());
+    std::os::unix::fs::FileExt::write_all_at(&f, &s, (HEADER + slot as usize * SLOT) as u64)
+        .unwrap();
 }
 
 /// Serves `fd` as instance `instance`'s table on the socket `name` to the first `n`
@@ -229,11 +244,20 @@ fn write(
     remote: u64,
     len: usize,
 ) -> (te_core::Result<()>, Option<te_core::Result<()>>) {
+    let req = TransferRequest::write(RegionId(local), 0, RegionId(remote), 0, len as u64);
+    transfer(b, peer, req)
+}
+
+/// Submits `req` alone; returns the submit's result and the completion's (within 10 s).
+fn transfer(
+    b: &MluBackend,
+    peer: PeerId,
+    req: TransferRequest,
+) -> (te_core::Result<()>, Option<te_core::Result<()>>) {
     let (tx, rx) = std::sync::mpsc::channel();
     let done = Completion::new(Duration::from_secs(10), move |r, _| {
         let _ = tx.send(r.map(|_| ()));
     });
-    let req = TransferRequest::write(RegionId(local), 0, RegionId(remote), 0, len as u64);
     let r = b.submit(peer, &[req], done);
     let c = if r.is_ok() {
         rx.recv_timeout(Duration::from_secs(10)).ok()
@@ -666,6 +690,235 @@ fn a_peers_deregistered_allocation_is_unmapped_once_a_batch_finds_it_gone() {
         n("after=") < n("before="),
         "the peer's freed allocation is still mapped here after a batch found its region deregistered: {line}"
     );
+}
+
+/// A backend that maps its peers' IPC handles even for peers in this process, as it
+/// does for peers elsewhere.
+fn mapping_backend() -> MluBackend {
+    let mut always = MluConfig::default();
+    always.ipc = te_mlu::IpcMode::Always;
+    let ctx = BackendContext {
+        epoch: rand::random::<u64>() | 1,
+        ..BackendContext::default()
+    };
+    MluBackend::new(always, &ctx).expect("the fake libcnrt loads")
+}
+
+/// Where the fake puts the next allocation or mapping after one of at most 1 MiB: its
+/// size rounded up to 1 MiB, then a 1 MiB gap (fake_cnrt_memory.c).
+const FAKE_SPAN: u64 = 2 << 20;
+
+/// Whether `e` refuses the peer's region `region` as forged, naming the peer.
+fn refused_as_forged(e: &te_core::Error, region: u64) -> bool {
+    let m = e.to_string();
+    e.kind() == ErrorKind::Protocol && m.contains(&format!("region {region}")) && m.contains("peer")
+}
+
+#[test]
+fn a_forged_offset_past_the_mapped_allocation_reaches_nothing_after_it() {
+    const NAME: &str = "a_forged_offset_past_the_mapped_allocation_reaches_nothing_after_it";
+    // A child of its own: where the fake places an allocation depends on every
+    // allocation the process made before it.
+    let child = in_child(NAME, || {
+        let rt = te_mlu::runtime().unwrap();
+        let a = mapping_backend();
+        let b = backend(rand::random::<u64>() | 1);
+        let len = 4096usize;
+        // The owner's allocation, which A maps; its handle and generation are real.
+        let shared = rt.alloc(1, len).unwrap();
+        let key = b
+            .register(
+                RegionId(1),
+                &mlu_mem(shared, len, 1, Access::REMOTE_READ_WRITE),
+            )
+            .unwrap();
+        let ipc = te_core::codec::decode::<Key>(&key, "key")
+            .unwrap()
+            .ipc
+            .expect("an MLU region's key carries its IPC handle");
+        let src = device_with(&rt, 0, &te_core::testkit::pattern(2 * len, 5));
+        let dst = rt.alloc(0, 2 * len).unwrap();
+        a.register(RegionId(10), &mlu_mem(src, 2 * len, 0, Access::LOCAL))
+            .unwrap();
+        a.register(RegionId(11), &mlu_mem(dst, 2 * len, 0, Access::LOCAL))
+            .unwrap();
+        // The owner, as a process of its own, says its region 77 lies one span past
+        // the allocation's start (where the fake puts the next allocation after A's
+        // mapping of it), and its region 78 is one byte longer than the allocation.
+        // Its region 79 is the allocation, listed first so that A maps it once for
+        // all three; once A has connected, its owner makes it longer than that.
+        let ep = other_process(&a);
+        let table = forged_table(ep.instance, 0, 0, 0, 0, true);
+        let past = Ipc {
+            offset: FAKE_SPAN,
+            ..ipc
+        };
+        let over = Ipc { offset: 0, ..ipc };
+        forge_slot(&table, 0, 77, shared + FAKE_SPAN, len as u64, Some(past));
+        forge_slot(&table, 1, 78, shared, len as u64 + 1, Some(over));
+        forge_slot(&table, 2, 79, shared, len as u64, Some(over));
+        let table_now = table.try_clone().unwrap();
+        let _srv = serve_table(&ep.socket, ep.instance, table, 1);
+        let key = |slot, ipc| {
+            te_core::codec::encode(&Key {
+                slot,
+                ipc: Some(ipc),
+            })
+        };
+        let desc = seg(
+            encode_endpoint(&ep),
+            vec![
+                region(79, shared, len, 1, key(2, over)),
+                region(77, shared + FAKE_SPAN, len, 1, key(0, past)),
+                region(78, shared, len + 1, 1, key(1, over)),
+            ],
+        );
+        let connected = a.connect(&desc, soon());
+        // This process's other memory, right after A's mapping of the allocation.
+        let canary_bytes = te_core::testkit::pattern(len, 9);
+        let canary = device_with(&rt, 1, &canary_bytes);
+        assert_eq!(
+            canary,
+            shared + 2 * FAKE_SPAN,
+            "the test's premise: the fake puts the canary right after A's mapping of the owner's allocation"
+        );
+        let peer = connected.expect("connect");
+        let grown = FAKE_SPAN + len as u64;
+        forge_slot(&table_now, 2, 79, shared, grown, Some(over));
+        // Each as a WRITE from A's memory and a READ into it: (region, offset, length).
+        let tries = [
+            (77, 0, len as u64),
+            (78, 0, len as u64 + 1),
+            (79, FAKE_SPAN, len as u64),
+        ];
+        let mut results = Vec::new();
+        for (remote, offset, n) in tries {
+            for req in [
+                TransferRequest::write(RegionId(10), 0, RegionId(remote), offset, n),
+                TransferRequest::read(RegionId(11), 0, RegionId(remote), offset, n),
+            ] {
+                results.push((remote, transfer(&a, peer, req)));
+            }
+        }
+        let canary_now = device_bytes(&rt, 1, canary, len);
+        let read = device_bytes(&rt, 0, dst, 2 * len);
+        drop((a, b));
+        assert!(
+            canary_now == canary_bytes,
+            "a forged offset made us write past the end of the mapped allocation into other memory of this process: {} of {len} bytes changed ({results:?})",
+            canary_now.iter().zip(&canary_bytes).filter(|(x, y)| x != y).count()
+        );
+        assert!(
+            read.iter().all(|&b| b == 0),
+            "a forged offset made us read from past the end of the mapped allocation: {} bytes came in ({results:?})",
+            read.iter().filter(|&&b| b != 0).count()
+        );
+        for (region, (r, done)) in &results {
+            let e = r
+                .as_ref()
+                .err()
+                .or(done.as_ref().and_then(|d| d.as_ref().err()))
+                .unwrap_or_else(|| {
+                    panic!("a transfer with region {region} succeeded: {results:?}")
+                });
+            assert!(refused_as_forged(e, *region), "region {region}: {e}");
+        }
+        println!("CHECKED");
+    });
+    let Some((status, out)) = child else { return };
+    assert!(
+        status.success() && out.contains("CHECKED"),
+        "{status:?}\n{out}"
+    );
+}
+
+#[test]
+fn a_forged_offset_that_overflows_an_address_is_refused_without_panic() {
+    setup();
+    let rt = te_mlu::runtime().unwrap();
+    let a = mapping_backend();
+    let b = backend(rand::random::<u64>() | 1);
+    let len = 4096usize;
+    let shared = rt.alloc(1, len).unwrap();
+    let key = b
+        .register(
+            RegionId(1),
+            &mlu_mem(shared, len, 1, Access::REMOTE_READ_WRITE),
+        )
+        .unwrap();
+    let ipc = te_core::codec::decode::<Key>(&key, "key")
+        .unwrap()
+        .ipc
+        .expect("an MLU region's key carries its IPC handle");
+    let src = rt.alloc(0, len).unwrap();
+    a.register(RegionId(10), &mlu_mem(src, len, 0, Access::LOCAL))
+        .unwrap();
+    // The mapping's address plus this offset runs past the end of the address space.
+    let huge = Ipc {
+        offset: u64::MAX - 16,
+        ..ipc
+    };
+    let ep = other_process(&a);
+    let table = forged_table(ep.instance, 0, 0, 0, 0, true);
+    forge_slot(&table, 0, 77, shared, len as u64, Some(huge));
+    let _srv = serve_table(&ep.socket, ep.instance, table, 1);
+    let k = te_core::codec::encode(&Key {
+        slot: 0,
+        ipc: Some(huge),
+    });
+    let desc = seg(encode_endpoint(&ep), vec![region(77, shared, len, 1, k)]);
+    let r = a
+        .connect(&desc, soon())
+        .map(|peer| write(&a, peer, 10, 77, len));
+    drop((a, b));
+    rt.free(0, src).unwrap();
+    rt.free(1, shared).unwrap();
+    let e = match &r {
+        Err(e) | Ok((Err(e), _)) => e,
+        Ok((Ok(()), done)) => {
+            panic!("a region past the end of the address space was written to: {done:?}")
+        }
+    };
+    assert!(refused_as_forged(e, 77), "{e}");
+}
+
+#[test]
+fn a_request_whose_offsets_overflow_an_address_is_refused_without_panic() {
+    setup();
+    let rt = te_mlu::runtime().unwrap();
+    let b = backend(rand::random::<u64>() | 1);
+    let len = 4096usize;
+    let t = rt.alloc(1, len).unwrap();
+    let src = rt.alloc(0, len).unwrap();
+    let key = b
+        .register(RegionId(1), &mlu_mem(t, len, 1, Access::REMOTE_READ_WRITE))
+        .unwrap();
+    let mut results = Vec::new();
+    // Reached through its mapping, and directly (a peer in this process).
+    for a in [mapping_backend(), backend(rand::random::<u64>() | 1)] {
+        a.register(RegionId(10), &mlu_mem(src, len, 0, Access::LOCAL))
+            .unwrap();
+        let peer = a
+            .connect(
+                &seg(b.endpoint(), vec![region(1, t, len, 1, key.clone())]),
+                soon(),
+            )
+            .unwrap();
+        // The engine would refuse these; the backend must too, not panic or wrap.
+        for (local, remote) in [(u64::MAX - 8, 0), (0, u64::MAX - 8)] {
+            let req = TransferRequest::write(RegionId(10), local, RegionId(1), remote, 16);
+            results.push(transfer(&a, peer, req));
+        }
+    }
+    drop(b);
+    rt.free(0, src).unwrap();
+    rt.free(1, t).unwrap();
+    for (r, done) in &results {
+        let e = r.as_ref().err().unwrap_or_else(|| {
+            panic!("a request whose offset runs past the end of the address space was submitted: {done:?}")
+        });
+        assert_eq!(e.kind(), ErrorKind::OutOfBounds, "{e}");
+    }
 }
 
 #[test]
