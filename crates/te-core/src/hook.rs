@@ -30,6 +30,29 @@ pub trait MessageHandler: Send + Sync + 'static {
     /// # Errors
     /// Whatever refuses the request; the sender receives it as its call's error.
     fn handle(&self, from: &PeerInfo, request: &[u8], deadline: Deadline) -> Result<Vec<u8>>;
+
+    /// Says that the peer engine named `name`, in its life `epoch`, is gone for good,
+    /// as this engine's control plane learned on its authenticated sessions: it left
+    /// (every session of that life ended with a goodbye: its engine shut down), or it
+    /// restarted (its name came back with another epoch). That life sends nothing more,
+    /// so what the handler keeps for it, by the name and epoch [`handle`] saw, may go.
+    ///
+    /// A session that broke without a goodbye (a [`Lost`] peer event) is not reported:
+    /// the same life may come back (a network blip), and is reported once it comes back
+    /// with another epoch or leaves. The name and epoch are those the peer proved the
+    /// token with, not its address: an engine holding the token that claims another's
+    /// name *and* epoch is, to te, that engine.
+    ///
+    /// Called on a control-plane thread of its own, one call at a time; possibly more
+    /// than once for one life, and possibly before a request of that life that was
+    /// still being answered returns. It may take locks and free resources but must not
+    /// wait on a peer. The default does nothing.
+    ///
+    /// [`handle`]: MessageHandler::handle
+    /// [`Lost`]: crate::PeerEventKind::Lost
+    fn peer_gone(&self, name: &str, epoch: u64) {
+        let _ = (name, epoch);
+    }
 }
 
 /// What stands behind a [`ControlHook`]: the engine's control plane (control/), a

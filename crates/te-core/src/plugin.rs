@@ -44,7 +44,7 @@ pub use abi_stable::prefix_type::PrefixTypeTrait as __PrefixTypeTrait;
 
 /// te's own plugin protocol version, checked in addition to `abi_stable`'s layout
 /// check; raised whenever the meaning (not only the layout) of the boundary changes.
-pub const PLUGIN_ABI: u32 = 8;
+pub const PLUGIN_ABI: u32 = 9;
 
 /// A fingerprint of the sources of the types that cross the boundary encoded; a plugin
 /// built from other sources is refused even when its te-core version matches.
@@ -117,6 +117,9 @@ pub trait FfiHandler: Send + Sync {
         request: RSlice<'_, u8>,
         deadline: Deadline,
     ) -> RResult<RVec<u8>, FfiError>;
+    /// Says that a peer engine's life is gone for good (see
+    /// [`MessageHandler::peer_gone`]).
+    fn peer_gone(&self, name: RStr<'_>, epoch: u64);
 }
 
 /// A boxed message handler.
@@ -167,6 +170,10 @@ impl MessageHandler for PluginHandler {
         ))
         .map(RVec::into_vec)
     }
+
+    fn peer_gone(&self, name: &str, epoch: u64) {
+        self.0.peer_gone(name.into(), epoch)
+    }
 }
 
 /// The plugin's own handler, exported to the host. The host drops it through an
@@ -195,6 +202,16 @@ impl FfiHandler for ExportedHandler {
                 .handle(&from, request.as_slice(), deadline)
                 .map(RVec::from)
         }))
+    }
+
+    fn peer_gone(&self, name: RStr<'_>, epoch: u64) {
+        let told = caught("peer_gone", || {
+            self.0.peer_gone(name.as_str(), epoch);
+            Ok(())
+        });
+        if let Err(e) = told {
+            tracing::error!(error = %e, "a peer's departure did not reach the plugin's handler");
+        }
     }
 }
 
@@ -638,4 +655,42 @@ fn one_line(e: &dyn fmt::Display) -> String {
         out.push('…');
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sync::Mutex;
+
+    /// Records the departures it hears of; panics on one named `panic`.
+    #[derive(Default)]
+    struct Departures(Mutex<Vec<(String, u64)>>);
+
+    impl MessageHandler for Departures {
+        fn handle(&self, _: &PeerInfo, _: &[u8], _: Deadline) -> Result<Vec<u8>> {
+            Ok(Vec::new())
+        }
+        fn peer_gone(&self, name: &str, epoch: u64) {
+            assert_ne!(name, "panic", "a handler that panics");
+            self.0.lock().push((name.to_string(), epoch));
+        }
+    }
+
+    /// The host's view of `handler` as a plugin exports it.
+    fn across(handler: Arc<Departures>) -> PluginHandler {
+        PluginHandler(FfiHandler_TO::from_value(
+            ExportedHandler(ManuallyDrop::new(handler)),
+            sabi_trait::TD_Opaque,
+        ))
+    }
+
+    #[test]
+    fn a_plugins_handler_hears_of_a_peer_gone_across_the_boundary() {
+        let heard = Arc::new(Departures::default());
+        let host = across(heard.clone());
+        host.peer_gone("prefill-0", 7);
+        // A panic stays in the plugin (an unwind into the host would abort it).
+        host.peer_gone("panic", 8);
+        assert_eq!(*heard.0.lock(), vec![("prefill-0".to_string(), 7)]);
+    }
 }

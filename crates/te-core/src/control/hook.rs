@@ -24,6 +24,11 @@ impl HookSlot {
         let _ = self.control.set(control);
     }
 
+    /// The backend's handler, once it serves one.
+    pub(crate) fn handler(&self) -> Option<Arc<dyn MessageHandler>> {
+        self.handler.get().cloned()
+    }
+
     pub(crate) fn handle(
         &self,
         from: &Identity,

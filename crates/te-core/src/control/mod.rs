@@ -17,7 +17,9 @@
 //!   and nothing made with the token, before it has checked the client's proof; without
 //!   it a peer learns nothing and can send nothing.
 //! - **Peer events**: a session that breaks without a goodbye, or a peer that comes
-//!   back with a new epoch, is reported to the engine's user.
+//!   back with a new epoch, is reported to the engine's user; a peer's life that left
+//!   or restarted, to the backend's message handler too (`peer_gone`), so that it may
+//!   free what it held for that life.
 
 mod hook;
 mod server;
@@ -142,6 +144,9 @@ pub(crate) struct Shared {
     handler: OnceLock<Weak<dyn Handler>>,
     pub(crate) hook: Arc<HookSlot>,
     pub(crate) events: Mailbox<PeerEvent>,
+    /// Peers' lives gone for good (name, epoch), for the backend's handler; at most
+    /// [`EVENTS`] waiting.
+    gone: tokio::sync::mpsc::Sender<(String, u64)>,
     links: Mutex<Links>,
     sessions: Mutex<HashMap<String, Arc<session::Session>>>,
     closing: tokio::sync::watch::Sender<bool>,
@@ -223,8 +228,23 @@ impl Shared {
         }
     }
 
+    /// Reports a peer event to the engine's user and, for a life that left or was
+    /// replaced by a restart, to the backend's handler.
     fn event(&self, kind: PeerEventKind, peer: &Identity, previous_epoch: Option<u64>) {
         tracing::info!(?kind, peer = %peer.name, epoch = peer.epoch, address = %peer.address, "peer event");
+        let gone = match kind {
+            PeerEventKind::Left => Some(peer.epoch),
+            PeerEventKind::Restarted => previous_epoch,
+            // A lost life may come back with the same epoch.
+            PeerEventKind::Lost | PeerEventKind::TornWrite => None,
+        };
+        if let Some(epoch) = gone {
+            if let Err(tokio::sync::mpsc::error::TrySendError::Full(_)) =
+                self.gone.try_send((peer.name.clone(), epoch))
+            {
+                tracing::warn!(peer = %peer.name, epoch, "{EVENTS} departed peers wait for the backend to free what it held for them; it is not told of this one");
+            }
+        }
         self.events.push_dropping(
             PeerEvent {
                 kind,
@@ -326,6 +346,26 @@ impl Shared {
     }
 }
 
+/// Tells the backend's handler of the peers' lives gone for good, one at a time, on a
+/// blocking thread: it may destroy what it held (queue pairs), which must not stall
+/// the sessions, nor take more than one of the threads kept for host-name lookups.
+async fn tell_gone(
+    hook: Arc<HookSlot>,
+    mut departures: tokio::sync::mpsc::Receiver<(String, u64)>,
+) {
+    while let Some((name, epoch)) = departures.recv().await {
+        let Some(handler) = hook.handler() else {
+            continue;
+        };
+        let told = tokio::task::spawn_blocking(move || handler.peer_gone(&name, epoch)).await;
+        if told.as_ref().is_err_and(|e| e.is_panic()) {
+            tracing::error!(
+                "the backend's message handler panicked in peer_gone; this is a bug in the backend"
+            );
+        }
+    }
+}
+
 /// Resolves once the engine closes (at once if it has closed already).
 pub(crate) async fn closed(rx: &mut tokio::sync::watch::Receiver<bool>) {
     let _ = rx.wait_for(|c| *c).await;
@@ -371,20 +411,23 @@ impl ControlPlane {
             .map_err(|e| Error::io("start control plane", "cannot configure the listener", e))?;
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
-            // Backend requests take at most BACKEND_WORKERS; the rest look up peers'
-            // host names, which so never wait behind slow backend requests.
-            .max_blocking_threads(server::BACKEND_WORKERS + LOOKUP_THREADS)
+            // Backend requests take at most BACKEND_WORKERS, and the backend's
+            // `peer_gone` one; the rest look up peers' host names, which so never wait
+            // behind slow backend requests.
+            .max_blocking_threads(server::BACKEND_WORKERS + LOOKUP_THREADS + 1)
             .thread_name("te-control")
             .build()
             .map_err(|e| Error::io("start control plane", "cannot build the runtime", e))?;
         let (closing, _) = tokio::sync::watch::channel(false);
+        let (gone, departures) = tokio::sync::mpsc::channel(EVENTS);
         let shared = Arc::new(Shared {
             rt: rt.handle().clone(),
             settings,
             address,
             handler: OnceLock::new(),
-            hook,
+            hook: hook.clone(),
             events: Mailbox::new(),
+            gone,
             links: Mutex::new(Links::default()),
             sessions: Mutex::new(HashMap::new()),
             closing,
@@ -404,6 +447,7 @@ impl ControlPlane {
             .name("te-control".into())
             .spawn(move || {
                 rt.spawn(server::accept_loop(s, listener));
+                rt.spawn(tell_gone(hook, departures));
                 rt.block_on(async {
                     let _ = stopped.await;
                 });
