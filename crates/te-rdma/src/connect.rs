@@ -5,11 +5,12 @@
 //! size-limited control plane within the caller's deadline; te-rdma runs no listener.
 //! The target builds at most `qps_per_path` × device pairs QPs for one request (the
 //! device pairs being the larger of its device count and the initiator devices the
-//! request names) and holds at most [`SETS_PER_PEER`] sets per initiator (its
-//! control-plane address and epoch), and `max_served_qps` QPs in all: a set goes when
-//! the initiator releases it, when a newer set of its pushes it out, when the table is
-//! full and it is the oldest (an initiator that came back at its address with another
-//! epoch, having restarted, loses its old sets first), or when the backend closes.
+//! request names) and holds at most [`SETS_PER_PEER`] sets per initiator (the engine
+//! name and epoch it authenticated with), and `max_served_qps` QPs in all: a set goes
+//! when the initiator releases it, when a newer set of its pushes it out, when the
+//! control plane says the initiator's engine left or restarted (`peer_gone`), when the
+//! table is full and it is the oldest (an initiator whose name came back with another
+//! epoch loses its old sets first), or when the backend closes.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -50,10 +51,11 @@ pub(crate) fn unlist_local(instance: u64) {
         .retain(|(i, w)| *i != instance && w.strong_count() > 0);
 }
 
-/// The QP sets a target holds for its initiators, each known by its control-plane
-/// address and epoch together: an address is only what the initiator claims, so
-/// another engine claiming it (or two engines given one address by mistake) must not
-/// take the first one's sets away.
+/// The QP sets a target holds for its initiators, each known by the engine name and
+/// epoch its initiator authenticated with on the control plane (the epoch is also the
+/// one its requests name): an address is only what the initiator claims, so another
+/// engine claiming it (or two engines given one address by mistake) must not take the
+/// first one's sets away.
 #[derive(Default)]
 pub(crate) struct Served {
     by: HashMap<(String, u64), Initiator>,
@@ -66,32 +68,32 @@ struct Initiator {
     /// Oldest first: (set id, its number in [`Served::seq`]'s order, the target's half
     /// of its paths).
     sets: VecDeque<(u64, u64, Vec<Arc<Path>>)>,
-    /// Another epoch has come from this address since: the initiator most likely
+    /// Another epoch has come under this name since: the initiator most likely
     /// restarted, so these sets are the first to go when the table is full.
     superseded: bool,
 }
 
 impl Served {
-    /// Keeps `paths` as set `set` of the initiator at `address` with `epoch`: its
+    /// Keeps `paths` as set `set` of the initiator named `name` with `epoch`: its
     /// oldest set beyond [`SETS_PER_PEER`] goes, and while all sets together hold more
     /// than `max_qps` QPs, the oldest of the superseded initiators' sets goes, else the
     /// oldest of all (never this one). Returns what went, to be dropped outside the lock.
     fn hold(
         &mut self,
-        (address, epoch): (&str, u64),
+        (name, epoch): (&str, u64),
         set: u64,
         paths: Vec<Arc<Path>>,
         max_qps: usize,
     ) -> Vec<Vec<Arc<Path>>> {
         let mut gone = Vec::new();
-        for ((a, e), i) in &mut self.by {
-            if a == address && *e != epoch && !i.superseded {
-                tracing::info!(peer = %address, "an rdma peer came back with a new epoch; its previous QP sets go first when the target's table is full");
+        for ((n, e), i) in &mut self.by {
+            if n == name && *e != epoch && !i.superseded {
+                tracing::info!(peer = %name, "an rdma peer came back with a new epoch; its previous QP sets go first when the target's table is full");
                 i.superseded = true;
             }
         }
         self.seq += 1;
-        let key = (address.to_string(), epoch);
+        let key = (name.to_string(), epoch);
         let me = self.by.entry(key.clone()).or_insert(Initiator {
             sets: VecDeque::new(),
             superseded: false,
@@ -100,7 +102,7 @@ impl Served {
             gone.extend(me.sets.remove(i).map(|(.., p)| p));
         }
         while me.sets.len() >= SETS_PER_PEER {
-            tracing::warn!(peer = %address, "an rdma peer holds {SETS_PER_PEER} QP sets already; its oldest goes");
+            tracing::warn!(peer = %name, "an rdma peer holds {SETS_PER_PEER} QP sets already; its oldest goes");
             gone.extend(me.sets.pop_front().map(|(.., p)| p));
         }
         me.sets.push_back((set, self.seq, paths));
@@ -133,9 +135,9 @@ impl Served {
         gone
     }
 
-    /// Takes set `set` of the initiator at `address` with `epoch`, if it holds it.
-    fn release(&mut self, (address, epoch): (&str, u64), set: u64) -> Option<Vec<Arc<Path>>> {
-        let key = (address.to_string(), epoch);
+    /// Takes set `set` of the initiator named `name` with `epoch`, if it holds it.
+    fn release(&mut self, (name, epoch): (&str, u64), set: u64) -> Option<Vec<Arc<Path>>> {
+        let key = (name.to_string(), epoch);
         let i = self.by.get_mut(&key)?;
         let at = i.sets.iter().position(|(id, ..)| *id == set)?;
         let (.., paths) = i.sets.remove(at)?;
@@ -143,6 +145,15 @@ impl Served {
             self.by.remove(&key);
         }
         Some(paths)
+    }
+
+    /// Takes every set of the initiator named `name` with `epoch`.
+    fn forget(&mut self, (name, epoch): (&str, u64)) -> Vec<Vec<Arc<Path>>> {
+        let key = (name.to_string(), epoch);
+        self.by
+            .remove(&key)
+            .map(|i| i.sets.into_iter().map(|(.., paths)| paths).collect())
+            .unwrap_or_default()
     }
 }
 
@@ -621,10 +632,7 @@ impl MessageHandler for Target {
                 Ok(exchange::encode(&Message::Accept { paths: answer }))
             }
             Message::Release { set, .. } => {
-                let gone = shared
-                    .served
-                    .lock()
-                    .release((&from.address, from.epoch), set);
+                let gone = shared.served.lock().release((&from.name, from.epoch), set);
                 // The QPs are destroyed outside the table's lock.
                 drop(gone);
                 Ok(Vec::new())
@@ -632,13 +640,27 @@ impl MessageHandler for Target {
             Message::Accept { .. } => unreachable!("refused above"),
         }
     }
+
+    /// The initiator engine `name` left or restarted: the sets its life `epoch` made
+    /// go now, rather than when `max_served_qps` pushes them out.
+    fn peer_gone(&self, name: &str, epoch: u64) {
+        let Some(shared) = self.0.upgrade() else {
+            return;
+        };
+        let gone = shared.served.lock().forget((name, epoch));
+        if !gone.is_empty() {
+            tracing::info!(peer = %name, epoch, sets = gone.len(), "an rdma initiator's engine left or restarted; the QPs it held here are destroyed");
+        }
+        // The QPs are destroyed outside the table's lock.
+        drop(gone);
+    }
 }
 
 impl Shared {
     /// Keeps `paths` as set `set` of the initiator `from` (see [`Served::hold`]).
     fn hold(&self, from: &PeerInfo, set: u64, paths: Vec<Arc<Path>>) {
         let gone = self.served.lock().hold(
-            (&from.address, from.epoch),
+            (&from.name, from.epoch),
             set,
             paths,
             self.config.max_served_qps,

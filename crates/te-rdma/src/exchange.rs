@@ -23,8 +23,8 @@
 //! gid_type u8 (0 InfiniBand, 1 RoCE v1, 2 RoCE v2; both ends use the same) ·
 //! rd_atomic u8 (the RDMA READs the sender serves at once, 1–255: the receiver's
 //! `max_rd_atomic` is capped by it)`. QP numbers and PSNs are 24-bit. The target keeps
-//! its side of a set until the initiator releases it, comes back at the same
-//! control-plane address with another epoch, or asks for more sets than a peer may hold.
+//! its side of a set until the initiator releases it, its engine leaves or restarts, or
+//! it asks for more sets than a peer may hold (module `connect` has the whole rule).
 
 use te_core::Result;
 

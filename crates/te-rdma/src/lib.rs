@@ -12,10 +12,14 @@
 //! type, MTU and READ depth; the target builds its half (at most `qps_per_path` × device
 //! pairs of them per request, at most two sets per initiator), moves it INIT → RTR →
 //! RTS and answers with its own, and the initiator does the same (module `qp` lists
-//! every attribute). The target keeps a set, per initiator address and epoch, until
-//! the initiator releases it (disconnect, replacement, closing), a newer set of the
-//! same initiator pushes it out, `max_served_qps` pushes out the oldest (those of an
-//! initiator that came back with another epoch first), or the backend closes. A peer
+//! every attribute). The target keeps a set, per initiator engine name and epoch (as
+//! the control plane authenticated them), until the initiator releases it
+//! (disconnect, replacement, closing), a newer set of the same initiator pushes it
+//! out, the control plane says the initiator's engine left or restarted
+//! (`MessageHandler::peer_gone`), `max_served_qps` pushes out the oldest (those of an
+//! initiator whose name came back with another epoch first), or the backend closes.
+//! A broken session alone frees nothing: the initiator may be back with the same
+//! epoch, its QPs still working. A peer
 //! that dies is noticed by its QPs' transport errors (retries exhausted) and by the
 //! engine's session to it; its QPs are moved to the error state, failing what was in
 //! flight with `PeerUnreachable`.

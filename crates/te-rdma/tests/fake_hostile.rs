@@ -1,8 +1,10 @@
 //! te-rdma against the fake verbs provider, with peers that lie and races that bite:
 //! hostile descriptors and exchange requests (regions at the top of the address space,
 //! another engine's instance or address, more devices than an endpoint has), initiators
-//! that vanish without releasing their QPs, the repair thread racing a disconnect, or
-//! waking while it has nothing to do, and two connects racing each other.
+//! that vanish without releasing their QPs, leave or restart (the target frees their
+//! QPs when it hears of it, and only for the engine that made them), the repair thread
+//! racing a disconnect, or waking while it has nothing to do, and two connects racing
+//! each other.
 //!
 //! The tests serialize themselves: the fake's devices and counters are the process's.
 
@@ -277,9 +279,9 @@ fn a_request_naming_more_initiator_devices_than_an_endpoint_can_have_is_refused(
     }
 }
 
-/// The target binds an initiator's QP sets to the control-plane address the initiator
-/// *claims* in its hello. Another engine that claims the same address with its own
-/// epoch must not destroy the first initiator's QPs.
+/// The control-plane address an initiator gives in its hello is only claimed (the
+/// target knows its sets by its name and epoch). Another engine that claims the same
+/// address with its own epoch must not destroy the first initiator's QPs.
 #[test]
 fn another_engine_claiming_an_initiators_address_does_not_destroy_its_qps() -> Result<(), Failed> {
     let _g = setup();
@@ -340,10 +342,11 @@ fn another_engine_claiming_an_initiators_address_does_not_destroy_its_qps() -> R
     Ok(())
 }
 
-/// Initiators that die without releasing their sets (a crash: the release never
-/// arrives) and come back at other addresses (port 0, as by default) leave their sets
-/// on the target; the target holds at most `max_served_qps` QPs for them all, the
-/// oldest going first, and a live initiator's newest set is kept and works.
+/// Initiators that die without releasing their sets (a crash: no release, and no
+/// goodbye on their sessions, so the target never hears that they left) and never come
+/// back under their names leave their sets on the target; the target holds at most
+/// `max_served_qps` QPs for them all, the oldest going first, and a live initiator's
+/// newest set is kept and works.
 #[test]
 fn qp_sets_of_initiators_that_died_without_releasing_them_stay_within_the_targets_cap(
 ) -> Result<(), Failed> {
@@ -358,20 +361,29 @@ fn qp_sets_of_initiators_that_died_without_releasing_them_stay_within_the_target
     let key = target.register(RegionId(1), &host(&dst, Access::REMOTE_READ_WRITE))?;
     const LIVES: usize = 5;
     for life in 0..LIVES {
-        let g = node_with(config(&["fake0"]), te_core::random_nonzero())?;
+        // An engine of its own name (no life is another's restart), reaching the
+        // target through a relay that is cut before it goes.
+        let relay = Relay::to(&target.control.address().to_string(), 1)?;
+        let epoch = te_core::random_nonzero();
+        let engine = EngineConfig {
+            name: format!("crashes-{life}"),
+            ..Default::default()
+        };
+        let control = StandaloneControl::start(&engine, epoch)?;
+        let g = te_rdma::RdmaBackend::with_hook(config(&["fake0"]), epoch, control.hook())?;
         let src = pattern(64 << 10, life as u8);
         g.register(RegionId(1), &host(&src, Access::LOCAL))?;
-        let peer = g.connect(
-            &segment(&target, vec![region(1, &dst, key.clone())]),
-            soon(),
-        )?;
+        let seg = segment_at(
+            target.endpoint(),
+            relay.address.to_string(),
+            vec![region(1, &dst, key.clone())],
+        );
+        let peer = g.connect(&seg, soon())?;
         let req = TransferRequest::write(RegionId(1), 0, RegionId(1), 0, src.len() as u64);
         run(&g, peer, &[req], &fake).0?;
-        // A crash: the control plane goes first, so the backend's release cannot reach
-        // the target.
-        let common::Node { backend, control } = g;
+        relay.cut();
+        drop(g);
         drop(control);
-        drop(backend);
     }
     let held = new_qps(&fake, "fake0", &before);
     if held.len() > CAP {
@@ -601,4 +613,326 @@ fn concurrent_connects_to_one_instance_make_one_peer() -> Result<(), Failed> {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Waits up to 5 s for `cond`, looking every 20 ms; whether it came.
+fn eventually(mut cond: impl FnMut() -> bool) -> bool {
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() > until {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A target on fake0 with a remotely writable region; its initiators are on fake1, so
+/// the QPs that appear on fake0 are the target's.
+struct Served {
+    target: common::Node,
+    dst: Vec<u8>,
+    key: Vec<u8>,
+}
+
+fn served_target() -> Result<Served, Failed> {
+    let target = node_with(config(&["fake0"]), te_core::random_nonzero())?;
+    let dst = vec![0u8; 64 << 10];
+    let key = target.register(RegionId(1), &host(&dst, Access::REMOTE_READ_WRITE))?;
+    Ok(Served { target, dst, key })
+}
+
+impl Served {
+    /// An initiator on fake1 with `epoch`, reaching the target at `address`, that wrote
+    /// once; and the QPs the target built for it.
+    fn initiator(
+        &self,
+        fake: &Fake,
+        epoch: u64,
+        address: String,
+    ) -> Result<(common::Node, te_core::PeerId, Vec<u32>), Failed> {
+        let before = fake.device_qps("fake0");
+        let init = node_with(config(&["fake1"]), epoch)?;
+        let src = pattern(64 << 10, epoch as u8);
+        init.register(RegionId(1), &host(&src, Access::LOCAL))?;
+        let seg = segment_at(
+            self.target.endpoint(),
+            address,
+            vec![region(1, &self.dst, self.key.clone())],
+        );
+        let peer = init.connect(&seg, soon())?;
+        let req = TransferRequest::write(RegionId(1), 0, RegionId(1), 0, src.len() as u64);
+        run(&init, peer, &[req], fake).0?;
+        let held = new_qps(fake, "fake0", &before);
+        if held.len() != 1 {
+            return Err(format!("expected the target to build 1 QP, it built {held:x?}").into());
+        }
+        Ok((init, peer, held))
+    }
+
+    fn address(&self) -> String {
+        self.target.control.address().to_string()
+    }
+}
+
+/// A TCP relay to a control plane, for its first `connections` connections, that the
+/// test can cut: the network between two engines failing, with no goodbye from either.
+/// Past them (or once dropped) it refuses connections.
+struct Relay {
+    address: std::net::SocketAddr,
+    sockets: Arc<Mutex<Vec<std::net::TcpStream>>>,
+    closed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Relay {
+    fn to(to: &str, connections: usize) -> Result<Relay, Failed> {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let address = listener.local_addr()?;
+        let to: std::net::SocketAddr = to.parse()?;
+        let sockets = Arc::new(Mutex::new(Vec::new()));
+        let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (kept, stop) = (sockets.clone(), closed.clone());
+        std::thread::spawn(move || {
+            for _ in 0..connections {
+                let Ok((a, _)) = listener.accept() else {
+                    return;
+                };
+                if stop.load(Ordering::Acquire) {
+                    return;
+                }
+                if let Ok(b) = std::net::TcpStream::connect(to) {
+                    let _ = Relay::pipe(a, b, &kept);
+                }
+            }
+        });
+        Ok(Relay {
+            address,
+            sockets,
+            closed,
+        })
+    }
+
+    /// Copies between `a` and `b` both ways, until either closes or is cut.
+    fn pipe(
+        mut a: std::net::TcpStream,
+        mut b: std::net::TcpStream,
+        kept: &Mutex<Vec<std::net::TcpStream>>,
+    ) -> std::io::Result<()> {
+        let (mut a2, mut b2) = (a.try_clone()?, b.try_clone()?);
+        kept.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend([a.try_clone()?, b.try_clone()?]);
+        std::thread::spawn(move || std::io::copy(&mut a, &mut b2));
+        std::thread::spawn(move || std::io::copy(&mut b, &mut a2));
+        Ok(())
+    }
+
+    /// Cuts the connections it relays.
+    fn cut(&self) {
+        for s in self
+            .sockets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+        {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.closed.store(true, Ordering::Release);
+        // Wakes its accept, which then ends.
+        let _ = std::net::TcpStream::connect(self.address);
+        self.cut();
+    }
+}
+
+/// An initiator engine that closes says goodbye on its sessions; the target then
+/// destroys the QP sets that engine (its name and epoch) made, at once: without a
+/// release from its backend (inside an engine the control plane stops first) and
+/// without waiting for `max_served_qps` to push them out.
+#[test]
+fn the_qp_sets_of_an_initiator_engine_that_left_are_destroyed_at_once() -> Result<(), Failed> {
+    let _g = setup();
+    let fake = Fake::open();
+    let s = served_target()?;
+    let (init, _, held) = s.initiator(&fake, te_core::random_nonzero(), s.address())?;
+    let common::Node { backend, control } = init;
+    drop(control);
+    let gone = eventually(|| held.iter().all(|&q| fake.qp_state(q) == -1));
+    drop(backend);
+    if !gone {
+        return Err(format!(
+            "5 s after its initiator's engine left, the target still holds its QPs {held:x?} (states {:?})",
+            held.iter().map(|&q| fake.qp_state(q)).collect::<Vec<_>>()
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// An initiator engine whose session to the target breaks (no goodbye) may come back
+/// with the same epoch, so the target keeps its QPs; when the engine's name comes
+/// back with a new epoch (it restarted), the target destroys the old life's QPs at
+/// once, not when `max_served_qps` pushes them out, and serves the new life.
+#[test]
+fn a_restarted_initiators_qp_sets_are_destroyed_when_it_comes_back() -> Result<(), Failed> {
+    let _g = setup();
+    let fake = Fake::open();
+    let s = served_target()?;
+    let relay = Relay::to(&s.address(), 1)?;
+    let (old, _, held) =
+        s.initiator(&fake, te_core::random_nonzero(), relay.address.to_string())?;
+    relay.cut();
+    let lost = eventually(|| {
+        s.target
+            .control
+            .try_recv_events()
+            .iter()
+            .any(|e| e.kind == te_core::PeerEventKind::Lost)
+    });
+    if !lost {
+        return Err("setup: the target did not see its initiator's session break".into());
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let live: Vec<u32> = held
+        .iter()
+        .copied()
+        .filter(|&q| fake.qp_state(q) == QPS_RTS)
+        .collect();
+    if live != held {
+        return Err(format!(
+            "a broken session (the initiator may be back with the same epoch) destroyed its QPs: {held:x?} held, {live:x?} in RTS"
+        )
+        .into());
+    }
+    let (new, _, mine) = s.initiator(&fake, te_core::random_nonzero(), s.address())?;
+    let gone = eventually(|| held.iter().all(|&q| fake.qp_state(q) == -1));
+    let states = |qps: &[u32]| qps.iter().map(|&q| fake.qp_state(q)).collect::<Vec<_>>();
+    let (olds, news) = (states(&held), states(&mine));
+    drop((new, old));
+    if !gone || news.iter().any(|&st| st != QPS_RTS) {
+        return Err(format!(
+            "5 s after its initiator came back with a new epoch, the target's QPs of the old life {held:x?} are in states {olds:?}, and of the new one {mine:x?} in {news:?}"
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// An initiator whose sets the target freed while it still ran (its session broke
+/// while a newer life of its name was up, which the target takes for a restart: two
+/// engines given one name) sees its path fail, rebuilds its set, and its writes land
+/// again.
+#[test]
+fn an_initiator_whose_sets_were_freed_under_it_rebuilds_them() -> Result<(), Failed> {
+    let _g = setup();
+    let fake = Fake::open();
+    let s = served_target()?;
+    let relay = Relay::to(&s.address(), 4)?;
+    let (first, peer, held) =
+        s.initiator(&fake, te_core::random_nonzero(), relay.address.to_string())?;
+    let (second, _, _) = s.initiator(&fake, te_core::random_nonzero(), s.address())?;
+    relay.cut();
+    if !eventually(|| held.iter().all(|&q| fake.qp_state(q) == -1)) {
+        return Err("setup: the target kept the QPs of a life it took for restarted".into());
+    }
+    let src = pattern(64 << 10, 6);
+    first.register(RegionId(2), &host(&src, Access::LOCAL))?;
+    let req = TransferRequest::write(RegionId(2), 0, RegionId(1), 0, src.len() as u64);
+    // Its first batches fail (its only path failed; the set is rebuilt in the
+    // background).
+    let until = Instant::now() + Duration::from_secs(5);
+    let r = loop {
+        match run(&first, peer, &[req], &fake).0 {
+            Err(e) if e.kind() == ErrorKind::PeerUnreachable && Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            r => break r,
+        }
+    };
+    drop(second);
+    if let Err(e) = r {
+        return Err(format!("the initiator did not rebuild the set the target freed: {e}").into());
+    }
+    if s.dst != src {
+        return Err("the write after the rebuild did not land whole".into());
+    }
+    Ok(())
+}
+
+/// A release of QP set `set`, as the exchange encodes it (version 3, kind 4).
+fn release(initiator: u64, target: u64, set: u64) -> Vec<u8> {
+    let mut v = b"TERC".to_vec();
+    v.extend_from_slice(&3u16.to_le_bytes());
+    v.push(4);
+    v.extend_from_slice(&initiator.to_le_bytes());
+    v.extend_from_slice(&target.to_le_bytes());
+    v.extend_from_slice(&set.to_le_bytes());
+    v
+}
+
+/// Another engine that claims an initiator's address and its epoch (both public: the
+/// address in its hello, the epoch in its descriptor) under a name of its own neither
+/// releases the initiator's QP sets nor, by leaving, has them destroyed: the target
+/// knows a set by the name and epoch its maker authenticated with.
+#[test]
+fn an_engine_claiming_an_initiators_address_and_epoch_under_another_name_cannot_free_its_qps(
+) -> Result<(), Failed> {
+    let _g = setup();
+    let fake = Fake::open();
+    let s = served_target()?;
+    let epoch = te_core::random_nonzero();
+    let (victim, peer, held) = s.initiator(&fake, epoch, s.address())?;
+    let victim_addr = victim.control.address();
+    let cfg = EngineConfig {
+        name: "claims-another-address".into(),
+        listen: format!("127.0.0.2:{}", victim_addr.port()),
+        advertise: Some("127.0.0.1".into()),
+        ..Default::default()
+    };
+    let hostile = StandaloneControl::start(&cfg, epoch)?;
+    if hostile.address() != victim_addr {
+        return Err(format!(
+            "setup: the hostile engine claims {} (wanted {victim_addr})",
+            hostile.address()
+        )
+        .into());
+    }
+    let inst = instance(&s.target.endpoint());
+    let answers: Vec<_> = (1..=4)
+        .map(|set| {
+            hostile
+                .hook()
+                .call(&s.address(), &release(epoch, inst, set), soon())
+                .map(|v| v.len())
+        })
+        .collect();
+    drop(hostile);
+    let left =
+        eventually(|| {
+            s.target.control.try_recv_events().iter().any(|e| {
+                e.kind == te_core::PeerEventKind::Left && e.name == "claims-another-address"
+            })
+        });
+    if !left {
+        return Err("setup: the target did not see the hostile engine leave".into());
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let states: Vec<i32> = held.iter().map(|&q| fake.qp_state(q)).collect();
+    if states.iter().any(|&st| st != QPS_RTS) {
+        return Err(format!(
+            "an engine claiming the initiator's address and epoch (its releases answered {answers:?}) tore down the initiator's QPs {held:x?} (states {states:?})"
+        )
+        .into());
+    }
+    let src = pattern(64 << 10, 5);
+    victim.register(RegionId(2), &host(&src, Access::LOCAL))?;
+    let req = TransferRequest::write(RegionId(2), 0, RegionId(1), 0, src.len() as u64);
+    run(&victim, peer, &[req], &fake).0?;
+    Ok(())
 }
