@@ -28,10 +28,11 @@ static HEAP: Counting = Counting;
 const HEARTBEAT: Duration = Duration::from_millis(200);
 
 /// The control plane's blocking threads: 8 workers for backend requests
-/// (`control/server.rs`) and 4 for looking up peers' host names (`control/mod.rs`). A
-/// worker lets go of its turn as its request ends, just before its thread is idle
-/// again, so a flood can start every one of them.
-const BLOCKING_THREADS: u64 = 8 + 4;
+/// (`control/server.rs`), 4 for looking up peers' host names and 1 for telling the
+/// backend of peers gone (`control/mod.rs`). A worker lets go of its turn as its
+/// request ends, just before its thread is idle again, so a flood can start every one
+/// of them.
+const BLOCKING_THREADS: u64 = 8 + 4 + 1;
 
 /// An engine under attack, on the short [`HEARTBEAT`].
 fn engine(set: impl FnOnce(&mut EngineConfig)) -> Engine {
