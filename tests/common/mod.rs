@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 use ciborium::value::Value;
 use te::{Config, Engine, EngineConfig};
 
+pub mod manual;
+
 /// Holds a test binary's tests to one at a time (those that count the heap, or load
 /// the machine, must not overlap).
 pub fn serial() -> std::sync::MutexGuard<'static, ()> {
