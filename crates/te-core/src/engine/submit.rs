@@ -167,7 +167,7 @@ impl Inner {
         // The batch ends when both the backend's completion and `submit`'s return are
         // in, so an error returned by `submit` is never masked by the dropped completion.
         // The pins go with the finisher: they are released once the backend has
-        // released the batch, right after its result is set.
+        // released the batch, before its result is set.
         let join = Arc::new(Mutex::new(Join::default()));
         let (j, f) = (join.clone(), Arc::new(Mutex::new(Some(finisher))));
         let f2 = f.clone();
@@ -285,8 +285,9 @@ impl Join {
 /// owner of the engine or the backend.
 pub(super) struct Finisher {
     pub(super) state: Arc<BatchState>,
-    /// The batch's pins on its local regions: dropped after its result is set (or,
-    /// with a notification, once it is only the notification that is left).
+    /// The batch's pins on its local regions: dropped as soon as the backend has
+    /// released the batch, before its result is set, so that whatever its result wakes
+    /// (a waker, a C callback) may deregister those regions at once.
     pub(super) pins: Pins,
     pub(super) peer: Peer,
     pub(super) notify: Option<(Arc<control::Shared>, wire::Notice)>,
@@ -296,6 +297,10 @@ pub(super) struct Finisher {
 
 impl Finisher {
     fn finish(self, result: Result<()>) {
+        // The backend released the batch: nothing touches its regions any more. A
+        // waker run by `state.finish` that deregisters one of them would otherwise wait
+        // for these pins, which only its own return would drop.
+        drop(self.pins);
         // An abort (deadline, cancel, deregistration) decides the result once the
         // backend has released the batch, whatever the backend reported.
         let result = match self.state.aborted() {
@@ -316,7 +321,6 @@ impl Finisher {
                     self.state.finish(Err(why.error()));
                     return;
                 }
-                drop(self.pins);
                 // Queued on the peer's session, pipelined with others; its answer (or
                 // the batch's deadline, whichever comes first) ends the batch.
                 let state = self.state.clone();
@@ -336,7 +340,6 @@ impl Finisher {
             }
             (result, _) => {
                 self.state.finish(result);
-                drop(self.pins);
             }
         }
     }

@@ -1,0 +1,73 @@
+//! The engine core's own rules, through the public API: a batch's completion may
+//! deregister the batch's own region, a kit lock is never held across a completion, an
+//! engine configuration made in code is checked as a file's is, the deadline thread
+//! sleeps while the engine is idle, and a region is never reported let go while the
+//! backend holds a view over its memory.
+//!
+//! Most tests drive `Manual` (tests/common/manual.rs) through `Engine::with_backend`,
+//! so they decide when each batch completes and which deregistration fails.
+
+mod common;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{mpsc, Arc, Mutex};
+use std::task::{Context, Wake, Waker};
+use std::time::Duration;
+
+use common::manual::{engine, register, Manual};
+use common::serial;
+use te::{Access, TransferRequest};
+
+/// Deregisters the registration it holds when woken, and reports how that ended: a
+/// completion callback that frees the batch's buffer once the batch is done (te-capi's
+/// `te_batch_on_complete` runs its callbacks from exactly such a waker).
+struct DeregisterOnWake {
+    registration: Mutex<Option<te::Registration>>,
+    ended: Mutex<mpsc::Sender<te::Result<()>>>,
+}
+
+impl Wake for DeregisterOnWake {
+    fn wake(self: Arc<Self>) {
+        let taken = self.registration.lock().unwrap().take();
+        if let Some(r) = taken {
+            let result = r.deregister();
+            let _ = self.ended.lock().unwrap().send(result);
+        }
+    }
+}
+
+#[test]
+fn a_completion_waker_may_deregister_its_own_batchs_region() {
+    let _serial = serial();
+    let backend = Manual::new(false);
+    let initiator = engine(&backend, |c| c.default_timeout = Duration::from_secs(1));
+    let target = engine(&Manual::new(true), |_| {});
+    let src = register(&initiator, "src", 4096, Access::LOCAL);
+    let dst = register(&target, "dst", 4096, Access::REMOTE_READ_WRITE);
+    let peer = initiator
+        .connect(&target.address().to_string())
+        .expect("connect");
+    let write = [TransferRequest::write(src.id(), 0, dst.id(), 0, 4096)];
+    let mut handle = initiator.transfer(&peer, &write).expect("submitted");
+    let (tx, rx) = mpsc::channel();
+    let waker = Waker::from(Arc::new(DeregisterOnWake {
+        registration: Mutex::new(Some(src)),
+        ended: Mutex::new(tx),
+    }));
+    assert!(Pin::new(&mut handle)
+        .poll(&mut Context::from_waker(&waker))
+        .is_pending());
+    // The backend releases the batch on a thread of its own.
+    let done = backend.take();
+    std::thread::spawn(move || done.complete(Ok(())));
+    match rx.recv_timeout(Duration::from_secs(5)) {
+        Ok(r) => r.expect("the deregistration of a region no batch uses any more"),
+        Err(_) => panic!(
+            "a deregistration started by the batch's own completion waker has not returned after 5 s \
+             (the engine's default_timeout is 1 s): the batch's pins are dropped only after its waker \
+             returns, so it waits for itself for ever, on the backend's completion thread"
+        ),
+    }
+    assert!(handle.wait().is_ok());
+}
