@@ -71,3 +71,42 @@ fn a_completion_waker_may_deregister_its_own_batchs_region() {
     }
     assert!(handle.wait().is_ok());
 }
+
+#[test]
+fn a_countdowns_completion_runs_with_none_of_its_locks_held() {
+    use te::backend::kit::Countdown;
+    use te::backend::Completion;
+    use te::{Error, ErrorKind};
+    let _serial = serial();
+    // The completion's callback stands for the engine's: it runs the batch's wakers and
+    // C callbacks, which may take a while.
+    let (release, released) = mpsc::channel::<()>();
+    let (entered, inside) = mpsc::channel::<()>();
+    let done = Completion::new(Duration::from_secs(30), move |_, _| {
+        let _ = entered.send(());
+        let _ = released.recv_timeout(Duration::from_secs(10));
+    });
+    let count = Arc::new(Countdown::new(1, done, ()));
+    let c = count.clone();
+    let last = std::thread::spawn(move || c.finish(Ok(())));
+    inside
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the completion ran");
+    // Meanwhile another thread of the backend records an error (te-rdma's abort does,
+    // from the engine's deadline thread) or reads it.
+    let c = count.clone();
+    let (tx, failed) = mpsc::channel();
+    std::thread::spawn(move || {
+        c.fail(Error::new(ErrorKind::Timeout, "late"));
+        let _ = tx.send(());
+    });
+    let waited = failed.recv_timeout(Duration::from_secs(2));
+    let _ = release.send(());
+    assert!(last.join().unwrap());
+    assert!(
+        waited.is_ok(),
+        "Countdown::fail waited for the completion's callback to return: finish_then holds the \
+         countdown's error lock across Completion::complete (the lock guard is a temporary of that \
+         statement)"
+    );
+}

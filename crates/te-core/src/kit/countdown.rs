@@ -68,10 +68,14 @@ impl<H> Countdown<H> {
             return false;
         }
         last();
+        // Each lock is let go before the completion runs the engine's callbacks (wakers,
+        // C callbacks), which may take their time while another thread of the backend
+        // records an error here.
         let taken = self.done.lock().take();
         if let Some((done, held)) = taken {
             drop(held);
-            done.complete(self.error.lock().take().map_or(Ok(()), Err));
+            let error = self.error.lock().take();
+            done.complete(error.map_or(Ok(()), Err));
         }
         true
     }
