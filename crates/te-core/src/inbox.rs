@@ -3,7 +3,7 @@
 //! blocking, waited for with a timeout, or awaited.
 
 use crate::sync::{Condvar, Mutex};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
@@ -82,9 +82,13 @@ struct State<T> {
     items: VecDeque<(T, usize, u64)>,
     bytes: usize,
     /// Bytes held per sender key.
-    per_sender: std::collections::HashMap<u64, usize>,
+    per_sender: HashMap<u64, usize>,
     dropped: u64,
-    wakers: Vec<Waker>,
+    /// The wakers of the futures waiting, by each future's registration id: a future
+    /// dropped unresolved takes its own out.
+    wakers: HashMap<u64, Waker>,
+    /// The last registration id handed out.
+    last_waiter: u64,
 }
 
 /// A bounded queue that can be waited on and awaited.
@@ -99,9 +103,10 @@ impl<T> Mailbox<T> {
             state: Mutex::new(State {
                 items: VecDeque::new(),
                 bytes: 0,
-                per_sender: std::collections::HashMap::new(),
+                per_sender: HashMap::new(),
                 dropped: 0,
-                wakers: Vec::new(),
+                wakers: HashMap::new(),
+                last_waiter: 0,
             }),
             cond: Condvar::new(),
         }
@@ -111,7 +116,7 @@ impl<T> Mailbox<T> {
         let wakers = std::mem::take(&mut s.wakers);
         drop(s);
         self.cond.notify_one();
-        for w in wakers {
+        for w in wakers.into_values() {
             w.wake();
         }
     }
@@ -215,12 +220,20 @@ impl<T> Mailbox<T> {
 
     /// A future of the next item.
     pub(crate) fn next(&self) -> Next<'_, T> {
-        Next(self)
+        Next {
+            mailbox: self,
+            waiter: None,
+        }
     }
 }
 
-/// The future `Engine::next_notification` and `Engine::next_event` return.
-pub struct Next<'a, T>(&'a Mailbox<T>);
+/// The future `Engine::next_notification` and `Engine::next_event` return. Dropped
+/// before it resolves, it lets its waker go.
+pub struct Next<'a, T> {
+    mailbox: &'a Mailbox<T>,
+    /// Its registration among the mailbox's wakers, once it has waited.
+    waiter: Option<u64>,
+}
 
 impl<T> std::fmt::Debug for Next<'_, T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -232,15 +245,33 @@ impl<T> Future for Next<'_, T> {
     type Output = T;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
-        let mut s = self.0.state.lock();
-        match Mailbox::take(&mut s) {
-            Some(item) => Poll::Ready(item),
-            None => {
-                if !s.wakers.iter().any(|w| w.will_wake(cx.waker())) {
-                    s.wakers.push(cx.waker().clone());
-                }
-                Poll::Pending
+        let this = self.get_mut();
+        let mut s = this.mailbox.state.lock();
+        if let Some(item) = Mailbox::take(&mut s) {
+            if let Some(id) = this.waiter.take() {
+                s.wakers.remove(&id);
             }
+            return Poll::Ready(item);
+        }
+        let id = *this.waiter.get_or_insert_with(|| {
+            s.last_waiter += 1;
+            s.last_waiter
+        });
+        match s.wakers.get_mut(&id) {
+            Some(w) if w.will_wake(cx.waker()) => {}
+            Some(w) => w.clone_from(cx.waker()),
+            None => {
+                s.wakers.insert(id, cx.waker().clone());
+            }
+        }
+        Poll::Pending
+    }
+}
+
+impl<T> Drop for Next<'_, T> {
+    fn drop(&mut self) {
+        if let Some(id) = self.waiter {
+            self.mailbox.state.lock().wakers.remove(&id);
         }
     }
 }
@@ -314,5 +345,36 @@ mod tests {
             Pin::new(&mut next).poll(&mut Context::from_waker(&waker)),
             Poll::Ready(7)
         );
+    }
+
+    #[test]
+    fn a_future_polled_again_keeps_only_its_latest_waker_and_drops_it_with_itself() {
+        use std::sync::Arc;
+        use std::task::Wake;
+        struct Flag(std::sync::atomic::AtomicBool);
+        impl Wake for Flag {
+            fn wake(self: Arc<Self>) {
+                self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let m: Mailbox<i32> = Mailbox::new();
+        let (first, second) = (
+            Arc::new(Flag(std::sync::atomic::AtomicBool::new(false))),
+            Arc::new(Flag(std::sync::atomic::AtomicBool::new(false))),
+        );
+        let mut next = m.next();
+        for flag in [&first, &second] {
+            let waker = Waker::from(flag.clone());
+            assert!(Pin::new(&mut next)
+                .poll(&mut Context::from_waker(&waker))
+                .is_pending());
+        }
+        assert_eq!(m.state.lock().wakers.len(), 1, "one waker per future");
+        assert_eq!(Arc::strong_count(&first), 1, "the first waker was let go");
+        drop(next);
+        assert!(m.state.lock().wakers.is_empty());
+        assert_eq!(Arc::strong_count(&second), 1, "the second waker was let go");
+        m.push_dropping(7, 10);
+        assert!(!second.0.load(std::sync::atomic::Ordering::SeqCst));
     }
 }
