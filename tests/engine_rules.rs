@@ -110,3 +110,39 @@ fn a_countdowns_completion_runs_with_none_of_its_locks_held() {
          statement)"
     );
 }
+
+#[test]
+fn an_engine_config_made_in_code_is_checked_as_a_files_is() {
+    use te::{Engine, EngineConfig, ErrorKind, Origin};
+    let _serial = serial();
+    type Set = fn(&mut EngineConfig);
+    let cases: [(&str, Set); 3] = [
+        ("heartbeat = 0s", |c| c.heartbeat = Duration::ZERO),
+        ("default_timeout = 0s", |c| {
+            c.default_timeout = Duration::ZERO
+        }),
+        ("max_sessions = 0", |c| c.max_sessions = 0),
+    ];
+    for (what, set) in cases {
+        // A file with this value is refused (Config::from_toml validates it)...
+        let mut c = te::Config::defaults();
+        c.engine.name = format!("rules-config-{}", std::process::id());
+        set(&mut c.engine);
+        // ...and the same configuration built in code must be too, rather than, for a
+        // zero heartbeat, panicking the control plane's thread at the first connect.
+        match Engine::from_config(&c) {
+            Err(e) => assert_eq!(e.kind(), ErrorKind::ConfigInvalid, "{what}: {e}"),
+            Ok(_) => panic!(
+                "an engine was built from a configuration with {what}, which a file is refused for"
+            ),
+        }
+        // So must an engine around a backend made by hand.
+        c.engine.backend = "manual".into();
+        match Engine::with_backend(c.engine, Manual::new(true), Origin::BuiltIn, 0) {
+            Err(e) => assert_eq!(e.kind(), ErrorKind::ConfigInvalid, "{what}: {e}"),
+            Ok(_) => panic!(
+                "an engine was built around a backend with {what}, which a file is refused for"
+            ),
+        }
+    }
+}

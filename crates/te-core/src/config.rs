@@ -122,6 +122,69 @@ impl Default for EngineConfig {
     }
 }
 
+impl EngineConfig {
+    /// Checks the table's values: what a file is refused for, a configuration built in
+    /// code is refused for too, before an engine starts with it (a zero heartbeat,
+    /// say, would stop its control plane).
+    ///
+    /// # Errors
+    /// `ConfigInvalid`, naming the key and what it must be.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |msg: String| {
+            Err(Error::new(ErrorKind::ConfigInvalid, msg).with_operation("check config"))
+        };
+        if self.backend.is_empty() {
+            return bad("[engine] backend is empty; name a backend (`te info` lists them)".into());
+        }
+        if let Err(e) = metadata_location(&self.metadata) {
+            return bad(e.message().to_string());
+        }
+        if self.metadata_ttl < Duration::from_secs(1) {
+            return bad(
+                "[engine] metadata_ttl must be at least 1s (etcd leases count seconds)".into(),
+            );
+        }
+        if self.metadata_prefix.is_empty() {
+            return bad(
+                "[engine] metadata_prefix is empty; use a key prefix such as \"/te/\"".into(),
+            );
+        }
+        if self.default_timeout.is_zero() {
+            return bad("[engine] default_timeout must be greater than zero".into());
+        }
+        if self.notification_max == 0 || self.notification_max > self.notification_bytes {
+            return bad(
+                "[engine] notification_max must be at least 1 byte and at most notification_bytes"
+                    .into(),
+            );
+        }
+        if self.notification_max > 16 << 20 {
+            return bad(
+                "[engine] notification_max is at most 16MiB; send bulk data as a transfer".into(),
+            );
+        }
+        if self.heartbeat < Duration::from_millis(50) || self.handshake_timeout.is_zero() {
+            return bad(
+                "[engine] heartbeat must be at least 50ms and handshake_timeout above zero".into(),
+            );
+        }
+        if [
+            self.max_pending,
+            self.max_pending_per_source,
+            self.max_sessions,
+            self.max_sessions_per_source,
+        ]
+        .contains(&0)
+        {
+            return bad("[engine] max_pending, max_pending_per_source, max_sessions and max_sessions_per_source must be at least 1".into());
+        }
+        if self.auth_token.as_deref() == Some("") {
+            return bad("[engine] auth_token is empty; set a secret or leave it out".into());
+        }
+        Ok(())
+    }
+}
+
 /// A whole configuration: the engine table and each backend's own raw table.
 #[derive(Debug, Clone, Default)]
 pub struct Config {
@@ -225,63 +288,20 @@ impl Config {
         }
     }
 
-    fn validate(&self) -> Result<()> {
-        let bad = |msg: String| {
-            Err(
-                Error::new(ErrorKind::ConfigInvalid, format!("{}: {msg}", self.source))
-                    .with_operation("load config"),
-            )
-        };
-        if self.engine.backend.is_empty() {
-            return bad("[engine] backend is empty; name a backend (`te info` lists them)".into());
-        }
-        if let Err(e) = metadata_location(&self.engine.metadata) {
-            return bad(e.message().to_string());
-        }
-        if self.engine.metadata_ttl < Duration::from_secs(1) {
-            return bad(
-                "[engine] metadata_ttl must be at least 1s (etcd leases count seconds)".into(),
-            );
-        }
-        if self.engine.metadata_prefix.is_empty() {
-            return bad(
-                "[engine] metadata_prefix is empty; use a key prefix such as \"/te/\"".into(),
-            );
-        }
-        if self.engine.default_timeout.is_zero() {
-            return bad("[engine] default_timeout must be greater than zero".into());
-        }
-        let e = &self.engine;
-        if e.notification_max == 0 || e.notification_max > e.notification_bytes {
-            return bad(
-                "[engine] notification_max must be at least 1 byte and at most notification_bytes"
-                    .into(),
-            );
-        }
-        if e.notification_max > 16 << 20 {
-            return bad(
-                "[engine] notification_max is at most 16MiB; send bulk data as a transfer".into(),
-            );
-        }
-        if e.heartbeat < Duration::from_millis(50) || e.handshake_timeout.is_zero() {
-            return bad(
-                "[engine] heartbeat must be at least 50ms and handshake_timeout above zero".into(),
-            );
-        }
-        if [
-            e.max_pending,
-            e.max_pending_per_source,
-            e.max_sessions,
-            e.max_sessions_per_source,
-        ]
-        .contains(&0)
-        {
-            return bad("[engine] max_pending, max_pending_per_source, max_sessions and max_sessions_per_source must be at least 1".into());
-        }
-        if e.auth_token.as_deref() == Some("") {
-            return bad("[engine] auth_token is empty; set a secret or leave it out".into());
-        }
-        Ok(())
+    /// Checks the engine table's values, naming this configuration's source in the
+    /// error: what [`Config::from_toml`] does for a file, and every engine constructor
+    /// for a configuration however it was made.
+    ///
+    /// # Errors
+    /// `ConfigInvalid`, naming the source, the key and what it must be.
+    pub(crate) fn validate(&self) -> Result<()> {
+        self.engine.validate().map_err(|e| {
+            let message = match self.source.as_str() {
+                "" => e.message().to_string(),
+                source => format!("{source}: {}", e.message()),
+            };
+            Error::new(ErrorKind::ConfigInvalid, message).with_operation("load config")
+        })
     }
 
     /// The context handed to backend `name`: its table (empty if absent) and the source.

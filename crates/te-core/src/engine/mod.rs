@@ -103,8 +103,9 @@ impl Engine {
     /// own table, and starts the control plane.
     ///
     /// # Errors
-    /// `ConfigInvalid` for an unknown backend (listing the available ones) or a bad
-    /// backend table; `Unavailable` if the backend cannot run here (with the probe's
+    /// `ConfigInvalid` for a value of the `[engine]` table out of range (as
+    /// [`Config::from_toml`] refuses it in a file), an unknown backend (listing the
+    /// available ones) or a bad backend table; `Unavailable` if the backend cannot run here (with the probe's
     /// reason) or its plugin file was refused (with the loader's reason: what to
     /// rebuild); `Io` if the control plane cannot listen.
     pub fn from_config(config: &Config) -> Result<Engine> {
@@ -117,6 +118,7 @@ impl Engine {
     /// # Errors
     /// As [`Engine::from_config`].
     pub fn with_registry(config: &Config, registry: &Registry) -> Result<Engine> {
+        config.validate()?;
         crate::device::configure(&config.runtimes);
         let name = &config.engine.backend;
         let entry = registry.get(name)?;
@@ -138,13 +140,16 @@ impl Engine {
     /// [`BackendContext`](crate::BackendContext) (0: the engine draws one).
     ///
     /// # Errors
-    /// `Io` if the control plane cannot listen or threads cannot start.
+    /// `ConfigInvalid` for a value of `config` out of range (see
+    /// [`EngineConfig::validate`]); `Io` if the control plane cannot listen or threads
+    /// cannot start.
     pub fn with_backend(
         config: EngineConfig,
         backend: Arc<dyn TransferBackend>,
         origin: Origin,
         epoch: u64,
     ) -> Result<Engine> {
+        config.validate()?;
         Engine::build(
             config,
             backend,
