@@ -105,9 +105,9 @@ impl Engine {
     /// # Errors
     /// `ConfigInvalid` for a value of the `[engine]` table out of range (as
     /// [`Config::from_toml`] refuses it in a file), an unknown backend (listing the
-    /// available ones) or a bad backend table; `Unavailable` if the backend cannot run here (with the probe's
-    /// reason) or its plugin file was refused (with the loader's reason: what to
-    /// rebuild); `Io` if the control plane cannot listen.
+    /// available ones) or a bad backend table; `Unavailable` if the backend cannot run
+    /// here (with the probe's reason) or its plugin file was refused (with the loader's
+    /// reason: what to rebuild); `Io` if the control plane cannot listen.
     pub fn from_config(config: &Config) -> Result<Engine> {
         let registry = Registry::discover(&config.engine.plugin_dirs);
         Engine::with_registry(config, &registry)
