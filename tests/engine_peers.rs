@@ -12,6 +12,9 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Wake, Waker};
+use std::time::Duration;
+
+use te::{Access, Engine, ErrorKind, TransferRequest};
 
 use common::manual::{engine, Manual};
 use common::serial;
@@ -59,4 +62,59 @@ fn a_dropped_notification_or_event_future_lets_its_waker_go() {
          the engine still holds {kept} of their wakers (and, through them, what the tasks hold), \
          growing with every such task until a notification or event arrives"
     );
+}
+
+#[test]
+fn a_peer_of_another_engine_is_refused_or_reached() {
+    let _serial = serial();
+    let tcp = |name: &str| {
+        let mut c = te::Config::defaults();
+        c.engine.name = format!("peers-{name}-{}", std::process::id());
+        c.engine.backend = "tcp".into();
+        Engine::from_config(&c).expect("tcp engine")
+    };
+    let (one, two, b, c) = (tcp("one"), tcp("two"), tcp("b"), tcp("c"));
+    let at_b = b.alloc("b", 4096, Access::REMOTE_READ_WRITE).unwrap();
+    let at_c = c.alloc("c", 4096, Access::REMOTE_READ_WRITE).unwrap();
+    let src = two.alloc("src", 4096, Access::LOCAL).unwrap();
+    src.write(0, &[7u8; 4096]).unwrap();
+    // Each engine connects to both, in another order.
+    let b_of_one = one.connect(&b.address().to_string()).unwrap();
+    one.connect(&c.address().to_string()).unwrap();
+    two.connect(&c.address().to_string()).unwrap();
+    two.connect(&b.address().to_string()).unwrap();
+    // Engine `two` is handed engine `one`'s handle on `b` (two engines in one
+    // program, one per device, are common).
+    let options = te::TransferOptions {
+        timeout: Some(Duration::from_secs(5)),
+        ..Default::default()
+    };
+    let r = two
+        .transfer_with(
+            &b_of_one,
+            &[TransferRequest::write(src.id(), 0, at_b.id(), 0, 4096)],
+            &options,
+        )
+        .and_then(|h| h.wait());
+    let (mut got_b, mut got_c) = (vec![0u8; 4096], vec![0u8; 4096]);
+    at_b.read(0, &mut got_b).unwrap();
+    at_c.read(0, &mut got_c).unwrap();
+    assert_eq!(got_c, vec![0u8; 4096], "bytes for b landed at c");
+    match r {
+        Ok(()) => assert_eq!(
+            got_b,
+            vec![7u8; 4096],
+            "the write reported done did not land"
+        ),
+        Err(e) => assert_eq!(
+            e.kind(),
+            ErrorKind::InvalidRequest,
+            "a Peer that engine `one` made was used with engine `two`, which sent the batch to its \
+             own backend peer of the same id (engine c) instead of b, and failed with c's refusal: \
+             {e}"
+        ),
+    }
+    // Refreshing it through the other engine is refused too.
+    let refused = two.refresh(&b_of_one, Duration::from_secs(5)).unwrap_err();
+    assert_eq!(refused.kind(), ErrorKind::InvalidRequest, "{refused}");
 }

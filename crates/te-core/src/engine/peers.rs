@@ -46,6 +46,7 @@ impl Inner {
             .map_err(|e| e.with_operation("connect").with_context("peer", addr))?;
         let peer = Peer {
             inner: Arc::new(PeerInner {
+                engine: self.life(),
                 addr: addr.to_string(),
                 epoch: segment.epoch,
                 segment: RwLock::new(Arc::new(segment)),
@@ -104,9 +105,29 @@ impl Inner {
         Ok(segment)
     }
 
+    /// This engine's life, as its peers are tagged with it.
+    fn life(&self) -> (u64, std::net::SocketAddr) {
+        (self.epoch, self.control.address())
+    }
+
+    /// Refuses a peer another engine connected: its backend id names a connection of
+    /// that engine's backend, which in this one may be another peer's.
+    fn mine(&self, peer: &Peer, operation: &'static str) -> Result<()> {
+        if peer.inner.engine == self.life() {
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorKind::InvalidRequest,
+            "this peer was connected by another engine; connect it with this one",
+        )
+        .with_operation(operation)
+        .with_context("peer", &peer.inner.addr))
+    }
+
     /// The live version of `peer`: itself if valid, else a fresh connection to the same
     /// address, provided the peer has not restarted.
     pub(super) fn current(&self, peer: &Peer, deadline: Deadline) -> Result<Peer> {
+        self.mine(peer, "transfer")?;
         if self.live(peer) {
             return Ok(peer.clone());
         }
@@ -124,6 +145,7 @@ impl Inner {
 
     /// Fetches the peer's descriptor again (it registered new regions).
     pub(super) fn refresh(&self, peer: &Peer, deadline: Deadline) -> Result<()> {
+        self.mine(peer, "refresh")?;
         let segment = self.handshake(&peer.inner.addr, deadline)?;
         if segment.epoch != peer.inner.epoch {
             peer.inner.valid.store(false, Ordering::Release);
@@ -147,6 +169,9 @@ pub struct Peer {
 }
 
 pub(super) struct PeerInner {
+    /// The epoch and control-plane address of the engine that connected it: only that
+    /// engine may use it.
+    pub(super) engine: (u64, std::net::SocketAddr),
     pub(super) addr: String,
     pub(super) epoch: u64,
     pub(super) segment: RwLock<Arc<SegmentDesc>>,
