@@ -9,11 +9,12 @@
 
 mod common;
 
+use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{mpsc, Arc, Mutex};
 use std::task::{Context, Wake, Waker};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::manual::{engine, register, Manual};
 use common::serial;
@@ -145,4 +146,67 @@ fn an_engine_config_made_in_code_is_checked_as_a_files_is() {
             ),
         }
     }
+}
+
+/// The threads of this process named `name`.
+fn threads_named(name: &str) -> HashSet<String> {
+    std::fs::read_dir("/proc/self/task")
+        .expect("tasks")
+        .flatten()
+        .filter(|t| {
+            std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim_end() == name)
+        })
+        .map(|t| t.file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+/// Thread `tid`'s voluntary context switches (each sleep it woke from).
+fn wakeups(tid: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("voluntary_ctxt_switches")
+}
+
+#[test]
+fn the_deadline_thread_sleeps_once_every_batch_has_ended() {
+    let _serial = serial();
+    let before = threads_named("te-deadlines");
+    let backend = Manual::new(true);
+    let e = engine(&backend, |c| c.default_timeout = Duration::from_secs(1));
+    // A thread names itself once it runs: look until it has.
+    let end = Instant::now() + Duration::from_secs(5);
+    let mine: Vec<String> = loop {
+        let new: Vec<String> = threads_named("te-deadlines")
+            .difference(&before)
+            .cloned()
+            .collect();
+        if !new.is_empty() || Instant::now() > end {
+            break new;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert_eq!(mine.len(), 1, "the engine's deadline thread");
+    let target = engine(&Manual::new(true), |_| {});
+    let src = register(&e, "src", 4096, Access::LOCAL);
+    let dst = register(&target, "dst", 4096, Access::REMOTE_READ_WRITE);
+    let peer = e.connect(&target.address().to_string()).expect("connect");
+    let write = [TransferRequest::write(src.id(), 0, dst.id(), 0, 4096)];
+    // 200 batches, each done at once, with deadlines spread over 200 ms or more.
+    for _ in 0..200 {
+        e.transfer(&peer, &write).unwrap().wait().unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Every batch has ended: the engine is idle. Their deadlines (1 s after each was
+    // submitted) all fall in the 2 s measured.
+    let start = wakeups(&mine[0]);
+    std::thread::sleep(Duration::from_secs(2));
+    let woke = wakeups(&mine[0]) - start;
+    assert!(
+        woke <= 3,
+        "with no batch in flight the deadline thread woke {woke} times in 2 s: once at the deadline \
+         of each batch that had already ended (idle must mean no wake-ups)"
+    );
 }

@@ -370,7 +370,7 @@ impl Future for TransferHandle {
 }
 
 /// Fails batches at their deadline: one thread per engine, sleeping on a condition
-/// variable until the earliest deadline.
+/// variable until the earliest deadline of a batch still in flight.
 pub(crate) struct Timer {
     shared: Arc<TimerShared>,
     thread: Option<JoinHandle<()>>,
@@ -456,14 +456,16 @@ fn run_timer(shared: &TimerShared) {
             return;
         }
         let now = Instant::now();
+        // Due entries are aborted, and entries of batches that ended are dropped whenever
+        // they come first, due or not: the thread then sleeps until the deadline of a
+        // batch still in flight, or for good when none is (an idle engine never wakes it).
         while let Some(Reverse(d)) = guard.heap.peek() {
-            if d.0 > now {
+            let live = d.1.upgrade().filter(|b| !b.is_done());
+            if d.0 > now && live.is_some() {
                 break;
             }
-            let Some(Reverse(Due(_, batch))) = guard.heap.pop() else {
-                break;
-            };
-            if let Some(b) = batch.upgrade() {
+            guard.heap.pop();
+            if let Some(b) = live {
                 // The hook may call into the backend: not under the heap's lock.
                 drop(guard);
                 b.request_abort(Abort::Deadline);
