@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use common::manual::{engine, register, Manual};
 use common::serial;
-use te::{Access, TransferRequest};
+use te::{Access, ErrorKind, KvGroup, KvLayout, KvSlot, RegionId, TransferRequest};
 
 /// Deregisters the registration it holds when woken, and reports how that ended: a
 /// completion callback that frees the batch's buffer once the batch is done (te-capi's
@@ -77,7 +77,7 @@ fn a_completion_waker_may_deregister_its_own_batchs_region() {
 fn a_countdowns_completion_runs_with_none_of_its_locks_held() {
     use te::backend::kit::Countdown;
     use te::backend::Completion;
-    use te::{Error, ErrorKind};
+    use te::Error;
     let _serial = serial();
     // The completion's callback stands for the engine's: it runs the batch's wakers and
     // C callbacks, which may take a while.
@@ -114,7 +114,7 @@ fn a_countdowns_completion_runs_with_none_of_its_locks_held() {
 
 #[test]
 fn an_engine_config_made_in_code_is_checked_as_a_files_is() {
-    use te::{Engine, EngineConfig, ErrorKind, Origin};
+    use te::{Engine, EngineConfig, Origin};
     let _serial = serial();
     type Set = fn(&mut EngineConfig);
     let cases: [(&str, Set); 3] = [
@@ -208,5 +208,88 @@ fn the_deadline_thread_sleeps_once_every_batch_has_ended() {
         woke <= 3,
         "with no batch in flight the deadline thread woke {woke} times in 2 s: once at the deadline \
          of each batch that had already ended (idle must mean no wake-ups)"
+    );
+}
+
+#[test]
+fn a_parent_whose_view_could_not_be_let_go_is_not_reported_let_go() {
+    let _serial = serial();
+    let backend = Manual::new(true);
+    let e = engine(&backend, |c| c.default_timeout = Duration::from_secs(1));
+    let parent = register(&e, "cache", 4096, Access::REMOTE_READ_WRITE);
+    e.register_layout(KvLayout {
+        name: "kv".into(),
+        groups: vec![KvGroup {
+            name: "layer0".into(),
+            slots: vec![KvSlot {
+                name: "key".into(),
+                region: parent.id(),
+                offset: 0,
+                bytes_per_block: 1024,
+                blocks: 4,
+            }],
+        }],
+    })
+    .expect("layout");
+    let view = e.segment().layouts[0].groups[0].slots[0].region;
+    // A peer's transfer holds the slot's view: its deregistration fails, and the
+    // backend may still write bytes 0..4096 of the parent through it.
+    backend.stuck.lock().unwrap().insert(view);
+    let withdrawn = e.deregister_layout("kv");
+    assert!(
+        withdrawn.is_err(),
+        "the view's deregistration failed, so must the layout's"
+    );
+    let parent_id = parent.id();
+    let r = parent.deregister();
+    assert!(
+        backend.registered.lock().unwrap().contains(&view),
+        "the backend still holds the view"
+    );
+    assert!(
+        r.is_err(),
+        "region {parent_id}'s deregistration returned Ok, so its owner may free it, while the \
+         backend still holds view {view} over its bytes 0..4096 (that view's deregistration failed: {})",
+        withdrawn.unwrap_err()
+    );
+}
+
+#[test]
+fn a_layout_whose_undone_view_could_not_be_let_go_keeps_its_parent_held() {
+    let _serial = serial();
+    let backend = Manual::new(true);
+    let e = engine(&backend, |c| c.default_timeout = Duration::from_secs(1));
+    let parent = register(&e, "cache", 4096, Access::REMOTE_READ_WRITE);
+    // Region ids are handed out in order: the first slot's view is the next one.
+    let view = RegionId(parent.id().0 + 1);
+    backend.stuck.lock().unwrap().insert(view);
+    let slot = |name: &str, offset| KvSlot {
+        name: name.into(),
+        region: parent.id(),
+        offset,
+        bytes_per_block: 1024,
+        blocks: 2,
+    };
+    // The second slot runs past the region: the layout is undone, and the first
+    // slot's view, already registered, cannot be let go.
+    let refused = e.register_layout(KvLayout {
+        name: "kv".into(),
+        groups: vec![KvGroup {
+            name: "layer0".into(),
+            slots: vec![slot("key", 0), slot("value", 3072)],
+        }],
+    });
+    assert_eq!(refused.unwrap_err().kind(), ErrorKind::OutOfBounds);
+    assert!(
+        backend.registered.lock().unwrap().contains(&view),
+        "the backend still holds the undone layout's view {view}"
+    );
+    let parent_id = parent.id();
+    let r = parent.deregister();
+    assert!(
+        r.is_err(),
+        "region {parent_id}'s deregistration returned Ok, so its owner may free it, while the \
+         backend still holds view {view} over its bytes 0..2048 (register_layout's undo ignored \
+         that view's failed deregistration)"
     );
 }

@@ -75,8 +75,10 @@ struct Inner {
     next_batch: AtomicU64,
     regions: RwLock<HashMap<RegionId, Arc<Region>>>,
     layouts: RwLock<HashMap<String, LayoutEntry>>,
-    /// The slot views of layouts being withdrawn, with their parent regions: out of
-    /// `layouts` already, so a deregistration of a parent waits for them here.
+    /// The slot views of layouts being withdrawn or undone, with their parent regions:
+    /// out of `layouts` already, so a deregistration of a parent waits for them here.
+    /// A view whose deregistration failed stays for good: its parent's deregistration
+    /// fails too, since the backend may still touch the parent's memory through it.
     withdrawing: Mutex<Vec<(RegionId, Arc<Region>)>>,
     peers: Mutex<HashMap<String, Peer>>,
     inbox: Mailbox<Notification>,

@@ -110,8 +110,9 @@ impl Inner {
     /// withdrawn and slot views over it that another thread is withdrawing are waited
     /// for (a view's memory is the region's); batches pinning it are waited for until
     /// `deadline`, then aborted and waited for until they are released (the memory
-    /// contract outranks the clock); then the backend forgets it. A view that could not
-    /// be let go fails the region's deregistration too.
+    /// contract outranks the clock); then the backend forgets it. A view over it that
+    /// could not be let go, now or before (see [`Inner::release_views`]), fails the
+    /// region's deregistration too.
     pub(super) fn release_region(&self, id: RegionId, deadline: Deadline) -> Result<()> {
         // Out of the table first, under its lock: whoever finds the region gone finds
         // its deregistration under way (and waits for its end), and a layout being
@@ -148,6 +149,16 @@ impl Inner {
                 }
             }
         }
+        if !region.wait_unpinned(Some(deadline.instant())) {
+            let pinned = region.pinned();
+            tracing::warn!(region = %id, batches = pinned.len(), "deregistering a region with batches in flight: aborting them");
+            for b in pinned {
+                b.request_abort(Abort::Deregister);
+            }
+            region.wait_unpinned(None);
+        }
+        // After the holds: a layout being registered over the region, and undone, has
+        // listed its views by then.
         let views: Vec<Arc<Region>> = (self.withdrawing.lock().iter())
             .filter(|(parent, _)| *parent == id)
             .map(|(_, view)| view.clone())
@@ -156,14 +167,6 @@ impl Inner {
             if let Err(e) = view.release_result() {
                 views_failed.get_or_insert(e);
             }
-        }
-        if !region.wait_unpinned(Some(deadline.instant())) {
-            let pinned = region.pinned();
-            tracing::warn!(region = %id, batches = pinned.len(), "deregistering a region with batches in flight: aborting them");
-            for b in pinned {
-                b.request_abort(Abort::Deregister);
-            }
-            region.wait_unpinned(None);
         }
         let r = self
             .backend
@@ -195,10 +198,13 @@ impl Inner {
             views: Vec::new(),
         };
         let deadline = self.deadline(None);
-        let undo = |entry: &LayoutEntry, e: Error| {
-            for (_, view) in &entry.views {
-                let _ = self.release_region(*view, deadline);
-            }
+        // The views registered so far, with their parents, for an undo.
+        let mut made: Vec<(RegionId, Arc<Region>)> = Vec::new();
+        let undo = |made: &[(RegionId, Arc<Region>)], e: Error| {
+            self.list_views(made);
+            // A view that could not be let go stays listed, and fails its parent's
+            // deregistration; the layout's own error is the one to report.
+            let _ = self.release_views(made, deadline);
             fail(e)
         };
         let name = entry.local.name.clone();
@@ -224,7 +230,7 @@ impl Inner {
                         ErrorKind::NotRegistered,
                         format!("{at}: region {} is not registered here", s.region),
                     );
-                    return undo(&entry, e);
+                    return undo(&made, e);
                 };
                 let len = s.blocks * s.bytes_per_block;
                 if !fits(s.offset, len, parent.len) {
@@ -232,7 +238,7 @@ impl Inner {
                         ErrorKind::OutOfBounds,
                         format!("{at}: {} blocks of {} bytes from offset {} do not fit region {} of {} bytes", s.blocks, s.bytes_per_block, s.offset, s.region, parent.len),
                     );
-                    return undo(&entry, e);
+                    return undo(&made, e);
                 }
                 let view = MemoryDesc {
                     name: format!("{name}/{}/{}", g.name, s.name),
@@ -244,11 +250,12 @@ impl Inner {
                 match self.add_region(view) {
                     Ok(v) => {
                         entry.views.push((parent.id, v.desc.id));
+                        made.push((parent.id, v.clone()));
                         let published = &mut entry.published.groups[gi].slots[si];
                         published.region = v.desc.id;
                         published.offset = 0;
                     }
-                    Err(e) => return undo(&entry, e),
+                    Err(e) => return undo(&made, e),
                 }
             }
         }
@@ -259,7 +266,7 @@ impl Inner {
                 ErrorKind::InvalidRequest,
                 format!("a layout named `{name}` is already registered"),
             );
-            return undo(&entry, e);
+            return undo(&made, e);
         }
         // A parent deregistered meanwhile did not see this layout (it was not published):
         // its views must not outlive it.
@@ -273,7 +280,7 @@ impl Inner {
                 ErrorKind::NotRegistered,
                 format!("layout `{name}`: region {parent} was deregistered while the layout was being registered"),
             );
-            return undo(&entry, e);
+            return undo(&made, e);
         }
         layouts.insert(name, entry);
         Ok(())
@@ -289,40 +296,62 @@ impl Inner {
                 )
                 .with_operation("deregister layout")
             })?;
-            // Its views are marked under way while the layout is still in sight: a
-            // deregistration of a parent that no longer finds it waits for them.
+            // Its views are listed while the layout is still in sight: a deregistration
+            // of a parent that no longer finds it waits for them.
             let table = self.regions.read();
             let views: Vec<(RegionId, Arc<Region>)> = (entry.views.iter())
                 .filter_map(|(parent, view)| table.get(view).map(|r| (*parent, r.clone())))
                 .collect();
-            for (_, view) in &views {
-                view.releasing();
-            }
-            self.withdrawing.lock().extend(views.iter().cloned());
+            self.list_views(&views);
             (entry, views)
         };
+        match self.release_views(&views, deadline) {
+            Err(e) => Err(e.with_operation("deregister layout")),
+            Ok(()) => Ok(Arc::unwrap_or_clone(entry.local)),
+        }
+    }
+
+    /// Marks slot views, `(parent, view)`, as being deregistered and lists them in
+    /// `withdrawing`, where a deregistration of their parent finds them.
+    fn list_views(&self, views: &[(RegionId, Arc<Region>)]) {
+        for (_, view) in views {
+            view.releasing();
+        }
+        self.withdrawing.lock().extend(views.iter().cloned());
+    }
+
+    /// Deregisters slot views listed by [`Inner::list_views`]. Those let go leave the
+    /// list; one whose deregistration failed stays in it for good, so that its parent's
+    /// deregistration fails too: the backend may still touch the parent's memory
+    /// through it.
+    ///
+    /// # Errors
+    /// The first view's error.
+    fn release_views(&self, views: &[(RegionId, Arc<Region>)], deadline: Deadline) -> Result<()> {
         let held: Vec<Arc<Region>> = views.iter().map(|(_, v)| v.clone()).collect();
         let unwinding = Abandon(&held);
         let mut first_error = None;
-        for (view, table) in views.iter().map(|(_, v)| (v.desc.id, v)) {
+        let mut let_go = Vec::new();
+        for table in &held {
+            let view = table.desc.id;
             let r = match self.release_region(view, deadline) {
                 // Deregistered by another thread (an engine's close): its result.
                 Err(e) if e.kind() == ErrorKind::NotRegistered => table.release_result(),
                 r => r,
             };
-            if let Err(e) = r {
-                tracing::error!(region = %view, error = %e, "a layout slot's view could not be deregistered");
-                first_error.get_or_insert(e);
+            match r {
+                Ok(()) => let_go.push(table.clone()),
+                Err(e) => {
+                    tracing::error!(region = %view, error = %e, "a layout slot's view could not be deregistered; its parent region's memory must never be freed");
+                    first_error.get_or_insert(e);
+                }
             }
         }
         self.withdrawing
             .lock()
-            .retain(|(_, r)| !held.iter().any(|v| Arc::ptr_eq(r, v)));
+            .retain(|(_, r)| !let_go.iter().any(|v| Arc::ptr_eq(r, v)));
         std::mem::forget(unwinding);
-        match first_error {
-            Some(e) => Err(e.with_operation("deregister layout")),
-            None => Ok(Arc::unwrap_or_clone(entry.local)),
-        }
+        first_error.map_or(Ok(()), Err)
     }
 }
 
