@@ -12,11 +12,11 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Wake, Waker};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use te::{Access, Engine, ErrorKind, TransferRequest};
+use te::{Access, Engine, ErrorKind, RegionId, TransferRequest};
 
-use common::manual::{engine, Manual};
+use common::manual::{engine, register, Manual};
 use common::serial;
 
 /// Counts how many of these wakers are alive.
@@ -117,4 +117,46 @@ fn a_peer_of_another_engine_is_refused_or_reached() {
     // Refreshing it through the other engine is refused too.
     let refused = two.refresh(&b_of_one, Duration::from_secs(5)).unwrap_err();
     assert_eq!(refused.kind(), ErrorKind::InvalidRequest, "{refused}");
+}
+
+#[test]
+fn peers_that_left_are_let_go() {
+    let _serial = serial();
+    let backend = Manual::new(true);
+    let e = engine(&backend, |_| {});
+    const PEERS: usize = 6;
+    let mut held = Vec::new();
+    for _ in 0..PEERS {
+        let gone = engine(&Manual::new(true), |_| {});
+        held.push(e.connect(&gone.address().to_string()).expect("connect"));
+        // The peer shuts down: it says goodbye on its session.
+        drop(gone);
+    }
+    // Let go on the control plane's thread after each departure: wait (10 s at most)
+    // until every one has been.
+    let end = Instant::now() + Duration::from_secs(10);
+    let let_go = || {
+        let m = e.metrics();
+        m.peers_left == PEERS as u64 && m.peers.is_empty() && backend.peers_held() == 0
+    };
+    while !let_go() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let m = e.metrics();
+    assert_eq!(m.peers_left, PEERS as u64, "the engine saw each peer leave");
+    assert!(
+        m.peers.is_empty() && backend.peers_held() == 0,
+        "{PEERS} peers connected and left, each saying goodbye; the engine still lists {} of them \
+         in its metrics (docs/metrics.md: `peers` are the connected peers, and the metrics endpoint \
+         labels a series with each) and its backend still holds {} connections, never disconnected: \
+         a decode engine whose prefill peers come and go grows without bound",
+        m.peers.len(),
+        backend.peers_held()
+    );
+    // A handle the user still holds on a departed peer fails clearly, without panic.
+    let src = register(&e, "src", 4096, Access::LOCAL);
+    let write = [TransferRequest::write(src.id(), 0, RegionId(1), 0, 4096)];
+    let refused = e.transfer(&held[0], &write).unwrap_err();
+    assert_eq!(refused.kind(), ErrorKind::PeerUnreachable, "{refused}");
+    assert!(!held[0].is_valid());
 }

@@ -18,8 +18,8 @@
 //!   it a peer learns nothing and can send nothing.
 //! - **Peer events**: a session that breaks without a goodbye, or a peer that comes
 //!   back with a new epoch, is reported to the engine's user; a peer's life that left
-//!   or restarted, to the backend's message handler too (`peer_gone`), so that it may
-//!   free what it held for that life.
+//!   or restarted, to the engine and the backend's message handler too (`peer_gone`),
+//!   so that they may free what they held for that life.
 
 mod hook;
 mod server;
@@ -93,6 +93,10 @@ pub(crate) trait Handler: Send + Sync + 'static {
     fn segment(&self) -> SegmentDesc;
     /// Accepts a notification from an authenticated peer.
     fn notify(&self, from: &Identity, to_epoch: u64, message: Vec<u8>) -> Result<()>;
+    /// The life `epoch` of the peer named `name` is gone for good (it left, or a newer
+    /// life replaced it): let go of what was kept for it. Called on a blocking thread
+    /// of the control plane, one departure at a time.
+    fn peer_gone(&self, _name: &str, _epoch: u64) {}
 }
 
 /// The sessions' and connections' view of which peers are up, for peer events.
@@ -144,8 +148,8 @@ pub(crate) struct Shared {
     handler: OnceLock<Weak<dyn Handler>>,
     pub(crate) hook: Arc<HookSlot>,
     pub(crate) events: Mailbox<PeerEvent>,
-    /// Peers' lives gone for good (name, epoch), for the backend's handler; at most
-    /// [`EVENTS`] waiting.
+    /// Peers' lives gone for good (name, epoch), for the backend's handler and the
+    /// engine; at most [`EVENTS`] waiting.
     gone: tokio::sync::mpsc::Sender<(String, u64)>,
     links: Mutex<Links>,
     sessions: Mutex<HashMap<String, Arc<session::Session>>>,
@@ -229,7 +233,7 @@ impl Shared {
     }
 
     /// Reports a peer event to the engine's user and, for a life that left or was
-    /// replaced by a restart, to the backend's handler.
+    /// replaced by a restart, to the backend's handler and the engine.
     fn event(&self, kind: PeerEventKind, peer: &Identity, previous_epoch: Option<u64>) {
         tracing::info!(?kind, peer = %peer.name, epoch = peer.epoch, address = %peer.address, "peer event");
         let gone = match kind {
@@ -346,21 +350,31 @@ impl Shared {
     }
 }
 
-/// Tells the backend's handler of the peers' lives gone for good, one at a time, on a
-/// blocking thread: it may destroy what it held (queue pairs), which must not stall
-/// the sessions, nor take more than one of the threads kept for host-name lookups.
+/// Tells the backend's handler, then the engine, of the peers' lives gone for good,
+/// one at a time, on a blocking thread: the handler may destroy what it held (queue
+/// pairs) and the engine disconnects the backend from them, which must not stall the
+/// sessions, nor take more than one of the threads kept for host-name lookups.
 async fn tell_gone(
-    hook: Arc<HookSlot>,
+    shared: Arc<Shared>,
     mut departures: tokio::sync::mpsc::Receiver<(String, u64)>,
 ) {
     while let Some((name, epoch)) = departures.recv().await {
-        let Some(handler) = hook.handler() else {
+        let (backend, engine) = (shared.hook.handler(), shared.handler());
+        if backend.is_none() && engine.is_none() {
             continue;
-        };
-        let told = tokio::task::spawn_blocking(move || handler.peer_gone(&name, epoch)).await;
+        }
+        let told = tokio::task::spawn_blocking(move || {
+            if let Some(backend) = backend {
+                backend.peer_gone(&name, epoch);
+            }
+            if let Some(engine) = engine {
+                engine.peer_gone(&name, epoch);
+            }
+        })
+        .await;
         if told.as_ref().is_err_and(|e| e.is_panic()) {
             tracing::error!(
-                "the backend's message handler panicked in peer_gone; this is a bug in the backend"
+                "letting a departed peer go panicked, in the backend's peer_gone or disconnect; this is a bug in the backend"
             );
         }
     }
@@ -425,7 +439,7 @@ impl ControlPlane {
             settings,
             address,
             handler: OnceLock::new(),
-            hook: hook.clone(),
+            hook,
             events: Mailbox::new(),
             gone,
             links: Mutex::new(Links::default()),
@@ -446,8 +460,8 @@ impl ControlPlane {
         let thread = std::thread::Builder::new()
             .name("te-control".into())
             .spawn(move || {
+                rt.spawn(tell_gone(s.clone(), departures));
                 rt.spawn(server::accept_loop(s, listener));
-                rt.spawn(tell_gone(hook, departures));
                 rt.block_on(async {
                     let _ = stopped.await;
                 });

@@ -487,6 +487,10 @@ impl Handler for Inner {
         counter.fetch_add(1, Ordering::Relaxed);
         kept
     }
+
+    fn peer_gone(&self, name: &str, epoch: u64) {
+        self.let_go(name, epoch);
+    }
 }
 
 impl Inner {

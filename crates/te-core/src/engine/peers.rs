@@ -143,6 +143,39 @@ impl Inner {
         Ok(fresh)
     }
 
+    /// Lets go of the peers of the life `epoch` of the engine `name`, gone for good (it
+    /// left, or a newer life replaced it): out of the table, so out of the metrics, and
+    /// disconnected from the backend. A handle the user still holds is invalid: its
+    /// next use connects again, and fails clearly if no engine answers there.
+    pub(super) fn let_go(&self, name: &str, epoch: u64) {
+        let gone: Vec<Peer> = {
+            let mut peers = self.peers.lock();
+            let addrs: Vec<String> = peers
+                .iter()
+                .filter(|(_, p)| p.inner.epoch == epoch && p.inner.segment.read().engine == name)
+                .map(|(addr, _)| addr.clone())
+                .collect();
+            let gone: Vec<Peer> = addrs.iter().filter_map(|a| peers.remove(a)).collect();
+            for p in &gone {
+                p.inner.valid.store(false, Ordering::Release);
+            }
+            // A backend id another entry still uses stays connected.
+            gone.into_iter()
+                .filter(|g| {
+                    peers
+                        .values()
+                        .all(|p| p.inner.backend_id != g.inner.backend_id)
+                })
+                .collect()
+        };
+        let deadline = self.deadline(None);
+        for p in gone {
+            if let Err(e) = self.backend.disconnect(p.inner.backend_id, deadline) {
+                tracing::debug!(peer = %p.inner.addr, error = %e, "disconnecting a peer that left");
+            }
+        }
+    }
+
     /// Fetches the peer's descriptor again (it registered new regions).
     pub(super) fn refresh(&self, peer: &Peer, deadline: Deadline) -> Result<()> {
         self.mine(peer, "refresh")?;
