@@ -3,6 +3,8 @@
 //! - The FAKE shim (`fake/*.c`, listed in `FAKE_SOURCES`), always, into `OUT_DIR`, for
 //!   tests; its path is exported as `TE_FLAGCX_FAKE_SHIM_PATH`. Without a C compiler the
 //!   build goes on without it and the tests say so.
+//! - A library that claims an older ABI (`fake/fake_old_abi.c`), for the test that the
+//!   backend refuses it; its path is exported as `TE_FLAGCX_OLD_ABI_SHIM_PATH`.
 //! - The real shim (`shim/te_flagcx_shim.cc`) over an installed FlagCX, only when
 //!   `FLAGCX_HOME` is set; its path is exported as `TE_FLAGCX_BUILT_SHIM_PATH`, where the
 //!   backend looks when neither the configuration nor `TE_FLAGCX_SHIM` names one. Nothing
@@ -22,6 +24,9 @@ const FAKE_SOURCES: &[&str] = &[
     "fake/fake_conn.c",
 ];
 
+/// A library that claims the ABI before this one.
+const OLD_ABI_SOURCE: &str = "fake/fake_old_abi.c";
+
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=shim/te_flagcx_shim.h");
@@ -31,6 +36,7 @@ fn main() {
     for source in FAKE_SOURCES {
         println!("cargo:rerun-if-changed={source}");
     }
+    println!("cargo:rerun-if-changed={OLD_ABI_SOURCE}");
     println!("cargo:rerun-if-env-changed=FLAGCX_HOME");
     println!("cargo:rerun-if-env-changed=CC");
     println!("cargo:rerun-if-env-changed=CXX");
@@ -43,7 +49,26 @@ fn main() {
 }
 
 fn build_fake(out: &Path) {
-    let lib = out.join("libte_flagcx_fake_shim.so");
+    compile_c(
+        out,
+        "libte_flagcx_fake_shim.so",
+        FAKE_SOURCES,
+        "TE_FLAGCX_FAKE_SHIM_PATH",
+        "the fake FlagCX shim",
+    );
+    compile_c(
+        out,
+        "libte_flagcx_old_abi.so",
+        &[OLD_ABI_SOURCE],
+        "TE_FLAGCX_OLD_ABI_SHIM_PATH",
+        "the old-ABI test library",
+    );
+}
+
+/// Compiles `sources` into the shared library `name` in `out` and exports its path as
+/// `env`; warns (the tests then fail saying so) where that is impossible.
+fn compile_c(out: &Path, name: &str, sources: &[&str], env: &str, what: &str) {
+    let lib = out.join(name);
     let compiler = cc::Build::new()
         .cargo_metadata(false)
         .cargo_warnings(false)
@@ -54,17 +79,17 @@ fn build_fake(out: &Path) {
         .args(["-Wall", "-Wextra"])
         .arg("-o")
         .arg(&lib)
-        .args(FAKE_SOURCES)
+        .args(sources)
         .status();
     match status {
-        Ok(s) if s.success() => {
-            println!("cargo:rustc-env=TE_FLAGCX_FAKE_SHIM_PATH={}", lib.display());
+        Ok(s) if s.success() => println!("cargo:rustc-env={env}={}", lib.display()),
+        Ok(s) => {
+            println!(
+                "cargo:warning={what} did not compile ({s}); its tests will fail with that reason"
+            )
         }
-        Ok(s) => println!(
-            "cargo:warning=the fake FlagCX shim did not compile ({s}); its tests will fail with that reason"
-        ),
         Err(e) => println!(
-            "cargo:warning=no C compiler for the fake FlagCX shim ({e}); its tests will fail with that reason"
+            "cargo:warning=no C compiler for {what} ({e}); its tests will fail with that reason"
         ),
     }
 }

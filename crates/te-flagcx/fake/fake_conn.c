@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <time.h>
@@ -220,7 +221,53 @@ static void *worker_thread(void *arg) {
 
 /* ---------------------------------------------------------------- connecting */
 
-enum { STEP_OK = 0, STEP_TIMEOUT = 1, STEP_CANCELLED = 2, STEP_FAILED = -1 };
+/* One connection attempt's cancel: an eventfd, readable once cancelled, that every
+   connect given the attempt polls beside its socket. */
+struct te_flagcx_attempt {
+  int fd;
+};
+
+int te_flagcx_attempt_create(te_flagcx_engine *e, te_flagcx_attempt **out) {
+  if (!e || !out)
+    return fail(TE_FLAGCX_E_INVALID, "attempt_create: null argument");
+  te_flagcx_attempt *a = calloc(1, sizeof *a);
+  if (!a)
+    return fail(TE_FLAGCX_E_INTERNAL, "out of memory");
+  a->fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (a->fd < 0) {
+    int err = errno;
+    free(a);
+    return fail(TE_FLAGCX_E_INTERNAL, "eventfd: %s", strerror(err));
+  }
+  __atomic_add_fetch(&counter_attempts, 1, __ATOMIC_RELAXED);
+  *out = a;
+  return TE_FLAGCX_OK;
+}
+
+void te_flagcx_attempt_cancel(te_flagcx_attempt *a) {
+  if (!a)
+    return;
+  uint64_t one = 1;
+  /* The counter only has to be non-zero; a full one (never reached) is fine. */
+  while (write(a->fd, &one, sizeof one) < 0 && errno == EINTR) {
+  }
+}
+
+void te_flagcx_attempt_destroy(te_flagcx_attempt *a) {
+  if (!a)
+    return;
+  close(a->fd);
+  free(a);
+  __atomic_sub_fetch(&counter_attempts, 1, __ATOMIC_RELAXED);
+}
+
+enum {
+  STEP_OK = 0,
+  STEP_TIMEOUT = 1,
+  STEP_CANCELLED = 2, /* the engine's connects were cancelled */
+  STEP_DROPPED = 3,   /* this connect's attempt was cancelled */
+  STEP_FAILED = -1
+};
 
 /* Milliseconds to the deadline, rounded up: 0 only once it passed, so a connect never
    gives up before its timeout. */
@@ -232,21 +279,24 @@ static long ms_left(const struct timespec *deadline) {
   return ns <= 0 ? 0 : (long)((ns + 999999LL) / 1000000LL);
 }
 
-/* Waits until fd has `events` (fd -1: only for the time), the deadline passed, or the
-   engine's connects were cancelled. */
-static int wait_step(te_flagcx_engine *e, int fd, short events,
-                     const struct timespec *deadline) {
+/* Waits until fd has `events` (fd -1: only for the time), the deadline passed, the
+   engine's connects were cancelled, or the attempt was. */
+static int wait_step(te_flagcx_engine *e, te_flagcx_attempt *a, int fd,
+                     short events, const struct timespec *deadline) {
   for (;;) {
-    struct pollfd p[2] = {{e->cancel_pipe[0], POLLIN, 0}, {fd, events, 0}};
+    struct pollfd p[3] = {
+        {e->cancel_pipe[0], POLLIN, 0}, {a->fd, POLLIN, 0}, {fd, events, 0}};
     long left = ms_left(deadline);
-    int n = poll(p, fd >= 0 ? 2 : 1, (int)(left > 60000 ? 60000 : left));
+    int n = poll(p, fd >= 0 ? 3 : 2, (int)(left > 60000 ? 60000 : left));
     if (n < 0 && errno == EINTR)
       continue;
     if (n < 0)
       return STEP_FAILED;
     if (p[0].revents)
       return STEP_CANCELLED;
-    if (fd >= 0 && p[1].revents)
+    if (p[1].revents)
+      return STEP_DROPPED;
+    if (fd >= 0 && p[2].revents)
       return STEP_OK;
     if (ms_left(deadline) == 0)
       return fd >= 0 ? STEP_TIMEOUT : STEP_OK;
@@ -254,8 +304,8 @@ static int wait_step(te_flagcx_engine *e, int fd, short events,
 }
 
 /* Sends or receives exactly len bytes on a non-blocking socket, by the deadline. */
-static int io_step(te_flagcx_engine *e, int fd, void *buf, uint64_t len,
-                   int sending, const struct timespec *deadline) {
+static int io_step(te_flagcx_engine *e, te_flagcx_attempt *a, int fd, void *buf,
+                   uint64_t len, int sending, const struct timespec *deadline) {
   char *p = buf;
   while (len > 0) {
     ssize_t n = sending ? send(fd, p, len, MSG_NOSIGNAL) : recv(fd, p, len, 0);
@@ -270,7 +320,7 @@ static int io_step(te_flagcx_engine *e, int fd, void *buf, uint64_t len,
       continue;
     if (errno != EAGAIN && errno != EWOULDBLOCK)
       return STEP_FAILED;
-    int w = wait_step(e, fd, sending ? POLLOUT : POLLIN, deadline);
+    int w = wait_step(e, a, fd, sending ? POLLOUT : POLLIN, deadline);
     if (w != STEP_OK)
       return w;
   }
@@ -282,6 +332,10 @@ static int step_failed(int step, const char *endpoint, uint32_t timeout_ms,
   if (step == STEP_CANCELLED)
     return fail(TE_FLAGCX_E_UNREACHABLE,
                 "connecting to %s was cancelled: the engine is closing", endpoint);
+  if (step == STEP_DROPPED)
+    return fail(TE_FLAGCX_E_UNREACHABLE,
+                "connecting to %s was cancelled: its attempt was given up",
+                endpoint);
   if (step == STEP_TIMEOUT)
     return fail(TE_FLAGCX_E_UNREACHABLE,
                 "connecting to %s timed out after %u ms %s (is the peer alive and "
@@ -292,12 +346,17 @@ static int step_failed(int step, const char *endpoint, uint32_t timeout_ms,
 }
 
 int te_flagcx_connect(te_flagcx_engine *e, const char *endpoint,
-                      uint32_t timeout_ms, te_flagcx_conn **out) {
-  if (!e || !endpoint || !out)
+                      uint32_t timeout_ms, te_flagcx_attempt *attempt,
+                      te_flagcx_conn **out) {
+  if (!e || !endpoint || !attempt || !out)
     return fail(TE_FLAGCX_E_INVALID, "connect: null argument");
   __atomic_add_fetch(&counter_connects, 1, __ATOMIC_RELAXED);
   struct timespec deadline;
   clock_gettime(CLOCK_MONOTONIC, &deadline);
+  /* Cancelled before it began: it returns at once, whatever the peer would do. */
+  int early = wait_step(e, attempt, -1, 0, &deadline);
+  if (early != STEP_OK)
+    return step_failed(early, endpoint, timeout_ms, "before it began");
   deadline.tv_sec += timeout_ms / 1000;
   deadline.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
   if (deadline.tv_nsec >= 1000000000L) {
@@ -316,7 +375,7 @@ int te_flagcx_connect(te_flagcx_engine *e, const char *endpoint,
     }
     int late = slow.tv_sec > deadline.tv_sec ||
                (slow.tv_sec == deadline.tv_sec && slow.tv_nsec > deadline.tv_nsec);
-    int w = wait_step(e, -1, 0, late ? &deadline : &slow);
+    int w = wait_step(e, attempt, -1, 0, late ? &deadline : &slow);
     if (w == STEP_OK && late)
       w = STEP_TIMEOUT;
     if (w != STEP_OK)
@@ -352,7 +411,7 @@ int te_flagcx_connect(te_flagcx_engine *e, const char *endpoint,
       return fail(TE_FLAGCX_E_UNREACHABLE, "cannot connect to %s: %s", endpoint,
                   strerror(err));
     }
-    step = wait_step(e, fd, POLLOUT, &deadline);
+    step = wait_step(e, attempt, fd, POLLOUT, &deadline);
     int err = 0;
     socklen_t elen = sizeof err;
     if (step == STEP_OK &&
@@ -370,9 +429,9 @@ int te_flagcx_connect(te_flagcx_engine *e, const char *endpoint,
   hello h = {FAKE_MAGIC, FAKE_WIRE_VERSION};
   uint32_t n = 0;
   wire_range *snapshot = NULL;
-  step = io_step(e, fd, &h, sizeof h, 1, &deadline);
+  step = io_step(e, attempt, fd, &h, sizeof h, 1, &deadline);
   if (step == STEP_OK)
-    step = io_step(e, fd, &n, sizeof n, 0, &deadline);
+    step = io_step(e, attempt, fd, &n, sizeof n, 0, &deadline);
   if (step == STEP_OK && n > FAKE_MAX_REGIONS_ON_WIRE) {
     close(fd);
     return fail(TE_FLAGCX_E_UNREACHABLE,
@@ -384,7 +443,8 @@ int te_flagcx_connect(te_flagcx_engine *e, const char *endpoint,
     return fail(TE_FLAGCX_E_INTERNAL, "out of memory");
   }
   if (step == STEP_OK)
-    step = io_step(e, fd, snapshot, (uint64_t)n * sizeof *snapshot, 0, &deadline);
+    step = io_step(e, attempt, fd, snapshot, (uint64_t)n * sizeof *snapshot, 0,
+                   &deadline);
   if (step != STEP_OK) {
     close(fd);
     free(snapshot);

@@ -34,14 +34,16 @@
  *                    for N ms fails as unreachable and breaks its connection, as
  *                    a queue pair's retries run out (default 5000)
  *
- * te_flagcx_connect honours its timeout and te_flagcx_cancel_connects at every step
- * (the TCP connect, the slow handshake of connect_delay_ms, the peer's answer).
+ * te_flagcx_connect honours its timeout, te_flagcx_cancel_connects and the cancel of
+ * its attempt (te_flagcx_attempt_cancel) at every step (before it begins, the TCP
+ * connect, the slow handshake of connect_delay_ms, the peer's answer).
  *
  * te_flagcx_events / te_flagcx_wait block for real: each finished transfer bumps the
  * engine's event counter and wakes waiters.
  *
  * te_flagcx_fake_counter(name) reads process-wide counters for tests: "posts",
- * "descs", "connects", and "misuse" (queries of unknown or released transfer ids).
+ * "descs", "connects", "misuse" (queries of unknown or released transfer ids), and
+ * "attempts" (attempts created and not yet destroyed).
  *
  * This file holds the ABI's version and error functions and those counters; the
  * engine, the wire, the target side and the initiator side have a file each, listed
@@ -55,7 +57,8 @@
 
 FAKE_HIDDEN __thread char last_error[512];
 
-FAKE_HIDDEN uint64_t counter_posts, counter_descs, counter_connects, counter_misuse;
+FAKE_HIDDEN uint64_t counter_posts, counter_descs, counter_connects, counter_misuse,
+    counter_attempts;
 
 int fail(int code, const char *fmt, ...) {
   va_list ap;
@@ -70,7 +73,7 @@ int fail(int code, const char *fmt, ...) {
 uint32_t te_flagcx_shim_abi(void) { return TE_FLAGCX_SHIM_ABI; }
 
 const char *te_flagcx_shim_version(void) {
-  return "te-flagcx FAKE shim 4 (loopback TCP; not FlagCX)";
+  return "te-flagcx FAKE shim 5 (loopback TCP; not FlagCX)";
 }
 
 const char *te_flagcx_last_error(void) { return last_error; }
@@ -87,5 +90,7 @@ uint64_t te_flagcx_fake_counter(const char *name) {
     return __atomic_load_n(&counter_connects, __ATOMIC_RELAXED);
   if (strcmp(name, "misuse") == 0)
     return __atomic_load_n(&counter_misuse, __ATOMIC_RELAXED);
+  if (strcmp(name, "attempts") == 0)
+    return __atomic_load_n(&counter_attempts, __ATOMIC_RELAXED);
   return 0;
 }

@@ -33,7 +33,7 @@ extern FAKE_HIDDEN __thread char last_error[512];
 
 /* fake_shim.c: process-wide counters read by te_flagcx_fake_counter. */
 extern FAKE_HIDDEN uint64_t counter_posts, counter_descs, counter_connects,
-    counter_misuse;
+    counter_misuse, counter_attempts;
 
 /* fake_shim.c: sets last_error from fmt and returns code. */
 FAKE_HIDDEN int fail(int code, const char *fmt, ...);

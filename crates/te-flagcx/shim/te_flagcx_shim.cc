@@ -14,9 +14,12 @@
  *   registered-region table into the connection (a snapshot). The cached
  *   flagcxP2pEngineGetConn is not used, because its connections can never be renewed.
  *   It takes no timeout and cannot be interrupted, so te_flagcx_connect runs it on a
- *   helper thread and waits at most its timeout (or until te_flagcx_cancel_connects);
- *   a helper whose caller gave up destroys the connection it gets, and
- *   te_flagcx_engine_destroy waits for every helper, because each uses the engine.
+ *   helper thread and waits at most its timeout (or until te_flagcx_cancel_connects,
+ *   or its attempt's te_flagcx_attempt_cancel); a helper whose caller gave up stays in
+ *   flagcxP2pEngineConnect until FlagCX returns, then destroys the connection it got,
+ *   and te_flagcx_engine_destroy waits for every helper, because each uses the engine.
+ *   So a cancel releases te's caller at once, while FlagCX's connect (and its helper
+ *   thread) runs on until FlagCX gives up on the peer.
  * - flagcxP2pEngineMakeDesc: resolves a remote address against that snapshot; a miss
  *   is TE_FLAGCX_E_STALE, so the caller reconnects.
  * - flagcxP2pEngineReadVector / WriteVector: post, non-blocking.
@@ -115,6 +118,13 @@ struct te_flagcx_engine {
   bool cancelled = false; /* te_flagcx_cancel_connects was called */
 };
 
+/* A connection attempt's cancel (te_flagcx_attempt_*): `cancelled` is read and written
+   under its engine's connectLock, whose condition variable its connects wait on. */
+struct te_flagcx_attempt {
+  te_flagcx_engine *engine = nullptr;
+  bool cancelled = false;
+};
+
 /* One connect's helper thread and its caller, under the engine's connectLock. */
 struct PendingConnect {
   bool done = false;
@@ -197,7 +207,7 @@ extern "C" {
 uint32_t te_flagcx_shim_abi(void) { return TE_FLAGCX_SHIM_ABI; }
 
 const char *te_flagcx_shim_version(void) {
-  return "te-flagcx shim 4 over FlagCX p2p (flagcx_p2p.h)";
+  return "te-flagcx shim 5 over FlagCX p2p (flagcx_p2p.h)";
 }
 
 const char *te_flagcx_last_error(void) { return lastError; }
@@ -346,10 +356,34 @@ void te_flagcx_cancel_connects(te_flagcx_engine *e) {
   e->connectChanged.notify_all();
 }
 
+int te_flagcx_attempt_create(te_flagcx_engine *e, te_flagcx_attempt **out) {
+  if (e == nullptr || out == nullptr)
+    return fail(TE_FLAGCX_E_INVALID, "attempt_create: null argument");
+  te_flagcx_attempt *a = new (std::nothrow) te_flagcx_attempt();
+  if (a == nullptr)
+    return fail(TE_FLAGCX_E_INTERNAL, "out of memory");
+  a->engine = e;
+  *out = a;
+  return TE_FLAGCX_OK;
+}
+
+void te_flagcx_attempt_cancel(te_flagcx_attempt *a) {
+  if (a == nullptr)
+    return;
+  std::lock_guard<std::mutex> guard(a->engine->connectLock);
+  a->cancelled = true;
+  a->engine->connectChanged.notify_all();
+}
+
+void te_flagcx_attempt_destroy(te_flagcx_attempt *a) { delete a; }
+
 int te_flagcx_connect(te_flagcx_engine *e, const char *endpoint,
-                      uint32_t timeout_ms, te_flagcx_conn **out) {
-  if (e == nullptr || endpoint == nullptr || out == nullptr)
+                      uint32_t timeout_ms, te_flagcx_attempt *attempt,
+                      te_flagcx_conn **out) {
+  if (e == nullptr || endpoint == nullptr || attempt == nullptr || out == nullptr)
     return fail(TE_FLAGCX_E_INVALID, "connect: null argument");
+  if (attempt->engine != e)
+    return fail(TE_FLAGCX_E_INVALID, "connect: the attempt is another engine's");
   std::string key(endpoint);
   size_t colon = key.rfind(':');
   if (colon == std::string::npos || colon + 1 >= key.size())
@@ -372,6 +406,10 @@ int te_flagcx_connect(te_flagcx_engine *e, const char *endpoint,
     if (e->cancelled)
       return fail(TE_FLAGCX_E_UNREACHABLE,
                   "connecting to %s was cancelled: the engine is closing", endpoint);
+    if (attempt->cancelled)
+      return fail(TE_FLAGCX_E_UNREACHABLE,
+                  "connecting to %s was cancelled: its attempt was given up",
+                  endpoint);
     e->helpers++;
   }
   try {
@@ -404,13 +442,18 @@ int te_flagcx_connect(te_flagcx_engine *e, const char *endpoint,
     auto until =
         std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
     e->connectChanged.wait_until(guard, until, [&] {
-      return pending->done || e->cancelled;
+      return pending->done || e->cancelled || attempt->cancelled;
     });
     if (!pending->done) {
       pending->abandoned = true;
       if (e->cancelled)
         return fail(TE_FLAGCX_E_UNREACHABLE,
                     "connecting to %s was cancelled: the engine is closing",
+                    endpoint);
+      if (attempt->cancelled)
+        return fail(TE_FLAGCX_E_UNREACHABLE,
+                    "connecting to %s was cancelled: its attempt was given up "
+                    "(FlagCX's own connect goes on until it gives up)",
                     endpoint);
       return fail(TE_FLAGCX_E_UNREACHABLE,
                   "flagcxP2pEngineConnect to %s did not finish within %u ms (is "

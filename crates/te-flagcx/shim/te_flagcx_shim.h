@@ -30,7 +30,7 @@ extern "C" {
 #endif
 
 /* The ABI version this header describes; te_flagcx_shim_abi() must return it. */
-#define TE_FLAGCX_SHIM_ABI 4
+#define TE_FLAGCX_SHIM_ABI 5
 
 /* Status codes. */
 #define TE_FLAGCX_OK 0
@@ -69,6 +69,7 @@ extern "C" {
 
 typedef struct te_flagcx_engine te_flagcx_engine;
 typedef struct te_flagcx_conn te_flagcx_conn;
+typedef struct te_flagcx_attempt te_flagcx_attempt;
 
 /* One contiguous copy. len must be 1..=te_flagcx_max_desc_len(engine). */
 typedef struct te_flagcx_desc {
@@ -125,13 +126,31 @@ int te_flagcx_register(te_flagcx_engine *engine, uint64_t addr, uint64_t len,
    still using the memory then fails). */
 int te_flagcx_deregister(te_flagcx_engine *engine, uint64_t mr);
 
+/* Creates an attempt: what one connection attempt's te_flagcx_connect calls are
+   given, so that they can be cancelled on their own (te_flagcx_attempt_cancel). An
+   attempt belongs to its engine and is destroyed before it. */
+int te_flagcx_attempt_create(te_flagcx_engine *engine, te_flagcx_attempt **out);
+
+/* Cancels an attempt: every te_flagcx_connect given it, in progress or later, returns
+   TE_FLAGCX_E_UNREACHABLE ("cancelled") at once. Idempotent; may be called from any
+   thread while a te_flagcx_connect uses the attempt. Where the library under the shim
+   cannot interrupt its connect, the connect still returns at once and what keeps
+   running is the implementation's to release (see the implementation). */
+void te_flagcx_attempt_cancel(te_flagcx_attempt *attempt);
+
+/* Destroys an attempt, once no te_flagcx_connect and no te_flagcx_attempt_cancel uses
+   it. */
+void te_flagcx_attempt_destroy(te_flagcx_attempt *attempt);
+
 /* Opens a new connection to the engine at `endpoint` and takes a snapshot of the
    peer's registered regions. Each call opens a new connection. Returns within about
    `timeout_ms` whatever the peer does: a peer that does not complete the handshake by
    then is TE_FLAGCX_E_UNREACHABLE ("timed out"). Returns TE_FLAGCX_E_UNREACHABLE at
-   once after te_flagcx_cancel_connects. */
+   once after te_flagcx_cancel_connects, or once `attempt` (from
+   te_flagcx_attempt_create on this engine; not NULL) was cancelled. */
 int te_flagcx_connect(te_flagcx_engine *engine, const char *endpoint,
-                      uint32_t timeout_ms, te_flagcx_conn **out);
+                      uint32_t timeout_ms, te_flagcx_attempt *attempt,
+                      te_flagcx_conn **out);
 
 /* Makes every te_flagcx_connect of this engine in progress, and every later one,
    return TE_FLAGCX_E_UNREACHABLE at once, so that the threads connecting can be

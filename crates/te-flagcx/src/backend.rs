@@ -15,7 +15,7 @@ use te_core::{
 use crate::batch::Poster;
 use crate::config::FlagcxConfig;
 use crate::ffi::{self, ACCESS_REMOTE_READ, ACCESS_REMOTE_WRITE, E_INVALID};
-use crate::peers::{Attempts, PeerState, Table};
+use crate::peers::{Attempts, PeerState, Table, Usable};
 use crate::progress::{Parked, Progress};
 use crate::regions::Regions;
 
@@ -130,8 +130,9 @@ impl FlagcxBackend {
 
     /// [`TransferBackend::connect`], waiting for the connection at most until
     /// `deadline`. The connection is established on a thread of its own; concurrent
-    /// calls for one peer share it, and it is given up once the last of them (and of
-    /// the batches parked for it) reached its deadline.
+    /// calls for one peer share it, and it is given up (cancelled in the shim) once the
+    /// last of them and of the batches parked for it left: reached its deadline, was
+    /// aborted, or the peer was disconnected.
     ///
     /// # Errors
     /// `Protocol` for an endpoint that is not text, regions
@@ -281,7 +282,8 @@ impl TransferBackend for FlagcxBackend {
     }
 
     fn disconnect(&self, peer: PeerId, _deadline: Deadline) -> Result<()> {
-        // Parked batches fail; those in flight finish, then the connection closes.
+        // Parked batches fail and a connection attempt running is cancelled; those in
+        // flight finish, then the connection closes.
         self.peers.remove(peer)?.close();
         Ok(())
     }
@@ -289,7 +291,7 @@ impl TransferBackend for FlagcxBackend {
     fn submit(&self, peer: PeerId, batch: &[TransferRequest], done: Completion) -> Result<()> {
         let state = self.peers.get(peer)?;
         match state.usable(batch, done.deadline().instant())? {
-            Some(link) => match self.poster.start(link, batch, done) {
+            Usable::Post(link) => match self.poster.start(link, batch, done) {
                 Ok(b) => {
                     self.progress.handle().add(b);
                     Ok(())
@@ -299,9 +301,9 @@ impl TransferBackend for FlagcxBackend {
             // The connection is being (re)established: the completion thread posts the
             // batch once it is up, or fails it with the attempt's error or at its
             // deadline.
-            None => {
+            Usable::Wait(waiting) => {
                 self.progress.handle().park(Parked {
-                    peer: state,
+                    waiting,
                     requests: batch.to_vec(),
                     done,
                 });
@@ -311,8 +313,9 @@ impl TransferBackend for FlagcxBackend {
     }
 
     fn abort(&self, _peer: PeerId, _batch: BatchId) {
-        // A batch still waiting for its connection is released at once; one posted to
-        // FlagCX (which has no cancel) is released when its transfers finish.
+        // A batch still waiting for its connection is released at once, and the attempt
+        // it waited for cancelled if no one else counts on it; one posted to FlagCX
+        // (which has no cancel) is released when its transfers finish.
         self.progress.handle().kick();
     }
 }

@@ -13,7 +13,7 @@ use te_core::sync::{Mutex, RwLock};
 use te_core::{Error, ErrorKind};
 
 /// The ABI version this crate speaks (`TE_FLAGCX_SHIM_ABI`).
-pub(crate) const ABI: u32 = 4;
+pub(crate) const ABI: u32 = 5;
 
 pub(crate) const OK: c_int = 0;
 pub(crate) const PENDING: c_int = 1;
@@ -42,6 +42,12 @@ pub(crate) struct RawEngine {
 /// `te_flagcx_conn`, opaque.
 #[repr(C)]
 pub(crate) struct RawConn {
+    _private: [u8; 0],
+}
+
+/// `te_flagcx_attempt`, opaque.
+#[repr(C)]
+pub(crate) struct RawAttempt {
     _private: [u8; 0],
 }
 
@@ -127,8 +133,15 @@ type FnEngineU64 = unsafe extern "C" fn(*mut RawEngine) -> u64;
 type FnRegister =
     unsafe extern "C" fn(*mut RawEngine, u64, u64, *const c_char, u32, *mut u64) -> c_int;
 type FnDeregister = unsafe extern "C" fn(*mut RawEngine, u64) -> c_int;
-type FnConnect =
-    unsafe extern "C" fn(*mut RawEngine, *const c_char, u32, *mut *mut RawConn) -> c_int;
+type FnAttemptCreate = unsafe extern "C" fn(*mut RawEngine, *mut *mut RawAttempt) -> c_int;
+type FnAttempt = unsafe extern "C" fn(*mut RawAttempt);
+type FnConnect = unsafe extern "C" fn(
+    *mut RawEngine,
+    *const c_char,
+    u32,
+    *mut RawAttempt,
+    *mut *mut RawConn,
+) -> c_int;
 type FnDisconnect = unsafe extern "C" fn(*mut RawConn);
 type FnPost = unsafe extern "C" fn(*mut RawConn, c_int, *const Desc, u32, *mut u64) -> c_int;
 type FnQuery = unsafe extern "C" fn(*mut RawConn, u64) -> c_int;
@@ -147,6 +160,9 @@ pub(crate) struct Shim {
     memory_kinds: FnEngineStr,
     register: FnRegister,
     deregister: FnDeregister,
+    attempt_create: FnAttemptCreate,
+    attempt_cancel: FnAttempt,
+    attempt_destroy: FnAttempt,
     connect: FnConnect,
     cancel_connects: FnEngineVoid,
     disconnect: FnDisconnect,
@@ -233,6 +249,9 @@ impl Shim {
             memory_kinds: sym(&lib, path, "te_flagcx_memory_kinds")?,
             register: sym(&lib, path, "te_flagcx_register")?,
             deregister: sym(&lib, path, "te_flagcx_deregister")?,
+            attempt_create: sym(&lib, path, "te_flagcx_attempt_create")?,
+            attempt_cancel: sym(&lib, path, "te_flagcx_attempt_cancel")?,
+            attempt_destroy: sym(&lib, path, "te_flagcx_attempt_destroy")?,
             connect: sym(&lib, path, "te_flagcx_connect")?,
             cancel_connects: sym(&lib, path, "te_flagcx_cancel_connects")?,
             disconnect: sym(&lib, path, "te_flagcx_disconnect")?,
@@ -406,7 +425,8 @@ impl Engine {
     }
 
     /// Makes every [`Conn::open`] of this engine in progress, and every later one,
-    /// fail at once, so that the threads connecting can be joined.
+    /// fail at once, so that the threads connecting can be joined (for one attempt
+    /// alone, see [`Attempt::cancel`]).
     pub(crate) fn cancel_connects(&self) {
         // SAFETY: `raw` is live.
         unsafe { (self.shim.cancel_connects)(self.raw) }
@@ -418,6 +438,55 @@ impl Drop for Engine {
         // SAFETY: the last reference is gone (connections hold an `Arc<Engine>`), so no
         // other call uses `raw`.
         unsafe { (self.shim.engine_destroy)(self.raw) }
+    }
+}
+
+/// One connection attempt's cancel (`te_flagcx_attempt`): what its [`Conn::open`] is
+/// given, so that [`Attempt::cancel`] can stop it alone. Destroyed when the last
+/// reference goes, which is after every open given it returned.
+pub(crate) struct Attempt {
+    engine: Arc<Engine>,
+    raw: *mut RawAttempt,
+}
+
+// SAFETY: the shim's functions may be called from any thread, and
+// `te_flagcx_attempt_cancel` concurrently with a connect using the attempt (the header's
+// contract); `raw` is only destroyed in `Drop`, when no other reference exists.
+unsafe impl Send for Attempt {}
+// SAFETY: as above.
+unsafe impl Sync for Attempt {}
+
+impl std::fmt::Debug for Attempt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Attempt").finish_non_exhaustive()
+    }
+}
+
+impl Attempt {
+    /// A new attempt of `engine`.
+    pub(crate) fn new(engine: Arc<Engine>) -> Result<Attempt, ShimError> {
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: the engine is live and `raw` a valid out pointer.
+        let code = unsafe { (engine.shim.attempt_create)(engine.raw, &mut raw) };
+        engine.shim.check("te_flagcx_attempt_create", code)?;
+        Ok(Attempt { engine, raw })
+    }
+
+    /// Makes the [`Conn::open`] given this attempt, in progress or later, fail at once.
+    /// Idempotent.
+    pub(crate) fn cancel(&self) {
+        // SAFETY: `raw` is live (destroyed only in `Drop`); the shim allows a cancel
+        // from any thread while a connect uses the attempt.
+        unsafe { (self.engine.shim.attempt_cancel)(self.raw) }
+    }
+}
+
+impl Drop for Attempt {
+    fn drop(&mut self) {
+        // SAFETY: the last reference is gone, so no open uses the attempt (each borrows
+        // it for its call) and no cancel runs; the engine it belongs to is alive (held
+        // by `self.engine`).
+        unsafe { (self.engine.shim.attempt_destroy)(self.raw) }
     }
 }
 
@@ -443,22 +512,26 @@ impl std::fmt::Debug for Conn {
 }
 
 impl Conn {
-    /// Opens a new connection to `endpoint`, with a fresh snapshot of its regions;
-    /// gives up after about `timeout`, rounded up to whole milliseconds so that it
-    /// never gives up before it (or at once after [`Engine::cancel_connects`]).
+    /// Opens a new connection to `endpoint` on the engine of `attempt`, with a fresh
+    /// snapshot of its regions; gives up after about `timeout`, rounded up to whole
+    /// milliseconds so that it never gives up before it (or at once after
+    /// [`Attempt::cancel`] or [`Engine::cancel_connects`]).
     pub(crate) fn open(
-        engine: Arc<Engine>,
+        attempt: &Attempt,
         endpoint: &str,
         timeout: std::time::Duration,
     ) -> Result<Conn, ShimError> {
+        let engine = &attempt.engine;
         let ep = c_string("te_flagcx_connect", endpoint)?;
         let ms = u32::try_from(timeout.as_micros().div_ceil(1000)).unwrap_or(u32::MAX);
         let mut raw = std::ptr::null_mut();
-        // SAFETY: the engine is live, `ep` a valid C string, `raw` a valid out pointer.
-        let code = unsafe { (engine.shim.connect)(engine.raw, ep.as_ptr(), ms, &mut raw) };
+        // SAFETY: the engine is live, `ep` a valid C string, the attempt is live (the
+        // borrow outlasts the call) and the engine's own, `raw` a valid out pointer.
+        let code =
+            unsafe { (engine.shim.connect)(engine.raw, ep.as_ptr(), ms, attempt.raw, &mut raw) };
         engine.shim.check("te_flagcx_connect", code)?;
         Ok(Conn {
-            engine,
+            engine: engine.clone(),
             raw: RwLock::new(raw),
             peer: endpoint.to_string(),
         })

@@ -11,9 +11,14 @@
 //! it gives up at the latest deadline among the callers (connects and parked batches)
 //! that asked for it when it started. A caller that comes while it runs and would wait
 //! longer asks for the next attempt, which the same thread starts only if this one
-//! left no connection, with the latest deadline among those late callers. So once
-//! every caller gave up no attempt is left. The backend cancels those still running
-//! when it closes and joins their threads (see [`Attempts`]), so none outlives it.
+//! left no connection and a caller still waits for it, with the latest deadline among
+//! those late callers. Each caller counts as waiting until it is served or leaves (its
+//! deadline passed, its batch was aborted, the peer was disconnected); once no caller
+//! counts on the running attempt (none waits for it, and none waiting for the next
+//! would be served by it) it is cancelled at once through its shim attempt
+//! ([`ffi::Attempt`]), and its thread ends or goes on to the next. The backend cancels
+//! the attempts still running when it closes and joins their threads (see
+//! [`Attempts`]), so none outlives it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -68,15 +73,10 @@ pub(crate) struct Link {
 }
 
 impl Link {
-    /// Opens a connection, giving up at `until`: a peer that does not complete the
-    /// handshake by then (one that accepts and never answers, say) fails the attempt
-    /// with `Timeout`.
-    fn open(
-        engine: &Arc<ffi::Engine>,
-        endpoint: &str,
-        remote: Table,
-        until: Instant,
-    ) -> Result<Link> {
+    /// Opens a connection, giving up at `until` (or once `attempt` is cancelled): a
+    /// peer that does not complete the handshake by then (one that accepts and never
+    /// answers, say) fails the attempt with `Timeout`.
+    fn open(attempt: &ffi::Attempt, endpoint: &str, remote: Table, until: Instant) -> Result<Link> {
         let late = |why: String| {
             Error::new(
                 ErrorKind::Timeout,
@@ -91,7 +91,7 @@ impl Link {
                 .with_operation("connect")
                 .with_context("endpoint", endpoint));
         }
-        let conn = ffi::Conn::open(engine.clone(), endpoint, left).map_err(|e| {
+        let conn = ffi::Conn::open(attempt, endpoint, left).map_err(|e| {
             // The shim gives up no sooner than `until`: a failure then is its timeout.
             if Instant::now() >= until {
                 late(format!(": {e}"))
@@ -123,11 +123,21 @@ struct Slot {
     /// as attempts end.
     wanted: u64,
     served: u64,
-    /// The ticket of the attempt running (while `connecting`), and when it gives up.
+    /// The ticket of the attempt running (while `connecting`), when it gives up, and
+    /// the regions it asked for.
     running: u64,
     until: Instant,
+    running_want: Table,
     /// The latest deadline among the requests for the next attempt (`wanted > running`).
     next_until: Instant,
+    /// Callers (connects and parked batches) waiting for the running attempt, and for
+    /// the next one: those not served yet that have not left.
+    waiting: usize,
+    waiting_next: usize,
+    /// The running attempt's shim attempt, while it connects.
+    attempt: Option<Arc<ffi::Attempt>>,
+    /// The running attempt was cancelled: no caller counts on it any more.
+    dropped: bool,
     connecting: bool,
     /// Why the last attempt failed, until one succeeds.
     failure: Option<Error>,
@@ -190,7 +200,12 @@ impl PeerState {
                 served: 0,
                 running: 0,
                 until: Instant::now(),
+                running_want: Arc::default(),
                 next_until: Instant::now(),
+                waiting: 0,
+                waiting_next: 0,
+                attempt: None,
+                dropped: false,
                 connecting: false,
                 failure: None,
                 closed: false,
@@ -222,6 +237,7 @@ impl PeerState {
         let ticket = self.request(&mut slot, deadline, join);
         loop {
             if slot.closed {
+                leave(&mut slot, ticket);
                 return Err(disconnected(&self.endpoint));
             }
             if slot.served >= ticket {
@@ -229,6 +245,7 @@ impl PeerState {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
+                leave(&mut slot, ticket);
                 return Err(Error::new(
                     ErrorKind::Timeout,
                     format!(
@@ -253,9 +270,10 @@ impl PeerState {
         }
     }
 
-    /// The connection to post `batch` on, or `None` if none usable covers its peer
-    /// regions now, in which case an attempt living at least until `deadline` (the
-    /// batch's) is running or asked for, and the caller parks the batch.
+    /// The connection to post `batch` on, or, if none usable covers its peer regions
+    /// now, the batch's place among the callers waiting for an attempt living at least
+    /// until `deadline` (the batch's), which is running or asked for: the caller parks
+    /// the batch with it.
     ///
     /// # Errors
     /// `PeerUnreachable` once the peer was disconnected; `NotRegistered` for a peer
@@ -264,7 +282,7 @@ impl PeerState {
         self: &Arc<Self>,
         batch: &[TransferRequest],
         deadline: Instant,
-    ) -> Result<Option<Arc<Link>>> {
+    ) -> Result<Usable> {
         let mut slot = self.lock();
         if slot.closed {
             return Err(disconnected(&self.endpoint));
@@ -273,7 +291,7 @@ impl PeerState {
             if !l.stale.load(Ordering::Acquire)
                 && batch.iter().all(|r| l.remote.contains_key(&r.remote))
             {
-                return Ok(Some(l.clone()));
+                return Ok(Usable::Post(l.clone()));
             }
         }
         if let Some((i, r)) = batch
@@ -291,8 +309,11 @@ impl PeerState {
             .with_context("request", i));
         }
         // The newest descriptor covers the batch, and so does any attempt for it.
-        self.request(&mut slot, deadline, true);
-        Ok(None)
+        let ticket = self.request(&mut slot, deadline, true);
+        Ok(Usable::Wait(Waiting {
+            peer: self.clone(),
+            ticket,
+        }))
     }
 
     /// What a batch parked on this peer should do now.
@@ -325,17 +346,17 @@ impl PeerState {
     /// caller still waiting (a first connect that failed, or whose callers all gave up).
     pub(crate) fn abandoned(&self) -> bool {
         let slot = self.lock();
-        let now = Instant::now();
-        let waited_for = slot.connecting
-            && (slot.until > now || (slot.wanted > slot.running && slot.next_until > now));
+        let waited_for = slot.connecting && slot.waiting + slot.waiting_next > 0;
         slot.link.is_none() && !waited_for
     }
 
-    /// Forgets the connection; batches parked on the peer fail, those in flight finish.
+    /// Forgets the connection and cancels the attempt running; batches parked on the
+    /// peer fail, those in flight finish.
     pub(crate) fn close(&self) {
         let link = {
             let mut slot = self.lock();
             slot.closed = true;
+            drop_attempt(&mut slot);
             slot.link.take()
         };
         self.changed.notify_all();
@@ -344,23 +365,35 @@ impl PeerState {
     }
 
     /// Asks for an attempt that lives at least until `deadline`: the one running if
-    /// it covers `slot.want` (`join`) and gives up no sooner, else the next one (which
-    /// the thread runs if the one running leaves no connection covering `slot.want`).
-    /// Starts the thread if none runs. Returns the ticket whose service means the
-    /// request was seen.
+    /// it covers `slot.want` (`join`), gives up no sooner and was not cancelled, else
+    /// the next one (which the thread runs if the one running leaves no connection
+    /// covering `slot.want`). Starts the thread if none runs. Returns the ticket whose
+    /// service means the request was seen; the caller waits until then, or calls
+    /// [`leave`] with it.
     fn request(self: &Arc<Self>, slot: &mut Slot, deadline: Instant, join: bool) -> u64 {
         if slot.connecting {
             if slot.wanted > slot.running {
                 slot.next_until = slot.next_until.max(deadline);
-            } else if !join || deadline > slot.until {
+            } else if !join || slot.dropped || deadline > slot.until {
                 slot.wanted += 1;
                 slot.next_until = deadline;
             }
+            if slot.wanted > slot.running {
+                slot.waiting_next += 1;
+            } else {
+                slot.waiting += 1;
+            }
+            // A newer descriptor may leave the running attempt of use to no one.
+            drop_if_unwanted(slot);
             return slot.wanted;
         }
         slot.wanted += 1;
         slot.running = slot.wanted;
         slot.until = deadline;
+        slot.running_want = slot.want.clone();
+        slot.waiting = 1;
+        slot.waiting_next = 0;
+        slot.dropped = false;
         slot.connecting = true;
         let me = self.clone();
         let spawned = std::thread::Builder::new()
@@ -371,6 +404,7 @@ impl PeerState {
             Err(e) => {
                 slot.connecting = false;
                 slot.served = slot.wanted;
+                slot.waiting = 0;
                 slot.failure = Some(
                     Error::new(ErrorKind::Io, "cannot start a FlagCX connect thread")
                         .with_source(e),
@@ -381,15 +415,34 @@ impl PeerState {
     }
 
     /// Runs attempts until every request made so far is served: another one only
-    /// while the last left no connection covering the newest descriptor.
+    /// while the last left no connection covering the newest descriptor and a caller
+    /// still waits for it.
     fn attempts(self: Arc<Self>) {
         loop {
-            let (want, ticket, until) = {
-                let slot = self.lock();
-                (slot.want.clone(), slot.running, slot.until)
+            let (want, ticket, until, attempt) = {
+                let mut slot = self.lock();
+                let attempt = ffi::Attempt::new(self.engine.clone())
+                    .map(Arc::new)
+                    .map_err(|e| {
+                        Error::from(e)
+                            .with_operation("connect")
+                            .with_context("endpoint", &self.endpoint)
+                    });
+                if let Ok(a) = &attempt {
+                    if slot.dropped {
+                        a.cancel();
+                    }
+                    slot.attempt = Some(a.clone());
+                }
+                (slot.running_want.clone(), slot.running, slot.until, attempt)
             };
-            let opened = Link::open(&self.engine, &self.endpoint, want, until);
+            let opened = match &attempt {
+                Ok(a) => Link::open(a, &self.endpoint, want, until),
+                Err(e) => Err(e.clone()),
+            };
             let mut slot = self.lock();
+            // Dropped below, outside the lock, once no cancel can reach it.
+            let attempt = (attempt, slot.attempt.take());
             let old = match opened {
                 Ok(fresh) if slot.closed => Some(Arc::new(fresh)),
                 Ok(fresh) => {
@@ -399,7 +452,18 @@ impl PeerState {
                 }
                 Err(e) => {
                     tracing::debug!(endpoint = %self.endpoint, error = %e, "FlagCX connect failed");
-                    slot.failure = Some(e);
+                    slot.failure = Some(if slot.dropped {
+                        Error::new(
+                            ErrorKind::Cancelled,
+                            format!(
+                                "the FlagCX connection attempt to {} was given up once no caller waited for it any more",
+                                self.endpoint
+                            ),
+                        )
+                        .with_operation("connect")
+                    } else {
+                        e
+                    });
                     if slot
                         .link
                         .as_ref()
@@ -412,14 +476,20 @@ impl PeerState {
                 }
             };
             let again = slot.wanted > ticket
+                && slot.waiting_next > 0
                 && !slot.closed
                 && !slot.link.as_ref().is_some_and(|l| l.covers(&slot.want));
             if again {
                 slot.served = ticket;
                 slot.running = slot.wanted;
                 slot.until = slot.next_until;
+                slot.running_want = slot.want.clone();
+                slot.waiting = std::mem::take(&mut slot.waiting_next);
+                slot.dropped = false;
             } else {
                 slot.served = slot.wanted;
+                slot.waiting = 0;
+                slot.waiting_next = 0;
             }
             slot.connecting = again;
             drop(slot);
@@ -427,9 +497,65 @@ impl PeerState {
             self.progress.kick();
             // Outside the lock: closing a connection waits for its threads.
             drop(old);
+            drop(attempt);
             if !again {
                 return;
             }
+        }
+    }
+}
+
+/// What a submit does with a batch: post it on this connection, or park it with its
+/// place among the callers waiting for an attempt.
+pub(crate) enum Usable {
+    Post(Arc<Link>),
+    Wait(Waiting),
+}
+
+/// A parked batch's place among the callers waiting for its peer's attempt: dropped
+/// when the batch leaves the parking (posted, failed, aborted, past its deadline, or
+/// the backend closing), so the attempt is cancelled once no one counts on it.
+pub(crate) struct Waiting {
+    pub(crate) peer: Arc<PeerState>,
+    ticket: u64,
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        leave(&mut self.peer.lock(), self.ticket);
+    }
+}
+
+/// A caller with `ticket` stops waiting (it may have been served): the attempt it
+/// waited for is cancelled if no one else counts on it.
+fn leave(slot: &mut Slot, ticket: u64) {
+    if slot.served >= ticket {
+        return;
+    }
+    if ticket > slot.running {
+        slot.waiting_next = slot.waiting_next.saturating_sub(1);
+    } else {
+        slot.waiting = slot.waiting.saturating_sub(1);
+    }
+    drop_if_unwanted(slot);
+}
+
+/// Cancels the running attempt once no caller counts on it: none waits for it, and
+/// those waiting for the next one would not be served by it (it does not cover the
+/// newest descriptor), or there are none.
+fn drop_if_unwanted(slot: &mut Slot) {
+    if slot.waiting == 0 && (slot.waiting_next == 0 || !covers(&slot.running_want, &slot.want)) {
+        drop_attempt(slot);
+    }
+}
+
+/// Cancels the running attempt, if any: its connect returns at once, and its thread
+/// goes on to the next attempt only if someone waits for that.
+fn drop_attempt(slot: &mut Slot) {
+    if slot.connecting && !slot.dropped {
+        slot.dropped = true;
+        if let Some(a) = &slot.attempt {
+            a.cancel();
         }
     }
 }

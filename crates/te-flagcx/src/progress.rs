@@ -20,15 +20,16 @@ use te_core::{Completion, Error, ErrorKind, Result, TransferRequest};
 
 use crate::batch::{InFlight, Poster};
 use crate::ffi;
-use crate::peers::{PeerState, State};
+use crate::peers::{State, Waiting};
 
 /// The longest single wait in the shim while batches are in flight (a bound, not a
 /// polling period: the wait ends as soon as a transfer finishes).
 const LONGEST_WAIT: Duration = Duration::from_secs(1);
 
-/// A batch waiting for its peer's connection.
+/// A batch waiting for its peer's connection, counted among the callers of its
+/// peer's attempt until it is dropped.
 pub(crate) struct Parked {
-    pub(crate) peer: Arc<PeerState>,
+    pub(crate) waiting: Waiting,
     pub(crate) requests: Vec<TransferRequest>,
     pub(crate) done: Completion,
 }
@@ -262,7 +263,7 @@ fn unpark(parked: &mut Vec<Parked>, active: &mut Vec<InFlight>, poster: &Poster)
     let mut i = 0;
     while i < parked.len() {
         let aborted = parked[i].done.is_aborted();
-        let state = parked[i].peer.state(&parked[i].requests);
+        let state = parked[i].waiting.peer.state(&parked[i].requests);
         if matches!(state, State::Connecting) && !parked[i].done.remaining().is_zero() && !aborted {
             i += 1;
             continue;
@@ -289,7 +290,7 @@ fn unpark(parked: &mut Vec<Parked>, active: &mut Vec<InFlight>, poster: &Poster)
                 ErrorKind::Timeout,
                 format!(
                     "the FlagCX connection to {} was still being established at the batch's deadline; nothing was posted",
-                    p.peer.endpoint
+                    p.waiting.peer.endpoint
                 ),
             )
             .with_operation("transfer"))),

@@ -1,7 +1,7 @@
 //! What the tests that drive `FlagcxBackend` directly over the FAKE shim share: memory
 //! the fake's threads write into, backends, registrations, forged descriptors,
-//! completions, counting this process's threads, and a peer that answers only its first
-//! handshake.
+//! completions, counting this process's threads, the fake's counters, and a peer that
+//! answers only its first handshake.
 
 #![allow(dead_code)]
 
@@ -162,6 +162,23 @@ pub fn run(b: &FlagcxBackend, peer: PeerId, req: TransferRequest) -> Option<te_c
         return Some(Err(e));
     }
     rx.recv_timeout(Duration::from_secs(8)).ok()
+}
+
+/// A process-wide counter of the fake shim (see `te_flagcx_fake_counter` in
+/// fake/fake_shim.c), shared with the backends under test, which load the same library.
+pub fn fake_counter(name: &str) -> u64 {
+    type FakeCounter = unsafe extern "C" fn(*const std::ffi::c_char) -> u64;
+    static LIB: std::sync::OnceLock<libloading::Library> = std::sync::OnceLock::new();
+    // SAFETY: the fake shim's initializers do nothing; loading the path the backends
+    // load gives the same library, so this reads their counters.
+    let lib =
+        LIB.get_or_init(|| unsafe { libloading::Library::new(shim()) }.expect("load the fake"));
+    // SAFETY: `te_flagcx_fake_counter` has this signature in fake/fake_shim.c.
+    let f = unsafe { lib.get::<FakeCounter>(b"te_flagcx_fake_counter\0") }
+        .expect("fake counter symbol");
+    let c = std::ffi::CString::new(name).expect("no NUL");
+    // SAFETY: `c` is a valid C string for the duration of the call.
+    unsafe { f(c.as_ptr()) }
 }
 
 /// Threads of this process whose name starts with `prefix` (comm is cut at 15 bytes).
