@@ -117,6 +117,13 @@ fn a_peer_of_another_engine_is_refused_or_reached() {
     // Refreshing it through the other engine is refused too.
     let refused = two.refresh(&b_of_one, Duration::from_secs(5)).unwrap_err();
     assert_eq!(refused.kind(), ErrorKind::InvalidRequest, "{refused}");
+    // And the other engine says nothing of its path.
+    assert!(one.path_to(&b_of_one).is_some(), "tcp names its paths");
+    assert_eq!(
+        two.path_to(&b_of_one),
+        None,
+        "engine `two` described its peer c"
+    );
 }
 
 #[test]

@@ -30,7 +30,7 @@ pub const MAX_FRAME: usize = 64 << 20;
 /// Version 3 changed only the handshake with an `auth_token`: the client proves the
 /// token first and the server's proof comes in `Ready`, once the client's was checked.
 /// Without a token the two versions are the same on the wire, so an engine without one
-/// still talks to version 2; an engine with one refuses it ([`CLIENT_PROVES_FIRST`]).
+/// still talks to version 2; an engine with one refuses it.
 pub const VERSIONS: (u16, u16) = (2, 3);
 /// The first version in which the client proves the token first; an engine with an
 /// `auth_token` speaks no older one.

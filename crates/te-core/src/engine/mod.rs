@@ -292,8 +292,9 @@ impl Engine {
 
     /// Connects to the engine whose control plane listens at `addr` (`host:port`, or
     /// an engine's name with an etcd metadata store), within the engine's default
-    /// timeout. Cached: a second call returns the same peer
-    /// until a failure or a restart invalidates it.
+    /// timeout. Cached: a second call returns the same peer until a failure, a
+    /// restart or the peer's departure (it said goodbye) invalidates it. A peer belongs
+    /// to the engine that connected it: another engine refuses it.
     ///
     /// # Errors
     /// As [`Engine::connect_with`].
@@ -318,7 +319,8 @@ impl Engine {
     ///
     /// # Errors
     /// `PeerRestarted` if the peer restarted (connect again); `PeerUnreachable` if
-    /// nothing answers; `Timeout` once `timeout` has passed.
+    /// nothing answers; `Timeout` once `timeout` has passed; `InvalidRequest` for a peer
+    /// another engine connected.
     pub fn refresh(&self, peer: &Peer, timeout: Duration) -> Result<()> {
         self.inner
             .refresh(peer, Deadline::after(timeout))
@@ -340,8 +342,9 @@ impl Engine {
     ///
     /// # Errors
     /// `InvalidRequest`, `NotRegistered`, `OutOfBounds` or `Unsupported` for a request
-    /// that does not fit; `PeerRestarted` if the peer restarted since `peer` was
-    /// obtained (connect again and look its regions up anew); `Timeout` if the deadline
+    /// that does not fit; `InvalidRequest` for a peer another engine connected;
+    /// `PeerRestarted` if the peer restarted since `peer` was obtained (connect again
+    /// and look its regions up anew); `PeerUnreachable` for a peer that left; `Timeout` if the deadline
     /// passed while refreshing the peer's descriptor; the backend's error if it refuses
     /// the batch as a whole.
     pub fn transfer_with(
@@ -376,8 +379,10 @@ impl Engine {
 
     /// How bytes to `peer` travel, in the backend's words, where it has more than one
     /// way (te-tcp: `socket`, `in-process device copies`, `same-host channel …`);
-    /// `None` where the backend has one way, or no longer knows the peer.
+    /// `None` where the backend has one way, no longer knows the peer, or the peer was
+    /// connected by another engine.
     pub fn path_to(&self, peer: &Peer) -> Option<String> {
+        self.inner.mine(peer, "path_to").ok()?;
         self.inner.backend.path_to(peer.inner.backend_id)
     }
 

@@ -112,7 +112,7 @@ impl Inner {
 
     /// Refuses a peer another engine connected: its backend id names a connection of
     /// that engine's backend, which in this one may be another peer's.
-    fn mine(&self, peer: &Peer, operation: &'static str) -> Result<()> {
+    pub(super) fn mine(&self, peer: &Peer, operation: &'static str) -> Result<()> {
         if peer.inner.engine == self.life() {
             return Ok(());
         }
