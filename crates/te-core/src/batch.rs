@@ -227,9 +227,17 @@ impl BatchState {
 
     /// Sets the result if none is set yet; returns whether this call set it.
     pub(crate) fn finish(&self, result: Result<()>) -> bool {
+        self.finish_then(result, || {})
+    }
+
+    /// As [`BatchState::finish`], running `between` once the result is set (the batch
+    /// reads as done) and before anyone is woken; it runs even if the batch had ended.
+    pub(crate) fn finish_then(&self, result: Result<()>, between: impl FnOnce()) -> bool {
         let wakers = {
             let mut slot = self.slot.lock();
             if slot.result.is_some() {
+                drop(slot);
+                between();
                 return false;
             }
             if let Some(m) = self.meter.get() {
@@ -239,6 +247,7 @@ impl BatchState {
             self.done.store(true, Ordering::Release);
             std::mem::take(&mut slot.wakers)
         };
+        between();
         self.hook.lock().take();
         self.drive.lock().take();
         self.cond.notify_all();

@@ -285,9 +285,10 @@ impl Join {
 /// owner of the engine or the backend.
 pub(super) struct Finisher {
     pub(super) state: Arc<BatchState>,
-    /// The batch's pins on its local regions: dropped as soon as the backend has
-    /// released the batch, before its result is set, so that whatever its result wakes
-    /// (a waker, a C callback) may deregister those regions at once.
+    /// The batch's pins on its local regions: dropped once the backend has released
+    /// the batch and its result is set, before that result wakes anyone, so that a
+    /// deregistration finds the batch done and whatever the result wakes (a waker, a C
+    /// callback) may deregister those regions at once.
     pub(super) pins: Pins,
     pub(super) peer: Peer,
     pub(super) notify: Option<(Arc<control::Shared>, wire::Notice)>,
@@ -297,10 +298,11 @@ pub(super) struct Finisher {
 
 impl Finisher {
     fn finish(self, result: Result<()>) {
-        // The backend released the batch: nothing touches its regions any more. A
-        // waker run by `state.finish` that deregisters one of them would otherwise wait
-        // for these pins, which only its own return would drop.
-        drop(self.pins);
+        // The backend released the batch: nothing touches its regions any more. The
+        // pins go after the result is set (a deregistration they held up then finds the
+        // batch done) and before it wakes anyone: a waker that deregisters one of them
+        // would otherwise wait for pins only its own return would drop.
+        let pins = self.pins;
         // An abort (deadline, cancel, deregistration) decides the result once the
         // backend has released the batch, whatever the backend reported.
         let result = match self.state.aborted() {
@@ -318,9 +320,12 @@ impl Finisher {
         match (result, self.notify) {
             (Ok(()), Some((control, notice))) => {
                 if let Some(why) = self.state.enter_notify() {
-                    self.state.finish(Err(why.error()));
+                    self.state.finish_then(Err(why.error()), move || drop(pins));
                     return;
                 }
+                // The data moved; only the notification is left, which touches none
+                // of the batch's regions.
+                drop(pins);
                 // Queued on the peer's session, pipelined with others; its answer (or
                 // the batch's deadline, whichever comes first) ends the batch.
                 let state = self.state.clone();
@@ -339,7 +344,7 @@ impl Finisher {
                 );
             }
             (result, _) => {
-                self.state.finish(result);
+                self.state.finish_then(result, move || drop(pins));
             }
         }
     }
