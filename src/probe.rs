@@ -36,7 +36,7 @@ pub(crate) struct ProbeArgs {
     /// thread and socket steps) [default: host].
     #[arg(long, value_name = "KIND")]
     mem: Option<String>,
-    /// Rounds per step, after a tenth as many unmeasured [default: 2000].
+    /// Rounds per step (at most 1000000), after a tenth as many unmeasured [default: 2000].
     #[arg(long, value_name = "N")]
     rounds: Option<usize>,
     /// Print one JSON object per step instead of a table.
@@ -57,6 +57,8 @@ struct Step {
     device: CopyStats,
 }
 
+/// The most rounds per step: each round's time is kept until the step's summary.
+const MAX_ROUNDS: usize = 1_000_000;
 const SMALL: usize = 4 << 10;
 const BLOCK: usize = 32 << 10;
 const BLOCKS: usize = 128;
@@ -72,10 +74,10 @@ pub(crate) fn run(args: ProbeArgs) -> Result<()> {
     let config = Config::resolve(args.config.as_deref())?;
     device::configure(&config.runtimes);
     let rounds = args.rounds.unwrap_or(2000);
-    if rounds == 0 {
+    if !(1..=MAX_ROUNDS).contains(&rounds) {
         return Err(Error::new(
             ErrorKind::InvalidRequest,
-            "--rounds must be at least 1",
+            format!("--rounds must be from 1 to {MAX_ROUNDS}, not {rounds}"),
         ));
     }
     let kind: MemoryKind = args

@@ -317,3 +317,14 @@ fn probe_refuses_bad_options_with_one_line() {
         assert_eq!(err.trim().lines().count(), 1, "{err}");
     }
 }
+
+#[test]
+fn probe_refuses_more_rounds_than_it_can_keep_naming_the_limit() {
+    for rounds in ["18446744073709551615", "100000000000"] {
+        let out = te().args(["probe", "--rounds", rounds]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{rounds}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains("--rounds") && err.contains("1000000"), "{err}");
+    }
+}
