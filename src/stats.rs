@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use te::{Error, ErrorKind, Result};
@@ -13,7 +13,7 @@ use te::{Error, ErrorKind, Result};
 pub(crate) struct StatsArgs {
     /// The engine's metrics endpoint (its `[engine] metrics_listen`), `HOST:PORT`.
     pub(crate) address: String,
-    /// Time between rows.
+    /// Time between rows (at most 1 day).
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     pub(crate) interval: Duration,
     /// Rows to print, then stop (default: until interrupted).
@@ -21,52 +21,150 @@ pub(crate) struct StatsArgs {
     pub(crate) count: Option<u64>,
 }
 
+/// The longest one scrape may take, from connecting to the end of the answer: an
+/// endpoint that trickles its answer, or never ends it, is given up on.
+const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
+/// The most bytes of one answer, whatever the other side sends.
+const MAX_ANSWER: usize = 16 << 20;
+/// The longest interval accepted; more is a typo.
+const MAX_INTERVAL: Duration = Duration::from_secs(24 * 60 * 60);
+
 fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
     match te::config::parse_duration(s) {
         Ok(d) if d.is_zero() => Err("the interval must be greater than zero".into()),
+        Ok(d) if d > MAX_INTERVAL => Err(format!(
+            "--interval {s} is longer than the 1 day te stats allows"
+        )),
         Ok(d) => Ok(d),
         Err(e) => Err(e.message().to_string()),
     }
 }
 
-/// One scrape: each sample line's name with its labels, and its value.
+/// One scrape, within [`SCRAPE_TIMEOUT`]: each sample line's name with its labels,
+/// and its value, where that is a finite number.
 fn scrape(address: &str) -> Result<HashMap<String, f64>> {
+    let deadline = Instant::now() + SCRAPE_TIMEOUT;
     let unreachable = |what: &str, e: std::io::Error| {
         Error::new(
             ErrorKind::PeerUnreachable,
             format!("{what} the metrics endpoint at {address}: {e}; is metrics_listen set there?"),
         )
     };
-    let mut s = TcpStream::connect(address).map_err(|e| unreachable("cannot reach", e))?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))
-        .and_then(|()| s.write_all(b"GET /metrics HTTP/1.1\r\nHost: te\r\n\r\n"))
+    let late = || {
+        Error::new(
+            ErrorKind::Timeout,
+            format!(
+                "the metrics endpoint at {address} did not answer within {} s; is it a te engine's metrics_listen?",
+                SCRAPE_TIMEOUT.as_secs()
+            ),
+        )
+    };
+    let addrs: Vec<SocketAddr> = address
+        .to_socket_addrs()
+        .map_err(|e| {
+            Error::new(
+                ErrorKind::InvalidRequest,
+                format!("`{address}` is not a metrics endpoint's HOST:PORT: {e}"),
+            )
+        })?
+        .collect();
+    let mut stream = Err(std::io::Error::from(std::io::ErrorKind::AddrNotAvailable));
+    for a in &addrs {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(late());
+        }
+        stream = TcpStream::connect_timeout(a, left);
+        if stream.is_ok() {
+            break;
+        }
+    }
+    let mut s = stream.map_err(|e| unreachable("cannot reach", e))?;
+    let left = deadline.saturating_duration_since(Instant::now());
+    s.set_write_timeout(Some(left.max(Duration::from_millis(1))))
+        .and_then(|()| {
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: te\r\nConnection: close\r\n\r\n")
+        })
         .map_err(|e| unreachable("cannot ask", e))?;
-    let mut text = String::new();
-    // At most 16 MiB, whatever the other side sends.
-    s.take(16 << 20)
-        .read_to_string(&mut text)
-        .map_err(|e| unreachable("cannot read", e))?;
+    let mut answer = Vec::new();
+    let mut buf = vec![0u8; 64 << 10];
+    // The answer's whole length, once its head is in and announces one; without it,
+    // the answer ends when the endpoint closes the connection.
+    let mut whole = None;
+    while whole.is_none_or(|n| answer.len() < n) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(late());
+        }
+        s.set_read_timeout(Some(left))
+            .map_err(|e| unreachable("cannot read", e))?;
+        let searched = answer.len().saturating_sub(3);
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => answer.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(late())
+            }
+            Err(e) => return Err(unreachable("cannot read", e)),
+        }
+        if answer.len() > MAX_ANSWER {
+            return Err(Error::new(
+                ErrorKind::Protocol,
+                format!("{address} answered more than 16 MiB; is it a te engine's metrics_listen?"),
+            ));
+        }
+        if whole.is_none() {
+            let end = answer[searched..]
+                .windows(4)
+                .position(|w| w == b"\r\n\r\n")
+                .map(|i| searched + i + 4);
+            whole = end.and_then(|end| {
+                Some(end + content_length(&String::from_utf8_lossy(&answer[..end]))?)
+            });
+        }
+    }
+    let text = String::from_utf8_lossy(&answer);
     let Some((head, body)) = text.split_once("\r\n\r\n") else {
         return Err(Error::new(
             ErrorKind::Protocol,
             format!("{address} answered no HTTP"),
         ));
     };
-    if !head.starts_with("HTTP/1.1 200") {
-        let status = head.lines().next().unwrap_or("").to_string();
+    let status = head.lines().next().unwrap_or("");
+    if !(status.starts_with("HTTP/1.") && status.split(' ').nth(1) == Some("200")) {
         return Err(Error::new(
             ErrorKind::Protocol,
             format!("{address} answered `{status}`, not metrics"),
         ));
     }
+    let body = content_length(head)
+        .and_then(|n| body.get(..n))
+        .unwrap_or(body);
     Ok(body
         .lines()
         .filter(|l| !l.starts_with('#'))
         .filter_map(|l| {
             let (name, value) = l.rsplit_once(' ')?;
-            Some((name.to_string(), value.parse().ok()?))
+            let value: f64 = value.parse().ok()?;
+            value.is_finite().then(|| (name.to_string(), value))
         })
         .collect())
+}
+
+/// The `Content-Length` of an answer's head, if it has one.
+fn content_length(head: &str) -> Option<usize> {
+    head.lines().skip(1).find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim()
+            .eq_ignore_ascii_case("content-length")
+            .then(|| v.trim().parse().ok())?
+    })
 }
 
 pub(crate) fn run(args: StatsArgs) -> Result<()> {

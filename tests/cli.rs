@@ -328,3 +328,107 @@ fn probe_refuses_more_rounds_than_it_can_keep_naming_the_limit() {
         assert!(err.contains("--rounds") && err.contains("1000000"), "{err}");
     }
 }
+
+/// A fake metrics endpoint on a free loopback port: each of its first 4 connections is
+/// read up to the end of its request, then handed to `answer` on a thread of its own.
+fn endpoint(answer: fn(std::net::TcpStream)) -> String {
+    use std::io::Read;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().take(4) {
+            let Ok(mut conn) = conn else { return };
+            std::thread::spawn(move || {
+                let mut request = Vec::new();
+                let mut byte = [0u8];
+                while !request.ends_with(b"\r\n\r\n") && request.len() < 4096 {
+                    match conn.read(&mut byte) {
+                        Ok(1) => request.push(byte[0]),
+                        _ => return,
+                    }
+                }
+                answer(conn);
+            });
+        }
+    });
+    addr
+}
+
+/// Runs `te ARGS`, killing it if it has not ended within `limit`.
+fn bounded(args: &[&str], limit: Duration) -> std::process::Output {
+    let mut child = te()
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let end = Instant::now() + limit;
+    while child.try_wait().unwrap().is_none() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn stats_gives_up_on_an_endpoint_that_trickles_its_answer() {
+    let addr = endpoint(|mut conn| {
+        use std::io::Write;
+        let _ = conn.write_all(b"HTTP/1.1 200 OK\r\n\r\n");
+        // One byte every 200 ms, for 20 s at most.
+        for _ in 0..100 {
+            if conn.write_all(b"x").is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    });
+    let out = bounded(
+        &["stats", &addr, "--count", "1", "--interval", "10ms"],
+        Duration::from_secs(30),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&addr) && err.contains("did not answer within 5 s"),
+        "{err}"
+    );
+}
+
+#[test]
+fn stats_reads_an_answer_as_long_as_its_content_length_and_prints_no_nan() {
+    let addr = endpoint(|mut conn| {
+        use std::io::Write;
+        let body = "# TYPE te_batches_completed_total counter\nte_batches_completed_total 10\nte_batches_in_flight NaN\nte_batch_latency_seconds_count +Inf\n";
+        let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", body.len());
+        let _ = conn.write_all(head.as_bytes());
+        let _ = conn.write_all(body.as_bytes());
+        // The connection stays open, as HTTP/1.1 allows.
+        std::thread::sleep(Duration::from_secs(8));
+    });
+    let out = bounded(
+        &["stats", &addr, "--count", "1", "--interval", "10ms"],
+        Duration::from_secs(30),
+    );
+    let (stdout, err) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{err}");
+    assert_eq!(stdout.lines().count(), 2, "{stdout}");
+    assert!(
+        !stdout.contains("NaN") && !stdout.contains("inf"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn stats_refuses_an_interval_longer_than_a_day() {
+    let out = te()
+        .args(["stats", "127.0.0.1:1", "--interval", "1000000000d"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--interval") && err.contains("1 day"), "{err}");
+}
