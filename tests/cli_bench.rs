@@ -615,3 +615,148 @@ fn kv_blocks_move_between_two_processes_against_te_serve_kv() {
     let e = text(&out.stderr);
     assert!(e.lines().count() == 1 && e.contains("bench"), "{e}");
 }
+
+/// Runs `te ARGS`, killing it if it has not ended within `limit`: what is refused must
+/// be refused at once, not after the run it asked for.
+fn bounded(args: &[&str], limit: std::time::Duration) -> Output {
+    let mut child = te()
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let end = std::time::Instant::now() + limit;
+    while child.try_wait().unwrap().is_none() && std::time::Instant::now() < end {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    child.wait_with_output().unwrap()
+}
+
+/// `te ARGS` exits 1 within 20 s, with one line on stderr holding every needle.
+fn refused_at_once(args: &[&str], needles: &[&str]) {
+    let out = bounded(args, std::time::Duration::from_secs(20));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{args:?} => {stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{args:?} => {stderr}");
+    assert!(stderr.starts_with("te: error: "), "{args:?} => {stderr}");
+    for n in needles {
+        assert!(stderr.contains(n), "{args:?}: `{n}` not in {stderr}");
+    }
+}
+
+#[test]
+fn durations_longer_than_a_day_are_refused_naming_the_limit() {
+    for (option, kv) in [
+        ("--duration", false),
+        ("--warmup", false),
+        ("--duration", true),
+    ] {
+        let mut args = vec!["bench", "--backend", "stub", option, "1000000000d"];
+        if kv {
+            args.extend([
+                "--kv",
+                "--kv-layers",
+                "2",
+                "--kv-blocks",
+                "16",
+                "--batch",
+                "4",
+            ]);
+        }
+        refused_at_once(&args, &[option, "1 day"]);
+    }
+}
+
+#[test]
+fn kv_durations_are_checked_like_the_other_benches() {
+    let kv = ["bench", "--kv", "--backend", "stub", "--kv-layers", "2"];
+    for (duration, says) in [("0s", "longer than zero"), ("soon", "not a duration")] {
+        let mut args = kv.to_vec();
+        args.extend(["--kv-blocks", "16", "--batch", "4", "--duration", duration]);
+        refused_at_once(&args, &["--duration", says]);
+    }
+}
+
+#[test]
+fn more_requests_in_flight_than_the_limit_are_refused_before_any_is_built() {
+    // 2 threads × 2^20 requests: 2^21 requests built and in flight at once.
+    refused_at_once(
+        &[
+            "bench",
+            "--backend",
+            "stub",
+            "--block-size",
+            "1",
+            "--batch",
+            "1048576",
+            "--threads",
+            "2",
+            "--iters",
+            "1",
+            "--warmup",
+            "0s",
+        ],
+        &["--batch 1048576", "--threads 2", "1048576"],
+    );
+}
+
+#[test]
+fn a_kv_geometry_whose_sizes_overflow_is_refused_not_a_panic() {
+    for geometry in [
+        &["--kv-heads", "99999999999", "--kv-head-dim", "99999999999"][..],
+        &[
+            "--kv-block-tokens",
+            "9999999999",
+            "--kv-dtype-bytes",
+            "9999999999",
+        ][..],
+        &["--kv-dtype-bytes", "9223372036854775808"][..],
+    ] {
+        for cmd in ["bench", "serve"] {
+            let mut args = vec![cmd, "--backend", "stub", "--kv"];
+            args.extend(geometry);
+            refused_at_once(&args, &["16 GiB"]);
+        }
+    }
+}
+
+#[test]
+fn a_kv_model_of_more_layers_blocks_or_requests_than_the_limits_is_refused() {
+    let tiny = [
+        "--kv-heads",
+        "1",
+        "--kv-head-dim",
+        "1",
+        "--kv-block-tokens",
+        "1",
+        "--kv-dtype-bytes",
+        "1",
+    ];
+    for (geometry, says) in [
+        (
+            &["--kv-layers", "100000", "--kv-blocks", "4"][..],
+            "--kv-layers",
+        ),
+        (
+            &["--kv-layers", "1", "--kv-blocks", "2000000"][..],
+            "--kv-blocks",
+        ),
+        (
+            &[
+                "--kv-layers",
+                "1024",
+                "--kv-blocks",
+                "1024",
+                "--batch",
+                "1024",
+            ][..],
+            "requests per batch",
+        ),
+    ] {
+        let mut args = vec!["bench", "--backend", "stub", "--kv", "--duration", "100ms"];
+        args.extend(tiny);
+        args.extend(geometry);
+        refused_at_once(&args, &[says]);
+    }
+}

@@ -18,13 +18,14 @@ use te::{
     Access, BlockOptions, Config, Engine, KvGroup, KvLayout, KvSlot, Op, RegionId, TransferRequest,
 };
 
+use super::plan::{parse_duration, MAX_IN_FLIGHT};
 use super::BenchArgs;
 
 /// The simulated model's geometry, as `te bench --kv` and `te serve --kv` take it
 /// (the two must agree).
 #[derive(clap::Args, Debug, Default)]
 pub(crate) struct KvArgs {
-    /// --kv: layers [default: 32].
+    /// --kv: layers, at most 1024 [default: 32].
     #[arg(long, value_name = "N", requires = "kv")]
     pub(crate) kv_layers: Option<String>,
     /// --kv: KV heads [default: 8].
@@ -39,7 +40,8 @@ pub(crate) struct KvArgs {
     /// --kv: bytes per element (2 for fp16/bf16) [default: 2].
     #[arg(long, value_name = "N", requires = "kv")]
     pub(crate) kv_dtype_bytes: Option<String>,
-    /// --kv: blocks per buffer on each side [default: 256].
+    /// --kv: blocks per buffer on each side, at most 1048576; the cache at most 16 GiB
+    /// per side [default: 256].
     #[arg(long, value_name = "N", requires = "kv")]
     pub(crate) kv_blocks: Option<String>,
 }
@@ -55,22 +57,35 @@ struct Model {
 }
 
 impl Model {
+    /// Bytes of one block of one buffer; [`KvArgs::model`] checked that the whole cache
+    /// fits in [`MAX_CACHE`], so no product overflows.
     fn bytes_per_block(&self) -> u64 {
         self.kv_heads * self.head_dim * self.block_tokens * self.dtype_bytes
     }
 }
 
+/// The most bytes one side's simulated cache may have.
+const MAX_CACHE: u64 = 16 << 30;
+/// The most layers: each is a group of the layout, built and sent to the peer.
+const MAX_LAYERS: u64 = 1024;
+/// The most blocks per buffer: a batch picks its ids from a list of them all.
+const MAX_BLOCKS: u64 = 1 << 20;
+
 fn bad(m: String) -> te::Error {
     te::Error::new(te::ErrorKind::InvalidRequest, m).with_operation("bench --kv")
 }
 
-fn number(value: &Option<String>, default: u64, what: &str) -> te::Result<u64> {
+/// A whole number from 1 to `max` given as `--{what}`, or `default`.
+fn number(value: &Option<String>, default: u64, what: &str, max: u64) -> te::Result<u64> {
     match value {
         None => Ok(default),
         Some(v) => match v.parse::<u64>() {
-            Ok(n) if n > 0 => Ok(n),
-            _ => Err(bad(format!(
+            Ok(n) if (1..=max).contains(&n) => Ok(n),
+            _ if max == u64::MAX => Err(bad(format!(
                 "--{what} must be a whole number greater than zero, not `{v}`"
+            ))),
+            _ => Err(bad(format!(
+                "--{what} must be a whole number from 1 to {max}, not `{v}`"
             ))),
         },
     }
@@ -129,27 +144,31 @@ impl Outcome {
 }
 
 impl KvArgs {
-    /// The model and the blocks per buffer.
+    /// The model and the blocks per buffer, whose cache fits in [`MAX_CACHE`].
     fn model(&self) -> te::Result<(Model, u64)> {
+        let any = u64::MAX;
         let model = Model {
-            layers: number(&self.kv_layers, 32, "kv-layers")?,
-            kv_heads: number(&self.kv_heads, 8, "kv-heads")?,
-            head_dim: number(&self.kv_head_dim, 128, "kv-head-dim")?,
-            block_tokens: number(&self.kv_block_tokens, 16, "kv-block-tokens")?,
-            dtype_bytes: number(&self.kv_dtype_bytes, 2, "kv-dtype-bytes")?,
+            layers: number(&self.kv_layers, 32, "kv-layers", MAX_LAYERS)?,
+            kv_heads: number(&self.kv_heads, 8, "kv-heads", any)?,
+            head_dim: number(&self.kv_head_dim, 128, "kv-head-dim", any)?,
+            block_tokens: number(&self.kv_block_tokens, 16, "kv-block-tokens", any)?,
+            dtype_bytes: number(&self.kv_dtype_bytes, 2, "kv-dtype-bytes", any)?,
         };
-        Ok((model, number(&self.kv_blocks, 256, "kv-blocks")?))
+        let blocks = number(&self.kv_blocks, 256, "kv-blocks", MAX_BLOCKS)?;
+        cache_bytes(&model, blocks)?;
+        Ok((model, blocks))
     }
 }
 
 /// The bytes of one side's cache.
 fn cache_bytes(model: &Model, blocks: u64) -> te::Result<u64> {
-    (2 * model.layers)
-        .checked_mul(blocks)
-        .and_then(|n| n.checked_mul(model.bytes_per_block()))
-        .filter(|&n| n <= 16 << 30)
+    let m = model;
+    [m.kv_heads, m.head_dim, m.block_tokens, m.dtype_bytes, 2, m.layers, blocks]
+        .into_iter()
+        .try_fold(1u64, u64::checked_mul)
+        .filter(|&n| n <= MAX_CACHE)
         .ok_or_else(|| {
-            bad("the simulated cache is larger than 16 GiB per side; lower --kv-blocks".into())
+            bad("the simulated cache is larger than 16 GiB per side; lower --kv-blocks or the model's --kv-* sizes".into())
         })
 }
 
@@ -172,10 +191,17 @@ pub(crate) fn cache_side(
 
 pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
     let (model, blocks) = args.kv_model.model()?;
-    let batch = number(&args.batch, 32, "batch")?;
+    let batch = number(&args.batch, 32, "batch", u64::MAX)?;
     if batch > blocks {
         return Err(bad(format!(
             "--batch {batch} is more blocks than the cache has (--kv-blocks {blocks})"
+        )));
+    }
+    // At random, a batch is a request per block of every buffer.
+    if 2 * model.layers * batch > MAX_IN_FLIGHT {
+        return Err(bad(format!(
+            "--batch {batch} blocks × 2 × --kv-layers {} is more than the {MAX_IN_FLIGHT} requests per batch te bench allows; use smaller batches or fewer layers",
+            model.layers
         )));
     }
     let op = match args.op.as_deref().unwrap_or("read") {
@@ -184,7 +210,10 @@ pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
         other => return Err(bad(format!("--op must be read or write, not `{other}`"))),
     };
     let duration = match &args.duration {
-        Some(d) => te::config::parse_duration(d)?,
+        Some(d) => match parse_duration("--duration", d)? {
+            Duration::ZERO => return Err(bad("--duration must be longer than zero".into())),
+            d => d,
+        },
         None => Duration::from_secs(3),
     };
     let bpb = model.bytes_per_block();

@@ -42,19 +42,21 @@ pub(crate) struct BenchArgs {
     /// Bytes per request: 4096, 4KiB, 64KiB, 1MiB, … [default: 64KiB].
     #[arg(long, value_name = "SIZE", conflicts_with = "block_sizes")]
     pub(crate) block_size: Option<String>,
-    /// Requests per batch [default: 32].
+    /// Requests per batch; at most 1048576 in flight, over all threads [default: 32].
     #[arg(long, value_name = "N", conflicts_with = "batch_sizes")]
     pub(crate) batch: Option<String>,
     /// Initiator threads, each with its own range of the buffers [default: 1].
     #[arg(long, value_name = "N")]
     pub(crate) threads: Option<String>,
-    /// How long each point is measured: 5s, 500ms [default: 5s; 250ms per sweep point].
+    /// How long each point is measured, at most 1 day: 5s, 500ms [default: 5s; 250ms
+    /// per sweep point].
     #[arg(long, value_name = "TIME", conflicts_with = "iters")]
     pub(crate) duration: Option<String>,
     /// Measure this many batches per thread instead of a duration.
     #[arg(long, value_name = "N")]
     pub(crate) iters: Option<String>,
-    /// Unmeasured run before each point; 0s for none [default: 1s; 50ms per sweep point].
+    /// Unmeasured run before each point, at most 1 day; 0s for none [default: 1s; 50ms
+    /// per sweep point].
     #[arg(long, value_name = "TIME")]
     pub(crate) warmup: Option<String>,
     /// Measure every block size from 4KiB to 64MiB (doubling) with every batch size from 1 to 128 (doubling).

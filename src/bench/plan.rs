@@ -18,8 +18,11 @@ pub(crate) const SWEEP_BATCH_SIZES: (u64, u64) = (1, 128);
 
 /// The largest thread count accepted; more is a typo, not a benchmark.
 const MAX_THREADS: u64 = 1024;
-/// The largest batch accepted, in requests.
-const MAX_BATCH: u64 = 1 << 20;
+/// The most requests in flight at once, over every thread (batch × threads): each is
+/// built and kept for the whole point, so more would ask for gigabytes of requests.
+pub(crate) const MAX_IN_FLIGHT: u64 = 1 << 20;
+/// The longest `--duration` or `--warmup` accepted; more is a typo, not a benchmark.
+pub(crate) const MAX_DURATION: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// When a measured phase ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,11 +90,6 @@ impl Plan {
             (None, None) if a.sweep => doubling(SWEEP_BATCH_SIZES.0, SWEEP_BATCH_SIZES.1),
             (None, None) => vec![32],
         };
-        if let Some(&b) = batch_sizes.iter().find(|&&b| b > MAX_BATCH) {
-            return Err(bad(format!(
-                "a batch of {b} requests is more than the {MAX_BATCH} te bench allows"
-            )));
-        }
         let threads = a
             .threads
             .as_deref()
@@ -99,6 +97,12 @@ impl Plan {
         if threads > MAX_THREADS {
             return Err(bad(format!(
                 "--threads {threads} is more than the {MAX_THREADS} te bench allows"
+            )));
+        }
+        let too_many = |&&b: &&u64| b.checked_mul(threads).is_none_or(|n| n > MAX_IN_FLIGHT);
+        if let Some(&b) = batch_sizes.iter().find(too_many) {
+            return Err(bad(format!(
+                "--batch {b} × --threads {threads} is more than the {MAX_IN_FLIGHT} requests in flight te bench allows; use smaller batches or fewer threads"
             )));
         }
         let stop = match (&a.iters, &a.duration) {
@@ -278,12 +282,19 @@ pub(crate) fn parse_count(option: &str, s: &str) -> Result<u64> {
     }
 }
 
-/// Parses a duration (`5s`, `250ms`, `1m 30s`); zero is allowed here.
+/// Parses a duration (`5s`, `250ms`, `1m 30s`) of at most [`MAX_DURATION`]; zero is
+/// allowed here.
 ///
 /// # Errors
-/// `InvalidRequest` naming `option`, with the accepted forms.
+/// `InvalidRequest` naming `option`, with the accepted forms or the limit.
 pub(crate) fn parse_duration(option: &str, s: &str) -> Result<Duration> {
-    te::config::parse_duration(s).map_err(|e| bad(format!("{option}: {}", e.message())))
+    match te::config::parse_duration(s) {
+        Ok(d) if d > MAX_DURATION => Err(bad(format!(
+            "{option} {s} is longer than the 1 day te bench allows"
+        ))),
+        Ok(d) => Ok(d),
+        Err(e) => Err(bad(format!("{option}: {}", e.message()))),
+    }
 }
 
 /// Every power-of-two multiple of `from` up to `to`.

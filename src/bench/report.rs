@@ -105,12 +105,14 @@ impl Progress {
     /// Live numbers while a point is measured.
     pub(crate) fn tick(&self, batches: u64, layout: Layout, elapsed: Duration, stop: Stop) {
         let Some(bar) = &self.bar else { return };
-        let bytes = batches * layout.batch * layout.block;
+        let bytes = batches
+            .saturating_mul(layout.batch)
+            .saturating_mul(layout.block);
         let gbps = super::stats::gb_per_s(bytes, elapsed.as_secs_f64());
         if !self.sweep {
             let done = match stop {
                 Stop::After(d) => elapsed.as_secs_f64() / d.as_secs_f64().max(1e-9),
-                Stop::Iters(n) => batches as f64 / (n * layout.threads) as f64,
+                Stop::Iters(n) => batches as f64 / (n as f64 * layout.threads as f64),
             };
             bar.set_position((done.min(1.0) * 1000.0) as u64);
         }

@@ -272,7 +272,10 @@ impl<'p> Bench<'p> {
         if plan.verify {
             self.check(range, pattern)?;
         }
-        let bytes = phase.batches * layout.batch * layout.block;
+        let bytes = phase
+            .batches
+            .saturating_mul(layout.batch)
+            .saturating_mul(layout.block);
         Ok(Record::measured(
             &self.backend,
             plan.op,
