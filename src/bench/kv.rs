@@ -19,6 +19,7 @@ use te::{
 };
 
 use super::plan::{parse_duration, MAX_IN_FLIGHT};
+use super::stats::{Samples, MAX_SAMPLES};
 use super::BenchArgs;
 
 /// The simulated model's geometry, as `te bench --kv` and `te serve --kv` take it
@@ -123,7 +124,8 @@ struct Outcome {
     requests: usize,
     bytes: u64,
     seconds: f64,
-    latencies: Vec<f64>,
+    /// Per-batch latencies (a bounded sample of them, for a long run).
+    latencies: Samples,
     /// What the device runtimes counted over the mode's batches.
     device: te_core::device::CopyStats,
 }
@@ -137,7 +139,7 @@ impl Outcome {
             requests: 0,
             bytes: 0,
             seconds: 0.0,
-            latencies: Vec::new(),
+            latencies: Samples::new(MAX_SAMPLES),
             device: Default::default(),
         }
     }
@@ -338,7 +340,7 @@ pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
                 }
             };
             handle.wait()?;
-            o.latencies.push(t.elapsed().as_secs_f64() * 1e6);
+            o.latencies.add(nanos(t.elapsed()), None);
             o.batches += 1;
             o.bytes += per_batch;
             if mode != "plain-1MiB" {
@@ -418,7 +420,7 @@ fn memcpy_baseline(shape: &Shape, duration: Duration, rng: &mut Rng) -> te::Resu
                     }
                 }
                 std::hint::black_box(&mut dst);
-                o.latencies.push(t.elapsed().as_secs_f64() * 1e6);
+                o.latencies.add(nanos(t.elapsed()), None);
                 o.batches += 1;
                 o.bytes += shape.buffers * shape.batch * shape.bpb;
                 o.requests = shape.buffers as usize * copies.len();
@@ -428,6 +430,11 @@ fn memcpy_baseline(shape: &Shape, duration: Duration, rng: &mut Rng) -> te::Resu
         })
         .collect();
     Ok(outcomes)
+}
+
+/// A duration in nanoseconds.
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// xorshift64: block ids only need to be scattered, not unpredictable.
@@ -500,7 +507,9 @@ fn report(
         );
     }
     for o in outcomes {
-        let mut lat = o.latencies.clone();
+        let mut lat: Vec<f64> = (o.latencies.latencies_ns.iter())
+            .map(|&ns| ns as f64 / 1e3)
+            .collect();
         lat.sort_by(f64::total_cmp);
         let pct = |p: f64| {
             lat.get(((lat.len() as f64 - 1.0) * p).round() as usize)
@@ -608,7 +617,7 @@ mod tests {
         for o in &out {
             assert!(o.batches > 0);
             assert_eq!(o.bytes, o.batches * 4 * 8 * 64);
-            assert_eq!(o.latencies.len() as u64, o.batches);
+            assert_eq!(o.latencies.latencies_ns.len() as u64, o.batches);
         }
     }
 

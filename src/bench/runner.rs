@@ -18,7 +18,7 @@ use super::pattern::{self, Pattern};
 use super::plan::{human_size, Layout, Plan, Stop};
 use super::plot;
 use super::report::{self, Progress};
-use super::stats::{self, Record, Stages};
+use super::stats::{self, Record, Samples, Stages, MAX_SAMPLES};
 
 /// How often the progress display is refreshed while a point runs.
 const REFRESH: Duration = Duration::from_millis(100);
@@ -342,16 +342,14 @@ impl<'p> Bench<'p> {
             }
             let mut first = None::<Instant>;
             let mut last = None::<Instant>;
-            let mut latencies_ns = Vec::new();
-            let mut stages = Stages::default();
+            let mut samples = Samples::new(MAX_SAMPLES);
             let mut error = None;
             for w in workers {
                 match w.join() {
-                    Ok(Ok((start, end, lat, st))) => {
+                    Ok(Ok((start, end, s))) => {
                         first = Some(first.map_or(start, |f| f.min(start)));
                         last = Some(last.map_or(end, |l| l.max(end)));
-                        latencies_ns.extend(lat);
-                        stages.extend(st);
+                        samples.extend(s);
                     }
                     Ok(Err(e)) => {
                         // The first failure is the cause; the others were told to stop.
@@ -377,8 +375,8 @@ impl<'p> Bench<'p> {
             Ok(Phase {
                 batches: batches.load(Ordering::Relaxed),
                 seconds,
-                latencies_ns,
-                stages,
+                latencies_ns: samples.latencies_ns,
+                stages: samples.stages,
             })
         })
     }
@@ -392,15 +390,11 @@ impl<'p> Bench<'p> {
         barrier: &Barrier,
         abort: &AtomicBool,
         batches: &AtomicU64,
-    ) -> Result<(Instant, Instant, Vec<u64>, Stages)> {
-        let mut latencies = Vec::with_capacity(match stop {
-            Stop::Iters(n) => usize::try_from(n).unwrap_or(usize::MAX).min(1 << 24),
-            Stop::After(_) => 1 << 16,
-        });
+    ) -> Result<(Instant, Instant, Samples)> {
+        let mut samples = Samples::new(MAX_SAMPLES / self.plan.threads as usize);
         barrier.wait();
         let start = Instant::now();
         let mut done = 0u64;
-        let mut stages = Stages::default();
         loop {
             if abort.load(Ordering::Relaxed) {
                 return Err(Error::new(ErrorKind::Cancelled, "another thread failed"));
@@ -419,10 +413,7 @@ impl<'p> Bench<'p> {
                 }
             };
             let latency = u64::try_from((t1 - t0).as_nanos()).unwrap_or(u64::MAX);
-            latencies.push(latency);
-            if let Some(t) = handle.telemetry() {
-                stages.add(latency, &t);
-            }
+            samples.add(latency, handle.telemetry().as_ref());
             batches.fetch_add(1, Ordering::Relaxed);
             done += 1;
             let finished = match stop {
@@ -430,7 +421,7 @@ impl<'p> Bench<'p> {
                 Stop::After(d) => t1 - start >= d,
             };
             if finished {
-                return Ok((start, t1, latencies, stages));
+                return Ok((start, t1, samples));
             }
         }
     }

@@ -98,6 +98,82 @@ pub(crate) struct StageSummary {
     pub(crate) wake_us_p50: Option<f64>,
 }
 
+/// The most per-batch samples one point keeps over all its threads (each thread
+/// `MAX_SAMPLES / threads`): at most about 100 MiB, however long the point runs.
+pub(crate) const MAX_SAMPLES: usize = 1 << 21;
+
+/// One thread's per-batch latencies and stages, at most `cap` of each: when full,
+/// every other sample is dropped and from then on one batch in twice as many is kept,
+/// so a long run keeps samples spread evenly over its whole time in bounded memory.
+/// A run of fewer batches keeps every one.
+#[derive(Debug)]
+pub(crate) struct Samples {
+    /// Latencies, in nanoseconds.
+    pub(crate) latencies_ns: Vec<u64>,
+    /// Where the kept batches' time went.
+    pub(crate) stages: Stages,
+    /// Even, so that halving keeps the batches one in `2 × every` keeps.
+    cap: usize,
+    /// One batch in this many is kept.
+    every: u64,
+    /// Batches offered.
+    seen: u64,
+}
+
+impl Samples {
+    /// No samples yet, at most about `cap` to be kept.
+    pub(crate) fn new(cap: usize) -> Samples {
+        let cap = cap.max(2) & !1;
+        Samples {
+            latencies_ns: Vec::with_capacity(cap.min(1 << 16)),
+            stages: Stages::default(),
+            cap,
+            every: 1,
+            seen: 0,
+        }
+    }
+
+    /// Offers a batch that took `latency_ns` on the waiting thread's clock.
+    pub(crate) fn add(&mut self, latency_ns: u64, telemetry: Option<&te::BatchTelemetry>) {
+        if self.keep() {
+            self.latencies_ns.push(latency_ns);
+            if let Some(t) = telemetry {
+                self.stages.add(latency_ns, t);
+            }
+        }
+    }
+
+    /// Whether to keep the next batch; when the samples are full, halves them first.
+    fn keep(&mut self) -> bool {
+        let index = self.seen;
+        self.seen += 1;
+        if index % self.every != 0 {
+            return false;
+        }
+        if self.latencies_ns.len() >= self.cap {
+            halve(&mut self.latencies_ns);
+            self.stages.halve();
+            self.every *= 2;
+        }
+        index % self.every == 0
+    }
+
+    /// Adds another thread's samples.
+    pub(crate) fn extend(&mut self, o: Samples) {
+        self.latencies_ns.extend(o.latencies_ns);
+        self.stages.extend(o.stages);
+    }
+}
+
+/// Keeps the values at even positions.
+fn halve(v: &mut Vec<u64>) {
+    let mut i = 0;
+    v.retain(|_| {
+        i += 1;
+        i % 2 == 1
+    });
+}
+
 /// Per-batch samples of [`StageSummary`]'s parts, in nanoseconds.
 #[derive(Debug, Default)]
 pub(crate) struct Stages {
@@ -133,6 +209,19 @@ impl Stages {
             if let Some(d) = d {
                 v.push(ns(d));
             }
+        }
+    }
+
+    /// Keeps every other sample of each part.
+    fn halve(&mut self) {
+        for v in [
+            &mut self.post,
+            &mut self.queued,
+            &mut self.wire,
+            &mut self.device,
+            &mut self.wake,
+        ] {
+            halve(v);
         }
     }
 
@@ -240,6 +329,40 @@ mod tests {
         let one = summarise(&mut [2500]).unwrap();
         assert_eq!((one.p50, one.p999), (2.5, 2.5));
         assert!(summarise(&mut []).is_none());
+    }
+
+    #[test]
+    fn a_long_run_keeps_a_bounded_sample_spread_over_its_whole_time() {
+        let mut s = Samples::new(64);
+        let add = |s: &mut Samples, i: u64| {
+            if s.keep() {
+                s.latencies_ns.push(i);
+                let us = Duration::from_micros(i);
+                s.stages.push(i, us, us, [None; 3]);
+            }
+        };
+        for i in 0..64 {
+            add(&mut s, i);
+        }
+        assert_eq!(
+            s.latencies_ns,
+            (0..64).collect::<Vec<_>>(),
+            "a short run keeps all"
+        );
+        for i in 64..100_000 {
+            add(&mut s, i);
+        }
+        assert!(s.latencies_ns.len() <= 64, "{}", s.latencies_ns.len());
+        assert!(s.latencies_ns.len() >= 32, "{}", s.latencies_ns.len());
+        assert_eq!(s.stages.post.len(), s.latencies_ns.len());
+        // Evenly spread: from the first batch to near the last, at equal steps.
+        let steps: Vec<u64> = s.latencies_ns.windows(2).map(|w| w[1] - w[0]).collect();
+        assert_eq!(s.latencies_ns[0], 0);
+        assert!(steps.iter().all(|&d| d == steps[0]), "{steps:?}");
+        assert!(
+            *s.latencies_ns.last().unwrap() >= 100_000 - steps[0],
+            "{s:?}"
+        );
     }
 
     #[test]
