@@ -760,3 +760,43 @@ fn a_kv_model_of_more_layers_blocks_or_requests_than_the_limits_is_refused() {
         refused_at_once(&args, &[says]);
     }
 }
+
+#[test]
+fn a_kv_run_shorter_than_one_batch_measures_one_batch_per_mode_and_prints_no_nan() {
+    let kv = [
+        "bench",
+        "--kv",
+        "--backend",
+        "stub",
+        "--kv-layers",
+        "2",
+        "--kv-blocks",
+        "16",
+        "--batch",
+        "4",
+        "--duration",
+        "1ns",
+        "--baseline",
+    ];
+    let out = bounded(&kv, std::time::Duration::from_secs(60));
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        !stdout.contains("NaN") && !stdout.contains("inf") && !stdout.contains("-0.0"),
+        "{stdout}"
+    );
+    let mut json = kv.to_vec();
+    json.push("--json");
+    let out = bounded(&json, std::time::Duration::from_secs(60));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let lines: Vec<serde_json::Value> = text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 5, "{lines:?}");
+    for v in &lines {
+        assert!(v["blocks_per_s"].as_f64().unwrap() > 0.0, "{v}");
+        assert!(v["lat_us_p50"].as_f64().unwrap() > 0.0, "{v}");
+        assert!(v["requests_per_batch"].as_u64().unwrap() > 0, "{v}");
+    }
+}

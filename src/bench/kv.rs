@@ -324,7 +324,8 @@ pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
         };
         let start = Instant::now();
         let device = te_core::device::stats();
-        while start.elapsed() < duration {
+        // At least one batch, however short the duration, so every mode has numbers.
+        while o.batches == 0 || start.elapsed() < duration {
             let (remote_ids, local_ids) = rng.pick(mode == "contiguous", &mut ids, batch);
             let t = Instant::now();
             let handle = match (mode, op) {
@@ -406,7 +407,7 @@ fn memcpy_baseline(shape: &Shape, duration: Duration, rng: &mut Rng) -> te::Resu
         .map(|mode| {
             let mut o = Outcome::new(mode, true);
             let start = Instant::now();
-            while start.elapsed() < duration {
+            while o.batches == 0 || start.elapsed() < duration {
                 // One copy per run of blocks, in every buffer, as te's plan merges them.
                 let (from, to) = rng.pick(mode == "memcpy-contiguous", &mut ids, shape.batch);
                 let copies = merged(&from, &to);
