@@ -55,16 +55,28 @@ pub fn parse_duration(s: &str) -> Result<Duration> {
     })
 }
 
+/// The units [`parse_size`] accepts, as its errors list them.
+const SIZE_UNITS: &str = "B, KiB, MiB, GiB (also K, M, G) or KB, MB, GB";
+
 /// Parses a byte size: `4096`, `4KiB`, `64KiB`, `1MiB`, `1GiB` (binary units), `1KB`,
-/// `1MB`, `1GB` (decimal units), case-insensitive.
+/// `1MB`, `1GB` (decimal units), case-insensitive; at most `u64::MAX` bytes.
 ///
 /// # Errors
-/// `ConfigInvalid` with the accepted forms.
+/// `ConfigInvalid` saying what was wrong (no whole number, an unknown unit, too large)
+/// and what to write instead.
 pub fn parse_size(s: &str) -> Result<u64> {
+    let invalid = |why: String| Error::new(ErrorKind::ConfigInvalid, format!("`{s}`: {why}"));
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+    let unit = unit.trim();
+    if num.is_empty() || unit.starts_with('.') {
+        return Err(invalid(format!(
+            "a size is a whole number of bytes with an optional unit ({SIZE_UNITS}), \
+             like 4096, 64KiB or 1536MiB"
+        )));
+    }
+    let mult: u64 = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kib" => 1 << 10,
         "m" | "mib" => 1 << 20,
@@ -72,16 +84,58 @@ pub fn parse_size(s: &str) -> Result<u64> {
         "kb" => 1_000,
         "mb" => 1_000_000,
         "gb" => 1_000_000_000,
-        _ => u64::MAX,
+        _ => {
+            return Err(invalid(format!(
+                "unknown unit `{unit}`; write the size in {SIZE_UNITS}, like 64KiB or 1GiB"
+            )))
+        }
     };
     num.parse::<u64>()
         .ok()
-        .filter(|_| mult != u64::MAX)
         .and_then(|n| n.checked_mul(mult))
         .ok_or_else(|| {
-            Error::new(
-                ErrorKind::ConfigInvalid,
-                format!("`{s}` is not a size like 4096, 64KiB, 1MiB or 1GiB"),
-            )
+            invalid(format!(
+                "too large: the largest size is {} bytes (16 EiB less one byte); \
+                 write a smaller size",
+                u64::MAX
+            ))
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(s: &str) -> String {
+        parse_size(s).unwrap_err().message().to_string()
+    }
+
+    #[test]
+    fn an_unknown_unit_is_named_with_the_units_accepted() {
+        let e = err("16EiB");
+        assert!(e.contains("unknown unit `EiB`"), "{e}");
+        for unit in ["KiB", "MiB", "GiB", "KB", "MB", "GB"] {
+            assert!(e.contains(unit), "{e} lacks {unit}");
+        }
+    }
+
+    #[test]
+    fn a_size_too_large_names_the_largest() {
+        for big in ["20000000000GiB", "99999999999999999999"] {
+            let e = err(big);
+            assert!(e.contains("too large"), "{e}");
+            assert!(e.contains(&u64::MAX.to_string()), "{e}");
+        }
+        assert_eq!(parse_size(&u64::MAX.to_string()).unwrap(), u64::MAX);
+    }
+
+    #[test]
+    fn a_size_without_a_number_says_so() {
+        for bad in ["", "KiB", "-1"] {
+            let e = err(bad);
+            assert!(e.contains("whole number of bytes"), "{bad}: {e}");
+        }
+        let e = err("1.5MiB");
+        assert!(e.contains("whole number"), "{e}");
+    }
 }
