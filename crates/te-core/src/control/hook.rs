@@ -120,9 +120,11 @@ impl StandaloneControl {
     /// `epoch` (non-zero: the epoch the backend was created with).
     ///
     /// # Errors
-    /// `Io` if the address cannot be bound; `ConfigInvalid` for a zero epoch or an
-    /// address that cannot be advertised.
+    /// `Io` if the address cannot be bound; `ConfigInvalid` for a zero epoch, a value
+    /// of `config` out of range (see [`EngineConfig::validate`](crate::EngineConfig::validate))
+    /// or an address that cannot be advertised.
     pub fn start(config: &crate::EngineConfig, epoch: u64) -> Result<StandaloneControl> {
+        config.validate()?;
         if epoch == 0 {
             return Err(Error::new(
                 ErrorKind::ConfigInvalid,
@@ -167,5 +169,32 @@ impl StandaloneControl {
     /// without waiting.
     pub fn try_recv_events(&self) -> Vec<PeerEvent> {
         self.plane.shared().events.drain()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn a_standalone_control_plane_checks_its_config_as_an_engine_does() {
+        type Set = fn(&mut crate::EngineConfig);
+        let cases: [(&str, Set); 3] = [
+            ("heartbeat = 0s", |c| c.heartbeat = Duration::ZERO),
+            ("max_sessions = 0", |c| c.max_sessions = 0),
+            ("auth_token = \"\"", |c| c.auth_token = Some(String::new())),
+        ];
+        for (what, set) in cases {
+            let mut config = crate::EngineConfig::default();
+            set(&mut config);
+            match StandaloneControl::start(&config, 1) {
+                Err(e) => assert_eq!(e.kind(), ErrorKind::ConfigInvalid, "{what}: {e}"),
+                Ok(_) => panic!("a standalone control plane started with {what}"),
+            }
+        }
+        let good = StandaloneControl::start(&crate::EngineConfig::default(), 1);
+        assert!(good.is_ok(), "{good:?}");
     }
 }
