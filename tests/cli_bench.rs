@@ -800,3 +800,42 @@ fn a_kv_run_shorter_than_one_batch_measures_one_batch_per_mode_and_prints_no_nan
         assert!(v["requests_per_batch"].as_u64().unwrap() > 0, "{v}");
     }
 }
+
+#[test]
+fn a_plot_that_cannot_be_written_is_refused_before_the_run() {
+    let missing = std::env::temp_dir().join(format!("te-bench-no-such-dir-{}", std::process::id()));
+    assert!(!missing.exists(), "{}", missing.display());
+    let into_missing = missing.join("plot.svg");
+    let a_dir = std::env::temp_dir();
+    for (plot, says) in [
+        (&into_missing, "does not exist"),
+        (&a_dir, "is a directory"),
+    ] {
+        let path = plot.to_str().unwrap();
+        let args = [
+            "--backend",
+            "stub",
+            "--json",
+            "--duration",
+            "100ms",
+            "--warmup",
+            "0s",
+            "--plot",
+            path,
+        ];
+        let out = bench(&args);
+        let stderr = text(&out.stderr);
+        // Refused before anything was measured: no result line on stdout.
+        assert!(
+            out.stdout.is_empty(),
+            "{args:?} measured: {}",
+            text(&out.stdout)
+        );
+        assert_eq!(out.status.code(), Some(1), "{args:?} => {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?} => {stderr}");
+        for n in ["--plot", path, says] {
+            assert!(stderr.contains(n), "{args:?}: `{n}` not in {stderr}");
+        }
+    }
+    assert!(!missing.exists(), "{}", missing.display());
+}

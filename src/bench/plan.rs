@@ -75,7 +75,8 @@ impl Plan {
     ///
     /// # Errors
     /// `InvalidRequest` naming the option for a malformed or zero size, count or
-    /// duration, or a block size that does not fit in `--buffer-size`.
+    /// duration, a block size that does not fit in `--buffer-size`, or a `--plot` path
+    /// that could not be written (see [`super::plot::check`]).
     pub(crate) fn from_args(a: &BenchArgs) -> Result<Plan> {
         let sweep = a.sweep || a.block_sizes.is_some() || a.batch_sizes.is_some();
         let block_sizes = match (&a.block_sizes, &a.block_size) {
@@ -162,6 +163,9 @@ impl Plan {
         };
         if plan.target.is_none() {
             plan.check_fits(plan.buffer_size, "--buffer-size")?;
+        }
+        if let Some(path) = &plan.plot {
+            super::plot::check(path)?;
         }
         Ok(plan)
     }

@@ -26,6 +26,46 @@ const COLOURS: [&str; 10] = [
     "#bcbd22", "#17becf",
 ];
 
+/// Refuses, before anything runs, a plot that could not be written at the end: an
+/// empty path, a directory, or a file in a directory that does not exist.
+///
+/// # Errors
+/// `InvalidRequest` naming the path and what to give instead.
+pub(crate) fn check(path: &Path) -> Result<()> {
+    let refuse = |why: String| {
+        Err(Error::new(
+            ErrorKind::InvalidRequest,
+            format!("--plot {}: {why}", path.display()),
+        )
+        .with_operation("bench"))
+    };
+    if path.as_os_str().is_empty() {
+        return refuse("the path is empty; name an SVG file, such as bench.svg".into());
+    }
+    if path.is_dir() {
+        return refuse(format!(
+            "is a directory; name a file in it, such as {}",
+            path.join("bench.svg").display()
+        ));
+    }
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    if !dir.is_dir() {
+        let why = if dir.exists() {
+            "is not a directory"
+        } else {
+            "does not exist"
+        };
+        return refuse(format!(
+            "{} {why}; create it first or name a file in an existing directory",
+            dir.display()
+        ));
+    }
+    Ok(())
+}
+
 /// Writes the plot of `records` to `path`.
 ///
 /// # Errors
