@@ -544,8 +544,6 @@ fn kv_blocks_in_fakedev_memory_move_over_tcp_in_every_mode() {
             "4",
             "--duration",
             "200ms",
-            "--warmup",
-            "0s",
             "--json",
         ]);
         assert!(out.status.success(), "{op}: {}", text(&out.stderr));
@@ -838,4 +836,50 @@ fn a_plot_that_cannot_be_written_is_refused_before_the_run() {
         }
     }
     assert!(!missing.exists(), "{}", missing.display());
+}
+
+#[test]
+fn kv_refuses_the_options_it_does_not_take_naming_them() {
+    let kv = [
+        "bench",
+        "--kv",
+        "--backend",
+        "stub",
+        "--kv-layers",
+        "2",
+        "--kv-blocks",
+        "64",
+    ];
+    let plot = std::env::temp_dir().join("te-bench-kv.svg");
+    let plot = plot.to_str().unwrap();
+    let cases: [&[&str]; 11] = [
+        &["--threads", "2"],
+        &["--iters", "3"],
+        &["--warmup", "0s"],
+        &["--verify"],
+        &["--sweep"],
+        &["--block-size", "4KiB"],
+        &["--block-sizes", "4KiB,8KiB"],
+        &["--batch-sizes", "1,2"],
+        &["--plot", plot],
+        &["--buffer-size", "1MiB"],
+        &["--threads", "2", "--verify", "--sweep"],
+    ];
+    for extra in cases {
+        let mut args = kv.to_vec();
+        args.extend(extra);
+        if extra[0] != "--iters" {
+            // Short, so a run that wrongly goes ahead ends soon.
+            args.extend(["--duration", "50ms"]);
+        }
+        let options: Vec<&str> = extra
+            .iter()
+            .copied()
+            .filter(|a| a.starts_with("--"))
+            .collect();
+        let mut needles = vec!["--kv does not take"];
+        needles.extend(&options);
+        refused_at_once(&args, &needles);
+    }
+    assert!(!std::path::Path::new(plot).exists(), "{plot}");
 }

@@ -191,7 +191,35 @@ pub(crate) fn cache_side(
     Ok(buffer)
 }
 
+/// Refuses the options of the other benches, which a `--kv` run would not use.
+fn refuse_other_options(args: &BenchArgs) -> te::Result<()> {
+    let given: Vec<&str> = [
+        ("--threads", args.threads.is_some()),
+        ("--iters", args.iters.is_some()),
+        ("--warmup", args.warmup.is_some()),
+        ("--verify", args.verify),
+        ("--sweep", args.sweep),
+        ("--block-size", args.block_size.is_some()),
+        ("--block-sizes", args.block_sizes.is_some()),
+        ("--batch-sizes", args.batch_sizes.is_some()),
+        ("--plot", args.plot.is_some()),
+        ("--buffer-size", args.buffer_size.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(option, set)| set.then_some(option))
+    .collect();
+    if given.is_empty() {
+        return Ok(());
+    }
+    Err(bad(format!(
+        "--kv does not take {}: it moves the whole cache once, then measures each mode on one thread for --duration, --batch blocks of the --kv-* model per batch; leave {} out",
+        given.join(", "),
+        if given.len() == 1 { "it" } else { "them" }
+    )))
+}
+
 pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
+    refuse_other_options(args)?;
     let (model, blocks) = args.kv_model.model()?;
     let batch = number(&args.batch, 32, "batch", u64::MAX)?;
     if batch > blocks {

@@ -93,6 +93,8 @@ pub(crate) struct BenchArgs {
     pub(crate) baseline: bool,
     /// Move a simulated model's KV cache by block id (contiguous, random, and as plain
     /// 1 MiB requests); --batch is blocks per batch, --op read (default) pulls them.
+    /// Refused with --threads, --iters, --warmup, --verify, --sweep, --block-size(s),
+    /// --batch-sizes, --plot and --buffer-size, which it does not use.
     #[arg(long)]
     pub(crate) kv: bool,
     /// --kv: the simulated model's geometry.
