@@ -130,14 +130,15 @@ def measure_kv(backend, op, batch, duration, warmup, model, config=None):
 def rust_bench(path, args):
     """`te bench`'s throughput (bytes/s) with the same options, from its --json."""
     cmd = [path, "bench", "--json", "--op", args.op, "--batch", str(args.batch),
-           "--duration", f"{args.duration}s", "--warmup", f"{args.warmup}s"]
+           "--duration", f"{args.duration}s"]
     if args.kv:
         cmd += ["--kv", "--kv-layers", str(args.kv_layers), "--kv-heads", str(args.kv_heads),
                 "--kv-head-dim", str(args.kv_head_dim),
                 "--kv-block-tokens", str(args.kv_block_tokens),
                 "--kv-dtype-bytes", str(args.kv_dtype_bytes), "--kv-blocks", str(args.kv_blocks)]
     else:
-        cmd += ["--block-size", str(args.block_size)]
+        # `--kv` measures each mode once, with no warm-up of its own to set.
+        cmd += ["--block-size", str(args.block_size), "--warmup", f"{args.warmup}s"]
     if args.backend:
         cmd += ["--backend", args.backend]
     if args.config:
