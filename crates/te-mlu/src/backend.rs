@@ -386,6 +386,12 @@ impl TransferBackend for MluBackend {
                         table: table.clone(),
                         slot,
                     });
+                    // Only a job holds the peer's mappings beyond the region table's
+                    // lock, so once its guards are gone (it drops its mappings first),
+                    // nothing of a batch keeps a deregistered allocation mapped.
+                    if !is_local {
+                        maps.extend(rm.mapping.clone());
+                    }
                 }
                 // Counted in, the slot cannot change under us: check the request
                 // against the owner's own word on the region, not the descriptor.
@@ -434,14 +440,6 @@ impl TransferBackend for MluBackend {
                     ));
                 }
             }
-            // Only a job holds the peer's mappings beyond the region table's lock, so
-            // once its guards are gone (it drops its mappings first), nothing of a
-            // batch keeps a deregistered allocation mapped.
-            for r in batch {
-                if let Some(m) = remotes.get(&r.remote).and_then(|rm| rm.mapping.clone()) {
-                    maps.push(m);
-                }
-            }
         }
         let job = Job {
             copies,
@@ -458,12 +456,7 @@ impl TransferBackend for MluBackend {
         // A batch still queued has touched nothing: it is released at once. One whose
         // copies are enqueued is released when its queues have been synchronised.
         if let Some(job) = self.shared.remove(|j| j.done.batch() == batch) {
-            let Job {
-                maps, guards, done, ..
-            } = job;
-            drop(maps);
-            drop(guards);
-            done.complete(Err(Error::new(
+            job.complete(Err(Error::new(
                 ErrorKind::Cancelled,
                 "aborted before its copies started",
             )));

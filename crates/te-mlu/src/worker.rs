@@ -58,6 +58,19 @@ pub(crate) struct Job {
     pub(crate) done: Completion,
 }
 
+impl Job {
+    /// Lets go of the peer's mappings, then of the regions (`maps` says why in this
+    /// order), then completes the batch with `result`.
+    pub(crate) fn complete(self, result: Result<()>) {
+        let Job {
+            maps, guards, done, ..
+        } = self;
+        drop(maps);
+        drop(guards);
+        done.complete(result);
+    }
+}
+
 pub(crate) fn worker(queue: &DueQueue<Job>, cnrt: &Cnrt) {
     let mut queues: HashMap<u32, Queue> = HashMap::new();
     while let Some(job) = queue.next(false) {
@@ -73,12 +86,7 @@ pub(crate) fn worker(queue: &DueQueue<Job>, cnrt: &Cnrt) {
             job.done.stage_ended(BatchStage::Device);
             r
         };
-        let Job {
-            maps, guards, done, ..
-        } = job;
-        drop(maps);
-        drop(guards);
-        done.complete(result);
+        job.complete(result);
     }
     for (_, q) in queues.drain() {
         let _ = cnrt.queue_destroy(q);
