@@ -167,7 +167,8 @@ impl Inner {
         // The batch ends when both the backend's completion and `submit`'s return are
         // in, so an error returned by `submit` is never masked by the dropped completion.
         // The pins go with the finisher: they are released once the backend has
-        // released the batch, before its result is set.
+        // released the batch, after its result is set and before it wakes anyone (see
+        // `Finisher::pins`).
         let join = Arc::new(Mutex::new(Join::default()));
         let (j, f) = (join.clone(), Arc::new(Mutex::new(Some(finisher))));
         let f2 = f.clone();
