@@ -792,11 +792,11 @@ impl Link {
     /// Reading the channel ended with `e` (the target closed its end or died, the read
     /// failed, or the target broke the protocol): the channel fails with `e`, unless it
     /// is stopped already (its owner closed it: its batches then go with it, as
-    /// `Cancelled`, whoever was reading), and what waits is handed back at once, even
-    /// where the fence still says `BUSY`: nothing more will be read, so nothing else
-    /// could ever hand it back. A target killed inside a copy leaves `BUSY` set, and the
-    /// end of its socket is the end of that copy; one that broke the protocol is not
-    /// trusted to copy correctly anyway (it holds the initiator's shared memory).
+    /// `Cancelled`, whoever was reading), and what waits is handed back once nothing
+    /// more will be read: at once where the target closed its end or died (a target
+    /// killed inside a copy leaves `BUSY` set, and the end of its socket is the end of
+    /// that copy), and, where it broke the protocol while `BUSY`, only once the socket
+    /// was read on to its end, since it may still be copying.
     fn end(&self, e: Error) {
         let broken = e.kind() == ErrorKind::Protocol;
         let stopped = {

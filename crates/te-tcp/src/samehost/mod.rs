@@ -81,8 +81,8 @@
 //!
 //! A target reads a request's entries in steps no larger than what arrived already (64
 //! KiB at first), its buffer growing with them, so a peer that announces the most
-//! entries (2.6 MB) and sends few costs it at most twice what was sent, not what was
-//! announced. What its channels hold for requests is the backend's gauge
+//! entries (2.6 MB) and sends few costs it at most twice what was sent (or the 64 KiB
+//! first step, if more), not what was announced. What its channels hold for requests is the backend's gauge
 //! `samehost_request_bytes`.
 
 use std::collections::{HashMap, HashSet, VecDeque};

@@ -340,8 +340,9 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
                 }
                 // Read in steps of at most what arrived already (READ_STEP at first),
                 // the buffer growing with them: a peer that announces the most entries
-                // and sends few makes this channel hold at most twice what it sent (and
-                // never more than it announced), not the 2.6 MB it announced.
+                // and sends few makes this channel hold at most the larger of READ_STEP
+                // and twice what it sent (and never more than it announced), not the
+                // 2.6 MB it announced.
                 raw.clear();
                 let want = n * ENTRY_LEN;
                 while raw.len() < want {
