@@ -46,6 +46,9 @@ struct ChannelState {
     /// requests: what waits on it is handed back only once that copy has ended, so the
     /// channel is read on until then ([`Link::settle`]).
     draining: bool,
+    /// The target sent what breaks the protocol: the rest of the socket is no longer
+    /// read as answers. Set by the reader that found it, before it lets go.
+    broken: bool,
 }
 
 impl ChannelState {
@@ -187,6 +190,9 @@ pub(crate) struct Link {
     dead: AtomicBool,
     /// Answers received: unchanged between two looks means the channel stalled.
     progress: std::sync::atomic::AtomicU64,
+    /// The bytes of an answer read in part by a driver whose deadline came first: the
+    /// next reader goes on from them. Touched only by the thread holding `reading`.
+    incoming: Mutex<Vec<u8>>,
 }
 
 impl std::fmt::Debug for Channel {
@@ -286,6 +292,7 @@ impl Channel {
                 drivers: 0,
                 closed: false,
                 draining: false,
+                broken: false,
             }),
             turn: Condvar::new(),
             bell,
@@ -294,6 +301,7 @@ impl Channel {
             cma,
             dead: AtomicBool::new(false),
             progress: std::sync::atomic::AtomicU64::new(0),
+            incoming: Mutex::new(Vec::new()),
         });
         let thread = |name: &str, run: fn(&Link), link: Arc<Link>| {
             std::thread::Builder::new()
@@ -685,7 +693,7 @@ fn receive(link: &Link) {
         // Every answer is read here, blocked on the socket.
         loop {
             if let Err(e) = link.read_one(None) {
-                link.end(e);
+                link.end(e, true);
                 return;
             }
         }
@@ -697,6 +705,13 @@ fn receive(link: &Link) {
                 if st.ended() {
                     return;
                 }
+                if st.broken {
+                    // A driver found the target broke the protocol: the rest is
+                    // read here, to the target's end.
+                    drop(st);
+                    link.read_to_end(true);
+                    return;
+                }
                 if st.reading || st.drivers > 0 {
                     // A driver reads; it rings the bell if it leaves an answer due.
                     break;
@@ -706,19 +721,19 @@ fn receive(link: &Link) {
                     Ok(false) => break,
                     Err(e) => {
                         drop(st);
-                        link.end(io_error("waiting for answers", e));
+                        link.end(io_error("waiting for answers", e), true);
                         return;
                     }
                 }
             }
             // Drivers that came meanwhile take over.
             if let Err(e) = Reading::with(link, 0, || link.read_one(None)) {
-                link.end(e);
+                link.end(e, true);
                 return;
             }
         }
         if let Err(e) = bell.wait() {
-            link.end(io_error("waiting for answers", e));
+            link.end(io_error("waiting for answers", e), true);
             return;
         }
     }
@@ -770,7 +785,7 @@ impl Link {
         // channel is never left to a driver that is gone.
         let _driving = Driving(self);
         let mut st = self.state.lock();
-        while !st.ended() && st.holds(batch) && !until.is_past() {
+        while !st.ended() && !st.broken && st.holds(batch) && !until.is_past() {
             if st.reading {
                 // Another thread reads; it hands over when it has dispatched an answer.
                 st = self.turn.wait_timeout(st, until.remaining()).0;
@@ -781,7 +796,7 @@ impl Link {
             // The answer may have been another driver's: they are told.
             let r = Reading::with(self, 1, || self.read_one(Some(until)));
             if let Err(e) = r {
-                self.end(e);
+                self.end(e, false);
                 return true;
             }
             st = self.state.lock();
@@ -795,9 +810,9 @@ impl Link {
     /// `Cancelled`, whoever was reading), and what waits is handed back once nothing
     /// more will be read: at once where the target closed its end or died (a target
     /// killed inside a copy leaves `BUSY` set, and the end of its socket is the end of
-    /// that copy), and, where it broke the protocol while `BUSY`, only once the socket
-    /// was read on to its end, since it may still be copying.
-    fn end(&self, e: Error) {
+    /// that copy), and, where it broke the protocol, as [`Link::read_to_end`] says.
+    /// `receiver`: called on the receiving thread, not by a driver.
+    fn end(&self, e: Error, receiver: bool) {
         let broken = e.kind() == ErrorKind::Protocol;
         let stopped = {
             let st = self.state.lock();
@@ -807,10 +822,24 @@ impl Link {
             // It may leave the channel draining (`BUSY` set): settled below.
             self.fail(e);
         }
-        if broken && self.fence.word(BUSY).load(Ordering::SeqCst) != 0 {
-            // A message that broke the protocol is not the target's end: it may still
-            // be copying. `fail` shut our sending side; the target ends after its
-            // copy, and its end is read here, what comes before it discarded.
+        match broken {
+            true => self.read_to_end(receiver),
+            false => self.settle(true),
+        }
+    }
+
+    /// After the target broke the protocol: what waits is handed back at once where
+    /// the target does not copy; else only once the socket was read on to its end,
+    /// what comes before it discarded (a message that broke the protocol is not the
+    /// target's end: it may still be copying, and it ends after its copy). That read
+    /// has no deadline, so it is the receiving thread's: a driver (`receiver` false)
+    /// rings it and goes back to its caller.
+    fn read_to_end(&self, receiver: bool) {
+        if self.fence.word(BUSY).load(Ordering::SeqCst) != 0 {
+            if !receiver {
+                self.ring();
+                return;
+            }
             let mut skip = [0u8; 4096];
             loop {
                 match (&self.stream).read(&mut skip) {
@@ -877,36 +906,82 @@ impl Link {
     }
 
     /// Reads one answer and dispatches it (by the caller holding `reading`); with
-    /// `until`, waits for one no later than that, and reads nothing if none came.
+    /// `until`, reads no later than that, and leaves an answer that has not come whole
+    /// by then to the next reader. A message that breaks the protocol marks the
+    /// channel `broken` before the caller lets go of the socket.
     fn read_one(&self, until: Option<te_core::Deadline>) -> Result<()> {
-        let s = &self.stream;
-        if let Some(until) = until {
-            let left = until.remaining();
-            if left.is_zero()
-                || !readable(s, left).map_err(|e| io_error("waiting for an answer", e))?
-            {
-                return Ok(());
+        let r = self.read_answer(until);
+        if r.as_ref().is_err_and(|e| e.kind() == ErrorKind::Protocol) {
+            self.state.lock().broken = true;
+        }
+        r
+    }
+
+    /// Takes the next whole message off the socket: its header and, for a refusal,
+    /// its text; `None` where `until` came first (what was read waits in `incoming`).
+    fn next_message(&self, until: Option<te_core::Deadline>) -> Result<Option<(Msg, Vec<u8>)>> {
+        let mut buf = self.incoming.lock();
+        loop {
+            let want = match buf.first_chunk::<HEADER_LEN>() {
+                None => HEADER_LEN,
+                Some(h) => {
+                    let m = Msg::decode(h);
+                    let text = match m.kind {
+                        DONE | SHARED if m.code == 0 => 0,
+                        FAIL | SHARED if m.b as usize <= MAX_MESSAGE => m.b as usize,
+                        _ => return Err(protocol("an answer of an unknown kind")),
+                    };
+                    if buf.len() == HEADER_LEN + text {
+                        let text = buf.split_off(HEADER_LEN);
+                        buf.clear();
+                        return Ok(Some((m, text)));
+                    }
+                    HEADER_LEN + text
+                }
+            };
+            if let Some(until) = until {
+                let left = until.remaining();
+                if left.is_zero()
+                    || !readable(&self.stream, left)
+                        .map_err(|e| io_error("waiting for an answer", e))?
+                {
+                    return Ok(None);
+                }
+            }
+            let have = buf.len();
+            buf.resize(want, 0);
+            match (&self.stream).read(&mut buf[have..]) {
+                Ok(0) => {
+                    buf.truncate(have);
+                    return Err(io_error(
+                        "the same-host peer closed the channel",
+                        std::io::ErrorKind::UnexpectedEof.into(),
+                    ));
+                }
+                Ok(n) => buf.truncate(have + n),
+                Err(e) => {
+                    buf.truncate(have);
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        return Err(io_error("receive failed", e));
+                    }
+                }
             }
         }
-        let mut h = [0u8; HEADER_LEN];
-        (&mut &*s)
-            .read_exact(&mut h)
-            .map_err(|e| io_error("the same-host peer closed the channel", e))?;
-        let m = Msg::decode(&h);
-        let result = match m.kind {
-            DONE | SHARED if m.code == 0 => Ok(()),
-            FAIL | SHARED if m.b as usize <= MAX_MESSAGE => {
-                let mut text = vec![0u8; m.b as usize];
-                (&mut &*s)
-                    .read_exact(&mut text)
-                    .map_err(|e| io_error("receive failed", e))?;
-                Err(Error::from_peer(
-                    ErrorKind::from_code(m.code),
-                    "the same-host peer refused a request",
-                    &String::from_utf8_lossy(&text),
-                ))
-            }
-            _ => return Err(protocol("an answer of an unknown kind")),
+    }
+
+    /// As [`Link::read_one`], without marking the channel.
+    fn read_answer(&self, until: Option<te_core::Deadline>) -> Result<()> {
+        let Some((m, text)) = self.next_message(until)? else {
+            return Ok(());
+        };
+        // `next_message` let through only a `DONE` or `SHARED` of code 0, or a refusal.
+        let result = match m.kind == FAIL || m.code != 0 {
+            true => Err(Error::from_peer(
+                ErrorKind::from_code(m.code),
+                "the same-host peer refused a request",
+                &String::from_utf8_lossy(&text),
+            )),
+            false => Ok(()),
         };
         self.progress.fetch_add(1, Ordering::AcqRel);
         if m.kind == SHARED {

@@ -1101,3 +1101,87 @@ fn a_peer_that_announces_the_largest_request_and_sends_little_makes_the_target_h
         request_bytes(&target)
     );
 }
+
+/// Runs `f` on a thread of its own; its result, if it came within `wait`.
+fn within<T: Send + 'static>(wait: Duration, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(wait).ok()
+}
+
+#[test]
+fn a_driver_whose_target_breaks_the_protocol_inside_a_copy_returns_and_the_batch_waits_for_the_end()
+{
+    use std::io::Write;
+    use std::sync::atomic::Ordering::SeqCst;
+    let (ch, mut peer, fence) = fenced_channel(true);
+    let src = [1u8; 16];
+    let done = submit_traced(&ch, dev(1, 16, src.as_ptr()));
+    read_request(&mut peer);
+    fence.word(1).store(1, SeqCst);
+    let driver = {
+        let ch = ch.clone();
+        std::thread::spawn(move || ch.drive(te_core::BatchId(0), in_10s()))
+    };
+    super::eventually("the caller drives", Duration::from_secs(5), || {
+        ch.drivers() == 1
+    });
+    // The driver reads a message that breaks the protocol while the target copies.
+    let mut m = [0u8; 40];
+    m[0] = 7;
+    m[8..16].copy_from_slice(&0xdead_u64.to_le_bytes());
+    peer.write_all(&m).unwrap();
+    // The driver goes back to its caller; reading on to the target's end is the
+    // receiving thread's work.
+    let joined = within(Duration::from_secs(3), move || driver.join().unwrap());
+    assert_eq!(joined, Some(true), "the driver waited for the target's end");
+    assert!(
+        done.recv_timeout(Duration::from_millis(300)).is_err(),
+        "handed back while the target still copied"
+    );
+    // What the target sends before its end is skipped, not read as answers.
+    peer.write_all(&[4u8; 40]).unwrap();
+    fence.word(1).store(0, SeqCst);
+    drop(peer);
+    let (r, _) = done.recv_timeout(Duration::from_secs(5)).unwrap();
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::Protocol);
+    assert!(!ch.is_alive());
+}
+
+#[test]
+fn a_driver_is_not_held_past_its_deadline_by_half_an_answer_and_the_rest_is_read_later() {
+    use std::io::Write;
+    let (ch, mut peer) = fake_channel();
+    let src = [1u8; 16];
+    let done = submit_traced(&ch, dev(1, 16, src.as_ptr()));
+    let id = read_request(&mut peer);
+    let driver = {
+        let ch = ch.clone();
+        std::thread::spawn(move || {
+            let t = std::time::Instant::now();
+            let deadline = te_core::Deadline::after(Duration::from_millis(200));
+            (ch.drive(te_core::BatchId(0), deadline), t.elapsed())
+        })
+    };
+    super::eventually("the caller drives", Duration::from_secs(5), || {
+        ch.drivers() == 1
+    });
+    // Half of the answer comes, and the target stalls.
+    let mut m = [0u8; 40];
+    m[0] = 4;
+    m[8..16].copy_from_slice(&id.to_le_bytes());
+    peer.write_all(&m[..20]).unwrap();
+    let joined = within(Duration::from_secs(3), move || driver.join().unwrap());
+    let (waited, took) = joined.expect("the driver was held by half an answer");
+    assert!(waited);
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    assert!(done.try_recv().is_err(), "nothing was answered yet");
+    assert!(ch.is_alive(), "a slow answer is not a broken channel");
+    // The rest comes: the answer is read whole, by whoever reads next.
+    peer.write_all(&m[20..]).unwrap();
+    let (r, _) = done.recv_timeout(Duration::from_secs(5)).unwrap();
+    r.unwrap();
+    assert!(ch.is_alive());
+}
