@@ -107,6 +107,22 @@ impl<T> Out<T> {
         Ok(Out(ptr))
     }
 
+    /// Takes an optional out-parameter: `None` where `ptr` is NULL.
+    ///
+    /// # Safety
+    /// As [`Out::new`].
+    pub(crate) unsafe fn optional(
+        ptr: *mut T,
+        operation: &'static str,
+        what: &str,
+    ) -> Result<Option<Out<T>>> {
+        if ptr.is_null() {
+            return Ok(None);
+        }
+        // SAFETY: not NULL, and otherwise the caller's promise, passed on.
+        unsafe { Out::new(ptr, operation, what) }.map(Some)
+    }
+
     /// Writes the value (without dropping what was there: C memory holds no Rust value).
     pub(crate) fn set(self, value: T) {
         // SAFETY: `new` checked that the pointer is not NULL and aligned, and its caller

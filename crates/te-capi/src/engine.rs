@@ -181,10 +181,8 @@ pub unsafe extern "C" fn te_engine_metrics(
     guard(OP, || {
         // SAFETY: te.h asks for a live engine.
         let engine = unsafe { obj(engine, OP, "engine") }?;
-        // SAFETY: not NULL, and te.h asks for `needed` valid for one write.
-        let needed = (!needed.is_null())
-            .then(|| unsafe { Out::new(needed, OP, "needed") })
-            .transpose()?;
+        // SAFETY: te.h asks for `needed` NULL or valid for one write.
+        let needed = unsafe { Out::optional(needed, OP, "needed") }?;
         let json = serde_json::to_string(&engine.engine.metrics())
             .map_err(|e| bad_argument(OP, format!("the metrics do not encode: {e}")))?;
         if let Some(needed) = needed {
@@ -417,9 +415,7 @@ pub unsafe extern "C" fn te_peer_region(
                 obj(peer, OP, "peer")?,
                 text(name, OP, "name")?,
                 Out::new(region, OP, "region")?,
-                (!len.is_null())
-                    .then(|| Out::new(len, OP, "len"))
-                    .transpose()?,
+                Out::optional(len, OP, "len")?,
             )
         };
         let desc = peer.0.region(name).ok_or_else(|| {
