@@ -118,24 +118,28 @@ impl Hooks {
         });
         let mut state = self.state.lock();
         state.running -= 1;
-        if state.running == 0 {
-            for fd in std::mem::take(&mut state.fds) {
-                state.reported = true;
-                signal(fd);
-            }
-            self.idle.notify_all();
+        if state.running != 0 {
+            return;
+        }
+        let fds = std::mem::take(&mut state.fds);
+        state.reported |= !fds.is_empty();
+        drop(state);
+        self.idle.notify_all();
+        for fd in fds {
+            signal(fd);
         }
     }
 
     /// The batch resolved: signals `fd` now, or once its callbacks have returned.
     fn signal_when_settled(&self, fd: c_int) {
         let mut state = self.state.lock();
-        if state.running == 0 {
-            state.reported = true;
-            signal(fd);
-        } else {
+        if state.running != 0 {
             state.fds.push(fd);
+            return;
         }
+        state.reported = true;
+        drop(state);
+        signal(fd);
     }
 }
 
