@@ -196,12 +196,11 @@ impl Local {
         for g in self.groups {
             let frames = g.frames;
             let mut batches: Vec<Arc<Batch>> = frames.iter().map(|f| f.0.clone()).collect();
+            // A batch's frames come together: once deduplicated, each batch is listed
+            // once, and its stage noted once.
             batches.dedup_by(|a, b| Arc::ptr_eq(a, b));
-            // A batch's frames come together: each batch's stage is noted once.
-            for (i, (batch, _, _)) in frames.iter().enumerate() {
-                if i == 0 || !Arc::ptr_eq(batch, &frames[i - 1].0) {
-                    batch.stage_began(BatchStage::Device);
-                }
+            for batch in &batches {
+                batch.stage_began(BatchStage::Device);
             }
             let done = move |r: Result<()>| {
                 let mut frames = frames.into_iter().peekable();
