@@ -436,12 +436,8 @@ impl Fence {
     /// clock both processes share: this process was busy or stopped), or the initiator
     /// stopped the channel.
     fn begin(&self, deadline_us: u64) -> Result<Copying<'_>> {
-        if deadline_us != 0 && monotonic_us() >= deadline_us {
-            return Err(Error::new(
-                ErrorKind::Timeout,
-                "the batch's deadline passed before its copies started",
-            ));
-        }
+        // `BUSY` first, then the checks: an initiator that stops the channel after
+        // them sees the copy (`Link::fence_close`).
         self.0.word(BUSY).store(1, Ordering::SeqCst);
         let copying = Copying(self, deadline_us);
         copying.wanted("started")?;
