@@ -60,6 +60,8 @@ pub(crate) enum Mem {
 #[derive(Debug)]
 struct Local {
     addr: u64,
+    /// Its length: no request reaches past it, whatever the engine checked.
+    len: u64,
     mem: Mem,
     slot: u32,
     /// The base of the allocation whose IPC handle the region's key carries, and the
@@ -241,6 +243,7 @@ impl TransferBackend for MluBackend {
             id,
             Local {
                 addr: mem.addr,
+                len: mem.len,
                 mem: kind,
                 slot,
                 export,
@@ -303,7 +306,17 @@ impl TransferBackend for MluBackend {
                     )
                 })?;
                 // The engine checked the request against both regions (bounds,
-                // rights); the peer's own table is checked below, when it is entered.
+                // rights), but the backend does not rely on it: the local region is
+                // checked here, the peer's own table below, when it is entered.
+                if !fits(r.local_offset, r.len, l.len) {
+                    return Err(region_error(
+                        ErrorKind::OutOfBounds,
+                        format!(
+                            "local range {}+{} is outside local region {} of {} bytes: a request must lie inside the region it names",
+                            r.local_offset, r.len, r.local, l.len
+                        ),
+                    ));
+                }
                 let raddr = rm.addr.clone()?;
                 let (Some(l_at), Some(r_at)) = (
                     span_at(l.addr, r.local_offset, r.len),

@@ -949,3 +949,72 @@ fn a_descriptor_handed_to_connect_is_checked_as_a_decoded_one_is() {
     rt.free(1, t).unwrap();
     assert!(errors.is_empty(), "{errors:#?}");
 }
+
+#[test]
+fn a_request_past_the_end_of_its_local_region_is_refused_by_the_backend() {
+    setup();
+    let rt = te_mlu::runtime().unwrap();
+    let b = backend(rand::random::<u64>() | 1);
+    let len = 4096usize;
+    let t = device_with(&rt, 1, &te_core::testkit::pattern(len, 7));
+    let key = b
+        .register(RegionId(1), &mlu_mem(t, len, 1, Access::REMOTE_READ_WRITE))
+        .unwrap();
+    // The local region is the first half of its allocation: the second half is the
+    // application's, never registered, and must stay as it is.
+    let local = rt.alloc(0, 2 * len).unwrap();
+    let mut results = Vec::new();
+    let mut changed = Vec::new();
+    // Reached through its mapping, and directly (a peer in this process).
+    for a in [mapping_backend(), backend(rand::random::<u64>() | 1)] {
+        a.register(RegionId(10), &mlu_mem(local, len, 0, Access::LOCAL))
+            .unwrap();
+        let peer = a
+            .connect(
+                &seg(b.endpoint(), vec![region(1, t, len, 1, key.clone())]),
+                soon(),
+            )
+            .unwrap();
+        // The engine would refuse these before the backend sees them; the backend
+        // must refuse them too, reading or writing nothing.
+        for (local_offset, n) in [(len as u64 - 100, 200), (len as u64, 1), (1, len as u64)] {
+            for req in [
+                TransferRequest::read(RegionId(10), local_offset, RegionId(1), 0, n),
+                TransferRequest::write(RegionId(10), local_offset, RegionId(1), 0, n),
+            ] {
+                results.push((req, transfer(&a, peer, req)));
+            }
+        }
+        changed.push(
+            device_bytes(&rt, 0, local, 2 * len)
+                .iter()
+                .filter(|&&x| x != 0)
+                .count(),
+        );
+    }
+    let target_now = device_bytes(&rt, 1, t, len);
+    drop(b);
+    rt.free(0, local).unwrap();
+    rt.free(1, t).unwrap();
+    assert_eq!(
+        changed,
+        [0, 0],
+        "a READ past the end of the local region wrote into memory the caller did not register ({results:?})"
+    );
+    assert_eq!(
+        target_now,
+        te_core::testkit::pattern(len, 7),
+        "a WRITE past the end of the local region sent bytes from outside it ({results:?})"
+    );
+    for (req, (r, done)) in &results {
+        let e = r.as_ref().err().unwrap_or_else(|| {
+            panic!("{req:?} past the end of its local region was submitted: {done:?}")
+        });
+        assert_eq!(e.kind(), ErrorKind::OutOfBounds, "{e}");
+        let m = e.to_string();
+        assert!(
+            m.contains("local region 10") && m.contains(&format!("of {len} bytes")),
+            "the refusal names neither the region nor its length: {m}"
+        );
+    }
+}
