@@ -12,7 +12,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
-use super::session::{read_header, read_payload, within};
+use super::session::{self, read_header, read_payload, within};
 use super::wire::{self, BackendMsg, Hello, Identity, Kind, Notice, Proof, Ready, Welcome};
 use super::{closed, Shared};
 use crate::auth;
@@ -539,23 +539,24 @@ async fn read_request(
         let payload = read_payload(r, &h).await?;
         return Ok(Request::Read(h, payload, None));
     }
-    let broke = |e| Error::io("read frame", "the connection to the peer broke", e);
     match charge(shared, source, h.len) {
         Ok(charged) => {
             // The budget holds these bytes, so they are taken at once.
             let mut payload = vec![0; h.len];
-            r.read_exact(&mut payload).await.map_err(broke)?;
+            r.read_exact(&mut payload)
+                .await
+                .map_err(|e| match e.kind() {
+                    std::io::ErrorKind::UnexpectedEof => session::cut_mid_frame(),
+                    _ => session::frame_broke(e),
+                })?;
             Ok(Request::Read(h, payload, Some(charged)))
         }
         Err(e) => {
             let skipped = tokio::io::copy(&mut r.take(h.len as u64), &mut tokio::io::sink())
                 .await
-                .map_err(broke)?;
+                .map_err(session::frame_broke)?;
             if skipped != h.len as u64 {
-                return Err(Error::new(
-                    ErrorKind::PeerUnreachable,
-                    "the peer closed the connection in the middle of a frame",
-                ));
+                return Err(session::cut_mid_frame());
             }
             Ok(Request::Refused(h, e))
         }

@@ -121,15 +121,25 @@ pub(crate) async fn read_payload<R: AsyncReadExt + Unpin>(
     r.take(header.len as u64)
         .read_to_end(&mut payload)
         .await
-        .map_err(|e| Error::io("read frame", "the connection to the peer broke", e))?;
+        .map_err(frame_broke)?;
     if payload.len() != header.len {
-        return Err(Error::new(
-            ErrorKind::PeerUnreachable,
-            "the peer closed the connection in the middle of a frame",
-        )
-        .with_operation("read frame"));
+        return Err(cut_mid_frame());
     }
     Ok(payload)
+}
+
+/// Reading a frame failed with `e`.
+pub(crate) fn frame_broke(e: std::io::Error) -> Error {
+    Error::io("read frame", "the connection to the peer broke", e)
+}
+
+/// The peer closed the connection before a frame's payload was whole.
+pub(crate) fn cut_mid_frame() -> Error {
+    Error::new(
+        ErrorKind::PeerUnreachable,
+        "the peer closed the connection in the middle of a frame",
+    )
+    .with_operation("read frame")
 }
 
 /// Reads a frame of an open session from the server's side: replies, pings, pongs and
