@@ -88,8 +88,10 @@ fn scrape(address: &str) -> Result<HashMap<String, f64>> {
         .map_err(|e| unreachable("cannot ask", e))?;
     let mut answer = Vec::new();
     let mut buf = vec![0u8; 64 << 10];
-    // The answer's whole length, once its head is in and announces one; without it,
-    // the answer ends when the endpoint closes the connection.
+    // Where the answer's head ends, once it is in; and the answer's whole length, once
+    // the head announces one (without it, the answer ends when the endpoint closes the
+    // connection).
+    let mut head_end = None;
     let mut whole = None;
     while whole.is_none_or(|n| answer.len() < n) {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -119,23 +121,25 @@ fn scrape(address: &str) -> Result<HashMap<String, f64>> {
                 format!("{address} answered more than 16 MiB; is it a te engine's metrics_listen?"),
             ));
         }
-        if whole.is_none() {
-            let end = answer[searched..]
+        if head_end.is_none() {
+            head_end = answer[searched..]
                 .windows(4)
                 .position(|w| w == b"\r\n\r\n")
                 .map(|i| searched + i + 4);
-            whole = end.and_then(|end| {
+            whole = head_end.and_then(|end| {
                 Some(end + content_length(&String::from_utf8_lossy(&answer[..end]))?)
             });
         }
     }
-    let text = String::from_utf8_lossy(&answer);
-    let Some((head, body)) = text.split_once("\r\n\r\n") else {
+    let Some(end) = head_end else {
         return Err(Error::new(
             ErrorKind::Protocol,
             format!("{address} answered no HTTP"),
         ));
     };
+    let head = String::from_utf8_lossy(&answer[..end]);
+    let body_end = whole.map_or(answer.len(), |n| n.min(answer.len()));
+    let body = String::from_utf8_lossy(&answer[end..body_end]);
     let status = head.lines().next().unwrap_or("");
     if !(status.starts_with("HTTP/1.") && status.split(' ').nth(1) == Some("200")) {
         return Err(Error::new(
@@ -143,9 +147,6 @@ fn scrape(address: &str) -> Result<HashMap<String, f64>> {
             format!("{address} answered `{status}`, not metrics"),
         ));
     }
-    let body = content_length(head)
-        .and_then(|n| body.get(..n))
-        .unwrap_or(body);
     Ok(body
         .lines()
         .filter(|l| !l.starts_with('#'))
