@@ -79,7 +79,7 @@ fn memcpy(layout: Layout, time: Duration) -> Record {
         }
         std::hint::black_box(&mut dst);
         let t1 = Instant::now();
-        latencies.push(u64::try_from((t1 - t0).as_nanos()).unwrap_or(u64::MAX));
+        latencies.push(super::stats::nanos(t1 - t0));
         batches += 1;
         if t1 - start >= time {
             break t1;

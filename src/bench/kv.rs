@@ -19,7 +19,7 @@ use te::{
 };
 
 use super::plan::{parse_duration, MAX_IN_FLIGHT};
-use super::stats::{Samples, MAX_SAMPLES};
+use super::stats::{nanos, Samples, MAX_SAMPLES};
 use super::BenchArgs;
 
 /// The simulated model's geometry, as `te bench --kv` and `te serve --kv` take it
@@ -329,10 +329,7 @@ pub(crate) fn run(args: &BenchArgs) -> te::Result<()> {
         initiator.transfer(&peer, part)?.wait()?;
     }
     let options = BlockOptions::default();
-    let mut rng = Rng(std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(1, |d| d.as_nanos() as u64)
-        | 1);
+    let mut rng = Rng(super::runner::seed(0) | 1);
     let mut ids: Vec<u64> = (0..blocks).collect();
     let mut outcomes = Vec::new();
     for mode in ["contiguous", "random", "plain-1MiB"] {
@@ -459,11 +456,6 @@ fn memcpy_baseline(shape: &Shape, duration: Duration, rng: &mut Rng) -> te::Resu
         })
         .collect();
     Ok(outcomes)
-}
-
-/// A duration in nanoseconds.
-fn nanos(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// xorshift64: block ids only need to be scattered, not unpredictable.

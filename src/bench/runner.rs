@@ -412,7 +412,7 @@ impl<'p> Bench<'p> {
                     return Err(e.with_context("batch", done));
                 }
             };
-            let latency = u64::try_from((t1 - t0).as_nanos()).unwrap_or(u64::MAX);
+            let latency = stats::nanos(t1 - t0);
             samples.add(latency, handle.telemetry().as_ref());
             batches.fetch_add(1, Ordering::Relaxed);
             done += 1;
@@ -495,7 +495,7 @@ impl<'p> Bench<'p> {
 }
 
 /// A seed that differs between runs and between points.
-fn seed(point: u64) -> u64 {
+pub(crate) fn seed(point: u64) -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u64(point);

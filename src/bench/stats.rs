@@ -199,15 +199,14 @@ impl Stages {
         duration: Duration,
         stages: [Option<Duration>; 3],
     ) {
-        let ns = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
-        self.post.push(ns(post));
-        self.wake.push(latency_ns.saturating_sub(ns(duration)));
+        self.post.push(nanos(post));
+        self.wake.push(latency_ns.saturating_sub(nanos(duration)));
         for (d, v) in stages
             .into_iter()
             .zip([&mut self.queued, &mut self.wire, &mut self.device])
         {
             if let Some(d) = d {
-                v.push(ns(d));
+                v.push(nanos(d));
             }
         }
     }
@@ -312,6 +311,11 @@ pub(crate) fn gb_per_s(bytes: u64, seconds: f64) -> f64 {
     } else {
         0.0
     }
+}
+
+/// `d` in nanoseconds, as a sample: the largest sample where it does not fit.
+pub(crate) fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]
