@@ -230,6 +230,12 @@ struct te_flagcx_attempt {
 int te_flagcx_attempt_create(te_flagcx_engine *e, te_flagcx_attempt **out) {
   if (!e || !out)
     return fail(TE_FLAGCX_E_INVALID, "attempt_create: null argument");
+  if (e->attempt_delay_ms) {
+    struct timespec slow = {e->attempt_delay_ms / 1000,
+                            (long)(e->attempt_delay_ms % 1000) * 1000000L};
+    while (nanosleep(&slow, &slow) != 0 && errno == EINTR) {
+    }
+  }
   te_flagcx_attempt *a = calloc(1, sizeof *a);
   if (!a)
     return fail(TE_FLAGCX_E_INTERNAL, "out of memory");

@@ -167,6 +167,9 @@ static int parse_options(te_flagcx_engine *e, const char *options) {
     } else if (strcmp(key, "connect_delay_ms") == 0) {
       rc = parse_uint(key, value, &v);
       e->connect_delay_ms = (unsigned)v;
+    } else if (strcmp(key, "attempt_delay_ms") == 0) {
+      rc = parse_uint(key, value, &v);
+      e->attempt_delay_ms = (unsigned)v;
     } else if (strcmp(key, "transfer_timeout_ms") == 0) {
       rc = parse_uint(key, value, &v);
       if (rc == TE_FLAGCX_OK && (v == 0 || v > 3600000))
@@ -180,7 +183,7 @@ static int parse_options(te_flagcx_engine *e, const char *options) {
       rc = fail(TE_FLAGCX_E_INVALID,
                 "unknown fake shim option `%s` (known: host, max_desc, delay_ms, "
                 "fail_every, stale_every, fail_connect, connect_delay_ms, "
-                "transfer_timeout_ms)",
+                "attempt_delay_ms, transfer_timeout_ms)",
                 key);
     }
   }

@@ -30,6 +30,8 @@
  *   fail_connect=1   every connect of this engine fails as unreachable
  *   connect_delay_ms=N  every connect of this engine takes N ms more (a slow
  *                    handshake)
+ *   attempt_delay_ms=N  every te_flagcx_attempt_create of this engine takes N ms
+ *                    (a shim whose attempts are slow to make)
  *   transfer_timeout_ms=N  a transfer whose peer takes or sends none of its bytes
  *                    for N ms fails as unreachable and breaks its connection, as
  *                    a queue pair's retries run out (default 5000)

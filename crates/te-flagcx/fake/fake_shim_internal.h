@@ -70,7 +70,8 @@ struct te_flagcx_engine {
 
   char host[64];
   uint64_t max_desc;
-  unsigned delay_ms, fail_every, stale_every, connect_delay_ms, transfer_timeout_ms;
+  unsigned delay_ms, fail_every, stale_every, connect_delay_ms, transfer_timeout_ms,
+      attempt_delay_ms;
   int fail_connect;
   uint64_t posts;
 

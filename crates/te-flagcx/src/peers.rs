@@ -419,15 +419,18 @@ impl PeerState {
     /// still waits for it.
     fn attempts(self: Arc<Self>) {
         loop {
+            // Made without the peer's lock: it is a call into the shim, which may take
+            // its time, and callers come and leave (cancelling it) meanwhile.
+            let attempt = ffi::Attempt::new(self.engine.clone())
+                .map(Arc::new)
+                .map_err(|e| {
+                    Error::from(e)
+                        .with_operation("connect")
+                        .with_context("endpoint", &self.endpoint)
+                });
             let (want, ticket, until, attempt) = {
                 let mut slot = self.lock();
-                let attempt = ffi::Attempt::new(self.engine.clone())
-                    .map(Arc::new)
-                    .map_err(|e| {
-                        Error::from(e)
-                            .with_operation("connect")
-                            .with_context("endpoint", &self.endpoint)
-                    });
+                // Cancelled while it was made: it fails at once.
                 if let Ok(a) = &attempt {
                     if slot.dropped {
                         a.cancel();

@@ -118,6 +118,33 @@ fn no_attempt_thread_is_left_once_every_caller_gave_up() {
     );
 }
 
+/// A shim slow to make a connection attempt holds up no caller: the attempt is made
+/// without the peer's lock, so a connect still returns at its deadline (and the attempt,
+/// which no one waits for once it is made, is cancelled at once).
+#[test]
+fn a_shim_slow_to_make_an_attempt_holds_no_caller_past_its_deadline() {
+    let _g = serial();
+    let (seg, _silent) = silent_peer("127.0.0.1:7103");
+    let before = threads_named(ATTEMPT);
+    let b = backend("attempt_delay_ms=1500");
+    let start = Instant::now();
+    let r = b.connect_within(&seg, start + Duration::from_millis(200));
+    let took = start.elapsed();
+    assert!(
+        matches!(&r, Err(e) if e.kind() == ErrorKind::Timeout),
+        "a connect while the shim makes its attempt: {r:?}"
+    );
+    assert!(
+        took < Duration::from_millis(1000),
+        "a connect with a 200 ms deadline returned after {took:?}, held up by the shim making its attempt (1.5 s)"
+    );
+    let left = attempts_left(before, Duration::from_millis(3000));
+    assert_eq!(
+        left, 0,
+        "3 s after a connect gave up, {left} attempt thread(s) still connect"
+    );
+}
+
 /// Copies `from` into `to` until either ends, then ends both.
 fn pipe(mut from: TcpStream, mut to: TcpStream) {
     let mut buf = [0u8; 16 << 10];
