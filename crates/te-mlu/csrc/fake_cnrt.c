@@ -35,6 +35,16 @@
  *   CUDA's pointer queries do for IPC mappings (unconfirmed of real CNRT).
  * - cnrtMalloc reuses the address range of a freed allocation, so a new allocation
  *   may start where a freed one started.
+ * - A queue may be given a depth (te_fake_cnrt_queue_depth(n), or
+ *   TE_FAKE_CNRT_QUEUE_DEPTH=n at load time; none by default): one holding n copies not
+ *   yet run refuses another with cnrtErrorBusy until cnrtQueueSync (or a cnrtQueueQuery
+ *   that finds their delay passed) has run them, and counts the refusal
+ *   (te_fake_cnrt_counter("busy")). What it cannot prove: whether real CNRT ever
+ *   refuses an enqueue on a full queue at all (a driver may block in the call until
+ *   there is room, as CUDA's does), how deep its queues are, and with which code it
+ *   refuses (cnrtErrorBusy, "the device or resource is busy", is the header's nearest
+ *   description, not an observation; cnrtErrorQueue or cnrtErrorNoMem are as likely).
+ *   te's handling is tested against this model only.
  * - Errors can be injected per function name: te_fake_cnrt_inject(name, code, count),
  *   or TE_FAKE_CNRT_INJECT="cnrtMalloc:100100:1,cnrtQueueSync:1:2" at load time.
  *
@@ -72,8 +82,9 @@ FAKE_HIDDEN __thread int t_device;
 /* Per device: the schedule flag, and whether it has been used (flag frozen). */
 FAKE_HIDDEN unsigned g_flag[MAX_DEVICES];
 FAKE_HIDDEN int g_active[MAX_DEVICES];
+FAKE_HIDDEN size_t g_depth;
 /* Counters for tests (te_fake_cnrt_counter). */
-FAKE_HIDDEN uint64_t g_spin_ns, g_syncs, g_copies, g_maps, g_unmaps;
+FAKE_HIDDEN uint64_t g_spin_ns, g_syncs, g_copies, g_maps, g_unmaps, g_busy;
 
 uint64_t now_ns(void) {
   struct timespec ts;
@@ -97,6 +108,8 @@ static void init(void) {
   if (s && atoi(s) >= 0 && atoi(s) <= MAX_DEVICES) g_devices = atoi(s);
   s = getenv("TE_FAKE_CNRT_COPY_DELAY_US");
   if (s) g_delay_ns = (uint64_t)strtoull(s, NULL, 10) * 1000ULL;
+  s = getenv("TE_FAKE_CNRT_QUEUE_DEPTH");
+  if (s) g_depth = (size_t)strtoull(s, NULL, 10);
 #ifdef FAKE_V602
   g_version[0] = 6;
   g_version[1] = 0;
@@ -148,14 +161,24 @@ EXPORT void te_fake_cnrt_set_version(int major, int minor, int patch) {
   g_version[2] = patch;
 }
 
+/* Fake-only: from now on, a queue holding `depth` copies not yet run refuses another
+ * with cnrtErrorBusy until cnrtQueueSync (or a cnrtQueueQuery that finds their delay
+ * passed) has run them; 0 (the default) takes any number. */
+EXPORT void te_fake_cnrt_queue_depth(size_t depth) {
+  pthread_once(&g_once, init);
+  __atomic_store_n(&g_depth, depth, __ATOMIC_RELAXED);
+}
+
 /* Fake-only: a counter for tests: "spin_ns" (time cnrtQueueSync spent busy waiting),
- * "syncs" (cnrtQueueSync calls), "copies" (asynchronous copies enqueued), "maps" and
- * "unmaps" (IPC handles mapped by cnrtMapMemHandle, and unmapped again). */
+ * "syncs" (cnrtQueueSync calls), "copies" (asynchronous copies enqueued), "busy"
+ * (copies a full queue refused with cnrtErrorBusy), "maps" and "unmaps" (IPC handles
+ * mapped by cnrtMapMemHandle, and unmapped again). */
 EXPORT uint64_t te_fake_cnrt_counter(const char *name) {
   if (!name) return 0;
   if (strcmp(name, "spin_ns") == 0) return __atomic_load_n(&g_spin_ns, __ATOMIC_RELAXED);
   if (strcmp(name, "syncs") == 0) return __atomic_load_n(&g_syncs, __ATOMIC_RELAXED);
   if (strcmp(name, "copies") == 0) return __atomic_load_n(&g_copies, __ATOMIC_RELAXED);
+  if (strcmp(name, "busy") == 0) return __atomic_load_n(&g_busy, __ATOMIC_RELAXED);
   if (strcmp(name, "maps") == 0) return __atomic_load_n(&g_maps, __ATOMIC_RELAXED);
   if (strcmp(name, "unmaps") == 0) return __atomic_load_n(&g_unmaps, __ATOMIC_RELAXED);
   return 0;

@@ -77,8 +77,15 @@ EXPORT cnrtRet_t cnrtQueueCreate(struct queue **q) {
 static cnrtRet_t enqueue(struct queue *q, char *d, const char *s, size_t len) {
   if (!q) return cnrtErrorArgsInvalid; /* te never uses the default queue */
   if (q->device != t_device) return cnrtErrorDevice;
-  __atomic_add_fetch(&g_copies, 1, __ATOMIC_RELAXED);
   pthread_mutex_lock(&q->lock);
+  size_t depth = __atomic_load_n(&g_depth, __ATOMIC_RELAXED);
+  if (depth > 0 && q->n >= depth) {
+    /* Full: refused until a sync or a query has run what it holds. */
+    pthread_mutex_unlock(&q->lock);
+    __atomic_add_fetch(&g_busy, 1, __ATOMIC_RELAXED);
+    return cnrtErrorBusy;
+  }
+  __atomic_add_fetch(&g_copies, 1, __ATOMIC_RELAXED);
   if (q->n == q->cap) {
     size_t cap = q->cap ? q->cap * 2 : 16;
     struct op *n = realloc(q->ops, cap * sizeof *n);

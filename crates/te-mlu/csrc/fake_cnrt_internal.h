@@ -113,8 +113,10 @@ extern FAKE_HIDDEN __thread int t_device;
 /* Per device: the schedule flag, and whether it has been used (flag frozen). */
 extern FAKE_HIDDEN unsigned g_flag[MAX_DEVICES];
 extern FAKE_HIDDEN int g_active[MAX_DEVICES];
+/* The most copies a queue holds not yet run (0: no limit); see te_fake_cnrt_queue_depth. */
+extern FAKE_HIDDEN size_t g_depth;
 /* Counters for tests (te_fake_cnrt_counter). */
-extern FAKE_HIDDEN uint64_t g_spin_ns, g_syncs, g_copies, g_maps, g_unmaps;
+extern FAKE_HIDDEN uint64_t g_spin_ns, g_syncs, g_copies, g_maps, g_unmaps, g_busy;
 
 /* fake_cnrt.c */
 FAKE_HIDDEN uint64_t now_ns(void);
