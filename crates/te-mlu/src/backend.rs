@@ -19,8 +19,9 @@
 //!   (`cnrtMemcpyAsync*`, or `cnrtMemcpyPeerAsync` between two MLUs) on its own queue
 //!   per MLU, making the queue's MLU current before each, and then waits once per queue:
 //!   `cnrtQueueQuery`, and if work remains, `cnrtQueueSync` (which sleeps: the runtime
-//!   set `cnrtDeviceScheduleBlock`). A failed enqueue or sync fails that batch only;
-//!   the queue is replaced.
+//!   set `cnrtDeviceScheduleBlock`). A copy CNRT refuses as busy (a full queue) waits
+//!   for its queue and is tried once more; refused again, it fails the batch as
+//!   `Busy`. A failed enqueue or sync fails that batch only; the queue is replaced.
 //! - `deregister`: marks the region dead in the table and waits for every batch counted
 //!   in on it, this process's and peers'; past the caller's deadline it returns
 //!   `Timeout`, never `Ok`, and the region stays refused and counted.

@@ -360,15 +360,39 @@ impl Cnrt {
                 .to_string_lossy()
                 .into_owned()
         };
-        let kind = match r {
-            code::NO_DEVICE | code::DEVICE_INVALID => ErrorKind::InvalidRequest,
-            _ => ErrorKind::Backend,
+        let (kind, hint) = match r {
+            code::NO_DEVICE | code::DEVICE_INVALID => (ErrorKind::InvalidRequest, ""),
+            code::BUSY => (
+                ErrorKind::Busy,
+                " (the MLU or its queue is busy: retry later)",
+            ),
+            _ => (ErrorKind::Backend, ""),
         };
         Err(Error::new(
             kind,
-            format!("{call} failed: {} ({r}): {text}", code::name(r)),
+            format!("{call} failed: {} ({r}): {text}{hint}", code::name(r)),
         )
         .with_context("cnrt", call))
+    }
+
+    /// Enqueues a copy on `queue` with `enqueue`. Where CNRT refuses it as busy (the
+    /// queue is full), waits for the queue (`cnrtQueueSync`, which runs what it holds)
+    /// and tries once more: a queue is never given more than CNRT takes, however many
+    /// copies a batch has. Busy again, on an empty queue, is the copy's error (`Busy`).
+    ///
+    /// The current device must be the queue's.
+    pub(crate) fn enqueue_or_wait(
+        &self,
+        queue: Queue,
+        mut enqueue: impl FnMut() -> Result<()>,
+    ) -> Result<()> {
+        match enqueue() {
+            Err(e) if e.kind() == ErrorKind::Busy => {
+                self.queue_sync(queue)?;
+                enqueue()
+            }
+            r => r,
+        }
     }
 
     /// `cnrtGetDeviceCount`.

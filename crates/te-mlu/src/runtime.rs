@@ -6,7 +6,8 @@
 //! to [`GROUP`]), enqueues each on its device's queue with the bound `cnrtMemcpyAsync*`
 //! (making that device current first: a queue belongs to the device it was created
 //! on), then waits once per queue used: `cnrtQueueQuery`, and if copies remain,
-//! `cnrtQueueSync`. At start the runtime sets every device's flag to
+//! `cnrtQueueSync`. A copy CNRT refuses as busy (its queue is full) waits for the
+//! queue and is tried once more; refused again, it fails as `Busy`. At start the runtime sets every device's flag to
 //! `cnrtDeviceScheduleBlock`, so that wait sleeps in CNRT instead of spinning a core;
 //! where CNRT refuses (the application used the device first) it says so in a warning.
 //! The caller's thread never waits on CNRT.
@@ -161,7 +162,8 @@ impl Queues {
         // SAFETY: the submitter guarantees both ranges until `done` runs (the
         // `DeviceRuntime::copy` contract), and the group's queues are synchronized
         // before any `done` runs.
-        unsafe { self.cnrt.memcpy_async(dst, src, len, q, d) }?;
+        self.cnrt
+            .enqueue_or_wait(q, || unsafe { self.cnrt.memcpy_async(dst, src, len, q, d) })?;
         Ok(Some(ordinal))
     }
 

@@ -125,14 +125,18 @@ pub(crate) fn run(copies: &[Copy], cnrt: &Cnrt, queues: &mut HashMap<u32, Queue>
                 }
                 // SAFETY: as above; the queue is synchronized below before the guards
                 // are released.
-                unsafe { cnrt.memcpy_async(c.dst, c.src, c.len, q, dir) }
+                cnrt.enqueue_or_wait(q, || unsafe {
+                    cnrt.memcpy_async(c.dst, c.src, c.len, q, dir)
+                })
             }),
             Kind::Peer { dev, dst, src } => queue(cnrt, queues, dev).and_then(|q| {
                 if !used.contains(&dev) {
                     used.push(dev);
                 }
                 // SAFETY: as above.
-                unsafe { cnrt.memcpy_peer_async(c.dst, dst, c.src, src, c.len, q) }
+                cnrt.enqueue_or_wait(q, || unsafe {
+                    cnrt.memcpy_peer_async(c.dst, dst, c.src, src, c.len, q)
+                })
             }),
         };
         if let Err(e) = r {
