@@ -282,7 +282,10 @@ impl TransferBackend for RdmaBackend {
             })
             .collect::<Result<HashMap<_, _>>>()?;
         let known = self.shared.by_instance.lock().get(&ep.instance).copied();
-        if let Some(peer) = known.and_then(|id| self.shared.peer(id)) {
+        // Looked up once: the set this connect keeps, or replaces. A second look could
+        // find the set a repair put in its place meanwhile, healthy, and replace that.
+        let seen = known.and_then(|id| self.shared.peer(id));
+        if let Some(peer) = &seen {
             // One instance has one endpoint and one address for its whole life: a
             // descriptor that names it with others is not that peer, and must neither
             // reach its paths nor replace its regions.
@@ -304,32 +307,34 @@ impl TransferBackend for RdmaBackend {
                 return Ok(peer.id);
             }
         }
-        // The set this connect replaces, if any: another connect that replaced it first
-        // wins (below).
-        let seen = known.and_then(|id| self.shared.peer(id));
+        // `seen` is the set this connect replaces, if any: another connect or a repair
+        // that replaced it first wins (below).
         // No lock is held while the exchange runs.
         let id = known.unwrap_or_else(|| self.shared.peers.next_id());
         let peer = self.shared.establish(&ep, &segment.address, id, deadline)?;
         *peer.regions.write() = regions;
         let (old, won) = {
+            // Both tables at once, so that the set looked at is the set replaced: a
+            // repair puts its rebuilt set in under the peer table's lock.
             let mut by = self.shared.by_instance.lock();
-            match by.get(&ep.instance).copied() {
+            let mut peers = self.shared.peers.write();
+            let current = by
+                .get(&ep.instance)
+                .and_then(|other| Some((*other, peers.get(other)?.clone())));
+            match current {
                 // A concurrent connect to this instance finished first: one peer each.
-                Some(other) if Some(other) != known && self.shared.peer(other).is_some() => {
-                    (None, Some(other))
-                }
-                // Two connects replacing one dead set: the first's new set stays.
-                Some(other)
-                    if self.shared.peer(other).is_some_and(|p| {
-                        !p.dead.load(Ordering::Acquire)
-                            && !seen.as_ref().is_some_and(|s| Arc::ptr_eq(s, &p))
-                    }) =>
+                Some((other, _)) if Some(other) != known => (None, Some(other)),
+                // Two connects (or a connect and a repair) replacing one set: the
+                // first's new set stays.
+                Some((other, p))
+                    if !p.dead.load(Ordering::Acquire)
+                        && !seen.as_ref().is_some_and(|s| Arc::ptr_eq(s, &p)) =>
                 {
                     (None, Some(other))
                 }
                 _ => {
                     by.insert(ep.instance, id);
-                    (self.shared.peers.insert(id, peer.clone()), None)
+                    (peers.insert(id, peer.clone()), None)
                 }
             }
         };
