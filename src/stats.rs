@@ -59,15 +59,9 @@ fn scrape(address: &str) -> Result<HashMap<String, f64>> {
             ),
         )
     };
-    let addrs: Vec<SocketAddr> = address
-        .to_socket_addrs()
-        .map_err(|e| {
-            Error::new(
-                ErrorKind::InvalidRequest,
-                format!("`{address}` is not a metrics endpoint's HOST:PORT: {e}"),
-            )
-        })?
-        .collect();
+    let addrs = addresses(address, deadline, |a| {
+        a.to_socket_addrs().map(Iterator::collect)
+    })?;
     let mut stream = Err(std::io::Error::from(std::io::ErrorKind::AddrNotAvailable));
     for a in &addrs {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -158,6 +152,42 @@ fn scrape(address: &str) -> Result<HashMap<String, f64>> {
         .collect())
 }
 
+/// The addresses `address` names, through `lookup`, by `deadline`: a host name is
+/// looked up on a thread of its own, as `getaddrinfo` takes no deadline (a DNS server
+/// that drops queries holds it 10 s and more).
+fn addresses(
+    address: &str,
+    deadline: Instant,
+    lookup: fn(&str) -> std::io::Result<Vec<SocketAddr>>,
+) -> Result<Vec<SocketAddr>> {
+    if let Ok(a) = address.parse::<SocketAddr>() {
+        return Ok(vec![a]);
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let name = address.to_string();
+    std::thread::Builder::new()
+        .name("te-stats-lookup".into())
+        .spawn(move || {
+            let _ = tx.send(lookup(&name));
+        })
+        .map_err(|e| Error::new(ErrorKind::Io, format!("cannot start a thread: {e}")))?;
+    match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        Ok(Ok(addrs)) => Ok(addrs),
+        Ok(Err(e)) => Err(Error::new(
+            ErrorKind::InvalidRequest,
+            format!("`{address}` is not a metrics endpoint's HOST:PORT: {e}"),
+        )),
+        Err(_) => Err(Error::new(
+            ErrorKind::Timeout,
+            format!(
+                "`{address}` did not resolve within {} s (is the DNS server in /etc/resolv.conf \
+                 answering?); name the endpoint by IP address to need no lookup",
+                SCRAPE_TIMEOUT.as_secs()
+            ),
+        )),
+    }
+}
+
 /// The `Content-Length` of an answer's head, if it has one.
 fn content_length(head: &str) -> Option<usize> {
     head.lines().skip(1).find_map(|l| {
@@ -214,4 +244,39 @@ pub(crate) fn run(args: StatsArgs) -> Result<()> {
         rows += 1;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lookup_that_never_answers_is_given_up_on_at_the_deadline() {
+        let t = Instant::now();
+        let e = addresses(
+            "metrics.example:9100",
+            t + Duration::from_millis(200),
+            |_| {
+                std::thread::sleep(Duration::from_secs(30));
+                Ok(Vec::new())
+            },
+        )
+        .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+        assert!(e.message().contains("by IP address"), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    }
+
+    #[test]
+    fn an_ip_address_needs_no_lookup_and_a_failed_lookup_says_what_to_pass() {
+        let far = Instant::now() + Duration::from_secs(5);
+        let a = addresses("127.0.0.1:9100", far, |_| panic!("looked up")).unwrap();
+        assert_eq!(a, vec!["127.0.0.1:9100".parse().unwrap()]);
+        let e = addresses("nonsense", far, |_| {
+            Err(std::io::Error::other("invalid socket address"))
+        })
+        .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidRequest);
+        assert!(e.message().contains("HOST:PORT"), "{e}");
+    }
 }
