@@ -507,16 +507,19 @@ impl Drop for RdmaBackend {
         drop(served);
         let peers = self.shared.peers.drain();
         // Every peer's QPs go to ERR and their flush completions are taken (the
-        // completion threads still run) before the threads stop; whatever has not
-        // flushed by then is dropped with its QP, which the NIC stops using.
-        let deadline = Instant::now() + connect::RETIRE_WAIT;
+        // completion threads still run) before the threads stop, for `connect_timeout`
+        // at most; whatever has not flushed by then is dropped with its QP, which the
+        // NIC stops using.
+        let wait = self.shared.config.connect_timeout;
+        let deadline = Instant::now() + wait;
         for p in &peers {
             p.kill("the rdma backend is closing".into());
             path::retire(p, deadline);
         }
-        // The targets are told (if the control plane still runs: inside an engine it
-        // stopped first, and they learn of it from its goodbye and the epoch).
-        let released = Deadline::after(connect::RELEASE_WAIT);
+        // The targets are told, within `connect_timeout` for them all (if the control
+        // plane still runs: inside an engine it stopped first, and they learn of it from
+        // its goodbye and the epoch).
+        let released = Deadline::after(wait);
         for p in &peers {
             self.shared.release(p, released);
         }

@@ -44,7 +44,11 @@ pub struct RdmaConfig {
     /// its paths fail and rebuilds them. Bounds what initiators that vanish without
     /// releasing their sets can hold.
     pub max_served_qps: usize,
-    /// Limit for the connect exchange with one peer.
+    /// Limit for the connect exchange with one peer; also what closing a QP set waits
+    /// where no caller gives a deadline (a set a repair replaced, the backend closing):
+    /// this long at most for its QPs' flushes, and again for telling its target. So a
+    /// backend closing while its peers hang takes at most five times this (a rebuild
+    /// under way and its own sets).
     #[serde(deserialize_with = "te_core::config::de::duration")]
     pub connect_timeout: Duration,
     /// Path MTU cap in bytes (256, 512, 1024, 2048, 4096); the port's active MTU and the

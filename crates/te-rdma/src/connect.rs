@@ -466,11 +466,15 @@ impl Shared {
     }
 }
 
-/// How long retiring QPs waits for their flush completions.
-pub(crate) const RETIRE_WAIT: Duration = Duration::from_secs(5);
-
-/// How long a release nobody waits for (a repair's, the backend closing) may take.
-pub(crate) const RELEASE_WAIT: Duration = Duration::from_secs(1);
+impl Shared {
+    /// Closes `peer`'s set (already killed) when no caller gives a deadline (a set a
+    /// repair replaced, or built in vain): waits up to `connect_timeout` for its QPs'
+    /// flushes, then up to `connect_timeout` again to tell its target.
+    fn close_unwaited(&self, peer: &Peer) {
+        path::retire(peer, Instant::now() + self.config.connect_timeout);
+        self.release(peer, Deadline::after(self.config.connect_timeout));
+    }
+}
 
 /// The repair thread: rebuilds, in the background, the paths of degraded peers (one of
 /// whose paths failed, or whose set lacks a port that came back; see
@@ -526,8 +530,7 @@ pub(crate) fn repair_loop(shared: &Weak<Shared>) {
         match s.establish(&old.endpoint, &old.address, id, bound) {
             Ok(new) if s.closed.load(Ordering::Acquire) => {
                 new.kill("the rdma backend is closing".into());
-                path::retire(&new, Instant::now() + RETIRE_WAIT);
-                s.release(&new, Deadline::after(RELEASE_WAIT));
+                s.close_unwaited(&new);
                 return;
             }
             Ok(new) => {
@@ -548,17 +551,15 @@ pub(crate) fn repair_loop(shared: &Weak<Shared>) {
                 };
                 if !put {
                     new.kill("its peer was disconnected while its paths were rebuilt".into());
-                    path::retire(&new, Instant::now() + RETIRE_WAIT);
-                    // As long as the exchange that built it may take.
-                    s.release(&new, bound);
+                    s.close_unwaited(&new);
                     continue;
                 }
                 tracing::info!(peer = %old.address, "RDMA paths rebuilt");
                 // The old set's work moves to the new set; it is not dead.
                 *old.why.lock() = "replaced by rebuilt paths".into();
-                path::retire(&old, Instant::now() + RETIRE_WAIT);
+                path::retire(&old, Instant::now() + s.config.connect_timeout);
                 old.dead.store(true, Ordering::Release);
-                s.release(&old, Deadline::after(RELEASE_WAIT));
+                s.release(&old, Deadline::after(s.config.connect_timeout));
             }
             Err(e) => {
                 let wait = backoff

@@ -2,8 +2,9 @@
 //! disconnect waits for its flushes, an aborted batch posts none of its waiting slices,
 //! a deregistration waits for the slices that pin its region (or times out), a batch
 //! unpins its regions before its completion runs, and a dropped backend deregisters its
-//! regions before it closes its devices; and a connected pair that has moved data and
-//! is left alone wakes no thread.
+//! regions before it closes its devices, waiting for a peer that hangs no longer than
+//! `connect_timeout`; and a connected pair that has moved data and is left alone wakes
+//! no thread.
 //!
 //! Run as `cargo test -p te-rdma --test fake_teardown`.
 
@@ -292,6 +293,95 @@ fn an_idle_connected_pair_wakes_no_thread() -> Result<(), Failed> {
     )
 }
 
+/// A TCP relay to a control plane, for one connection, that the test can freeze: it
+/// then passes nothing on, and keeps the connection open (a peer that hangs).
+struct FrozenRelay {
+    address: String,
+    frozen: std::sync::Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+}
+
+impl FrozenRelay {
+    fn to(to: std::net::SocketAddr) -> Result<FrozenRelay, Failed> {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let address = listener.local_addr()?.to_string();
+        let frozen = std::sync::Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+        let f = frozen.clone();
+        std::thread::spawn(move || {
+            let Ok((a, _)) = listener.accept() else {
+                return;
+            };
+            let Ok(b) = std::net::TcpStream::connect(to) else {
+                return;
+            };
+            let (a2, b2) = (a.try_clone().expect("clone"), b.try_clone().expect("clone"));
+            let g = f.clone();
+            std::thread::spawn(move || FrozenRelay::pipe(a, b2, &g));
+            FrozenRelay::pipe(b, a2, &f);
+        });
+        Ok(FrozenRelay { address, frozen })
+    }
+
+    /// Copies `from` into `to`, holding what it read while the relay is frozen.
+    fn pipe(
+        mut from: std::net::TcpStream,
+        mut to: std::net::TcpStream,
+        frozen: &(std::sync::Mutex<bool>, std::sync::Condvar),
+    ) {
+        use std::io::{Read, Write};
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            let n = match from.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let mut held = frozen.0.lock().unwrap_or_else(|e| e.into_inner());
+            while *held {
+                held = frozen.1.wait(held).unwrap_or_else(|e| e.into_inner());
+            }
+            drop(held);
+            if to.write_all(&buf[..n]).is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown(std::net::Shutdown::Both);
+        let _ = from.shutdown(std::net::Shutdown::Both);
+    }
+
+    fn freeze(&self, frozen: bool) {
+        *self.frozen.0.lock().unwrap_or_else(|e| e.into_inner()) = frozen;
+        self.frozen.1.notify_all();
+    }
+}
+
+/// A backend that closes while its peer's control plane hangs waits for it no longer
+/// than its configuration says (`connect_timeout`, for the QPs' flushes and again for
+/// telling the target), not a fixed time of its own.
+fn a_backend_closing_while_its_peer_hangs_waits_at_most_connect_timeout_for_it(
+) -> Result<(), Failed> {
+    let target = backend(&["fake0"]);
+    let relay = FrozenRelay::to(target.control.address())?;
+    let mut c = RdmaConfig::default();
+    c.devices = vec!["fake1".into()];
+    c.qps_per_path = 1;
+    c.connect_timeout = Duration::from_millis(100);
+    let initiator = node(c)?;
+    let seg = common::segment_at(target.endpoint(), relay.address.clone(), Vec::new());
+    initiator.connect(&seg, soon())?;
+    relay.freeze(true);
+    let Node { backend, control } = initiator;
+    let start = Instant::now();
+    drop(backend);
+    let took = start.elapsed();
+    relay.freeze(false);
+    drop(control);
+    check(
+        took < Duration::from_millis(700),
+        format!(
+            "with connect_timeout = 100 ms, the backend took {took:?} to close while its peer hung"
+        ),
+    )
+}
+
 fn main() {
     common::use_the_fake();
     common::run_tests(vec![
@@ -318,6 +408,10 @@ fn main() {
         (
             "an_idle_connected_pair_wakes_no_thread",
             an_idle_connected_pair_wakes_no_thread,
+        ),
+        (
+            "a_backend_closing_while_its_peer_hangs_waits_at_most_connect_timeout_for_it",
+            a_backend_closing_while_its_peer_hangs_waits_at_most_connect_timeout_for_it,
         ),
     ]);
 }
