@@ -2,7 +2,7 @@
 //! connection pools, and how a batch's frames (cut by `plan`) are spread over them.
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use te_core::peer_table::PeerTable;
@@ -87,19 +87,13 @@ impl TcpBackend {
         let bound = listener.local_addr().map_err(|e| {
             Error::new(ErrorKind::Io, "the data listener has no address").with_source(e)
         })?;
-        let advertised = match &config.advertise {
-            Some(host) => (host.as_str(), bound.port())
-                .to_socket_addrs()
-                .ok()
-                .and_then(|mut a| a.next())
-                .ok_or_else(|| config_error(format!("advertise = {host:?} does not resolve")))?,
-            None if bound.ip().is_unspecified() => {
-                return Err(config_error(format!(
-                    "the data listener on {listen:?} binds every interface; set `advertise` ([engine] or [backends.tcp]) to the address peers should use"
-                )))
-            }
-            None => bound,
-        };
+        let advertised = te_core::kit::net::advertised(
+            "[backends.tcp] data listener",
+            bound,
+            &listen,
+            config.advertise.as_deref(),
+        )
+        .map_err(|e| e.with_operation("create backend"))?;
         // The engine's epoch names this backend to peers, so a restarted engine is a
         // new instance that refuses connections meant for its previous life.
         let instance = ctx.epoch_or_random();
