@@ -44,7 +44,7 @@ pub struct RdmaConfig {
     /// its paths fail and rebuilds them. Bounds what initiators that vanish without
     /// releasing their sets can hold.
     pub max_served_qps: usize,
-    /// Limit for the connect exchange with one peer; also what closing a QP set waits
+    /// Limit for the connect exchange with one peer (at most 1 h); also what closing a QP set waits
     /// where no caller gives a deadline (a set a repair replaced, the backend closing):
     /// this long at most for its QPs' flushes, and again for telling its target. So a
     /// backend closing while its peers hang takes at most five times this (a rebuild
@@ -90,6 +90,10 @@ impl Default for RdmaConfig {
         }
     }
 }
+
+/// The longest `connect_timeout`: an hour is far beyond any exchange's round trip, and
+/// a backend closing while its peers hang waits a few times it.
+pub(crate) const MAX_CONNECT_TIMEOUT: Duration = Duration::from_secs(3600);
 
 /// The largest slice: one work request moves at most 2^31 bytes, and slices this big
 /// would defeat striping anyway.
@@ -162,8 +166,11 @@ impl te_core::BackendConfig for RdmaConfig {
                 }
             }
         }
-        if self.connect_timeout.is_zero() {
-            return bad("connect_timeout must be greater than zero".into());
+        if self.connect_timeout.is_zero() || self.connect_timeout > MAX_CONNECT_TIMEOUT {
+            return bad(format!(
+                "connect_timeout = {:?} is outside (0, 1h]: it bounds one request and its answer, and closing a QP set nobody waits for",
+                self.connect_timeout
+            ));
         }
         Ok(())
     }
@@ -220,6 +227,8 @@ mod tests {
             ("adaptive_poll = \"20us\"", "adaptive_poll"),
             ("nic_affinity = { host = [\"mlx5_0\"] }", "nic_affinity"),
             ("nic_affinity = { \"cuda:0\" = [] }", "nic_affinity"),
+            ("connect_timeout = \"0s\"", "connect_timeout"),
+            ("connect_timeout = \"61m\"", "connect_timeout"),
         ] {
             let e = parse(text).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::ConfigInvalid, "{text}");

@@ -138,6 +138,44 @@ fn the_backend_names_itself_to_peers_with_the_engines_epoch() -> Result<(), Fail
     )
 }
 
+/// A `connect_timeout` beyond what the backend can wait (an hour) is refused when the
+/// backend is made, naming the key, instead of overflowing the clock at connect.
+fn a_connect_timeout_beyond_an_hour_is_refused_when_the_backend_is_made() -> Result<(), Failed> {
+    let target = backend(&["fake0"]);
+    for timeout in [Duration::from_secs(u64::MAX), Duration::from_secs(3601)] {
+        let mut c = RdmaConfig::default();
+        c.devices = vec!["fake0".into()];
+        c.qps_per_path = 1;
+        c.connect_timeout = timeout;
+        match node(c) {
+            Err(e)
+                if e.kind() == ErrorKind::ConfigInvalid
+                    && e.to_string().contains("connect_timeout") => {}
+            Err(e) => return Err(format!("connect_timeout = {timeout:?}: {e}").into()),
+            Ok(b) => {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    b.connect(&segment(&target, Vec::new()), soon()).map(|_| ())
+                }));
+                return Err(format!(
+                    "connect_timeout = {timeout:?} was accepted; a connect then gave {}",
+                    match r {
+                        Ok(r) => format!("{r:?}"),
+                        Err(_) => "a panic".into(),
+                    }
+                )
+                .into());
+            }
+        }
+    }
+    let mut c = RdmaConfig::default();
+    c.devices = vec!["fake0".into()];
+    c.qps_per_path = 1;
+    c.connect_timeout = Duration::from_secs(3600);
+    let b = node(c)?;
+    b.connect(&segment(&target, Vec::new()), soon())?;
+    Ok(())
+}
+
 fn main() {
     common::use_the_fake();
     common::run_tests(vec![
@@ -156,6 +194,10 @@ fn main() {
         (
             "the_backend_names_itself_to_peers_with_the_engines_epoch",
             the_backend_names_itself_to_peers_with_the_engines_epoch,
+        ),
+        (
+            "a_connect_timeout_beyond_an_hour_is_refused_when_the_backend_is_made",
+            a_connect_timeout_beyond_an_hour_is_refused_when_the_backend_is_made,
         ),
     ]);
 }
