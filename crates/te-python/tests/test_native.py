@@ -99,6 +99,31 @@ def test_registered_buffers_stay_where_they_are_until_deregistered():
         mv.release()
 
 
+def test_read_only_arrays_are_refused_as_read_only_buffers_are(tmp_path):
+    """te writes into registered memory (a peer's WRITE, a local READ): read-only memory
+    registered as a tensor, as a KV cache or through ``__cuda_array_interface__`` is
+    refused, as ``register_buffer`` refuses it. A peer's WRITE into a read-only
+    mapping would crash this process; into ``bytes`` change an immutable object."""
+    path = tmp_path / "ro.bin"
+    path.write_bytes(bytes(4096))
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    frozen = np.frombuffer(b"\x00" * 4096, dtype=np.uint8)
+
+    class ReadOnlyCudaArray:
+        __cuda_array_interface__ = {
+            "shape": (4096,), "typestr": "|u1", "data": (0x7E00_0000_0000, True),
+            "strides": None, "version": 3,
+        }
+
+    with te.Engine(config("stub")) as e:
+        for a in (mapped, frozen, ReadOnlyCudaArray()):
+            with pytest.raises(TypeError, match="read-only"):
+                e.register_tensor(a)
+        with pytest.raises(TypeError, match="read-only"):
+            e.register_kv_caches("kv", [frozen.reshape(4, 1024)])
+        assert e.metrics()["registrations"] == []
+
+
 class FakeTensor:
     """What te reads of a torch tensor, over a numpy array (torch is not needed)."""
 

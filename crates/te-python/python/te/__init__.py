@@ -63,6 +63,26 @@ def tensor_memory(t, device=None):
     )
 
 
+def _refuse_read_only(t):
+    """Raises ``TypeError`` for read-only memory (a numpy array of ``bytes`` or of a
+    read-only mapping, an array interface marked read-only): te writes into what it
+    registers, on a peer's WRITE or a local READ, as ``register_buffer`` refuses it."""
+    if hasattr(t, "data_ptr") and callable(t.data_ptr):
+        return  # torch tensors have no read-only memory
+    flags = getattr(t, "flags", None)
+    readonly = flags is not None and not getattr(flags, "writeable", True)
+    for attr in ("__cuda_array_interface__", "__array_interface__"):
+        iface = getattr(t, attr, None)
+        if iface is not None:
+            readonly = readonly or bool(iface["data"][1])
+            break
+    if readonly:
+        raise TypeError(
+            f"the {type(t).__name__} is read-only (bytes, or a read-only mapping?); te writes "
+            "into registered memory, so register a writable copy"
+        )
+
+
 def _allocation(t, device):
     """The whole allocation a tensor is a view of, so views of one buffer share one
     registration: a torch tensor's storage, a numpy array's base."""
@@ -98,8 +118,9 @@ class Engine(_NativeEngine):
     def register_tensor(self, t, name="", access="rw", device=None):
         """Registers a contiguous tensor (torch, numpy, or anything with
         ``__cuda_array_interface__``) by its data pointer; the tensor is kept alive
-        until the registration is deregistered."""
+        until the registration is deregistered. Read-only memory raises ``TypeError``."""
         ptr, nbytes, dev = tensor_memory(t, device)
+        _refuse_read_only(t)
         return self.register(ptr, nbytes, device=dev, name=name, access=access, keep=t)
 
     def register_kv_caches(self, name, caches, num_blocks=None, access="rw", device=None):
@@ -151,6 +172,7 @@ class Engine(_NativeEngine):
         ranges = {}
         for _, slots in groups:
             for _, t, _, _, _ in slots:
+                _refuse_read_only(t)
                 ptr, nbytes, dev = _allocation(t, device)
                 ranges.setdefault(dev, []).append((ptr, ptr + nbytes, t))
         regs = []
