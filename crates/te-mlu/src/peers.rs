@@ -11,13 +11,17 @@
 //! shared by every backend of this process, and one handle value is mapped for one
 //! generation at a time (CNRT may answer a handle value mapped already with the
 //! mapping it has); a mapping is unmapped once no region known here and no batch
-//! holds it, and regions the owner deregistered are let go at each `connect`.
+//! holds it. Regions the owner deregistered are let go at once: each peer reached
+//! through mappings has a thread asleep on its owner's region table ([`watch`]), which
+//! the owner's `deregister` wakes; and at each `connect`, and wherever a batch finds
+//! one gone.
 //!
 //! Whether a peer is in this process is never taken from its endpoint, which any
 //! process can forge: it is a peer whose instance is one of this process's live
 //! backends ([`publish`]), and it is then served from that backend's own table.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Arc, Weak};
 use te_core::sync::{Condvar, Mutex, RwLock};
 
@@ -123,6 +127,35 @@ pub(crate) struct PeerState {
     pub(crate) same_process: bool,
     pub(crate) table: Arc<Table>,
     pub(crate) regions: RwLock<HashMap<RegionId, Arc<Remote>>>,
+    /// Set when this state goes, so that its watcher ([`watch`]) stops.
+    gone: Arc<AtomicBool>,
+}
+
+impl Drop for PeerState {
+    fn drop(&mut self) {
+        self.gone.store(true, SeqCst);
+        // Moved, so that a watcher about to sleep on the count it read does not.
+        self.table.signal_change();
+    }
+}
+
+/// A peer's watcher: lets go of the peer's regions that its owner deregisters as soon
+/// as the owner's table says so, so that their allocations are unmapped here once no
+/// batch holds them, instead of at the next batch or refresh. Asleep on the table's
+/// count of changes (a futex the owner's `retire` wakes), never polling; it ends when
+/// the peer's state goes.
+fn watch(peer: &Weak<PeerState>, table: &Table, gone: &AtomicBool) {
+    loop {
+        // Read before the checks: a change after them makes the wait return at once.
+        let seen = table.changes();
+        if gone.load(SeqCst) {
+            return;
+        }
+        let Some(p) = peer.upgrade() else { return };
+        p.forget_deregistered();
+        drop(p);
+        table.wait_for_change(seen);
+    }
 }
 
 impl PeerState {
@@ -138,9 +171,13 @@ impl PeerState {
         self.table.extent(slot, id.0).is_some()
     }
 
-    /// Forgets every region of the peer's that its table no longer holds.
+    /// Forgets every region of the peer's that its table no longer holds (taking the
+    /// write lock, which batches' submits wait for, only where there is one).
     fn forget_deregistered(&self) {
-        self.regions.write().retain(|id, r| self.live(*id, r.slot));
+        let dead = |id: &RegionId, r: &Arc<Remote>| !self.live(*id, r.slot);
+        if self.regions.read().iter().any(|(id, r)| dead(id, r)) {
+            self.regions.write().retain(|id, r| !dead(id, r));
+        }
     }
 }
 
@@ -209,12 +246,25 @@ impl MluBackend {
                         (Arc::new(Table::open(fd, ep.instance)?), false)
                     }
                 };
+                let gone = Arc::new(AtomicBool::new(false));
                 let state = Arc::new(PeerState {
                     endpoint: ep,
                     same_process,
-                    table,
+                    table: table.clone(),
                     regions: RwLock::new(HashMap::new()),
+                    gone: gone.clone(),
                 });
+                // A peer reached through mappings is watched, so they go as soon as
+                // their owner deregisters them; one reached directly maps nothing.
+                if !(same_process && self.config.ipc == IpcMode::Auto) {
+                    let weak = Arc::downgrade(&state);
+                    let spawned = std::thread::Builder::new()
+                        .name("te-mlu-watch".into())
+                        .spawn(move || watch(&weak, &table, &gone));
+                    if let Err(e) = spawned {
+                        tracing::warn!(error = %e, "cannot start the thread that watches an mlu peer's deregistrations: its freed allocations stay mapped here until a batch finds them gone or the peer is refreshed");
+                    }
+                }
                 let mut peers = PEERS.lock();
                 peers.retain(|p| p.strong_count() > 0);
                 peers.push(Arc::downgrade(&state));

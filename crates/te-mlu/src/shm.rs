@@ -14,6 +14,12 @@
 //! the region dead and fails with `NotRegistered`, or `deregister` sees the batch and
 //! waits for it.
 //!
+//! Peers that map the owner's allocations learn of a deregistration at once: `retire`
+//! bumps a word in the table's header and wakes whoever sleeps on it (a futex), and
+//! each peer has a thread asleep there that lets go of the regions no longer live
+//! (`peers`), so a freed allocation does not stay mapped until the peer's next batch
+//! or refresh.
+//!
 //! The table is also the owner's word on each region's extent: its address, its
 //! allocation's IPC handle, the export's generation and its offset there, its length
 //! and its rights, written before the region goes live.
@@ -29,7 +35,7 @@ use te_core::{local, Error, ErrorKind, Result};
 
 use crate::endpoint::Ipc;
 
-const MAGIC: u64 = 0x7465_6d6c_7574_6234; // "temlutb4"
+const MAGIC: u64 = 0x7465_6d6c_7574_6235; // "temlutb5"
 /// Regions one backend instance can register.
 pub(crate) const SLOTS: usize = 8192;
 
@@ -42,6 +48,10 @@ const DEAD: u32 = 3;
 struct Header {
     magic: AtomicU64,
     instance: AtomicU64,
+    /// Bumped at every retirement (and by a peer stopping its watcher); watchers sleep
+    /// on it ([`Table::wait_for_change`]).
+    changes: AtomicU32,
+    _pad: AtomicU32,
 }
 
 #[repr(C)]
@@ -271,6 +281,23 @@ impl Table {
         }
     }
 
+    /// The count of changes peers watch for: it moves at every retirement.
+    pub(crate) fn changes(&self) -> u32 {
+        self.header().changes.load(SeqCst)
+    }
+
+    /// Sleeps (on a futex, no timeout) until the count of changes is no longer `seen`,
+    /// or a spurious wake-up: the caller checks what it waits for again.
+    pub(crate) fn wait_for_change(&self, seen: u32) {
+        futex_wait(&self.header().changes, seen, None);
+    }
+
+    /// Moves the count of changes and wakes everyone asleep on it, in every process.
+    pub(crate) fn signal_change(&self) {
+        self.header().changes.fetch_add(1, SeqCst);
+        futex_wake(&self.header().changes);
+    }
+
     /// Marks `slot` dead, waits until no batch uses it (at most `timeout`), frees it.
     /// Returns false if batches were still counted in when the time ran out (a peer
     /// still copying, or one that died holding them): the slot then stays dead and
@@ -280,6 +307,8 @@ impl Table {
             return true;
         };
         s.state.store(DEAD, SeqCst);
+        // Peers let go of the region now: their batches in flight hold what they use.
+        self.signal_change();
         let end = Instant::now() + timeout;
         loop {
             s.waiters.fetch_add(1, SeqCst);
@@ -293,7 +322,7 @@ impl Table {
                 s.waiters.fetch_sub(1, SeqCst);
                 return false;
             }
-            futex_wait(&s.inflight, n, left);
+            futex_wait(&s.inflight, n, Some(left));
             s.waiters.fetch_sub(1, SeqCst);
         }
         s.region.store(0, SeqCst);
@@ -309,20 +338,25 @@ impl Drop for Table {
     }
 }
 
-fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_nsec: timeout.subsec_nanos() as libc::c_long,
-    };
+/// Sleeps while `word` holds `expected`, at most `timeout` (for ever with `None`).
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
+    let ts = timeout.map(|t| libc::timespec {
+        tv_sec: t.as_secs().min(libc::time_t::MAX as u64) as libc::time_t,
+        tv_nsec: t.subsec_nanos() as libc::c_long,
+    });
+    let ts_ptr = ts
+        .as_ref()
+        .map_or(std::ptr::null(), |t| t as *const libc::timespec);
     // SAFETY: a shared (not private) futex on a live, aligned u32 in a shared mapping;
-    // the kernel compares it with `expected` before sleeping.
+    // the kernel compares it with `expected` before sleeping; the timeout is null (no
+    // limit) or a live timespec.
     unsafe {
         libc::syscall(
             libc::SYS_futex,
             word.as_ptr(),
             libc::FUTEX_WAIT,
             expected,
-            &ts as *const libc::timespec,
+            ts_ptr,
         )
     };
 }

@@ -44,14 +44,26 @@ fn stub_harness(label: &str, initiator: MemoryKind, target: MemoryKind) -> Harne
         .with_memory(initiator, target)
 }
 
+/// The inodes of the fake libcnrt's allocations this process maps (memfds).
+fn fake_inodes() -> std::collections::BTreeSet<u64> {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("/memfd:te-fake-cnrt-"))
+        .filter_map(|l| l.split_whitespace().nth(4)?.parse().ok())
+        .collect()
+}
+
 /// The second process: a target engine on the mlu backend, serving until stdin closes.
 /// It prints `ADDR <control-plane address>`, then answers `CHECK <seed>` with `OK` if
-/// its `dst` buffer holds the pattern of that seed.
+/// its `dst` buffer holds the pattern of that seed, and `FREE` by dropping `dst`
+/// (deregistered, then freed) with `FREED <inode>`, the inode of its allocation.
 fn target_main() {
     let e = Engine::from_config(&config("mlu", "")).expect("target engine");
-    let dst = e
-        .alloc_on(&mlu(0), "dst", 1 << 20, Access::REMOTE_READ_WRITE)
-        .expect("dst");
+    let mut dst = Some(
+        e.alloc_on(&mlu(0), "dst", 1 << 20, Access::REMOTE_READ_WRITE)
+            .expect("dst"),
+    );
     let _cache = mla_target(&e, &mlu(1), &mlu(0));
     println!("ADDR {}", e.address());
     std::io::stdout().flush().expect("stdout");
@@ -60,8 +72,19 @@ fn target_main() {
         if let Some(seed) = line.strip_prefix("CHECK ") {
             let seed: u8 = seed.trim().parse().expect("seed");
             let want = te_core::testkit::pattern(1 << 20, seed);
-            let ok = dst.to_vec().map(|v| v == want).unwrap_or(false);
+            let ok = dst
+                .as_ref()
+                .is_some_and(|d| d.to_vec().is_ok_and(|v| v == want));
             println!("{}", if ok { "OK" } else { "BAD" });
+            std::io::stdout().flush().expect("stdout");
+        } else if line == "FREE" {
+            let before = fake_inodes();
+            drop(dst.take());
+            let gone: Vec<u64> = before.difference(&fake_inodes()).copied().collect();
+            match gone[..] {
+                [inode] => println!("FREED {inode}"),
+                _ => println!("UNCLEAR {gone:?}"),
+            }
             std::io::stdout().flush().expect("stdout");
         }
     }
@@ -149,6 +172,31 @@ fn writes_and_reads_cross_two_processes_with_every_byte_verified() -> Result<(),
     child.finish()
 }
 
+fn an_allocation_freed_in_another_process_is_unmapped_here_at_once() -> Result<(), Failed> {
+    let mut child = Child::spawn()?;
+    let e = Engine::from_config(&config("mlu", "")).map_err(e2f)?;
+    let _peer = e.connect(&child.addr).map_err(e2f)?;
+    let mapped = fake_inodes();
+    // The target deregisters `dst` and frees it; this process does nothing at all.
+    let reply = child.ask("FREE")?;
+    let inode: u64 = reply
+        .strip_prefix("FREED ")
+        .and_then(|i| i.parse().ok())
+        .ok_or_else(|| format!("the target process said {reply:?}"))?;
+    if !mapped.contains(&inode) {
+        return Err("connect did not map the target's `dst`: the test proves nothing".into());
+    }
+    let start = std::time::Instant::now();
+    while fake_inodes().contains(&inode) {
+        if start.elapsed() > std::time::Duration::from_secs(5) {
+            return Err("the allocation the target freed is still mapped here 5 s later, though no batch or refresh came".into());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    drop(e);
+    child.finish()
+}
+
 fn an_mla_cache_moves_between_two_processes_with_pull_blocks() -> Result<(), Failed> {
     let child = Child::spawn()?;
     let e = Engine::from_config(&config("mlu", "")).map_err(e2f)?;
@@ -224,7 +272,11 @@ fn main() {
             .with_remote_target(&mlu_toml(""), Some(&mlu_toml("debug_delay = \"200ms\""))),
     ));
     type Test = fn() -> Result<(), Failed>;
-    let own: [(&str, Test); 5] = [
+    let own: [(&str, Test); 6] = [
+        (
+            "mlu_two_processes::an_allocation_freed_in_another_process_is_unmapped_here_at_once",
+            an_allocation_freed_in_another_process_is_unmapped_here_at_once,
+        ),
         (
             "tcp_mlu::an_mla_cache_in_mlu_memory_moves_over_tcp_with_pull_blocks",
             an_mla_cache_in_mlu_memory_moves_over_tcp_with_pull_blocks,

@@ -54,11 +54,11 @@ fn encode_endpoint(e: &Endpoint) -> Vec<u8> {
     v
 }
 
-/// te-mlu's region table layout: a header {magic, instance}, then 8192 slots of
-/// {region u64, state u32, inflight u32, waiters u32, access u32, addr, offset, len,
-/// handle, generation}.
-const MAGIC: u64 = 0x7465_6d6c_7574_6234;
-const HEADER: usize = 16;
+/// te-mlu's region table layout: a header {magic, instance, changes u32, pad u32},
+/// then 8192 slots of {region u64, state u32, inflight u32, waiters u32, access u32,
+/// addr, offset, len, handle, generation}.
+const MAGIC: u64 = 0x7465_6d6c_7574_6235;
+const HEADER: usize = 24;
 const SLOT: usize = 64;
 const SLOTS: usize = 8192;
 const TABLE_SIZE: usize = HEADER + SLOTS * SLOT;
@@ -690,6 +690,118 @@ fn a_peers_deregistered_allocation_is_unmapped_once_a_batch_finds_it_gone() {
         n("after=") < n("before="),
         "the peer's freed allocation is still mapped here after a batch found its region deregistered: {line}"
     );
+}
+
+#[test]
+fn a_peers_deregistered_allocation_is_unmapped_without_a_batch_or_a_refresh() {
+    const NAME: &str = "a_peers_deregistered_allocation_is_unmapped_without_a_batch_or_a_refresh";
+    // A child of its own: it counts this process's mappings.
+    let child = in_child(NAME, || {
+        let rt = te_mlu::runtime().unwrap();
+        let a = mapping_backend();
+        let b = backend(rand::random::<u64>() | 1);
+        let len = 1usize << 20;
+        let t = rt.alloc(1, len).unwrap();
+        let key = b
+            .register(RegionId(1), &mlu_mem(t, len, 1, Access::REMOTE_READ_WRITE))
+            .unwrap();
+        let before = fake_mappings();
+        let _peer = a
+            .connect(&seg(b.endpoint(), vec![region(1, t, len, 1, key)]), soon())
+            .unwrap();
+        let imported = fake_mappings();
+        // Idle, whatever watches the peer sleeps.
+        let switches = watcher_switches();
+        std::thread::sleep(Duration::from_millis(500));
+        let idle_wakeups = watcher_switches() - switches;
+        // The owner deregisters the region and frees its memory; A does nothing.
+        b.deregister(RegionId(1), soon()).unwrap();
+        rt.free(1, t).unwrap();
+        let start = Instant::now();
+        while fake_mappings() >= before && start.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        println!(
+            "MAPPINGS before={before} imported={imported} after={} ms={} idle_wakeups={idle_wakeups}",
+            fake_mappings(),
+            start.elapsed().as_millis()
+        );
+        // Whatever watched the peer goes with it.
+        let watching = watchers();
+        drop(a);
+        let start = Instant::now();
+        while watchers() > 0 && start.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        println!("WATCHERS connected={watching} dropped={}", watchers());
+    });
+    let Some((status, out)) = child else { return };
+    let line = out
+        .lines()
+        .find_map(|l| l.find("MAPPINGS ").map(|i| &l[i..]))
+        .unwrap_or_else(|| panic!("the child said nothing useful: {status:?}\n{out}"));
+    let n = |k: &str| -> usize {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(k))
+            .and_then(|v| v.parse().ok())
+            .unwrap()
+    };
+    assert!(n("imported=") > n("before="), "nothing was mapped: {line}");
+    // The owner's free takes its own mapping away; ours must go too, by itself.
+    assert!(
+        n("after=") < n("before="),
+        "the peer's freed allocation is still mapped here 5 s after its owner deregistered it, though no batch or refresh came: {line}"
+    );
+    assert_eq!(
+        n("idle_wakeups="),
+        0,
+        "the thread watching an idle peer woke up: {line}"
+    );
+    let line = out
+        .lines()
+        .find_map(|l| l.find("WATCHERS ").map(|i| &l[i..]))
+        .unwrap_or_else(|| panic!("the child said nothing of its watchers: {status:?}\n{out}"));
+    let n = |k: &str| -> usize {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(k))
+            .and_then(|v| v.parse().ok())
+            .unwrap()
+    };
+    assert_eq!(
+        n("dropped="),
+        0,
+        "a peer's watcher outlived its backend: {line}"
+    );
+}
+
+/// This process's threads named `te-mlu-watch`.
+fn watcher_tasks() -> Vec<std::path::PathBuf> {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| t.ok().map(|t| t.path()))
+        .filter(|t| {
+            std::fs::read_to_string(t.join("comm")).is_ok_and(|c| c.trim() == "te-mlu-watch")
+        })
+        .collect()
+}
+
+/// How many threads watch peers in this process.
+fn watchers() -> usize {
+    watcher_tasks().len()
+}
+
+/// The context switches of this process's watcher threads so far.
+fn watcher_switches() -> u64 {
+    watcher_tasks()
+        .iter()
+        .filter_map(|t| std::fs::read_to_string(t.join("status")).ok())
+        .flat_map(|s| {
+            s.lines()
+                .filter(|l| l.contains("ctxt_switches:"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .collect::<Vec<_>>()
+        })
+        .sum()
 }
 
 /// A backend that maps its peers' IPC handles even for peers in this process, as it
