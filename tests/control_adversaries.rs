@@ -900,3 +900,75 @@ fn one_sources_largest_slow_backend_requests_hold_a_bounded_amount_of_memory() {
          fresh budget: {m}"
     );
 }
+
+/// Many source addresses each send as many of the largest backend requests as one
+/// source may have waiting, held by the handler: what the engine holds of them all is
+/// bounded too, and the requests past that bound are refused with an error naming it.
+#[test]
+fn many_sources_largest_slow_backend_requests_hold_a_bounded_amount_of_memory_together() {
+    let _s = serial();
+    let (target, holder) = holding_target(|c| c.handshake_timeout = Duration::from_secs(10));
+    const SOURCES: u8 = 24;
+    const REQUESTS: u64 = 4;
+    let body = {
+        let mut payload = b"hold".to_vec();
+        payload.resize((1 << 20) - 64, 0x5a);
+        common::cbor(vec![
+            ("timeout_ms", common::int(3_600_000)),
+            ("payload", Value::Bytes(payload)),
+        ])
+    };
+    let frames: std::sync::Arc<Vec<Vec<u8>>> = std::sync::Arc::new(
+        (1..=REQUESTS)
+            .map(|id| common::frame(kind::BACKEND, id, &body))
+            .collect(),
+    );
+    drop(body);
+    let floods: Vec<_> = (0..SOURCES)
+        .map(|i| {
+            let frames = frames.clone();
+            let to = target.address();
+            std::thread::spawn(move || {
+                let mut s = session_from([127, 0, 1, 10 + i].into(), to, &format!("src-{i}"));
+                s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+                for f in frames.iter() {
+                    if s.write_all(f).is_err() {
+                        break;
+                    }
+                }
+                s
+            })
+        })
+        .collect();
+    let mut gauge = 0;
+    while floods.iter().any(|t| !t.is_finished()) {
+        gauge = gauge.max(target.metrics().control_request_bytes);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let floods: Vec<TcpStream> = floods.into_iter().map(|t| t.join().unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    gauge = gauge.max(target.metrics().control_request_bytes);
+    // The sessions told of requests refused for the engine's bound.
+    let mut refusals = Vec::new();
+    for mut s in floods {
+        s.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+        while let Ok((k, _, p)) = common::read_frame(&mut s) {
+            if k == kind::ERROR {
+                refusals.push(common::error_message(&p));
+            }
+        }
+    }
+    holder.release();
+    let bound = 64 * MIB as u64;
+    assert!(
+        gauge > 0 && gauge <= bound,
+        "{SOURCES} sources of 4 slow 1 MiB requests each: the engine held {gauge} bytes of \
+         them at most"
+    );
+    assert!(
+        refusals
+            .iter()
+            .any(|m| m.contains("all peers") && m.contains("64 MiB")),
+        "no refusal names the engine's bound: {refusals:?}"
+    );
+}

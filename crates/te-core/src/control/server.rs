@@ -45,8 +45,14 @@ struct Ticket {
     /// `None` once the connection is a session.
     pending: Option<PendingSlot>,
     ip: IpAddr,
-    /// The engine's backend workers, for every source.
+    pool: Arc<Pool>,
+}
+
+/// What every source's sessions share: the engine's backend workers, and its budget
+/// of backend request bytes read and not yet answered.
+struct Pool {
     workers: Arc<Semaphore>,
+    bytes: Arc<Semaphore>,
 }
 
 impl Ticket {
@@ -106,7 +112,10 @@ impl Drop for Ticket {
 pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     let pending = Arc::new(PendingSlots::default());
     let sessions = Arc::new(Mutex::new(Sessions::default()));
-    let workers = Arc::new(Semaphore::new(BACKEND_WORKERS));
+    let pool = Arc::new(Pool {
+        workers: Arc::new(Semaphore::new(BACKEND_WORKERS)),
+        bytes: Arc::new(Semaphore::new(ENGINE_REQUEST_BYTES)),
+    });
     let mut closing = shared.closing.subscribe();
     let mut backoff = Duration::ZERO;
     let mut failures = 0u64;
@@ -132,7 +141,7 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
                     sessions: sessions.clone(),
                     pending: Some(slot),
                     ip: peer.ip(),
-                    workers: workers.clone(),
+                    pool: pool.clone(),
                 };
                 let guard = shared.task();
                 shared.rt.spawn(async move {
@@ -200,7 +209,7 @@ async fn serve(mut ticket: Ticket, stream: TcpStream, addr: SocketAddr) {
     shared.link_up(&peer);
     let turns = Turns {
         source,
-        workers: ticket.workers.clone(),
+        pool: ticket.pool.clone(),
     };
     let graceful = session(&shared, &peer, turns, reader, writer).await;
     shared.link_down(&peer, graceful || shared.closed.load(Ordering::Acquire));
@@ -316,6 +325,10 @@ const SOURCE_SHARE: usize = BACKEND_WORKERS / 2;
 /// are a few KiB, so hundreds of them fit; without the bound, a host's 1,024 sessions
 /// could each keep five 1 MiB requests waiting.
 const SOURCE_REQUEST_BYTES: usize = SOURCE_SHARE * Kind::Backend.limit(0);
+/// Bytes of backend requests all sources together may have read and not yet answered:
+/// 16 sources' worth. Without it, each of 4,096 sessions from as many addresses could
+/// keep its source's 4 MiB waiting.
+const ENGINE_REQUEST_BYTES: usize = 16 * SOURCE_REQUEST_BYTES;
 
 /// What a backend request waits for before it runs: a turn of its source's share, then
 /// a worker. Both are first come, first served, so a request of a source that holds no
@@ -323,13 +336,13 @@ const SOURCE_REQUEST_BYTES: usize = SOURCE_SHARE * Kind::Backend.limit(0);
 #[derive(Clone)]
 struct Turns {
     source: Source,
-    workers: Arc<Semaphore>,
+    pool: Arc<Pool>,
 }
 
-/// A backend request's bytes, held of its source's budget and counted in the engine's
-/// `control_request_bytes` until the request is answered.
+/// A backend request's bytes, held of its source's budget and the engine's, and counted
+/// in the engine's `control_request_bytes` until the request is answered.
 struct Charge {
-    _held: OwnedSemaphorePermit,
+    _held: (OwnedSemaphorePermit, OwnedSemaphorePermit),
     bytes: u64,
     shared: Arc<Shared>,
 }
@@ -343,8 +356,10 @@ impl Drop for Charge {
     }
 }
 
-/// Takes `len` bytes of `source`'s budget for a backend request, or says why not.
-fn charge(shared: &Arc<Shared>, source: &Source, len: usize) -> Result<Charge> {
+/// Takes `len` bytes of `source`'s budget, and of the engine's, for a backend request,
+/// or says why not.
+fn charge(shared: &Arc<Shared>, turns: &Turns, len: usize) -> Result<Charge> {
+    let source = &turns.source;
     let Ok(held) = source.bytes.clone().try_acquire_many_owned(len as u32) else {
         let waiting = SOURCE_REQUEST_BYTES - source.bytes.available_permits();
         return Err(Error::new(
@@ -358,9 +373,22 @@ fn charge(shared: &Arc<Shared>, source: &Source, len: usize) -> Result<Charge> {
             ),
         ));
     };
+    let all = &turns.pool.bytes;
+    let Ok(all_held) = all.clone().try_acquire_many_owned(len as u32) else {
+        let waiting = ENGINE_REQUEST_BYTES - all.available_permits();
+        return Err(Error::new(
+            ErrorKind::Busy,
+            format!(
+                "this engine holds {waiting} bytes of backend requests from all peers not yet \
+                 answered, and a request of {len} bytes would pass its limit of {} MiB; try \
+                 again later",
+                ENGINE_REQUEST_BYTES >> 20
+            ),
+        ));
+    };
     shared.counters.request_bytes.fetch_add(len as u64, Relaxed);
     Ok(Charge {
-        _held: held,
+        _held: (held, all_held),
         bytes: len as u64,
         shared: shared.clone(),
     })
@@ -426,7 +454,7 @@ async fn session(
     let reading = async move {
         loop {
             let frame = tokio::select! {
-                f = tokio::time::timeout(idle, read_request(reader, shared, &turns.source)) => f,
+                f = tokio::time::timeout(idle, read_request(reader, shared, &turns)) => f,
                 _ = closed(&mut closing) => {
                     let _ = tx.send((wire::frame(Kind::Bye, 0, &[]), None)).await;
                     return false;
@@ -510,10 +538,10 @@ async fn session(
 /// A request as read from a session.
 enum Request {
     /// Its header and payload, and for a backend request what it holds of its source's
-    /// budget.
+    /// budget and the engine's.
     Read(wire::Header, Vec<u8>, Option<Charge>),
-    /// A backend request its source's budget had no room for: its payload was read past
-    /// and not kept.
+    /// A backend request its source's budget, or the engine's, had no room for: its
+    /// payload was read past and not kept.
     Refused(wire::Header, Error),
 }
 
@@ -523,7 +551,7 @@ enum Request {
 async fn read_request(
     r: &mut tokio::net::tcp::OwnedReadHalf,
     shared: &Arc<Shared>,
-    source: &Source,
+    turns: &Turns,
 ) -> Result<Request> {
     let h = read_header(r, shared.settings.notification_max).await?;
     if !matches!(
@@ -539,7 +567,7 @@ async fn read_request(
         let payload = read_payload(r, &h).await?;
         return Ok(Request::Read(h, payload, None));
     }
-    match charge(shared, source, h.len) {
+    match charge(shared, turns, h.len) {
         Ok(charged) => {
             // The budget holds these bytes, so they are taken at once.
             let mut payload = vec![0; h.len];
@@ -617,7 +645,7 @@ async fn backend(
     let deadline = Deadline::after(Duration::from_millis(m.timeout_ms).min(limit));
     let wait = async {
         let source = turns.source.workers.acquire_owned().await;
-        let worker = turns.workers.acquire_owned().await;
+        let worker = turns.pool.workers.clone().acquire_owned().await;
         Ok((source, worker))
     };
     let what = "the wait for a backend worker (this peer's share of them, or all of them, stayed busy; try again)";
