@@ -9,7 +9,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use te::backend::device::{DeviceCopy, DeviceRuntime};
 
-use crate::errors::IntoPy;
+use te::ErrorKind;
+
+use crate::errors::{te_err, IntoPy};
 
 fn fakedev() -> PyResult<Arc<dyn DeviceRuntime>> {
     te::backend::device::runtime("fakedev").py_err()
@@ -60,9 +62,21 @@ pub(crate) fn fakedev_write(py: Python<'_>, ptr: u64, data: Vec<u8>) -> PyResult
     })
 }
 
-/// Copies `nbytes` of fake device memory at `ptr` into a new `bytes`.
+/// Copies `nbytes` of fake device memory at `ptr` into a new `bytes`. A range past
+/// the end of its allocation is refused before any host memory is allocated for it.
 #[pyfunction]
 pub(crate) fn fakedev_read(py: Python<'_>, ptr: u64, nbytes: usize) -> PyResult<Py<PyBytes>> {
+    let info = fakedev()?.pointer_info(ptr).py_err()?;
+    if !te::backend::kit::fits(ptr.wrapping_sub(info.base), nbytes as u64, info.len) {
+        return Err(te_err(
+            ErrorKind::OutOfBounds,
+            "fakedev read",
+            format!(
+                "a read of {nbytes} bytes at {ptr:#x} runs past its {}-byte fakedev allocation",
+                info.len
+            ),
+        ));
+    }
     let mut out = vec![0u8; nbytes];
     // An address, so the closure can cross to the thread that runs without the GIL.
     let host = out.as_mut_ptr() as usize;

@@ -3,6 +3,8 @@
 import asyncio
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -294,6 +296,29 @@ def test_bad_requests_raise_the_error_of_their_kind(pair):
         init.register_buffer(bytearray(16), access="everything")
     with pytest.raises(te.InvalidRequestError):
         init.register(0, 16)
+
+
+def test_fake_device_reads_past_their_allocation_are_refused_before_allocating():
+    """A read longer than its fakedev allocation raises ``te.OutOfBoundsError`` naming
+    the allocation, however long: the host buffer is not allocated first (an
+    allocation of 64 TiB aborted the interpreter)."""
+    code = """
+import te, te.testing
+with te.testing.FakeDeviceBuffer(64) as dev:
+    dev.write(b"x" * 64)
+    assert dev.read(8, offset=56) == b"x" * 8
+    for n, offset in ((1 << 46, 0), (9, 56), ((1 << 64) - 1, 1)):
+        try:
+            dev.read(n, offset=offset)
+        except te.OutOfBoundsError as e:
+            assert "64-byte fakedev allocation" in str(e), e
+        else:
+            raise AssertionError(f"a read of {n} bytes at {offset} was not refused")
+print("refused")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "refused", out.stderr[-2000:]
 
 
 def test_a_timeout_too_large_for_the_clock_waits_without_limit(pair):
