@@ -95,14 +95,22 @@ pub(crate) fn device(s: &str) -> PyResult<MemoryKind> {
     }
 }
 
-/// Seconds (int or float) → a duration; `None` stays `None`.
+/// Seconds (int or float) → a duration; `None` stays `None`. More than a duration
+/// holds (`float("inf")` included) is the longest one, which te's deadlines take as no
+/// limit.
 pub(crate) fn timeout(t: Option<f64>) -> PyResult<Option<Duration>> {
     t.map(|s| {
-        Duration::try_from_secs_f64(s).map_err(|_| {
-            PyValueError::new_err(format!(
-                "timeout {s} is not a non-negative number of seconds"
-            ))
-        })
+        if s.is_nan() || s < 0.0 {
+            let what = if s.is_nan() {
+                "not a number"
+            } else {
+                "negative"
+            };
+            return Err(PyValueError::new_err(format!(
+                "timeout {s} is {what}; give seconds >= 0, or None for no limit"
+            )));
+        }
+        Ok(Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX))
     })
     .transpose()
 }

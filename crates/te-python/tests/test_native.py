@@ -328,6 +328,15 @@ def test_a_timeout_too_large_for_the_clock_waits_without_limit(pair):
     assert init.transfer(peer, [(src.id, 0, dst.id, 0, 64)], notify=b"hi").wait(1e19)
     # A completed batch's notification is in the target's inbox: this returns at once.
     assert target.recv_notification(1e19)[2] == b"hi"
+    # Past what a Duration holds, infinity included, is no limit too.
+    for t in (float("inf"), 1e300):
+        h = init.transfer(peer, [(src.id, 0, dst.id, 0, 64)], notify=b"inf", timeout=t)
+        assert h.wait(t)
+        assert target.recv_notification(t)[2] == b"inf"
+        assert init.connect(target.address, timeout=t).address == target.address
+    for t, what in ((float("nan"), "not a number"), (-1.0, "negative")):
+        with pytest.raises(ValueError, match=what):
+            h.wait(t)
     for r in (dst, src):
         r.deregister()
 
