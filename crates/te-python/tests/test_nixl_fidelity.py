@@ -140,7 +140,7 @@ def test_backend_memory_types_are_named_as_nixl_names_them():
     assert agent.get_backend_mem_types("UCX") == ["DRAM_SEG", "VRAM_SEG"]
 
 
-@pytest.mark.parametrize("field,value", [(1, -1), (2, 2**64)])
+@pytest.mark.parametrize("field,value", [(1, -1), (2, 2**64), (2, float("inf")), (1, 1e400)])
 def test_damaged_metadata_raises_nixl_mismatch(field, value):
     """Metadata whose region numbers do not fit 64 unsigned bits is damaged metadata:
     NIXL (and te.nixl's docs and ``_metadata.decode``) answer ``nixlMismatchError``;
@@ -154,3 +154,11 @@ def test_damaged_metadata_raises_nixl_mismatch(field, value):
     body["regions"][0][field] = value
     with pytest.raises(B.nixlMismatchError):
         a.add_remote_agent(magic + json.dumps(body).encode())
+
+
+def test_metadata_nested_past_the_parsers_depth_raises_nixl_mismatch():
+    """Metadata arrives from the network: arrays nested deeper than the JSON parser
+    recurses are damaged metadata, not a ``RecursionError``."""
+    a = nixl_agent("md-deep")
+    with pytest.raises(B.nixlMismatchError):
+        a.add_remote_agent(b"te.nixl/1\n" + b"[" * 100_000 + b"]" * 100_000)

@@ -38,7 +38,8 @@ def decode(data):
         body = json.loads(data[len(MAGIC):])
         fields = (body["name"], body["address"], body["epoch"], body["backend"])
         regions = [[int(v) for v in r] for r in body["regions"]]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:
+        # OverflowError: an infinite number; RecursionError: arrays nested too deep.
         raise ValueError(f"the metadata is damaged: {e}") from None
     if not all(isinstance(f, str) for f in fields[:2]) or any(len(r) != 5 for r in regions):
         raise ValueError("the metadata is damaged: wrong field types")
