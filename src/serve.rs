@@ -149,20 +149,26 @@ impl Wake for Unpark {
 }
 
 /// Reads (and logs) every notification and peer event until `stop`, so that nothing
-/// peers send piles up in a server nobody reads from. It sleeps until one arrives.
+/// peers send piles up in a server nobody reads from. It sleeps until one arrives: each
+/// future is kept until it is ready, since a future dropped while pending takes its
+/// waker with it.
 fn read_until(engine: &Engine, stop: &AtomicBool) {
     let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
     let mut cx = Context::from_waker(&waker);
     let mut count = 0u64;
+    let mut notification = engine.next_notification();
+    let mut event = engine.next_event();
     while !stop.load(Ordering::Acquire) {
         let mut idle = true;
-        if let Poll::Ready(n) = Pin::new(&mut engine.next_notification()).poll(&mut cx) {
+        if let Poll::Ready(n) = Pin::new(&mut notification).poll(&mut cx) {
             count += 1;
             tracing::debug!(from = %n.from, bytes = n.message.len(), count, "notification");
+            notification = engine.next_notification();
             idle = false;
         }
-        if let Poll::Ready(e) = Pin::new(&mut engine.next_event()).poll(&mut cx) {
+        if let Poll::Ready(e) = Pin::new(&mut event).poll(&mut cx) {
             tracing::info!(kind = ?e.kind, peer = %e.name, address = %e.address, "peer event");
+            event = engine.next_event();
             idle = false;
         }
         if idle {

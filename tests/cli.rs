@@ -432,3 +432,57 @@ fn stats_refuses_an_interval_longer_than_a_day() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("--interval") && err.contains("1 day"), "{err}");
 }
+
+#[test]
+fn serve_reads_every_notification_and_peer_event_as_they_come() {
+    let log = std::env::temp_dir().join(format!("te-cli-serve-log-{}.txt", std::process::id()));
+    let mut child = te()
+        .args(["serve", "--backend", "tcp", "--buffer-size", "1MiB"])
+        .env("RUST_LOG", "info,te::serve=debug")
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    // Let the server's reader go to sleep before anything comes.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut config = te::Config::default();
+    config.engine.backend = "tcp".into();
+    let me = te::Engine::from_config(&config).unwrap();
+    let peer = me.connect(line.trim()).unwrap();
+    for i in 0..3u8 {
+        me.notify(&peer, vec![i; 16]).unwrap().wait().unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let read = |log: &PathBuf| std::fs::read_to_string(log).unwrap_or_default();
+    let end = Instant::now() + Duration::from_secs(10);
+    // Each notification read is one debug line naming its count.
+    let read_count = |text: &str| {
+        text.lines()
+            .filter(|l| l.contains("notification") && l.contains("count"))
+            .count()
+    };
+    // The peer leaves: an event.
+    drop(peer);
+    drop(me);
+    while (read_count(&read(&log)) < 3 || !read(&log).contains("peer event"))
+        && Instant::now() < end
+    {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // SAFETY: sending a signal to our own child process.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    let text = read(&log);
+    let _ = std::fs::remove_file(&log);
+    assert!(status.success(), "{status}");
+    assert_eq!(
+        read_count(&text),
+        3,
+        "te serve read and logged these of the 3 notifications sent:\n{text}"
+    );
+    assert!(text.contains("peer event"), "no peer event logged:\n{text}");
+}
