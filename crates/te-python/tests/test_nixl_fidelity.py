@@ -54,11 +54,10 @@ def two_agents(prefix, telemetry=False):
 def test_release_racing_a_post_leaves_nothing_in_flight():
     """``release_xfer_handle`` promises that te no longer touches the transfer's memory
     once it returns, and a released handle raises ``nixlInvalidParamError`` when used.
-    ``transfer()`` checks ``_released`` before it takes the transfer's lock and
-    ``release()`` never takes that lock around ``_released``: a post that passed the
-    check when another thread released the handle still posts, and its bytes land
-    after the release returned. The hook below only widens that window (between
-    ``_xfer()`` and ``with x.lock``) so the interleaving happens every run."""
+    A post that passed ``transfer()``'s first check when another thread released the
+    handle must not post: ``transfer()`` looks again under the transfer's lock, which
+    ``release()`` takes. The hook below widens that window (between ``_xfer()`` and
+    ``with x.lock``) so the interleaving happens every run."""
     ini, _tgt, mi, _mt, name = two_agents("race")
     lh = ini.prep_xfer_dlist("", [(mi.ctypes.data, BS, 0)], "DRAM")
     rh = ini.prep_xfer_dlist(name, [(_mt.ctypes.data, BS, 0)], "DRAM")
@@ -101,8 +100,7 @@ def test_release_racing_a_post_leaves_nothing_in_flight():
 def test_a_notification_given_to_transfer_stays_the_handles_notification():
     """NIXL's postXferReq stores a non-empty ``notif_msg`` in the request: later posts
     without one send it again. NIXL 1.5.1 sends ``orig, second, second, second`` for
-    the posts below (and ``late, late`` for the second handle); te.nixl goes back to
-    the message the handle was made with."""
+    the posts below (and ``late, late`` for the second handle), and so does te.nixl."""
     ini, tgt, mi, mt, name = two_agents("notif")
     lh = ini.prep_xfer_dlist("", [(mi.ctypes.data, BS, 0)], "DRAM")
     rh = ini.prep_xfer_dlist(name, [(mt.ctypes.data, BS, 0)], "DRAM")
@@ -120,7 +118,7 @@ def test_a_notification_given_to_transfer_stays_the_handles_notification():
 
 def test_initialize_xfer_does_not_merge_descriptors_as_nixl():
     """NIXL's ``initialize_xfer`` (createXferReq) keeps every descriptor: 8 adjacent
-    blocks report ``descCount == 8`` (NIXL 1.5.1); te.nixl merges them into 1."""
+    blocks report ``descCount == 8`` (NIXL 1.5.1), as in te.nixl."""
     ini, _tgt, mi, mt, name = two_agents("init", telemetry=True)
     local = ini.get_xfer_descs([(mi.ctypes.data + i * BS, BS, 0) for i in range(8)], "DRAM")
     remote = ini.get_xfer_descs([(mt.ctypes.data + i * BS, BS, 0) for i in range(8)], "DRAM")
@@ -133,8 +131,7 @@ def test_initialize_xfer_does_not_merge_descriptors_as_nixl():
 
 def test_backend_memory_types_are_named_as_nixl_names_them():
     """NIXL 1.5.1: ``get_backend_mem_types("UCX")`` and ``get_plugin_mem_types("UCX")``
-    are ``['DRAM_SEG', 'VRAM_SEG']`` (the nixl_mem_t names); te.nixl returns
-    ``['DRAM', 'VRAM']``."""
+    are ``['DRAM_SEG', 'VRAM_SEG']`` (the nixl_mem_t names), as in te.nixl."""
     agent = nixl_agent("memtypes", nixl_agent_config(backends=["UCX"]))
     assert agent.get_plugin_mem_types("UCX") == ["DRAM_SEG", "VRAM_SEG"]
     assert agent.get_backend_mem_types("UCX") == ["DRAM_SEG", "VRAM_SEG"]
@@ -142,9 +139,8 @@ def test_backend_memory_types_are_named_as_nixl_names_them():
 
 @pytest.mark.parametrize("field,value", [(1, -1), (2, 2**64), (2, float("inf")), (1, 1e400)])
 def test_damaged_metadata_raises_nixl_mismatch(field, value):
-    """Metadata whose region numbers do not fit 64 unsigned bits is damaged metadata:
-    NIXL (and te.nixl's docs and ``_metadata.decode``) answer ``nixlMismatchError``;
-    te.nixl lets numpy's ``OverflowError`` escape from ``RegionTable``."""
+    """Metadata whose region numbers do not fit 64 unsigned bits (or are infinite) is
+    damaged metadata: NIXL and te.nixl answer ``nixlMismatchError``."""
     a, b = nixl_agent(f"md-a{field}"), nixl_agent(f"md-b{field}")
     mem = np.zeros(BS, np.uint8)
     b.register_memory([(mem.ctypes.data, BS, 0, "")], "DRAM")
