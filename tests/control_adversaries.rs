@@ -951,7 +951,8 @@ fn many_sources_largest_slow_backend_requests_hold_a_bounded_amount_of_memory_to
     // The sessions told of requests refused for the engine's bound.
     let mut refusals = Vec::new();
     for mut s in floods {
-        s.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
         while let Ok((k, _, p)) = common::read_frame(&mut s) {
             if k == kind::ERROR {
                 refusals.push(common::error_message(&p));
