@@ -136,9 +136,9 @@ pub unsafe extern "C" fn te_notification_sender(
     guard(OP, || {
         // SAFETY: te.h asks for a live notification.
         let n = unsafe { obj(notification, OP, "notification") }?;
-        if !address.is_null() {
-            // SAFETY: not NULL, and te.h asks for a pointer valid for a write.
-            unsafe { Out::new(address, OP, "address") }?.set(n.address.as_ptr());
+        // SAFETY: te.h asks for NULL or a pointer valid for a write.
+        if let Some(out) = unsafe { Out::optional(address, OP, "address") }? {
+            out.set(n.address.as_ptr());
         }
         name = n.sender.as_ptr();
         Ok(TE_OK)
