@@ -72,6 +72,49 @@ impl KvSelection {
     }
 }
 
+impl KvSelection {
+    /// Refuses a group or slot name the layout lacks: a typo among good names would
+    /// otherwise leave that slot's blocks behind without a word.
+    fn check(&self, layout: &KvLayout) -> Result<()> {
+        let groups: Vec<&KvGroup> = layout
+            .groups
+            .iter()
+            .filter(|g| self.group(&g.name))
+            .collect();
+        let unknown = |what: &str, name: &str, known: Vec<&str>| {
+            Err(invalid(format!(
+                "the selection names {what} `{name}`, which layout `{}` lacks; it has {}",
+                layout.name,
+                known.join(", ")
+            )))
+        };
+        for name in self.groups.iter().flatten() {
+            if !layout.groups.iter().any(|g| &g.name == name) {
+                return unknown(
+                    "group",
+                    name,
+                    layout.groups.iter().map(|g| g.name.as_str()).collect(),
+                );
+            }
+        }
+        for name in self.slots.iter().flatten() {
+            if !groups
+                .iter()
+                .any(|g| g.slots.iter().any(|s| &s.name == name))
+            {
+                let mut known: Vec<&str> = groups
+                    .iter()
+                    .flat_map(|g| g.slots.iter().map(|s| s.name.as_str()))
+                    .collect();
+                known.sort_unstable();
+                known.dedup();
+                return unknown("slot", name, known);
+            }
+        }
+        Ok(())
+    }
+}
+
 fn invalid(m: String) -> Error {
     Error::new(ErrorKind::InvalidRequest, m)
 }
@@ -236,7 +279,8 @@ impl KvSlot {
 ///
 /// # Errors
 /// `InvalidRequest` if the lists differ in length, hold an id twice (on either side),
-/// name an id out of range on either side, select nothing, or the layouts are
+/// name an id out of range on either side, select nothing, select a group or slot the
+/// local layout lacks, or the layouts are
 /// incompatible; `OutOfBounds` if an offset overflows.
 pub fn plan(
     op: Op,
@@ -254,6 +298,7 @@ pub fn plan(
         )));
     }
     local.check_compatible(remote)?;
+    selection.check(local)?;
     for (ids, side) in [(remote_ids, "remote"), (local_ids, "local")] {
         let mut seen = HashSet::with_capacity(ids.len());
         if let Some(d) = ids.iter().find(|&&id| !seen.insert(id)) {
@@ -571,10 +616,31 @@ mod tests {
             vec![TransferRequest::read(RegionId(3), 10, RegionId(3), 10, 20)]
         );
         let none = KvSelection {
-            groups: Some(vec!["layer9".into()]),
+            groups: Some(vec![]),
             slots: None,
         };
         assert!(err(plan(Op::Read, &l, &l, &[1], &[1], &none)).contains("matches no group"));
+    }
+
+    #[test]
+    fn a_selection_naming_a_group_or_slot_the_layout_lacks_is_refused() {
+        let l = layout("m", 10, 50);
+        // A typo among good names must not silently leave that slot's blocks behind.
+        let typo = KvSelection {
+            groups: None,
+            slots: Some(vec!["key".into(), "valeu".into()]),
+        };
+        let e = err(plan(Op::Read, &l, &l, &[1], &[1], &typo));
+        assert!(e.contains("`valeu`") && e.contains("key, value"), "{e}");
+        let typo = KvSelection {
+            groups: Some(vec!["layer0".into(), "layer7".into()]),
+            slots: None,
+        };
+        let e = err(plan(Op::Read, &l, &l, &[1], &[1], &typo));
+        assert!(
+            e.contains("`layer7`") && e.contains("layer0, layer1"),
+            "{e}"
+        );
     }
 
     #[test]
