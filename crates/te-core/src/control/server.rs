@@ -140,7 +140,7 @@ pub(super) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
                     shared: shared.clone(),
                     sessions: sessions.clone(),
                     pending: Some(slot),
-                    ip: peer.ip(),
+                    ip: crate::kit::net::source_of(peer.ip()),
                     pool: pool.clone(),
                 };
                 let guard = shared.task();

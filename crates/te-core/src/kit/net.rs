@@ -145,11 +145,28 @@ impl Book {
     }
 }
 
+/// The source a connection from `ip` counts against, for per-source limits: an IPv4
+/// address (an IPv4-mapped IPv6 one too) is its own source, and an IPv6 address
+/// counts as its /64 — the smallest prefix a host is usually given, which holds 2^64
+/// addresses a peer could otherwise each make a fresh source of.
+pub fn source_of(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6((u128::from(v6) & !((1u128 << 64) - 1)).into()),
+        },
+    }
+}
+
 impl PendingSlots {
     /// A slot for a new connection from `ip`, made by evicting the oldest connection of
     /// that source once it holds `per_source` slots, else the oldest of all once `max`
     /// are taken (both at least 1).
+    ///
+    /// A source is [`source_of`] `ip`: one IPv6 /64 is one source.
     pub fn admit(self: &Arc<Self>, ip: IpAddr, per_source: usize, max: usize) -> PendingSlot {
+        let ip = source_of(ip);
         let mut b = self.book.lock();
         let from_source = b.queue.iter().filter(|p| p.1 == ip).count();
         if from_source >= per_source.max(1) {
@@ -213,6 +230,36 @@ impl Drop for PendingSlot {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_ipv6_64_is_one_source_and_an_ipv4_address_its_own() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(source_of(ip("10.0.0.7")), ip("10.0.0.7"));
+        assert_eq!(source_of(ip("::ffff:10.0.0.7")), ip("10.0.0.7"));
+        assert_eq!(source_of(ip("2001:db8:1:2:aaaa::1")), ip("2001:db8:1:2::"));
+        assert_eq!(
+            source_of(ip("2001:db8:1:2:ffff:ffff:ffff:ffff")),
+            source_of(ip("2001:db8:1:2::9"))
+        );
+        assert_ne!(
+            source_of(ip("2001:db8:1:3::1")),
+            source_of(ip("2001:db8:1:2::1"))
+        );
+        // One /64 fills its source's pending slots, whatever the addresses it uses.
+        let slots = Arc::new(PendingSlots::default());
+        let first = slots.admit(ip("2001:db8::1"), 1, 8);
+        let _second = slots.admit(ip("2001:db8::2"), 1, 8);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let evicted = rt.block_on(async {
+            tokio::time::timeout(std::time::Duration::from_millis(50), first.evicted())
+                .await
+                .is_ok()
+        });
+        assert!(evicted, "a second address of one /64 got a slot of its own");
+    }
 
     #[test]
     fn the_oldest_pending_connection_makes_room_for_a_new_one() {
