@@ -446,7 +446,8 @@ fn report_late(rx: mpsc::Receiver<Late>, unreported: &Unreported) {
 /// Pays for and runs one part of a group on this thread: a launch for the part (or
 /// one per copy), the copies, then one synchronisation.
 fn run_part(part: &Part, config: FakeDevConfig, counters: &CopyCounters) -> Result<()> {
-    let bytes = |p: &Planned| p.copy.len() as u64;
+    // A failed part was submitted, but moved nothing.
+    let bytes = |p: &Planned| if part.fail { 0 } else { p.copy.len() as u64 };
     if part.batched {
         pay(config.launch_cost);
         counters.call(part.copies.len(), part.copies.iter().map(bytes).sum());
@@ -664,7 +665,8 @@ impl FakeDev {
 
     /// Makes the next `groups` parts of groups (a group's copies of one direction)
     /// submitted on device `ordinal` fail: nothing of them is copied, they still cost
-    /// their launch and synchronisation, and each completes with a `Backend` error.
+    /// (and count) their launch and synchronisation but count no bytes, and each
+    /// completes with a `Backend` error.
     pub fn fail_next(&self, ordinal: u32, groups: u64) {
         if let Some(f) = self.failing.get(ordinal as usize) {
             f.fetch_add(groups, Ordering::Relaxed);
@@ -1235,6 +1237,22 @@ mod tests {
             .unwrap()
         };
         rx.recv().unwrap().expect("the next group is not failed");
+    }
+
+    #[test]
+    fn a_failed_group_counts_its_launch_and_synchronisation_but_no_bytes() {
+        let rt = fresh();
+        let dev = rt.alloc(0, 16 * 4096).unwrap();
+        let src = vec![9u8; 16 * 4096];
+        rt.fail_next(0, 1);
+        // SAFETY: `src` outlives the group, which is waited for here.
+        let e = unsafe { rt.copy_group_wait(&scattered(dev, &src)) }.unwrap_err();
+        assert!(e.to_string().contains("injected"), "{e}");
+        let s = rt.device_stats(0);
+        assert_eq!((s.calls, s.copies, s.syncs, s.bytes), (1, 16, 1, 0));
+        // SAFETY: as above.
+        unsafe { rt.copy_group_wait(&scattered(dev, &src)) }.unwrap();
+        assert_eq!(rt.device_stats(0).bytes, 16 * 4096);
     }
 
     /// Copies `bytes` to device `ordinal`'s memory at `dev`.
