@@ -718,7 +718,9 @@ class TransferEngine:
 
     def get_batch_transfer_status(self, batch_ids):
         """Waits (GIL released) for every batch; ``0`` if all completed, ``-1`` if any
-        failed, timed out or is unknown. The ids are released either way."""
+        failed, timed out or is unknown. The ids are released either way. An id that
+        is no unsigned 64-bit integer raises ``TypeError``, as pybind11 does."""
+        batch_ids = [_uint(b, "batch id") for b in batch_ids]
         with self._lock:
             handles = [self._batches.pop(b, None) for b in batch_ids]
         rc = 0
@@ -742,7 +744,9 @@ class TransferEngine:
 
     def transfer_check_status(self, batch_id):
         """``1`` completed, ``0`` in flight, ``-1`` failed or unknown, ``-2`` timed out
-        (the id is released once it is no longer in flight)."""
+        (the id is released once it is no longer in flight). An id that is no
+        unsigned 64-bit integer raises ``TypeError``, as pybind11 does."""
+        batch_id = _uint(batch_id, "batch_id")
         with self._lock:
             h = self._batches.get(batch_id)
         if h is None:

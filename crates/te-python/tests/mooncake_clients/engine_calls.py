@@ -198,6 +198,11 @@ def transfers(m, e, hs, mine, back):
     r["negative_in_list"] = outcome(lambda: e.batch_transfer_sync_write(s, [src], [high], [-1]))
     r["bad_transport_hint_type"] = outcome(
         lambda: e.transfer_sync_write(s, src, high, 16, transport_hint=3))
+    r["status_of_str_id"] = outcome(lambda: e.transfer_check_status("1"))
+    r["status_of_float_id"] = outcome(lambda: e.transfer_check_status(1.0))
+    r["status_of_negative_id"] = outcome(lambda: e.transfer_check_status(-1))
+    r["batch_status_of_str_ids"] = outcome(lambda: e.get_batch_transfer_status(["1"]))
+    r["batch_status_of_negative_ids"] = outcome(lambda: e.get_batch_transfer_status([-1]))
 
     # Async batches and their status.
     ids = [
