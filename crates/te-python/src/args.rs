@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use pyo3::buffer::{Element, PyBuffer};
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use te::config::Table;
@@ -46,7 +46,11 @@ fn value(v: &Bound<'_, PyAny>) -> PyResult<toml::Value> {
     Ok(if v.is_instance_of::<PyBool>() {
         toml::Value::Boolean(v.extract()?)
     } else if v.is_instance_of::<PyInt>() {
-        toml::Value::Integer(v.extract()?)
+        toml::Value::Integer(v.extract().map_err(|_| {
+            PyOverflowError::new_err(format!(
+                "config value {v} does not fit a TOML integer (64 bits, signed)"
+            ))
+        })?)
     } else if v.is_instance_of::<PyFloat>() {
         toml::Value::Float(v.extract()?)
     } else if v.is_instance_of::<PyString>() {
@@ -127,14 +131,36 @@ fn from_buffer<T: Element + Copy>(
     Some(buf.to_vec(obj.py()).map(|v| (v, buf.shape().to_vec())))
 }
 
-fn non_negative<T: TryInto<u64> + Copy + std::fmt::Display>(v: Vec<T>) -> PyResult<Vec<u64>> {
+fn non_negative<T: TryInto<u64> + Copy + std::fmt::Display>(
+    v: Vec<T>,
+    what: &str,
+) -> PyResult<Vec<u64>> {
     v.into_iter()
         .map(|x| {
             x.try_into().map_err(|_| {
-                PyValueError::new_err(format!("{x} is negative or does not fit 64 bits"))
+                PyValueError::new_err(format!(
+                    "{what}: {x} is negative or does not fit 64 bits; give ints from 0 to 2**64 - 1"
+                ))
             })
         })
         .collect()
+}
+
+/// An int from 0 to 2**64 - 1 (an address, a length): `TypeError` for what is no
+/// int, `OverflowError` naming `what` for one out of that range.
+pub(crate) fn uint(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    obj.extract::<u64>().map_err(|e| {
+        if e.is_instance_of::<PyOverflowError>(obj.py()) {
+            PyOverflowError::new_err(format!("{what} = {obj} is not an int from 0 to 2**64 - 1"))
+        } else {
+            PyTypeError::new_err(format!(
+                "{what} must be an int, not {}",
+                obj.get_type()
+                    .name()
+                    .map_or_else(|_| "?".into(), |n| n.to_string())
+            ))
+        }
+    })
 }
 
 /// A flat array of non-negative integers and its shape: a buffer of int64, uint64,
@@ -152,14 +178,14 @@ fn integers(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(Vec<u64>, Vec<usize
     }
     if let Some(r) = from_buffer::<i64>(obj) {
         let (v, s) = r?;
-        return Ok((non_negative(v)?, s));
+        return Ok((non_negative(v, what)?, s));
     }
     if let Some(r) = from_buffer::<u64>(obj) {
         return r;
     }
     if let Some(r) = from_buffer::<i32>(obj) {
         let (v, s) = r?;
-        return Ok((non_negative(v)?, s));
+        return Ok((non_negative(v, what)?, s));
     }
     if let Some(r) = from_buffer::<u32>(obj) {
         let (v, s) = r?;
@@ -179,7 +205,7 @@ fn integers(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(Vec<u64>, Vec<usize
         ))
     })?;
     let n = v.len();
-    Ok((non_negative(v)?, vec![n]))
+    Ok((non_negative(v, what)?, vec![n]))
 }
 
 fn tensor_i64(t: &Bound<'_, PyAny>, what: &str) -> PyResult<(Vec<u64>, Vec<usize>)> {
@@ -210,7 +236,7 @@ fn tensor_i64(t: &Bound<'_, PyAny>, what: &str) -> PyResult<(Vec<u64>, Vec<usize
     // non-null and aligned); `t` is borrowed and the GIL is held, so it stays alive and
     // no Python code runs while the elements are copied out.
     let v = unsafe { std::slice::from_raw_parts(ptr as *const i64, n) }.to_vec();
-    Ok((non_negative(v)?, shape))
+    Ok((non_negative(v, what)?, shape))
 }
 
 /// A list of block ids.

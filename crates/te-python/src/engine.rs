@@ -258,13 +258,15 @@ impl PyEngine {
     fn register(
         &self,
         py: Python<'_>,
-        ptr: u64,
-        nbytes: u64,
+        ptr: &Bound<'_, PyAny>,
+        nbytes: &Bound<'_, PyAny>,
         device: &str,
         name: &str,
         access: &str,
         keep: Option<PyObject>,
     ) -> PyResult<PyRegistration> {
+        let ptr = args::uint(ptr, "ptr")?;
+        let nbytes = args::uint(nbytes, "nbytes")?;
         let kind = args::device(device)?;
         // SAFETY: the caller vouches that `ptr .. ptr + nbytes` is memory of `device`
         // that outlives the registration (the documented contract of this method);

@@ -321,6 +321,23 @@ print("refused")
     assert out.returncode == 0 and out.stdout.strip() == "refused", out.stderr[-2000:]
 
 
+def test_integers_out_of_range_name_their_argument(pair):
+    """A negative or oversized number says which argument (or config value) it was."""
+    target, init, peer = pair
+    for args, what in (((-1, 16), "ptr"), ((4096, -16), "nbytes"), ((2**64, 16), "ptr")):
+        with pytest.raises(OverflowError, match=what):
+            init.register(*args)
+    with pytest.raises(TypeError, match="nbytes"):
+        init.register(4096, "16")
+    for ids in ([0, -1], np.array([-1])):
+        with pytest.raises(ValueError, match="local_ids"):
+            init.pull_blocks(peer, "kv", ids, [0, 1])
+    with pytest.raises(ValueError, match="lengths"):
+        init.transfer_addrs(peer, "write", [4096], [4096], [-16])
+    with pytest.raises(OverflowError, match="2361183241434822606848"):
+        te.Engine({"engine": {"backend": "stub", "default_timeout": 2**71}})
+
+
 def test_a_timeout_too_large_for_the_clock_waits_without_limit(pair):
     target, init, peer = pair
     dst = target.register_buffer(bytearray(64), name="dst")
