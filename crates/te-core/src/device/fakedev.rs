@@ -30,7 +30,11 @@
 //! first, then the allocation table once per allocation), and its thread locks every
 //! allocation a part touches once for all the part's copies, in address order: so a
 //! group of thousands of scattered blocks costs little per block, as one list-copy
-//! kernel over them does.
+//! kernel over them does. A group two of whose copies depend on each other (one
+//! writes host or device bytes the other reads or writes) is refused before anything
+//! runs, rather than run in the order given: a GPU runs a group's copies in no order
+//! (`cuMemcpyBatchAsync` leaves dependent copies in one batch undefined), so code that
+//! relied on fakedev's order would tear bytes on one.
 //!
 //! It counts, per device, the launches ("calls"), copies, synchronisations and bytes it
 //! was given ([`FakeDev::device_stats`]), so tests and `te bench --json` see how many
@@ -684,6 +688,7 @@ impl FakeDev {
     /// A group's copies planned and split into one part per device and direction (the
     /// queue's index, and the part).
     fn parts(&self, copies: &[DeviceCopy], batched: bool) -> Result<Vec<(usize, Part)>> {
+        independent(copies)?;
         let mut parts: Vec<(usize, Part)> = Vec::new();
         let mut seen = Seen::default();
         for c in copies {
@@ -769,6 +774,53 @@ impl FakeDev {
             .send(job)
             .map_err(|_| Error::new(ErrorKind::Unavailable, "a fakedev queue thread is gone"))
     }
+}
+
+/// Refuses a group two of whose copies depend on each other (one writes bytes the other
+/// reads or writes, host or device), as fakedev would otherwise run them in the order
+/// given: CUDA runs a batch's copies in no order (`cuMemcpyBatchAsync`: dependent
+/// copies in one batch are undefined behaviour), and a list-copy kernel runs them at
+/// once. Device bytes are told apart by address, so an import and its export mapped in
+/// one process are not seen to alias.
+fn independent(copies: &[DeviceCopy]) -> Result<()> {
+    // (start, end, copy) of every range written, and of every range read.
+    let mut writes = Vec::with_capacity(copies.len());
+    let mut reads = Vec::with_capacity(copies.len());
+    for (i, c) in copies.iter().enumerate() {
+        let len = c.len() as u64;
+        let (src, dst) = match *c {
+            DeviceCopy::ToDevice { device, host, .. } => (host as usize as u64, device),
+            DeviceCopy::ToHost { device, host, .. } => (device, host as usize as u64),
+            DeviceCopy::DeviceToDevice { src, dst, .. } => (src, dst),
+        };
+        if len > 0 {
+            reads.push((src, src.saturating_add(len), i));
+            writes.push((dst, dst.saturating_add(len), i));
+        }
+    }
+    let dependent = |a: usize, b: usize| {
+        Err(Error::new(
+            ErrorKind::InvalidRequest,
+            format!(
+                "fakedev: copies {} and {} of one group touch the same bytes, one of them writing: a device runs a group's copies in no order (cuMemcpyBatchAsync: dependent copies are undefined), so put them in groups one after the other",
+                a.min(b),
+                a.max(b)
+            ),
+        ))
+    };
+    writes.sort_unstable();
+    if let Some(w) = writes.windows(2).find(|w| w[1].0 < w[0].1) {
+        return dependent(w[0].2, w[1].2);
+    }
+    // The writes are apart and in order: those a read overlaps follow one another.
+    for &(start, end, i) in &reads {
+        let first = writes.partition_point(|w| w.1 <= start);
+        let mut over = writes[first..].iter().take_while(|w| w.0 < end);
+        if let Some(w) = over.find(|w| w.2 != i) {
+            return dependent(w.2, i);
+        }
+    }
+    Ok(())
 }
 
 fn not_device(addr: u64) -> Error {
@@ -1253,6 +1305,73 @@ mod tests {
         // SAFETY: as above.
         unsafe { rt.copy_group_wait(&scattered(dev, &src)) }.unwrap();
         assert_eq!(rt.device_stats(0).bytes, 16 * 4096);
+    }
+
+    #[test]
+    fn a_group_whose_copies_depend_on_one_another_is_refused_before_anything_moves() {
+        let rt = fresh();
+        let dev = rt.alloc(0, 4 * 4096).unwrap();
+        let other = rt.alloc(0, 4096).unwrap();
+        let mut src = vec![3u8; 4 * 4096];
+        let host = src.as_mut_ptr();
+        let mut back = vec![0u8; 4096];
+        let to = |device: u64, at: usize, len: usize| DeviceCopy::ToDevice {
+            ordinal: 0,
+            device,
+            host: host.wrapping_add(at),
+            len,
+        };
+        let dtod = |from: u64, to: u64| DeviceCopy::DeviceToDevice {
+            src_ordinal: 0,
+            src: from,
+            dst_ordinal: 0,
+            dst: to,
+            len: 4096,
+        };
+        let dependent: [Vec<DeviceCopy>; 3] = [
+            // Two copies write some of the same bytes.
+            vec![to(dev, 0, 4096), to(dev + 4095, 0, 2)],
+            // One reads (on another queue) what another writes.
+            vec![to(dev, 0, 4096), dtod(dev + 100, other)],
+            // One writes host bytes another reads.
+            vec![
+                to(dev, 0, 4096),
+                DeviceCopy::ToHost {
+                    ordinal: 0,
+                    device: other,
+                    host: host.wrapping_add(4096),
+                    len: 4096,
+                },
+                to(dev + 4096, 8000, 100),
+            ],
+        ];
+        for group in dependent {
+            // SAFETY: every range is inside `src`, `dev` or `other`; refused, nothing runs.
+            let e =
+                unsafe { rt.copy_group(&group, Box::new(|_| panic!("not started"))) }.unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidRequest);
+            assert!(e.to_string().contains("no order"), "{e}");
+            // SAFETY: as above.
+            let e = unsafe { rt.copy_group_wait(&group) }.unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidRequest);
+        }
+        assert_eq!(rt.stats(), CopyStats::default(), "nothing ran");
+        // Copies that only read the same bytes, or write bytes side by side, are
+        // independent.
+        let fine = [
+            to(dev, 0, 4096),
+            to(dev + 4096, 0, 4096),
+            DeviceCopy::ToHost {
+                ordinal: 0,
+                device: other,
+                host: back.as_mut_ptr(),
+                len: 4096,
+            },
+            dtod(other, dev + 2 * 4096),
+        ];
+        // SAFETY: as above; the group is waited for here.
+        unsafe { rt.copy_group_wait(&fine) }.unwrap();
+        drop(src);
     }
 
     /// Copies `bytes` to device `ordinal`'s memory at `dev`.
