@@ -2,6 +2,7 @@
 //! their bytes (through device runtimes where a side is device memory) and completes
 //! each exactly once.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Weak};
 
 use te_core::device::{DeviceCopy, DeviceRuntime};
@@ -124,21 +125,70 @@ pub(crate) fn execute(
 }
 
 /// The batch's device copies, one group per runtime: each group is enqueued at once
-/// and synchronised once, as a fabric's copy engine would.
+/// and synchronised once, as a fabric's copy engine would. A device runs a group's
+/// copies in no order, so the bytes the pending copies read and write are noted, and a
+/// copy that depends on one of them (writes bytes one reads or writes, or reads bytes
+/// one writes) first runs the pending groups to their end: a batch's requests take
+/// effect whole, in request order where they overlap, never torn.
 #[derive(Default)]
-pub(crate) struct Groups(Vec<(Arc<dyn DeviceRuntime>, Vec<DeviceCopy>)>);
+pub(crate) struct Groups {
+    groups: Vec<(Arc<dyn DeviceRuntime>, Vec<DeviceCopy>)>,
+    reads: Spans,
+    writes: Spans,
+}
+
+/// Byte ranges `[start, end)` of the address space, merged where they touch.
+#[derive(Default)]
+struct Spans(BTreeMap<u64, u64>);
+
+impl Spans {
+    fn overlaps(&self, (start, end): (u64, u64)) -> bool {
+        // The spans are apart: only the last one starting before `end` can reach past
+        // `start`.
+        start < end && (self.0.range(..end).next_back()).is_some_and(|(_, &e)| e > start)
+    }
+
+    fn insert(&mut self, (mut start, mut end): (u64, u64)) {
+        if start >= end {
+            return;
+        }
+        while let Some((&s, &e)) = self.0.range(..=end).next_back() {
+            if e < start {
+                break;
+            }
+            self.0.remove(&s);
+            (start, end) = (start.min(s), end.max(e));
+        }
+        self.0.insert(start, end);
+    }
+}
 
 impl Groups {
-    fn add(&mut self, rt: &Arc<dyn DeviceRuntime>, c: DeviceCopy) {
-        match self.0.iter_mut().find(|(r, _)| Arc::ptr_eq(r, rt)) {
+    /// Whether a copy reading `read` and writing `write` depends on a pending one.
+    fn depends(&self, read: (u64, u64), write: (u64, u64)) -> bool {
+        self.writes.overlaps(read) || self.writes.overlaps(write) || self.reads.overlaps(write)
+    }
+
+    fn add(
+        &mut self,
+        rt: &Arc<dyn DeviceRuntime>,
+        c: DeviceCopy,
+        read: (u64, u64),
+        write: (u64, u64),
+    ) {
+        self.reads.insert(read);
+        self.writes.insert(write);
+        match self.groups.iter_mut().find(|(r, _)| Arc::ptr_eq(r, rt)) {
             Some((_, v)) => v.push(c),
-            None => self.0.push((rt.clone(), vec![c])),
+            None => self.groups.push((rt.clone(), vec![c])),
         }
     }
 
     /// Runs every group and waits until all have completed.
     fn run(&mut self) -> Result<()> {
-        let groups = std::mem::take(&mut self.0);
+        self.reads = Spans::default();
+        self.writes = Spans::default();
+        let groups = std::mem::take(&mut self.groups);
         let (tx, rx) = std::sync::mpsc::channel();
         let mut started = 0;
         let mut first = Ok(());
@@ -179,12 +229,17 @@ pub(crate) fn copy(
     groups: &mut Groups,
 ) -> Result<()> {
     let (s, d) = (src.0.addr + src.1, dst.0.addr + dst.1);
+    let (read, write) = ((s, s + len as u64), (d, d + len as u64));
+    if groups.depends(read, write) {
+        groups.run()?;
+    }
+    let mut add = |rt, c| groups.add(rt, c, read, write);
     match (&src.0.device, &dst.0.device) {
         // SAFETY: both ranges were checked against live registrations whose read locks
         // the caller holds; host ranges are only reached through raw pointers; `copy`
         // allows overlap (one engine writing into itself).
         (None, None) => unsafe { std::ptr::copy(s as *const u8, d as *mut u8, len) },
-        (None, Some((rt, ordinal))) => groups.add(
+        (None, Some((rt, ordinal))) => add(
             rt,
             DeviceCopy::ToDevice {
                 ordinal: *ordinal,
@@ -193,7 +248,7 @@ pub(crate) fn copy(
                 len,
             },
         ),
-        (Some((rt, ordinal)), None) => groups.add(
+        (Some((rt, ordinal)), None) => add(
             rt,
             DeviceCopy::ToHost {
                 ordinal: *ordinal,
@@ -202,7 +257,7 @@ pub(crate) fn copy(
                 len,
             },
         ),
-        (Some((srt, so)), Some((drt, dord))) if Arc::ptr_eq(srt, drt) && so == dord => groups.add(
+        (Some((srt, so)), Some((drt, dord))) if Arc::ptr_eq(srt, drt) && so == dord => add(
             srt,
             DeviceCopy::DeviceToDevice {
                 src_ordinal: *so,
