@@ -880,12 +880,18 @@ impl DeviceRuntime for FakeDev {
                 format!("{addr:#x} is fakedev memory imported from another process: close it with ipc_close, not free"),
             ));
         }
+        if allocs.arenas.remove(&addr).is_none() {
+            let around = allocs.arenas.range(..=addr).next_back();
+            return Err(match around {
+                Some((&base, &(len, _))) if addr - base < len as u64 => Error::new(
+                    ErrorKind::InvalidRequest,
+                    format!("{addr:#x} is inside the fakedev allocation that starts at {base:#x}: free takes the address alloc returned, as cuMemFree does"),
+                ),
+                _ => not_device(addr),
+            });
+        }
         allocs.private.remove(&addr);
-        allocs
-            .arenas
-            .remove(&addr)
-            .map(|_| ())
-            .ok_or_else(|| not_device(addr))
+        Ok(())
     }
 
     fn ipc_export(&self, addr: u64) -> Result<IpcExport> {
@@ -1372,6 +1378,23 @@ mod tests {
         // SAFETY: as above; the group is waited for here.
         unsafe { rt.copy_group_wait(&fine) }.unwrap();
         drop(src);
+    }
+
+    #[test]
+    fn freeing_an_address_inside_an_allocation_names_its_start() {
+        let rt = fresh();
+        let dev = rt.alloc(1, 8192).unwrap();
+        let e = rt.free(1, dev + 4096).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidRequest);
+        assert!(
+            e.to_string().contains(&format!("starts at {dev:#x}")),
+            "{e}"
+        );
+        // Refused, it is still allocated.
+        write(&rt, 1, dev, &[1; 16]).unwrap();
+        rt.free(1, dev).unwrap();
+        let e = rt.free(1, dev).unwrap_err();
+        assert!(e.to_string().contains("not fakedev device memory"), "{e}");
     }
 
     /// Copies `bytes` to device `ordinal`'s memory at `dev`.
