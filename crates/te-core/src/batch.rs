@@ -7,6 +7,7 @@
 //! which may block it on the batch's own I/O instead, so that the answer wakes the
 //! waiter itself rather than a backend thread that then wakes it.
 
+use crate::kit::thread::SpawnMasked as _;
 use crate::sync::{Condvar, Mutex};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -427,7 +428,7 @@ impl Timer {
         let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name("te-deadlines".into())
-            .spawn(move || run_timer(&s))
+            .spawn_masked(move || run_timer(&s))
             .map_err(|e| Error::io("start engine", "cannot spawn the deadline thread", e))?;
         Ok(Timer {
             shared,

@@ -25,6 +25,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
+use te_core::kit::thread::SpawnMasked as _;
 use te_core::sync::{Condvar, Mutex, MutexGuard};
 
 use te_core::{Error, ErrorKind, RegionId, Result, TransferRequest};
@@ -398,7 +399,7 @@ impl PeerState {
         let me = self.clone();
         let spawned = std::thread::Builder::new()
             .name("te-flagcx-connect".into())
-            .spawn(move || me.attempts());
+            .spawn_masked(move || me.attempts());
         match spawned {
             Ok(thread) => self.attempts.add(thread),
             Err(e) => {

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::{JoinHandle, ThreadId};
 use std::time::Duration;
+use te_core::kit::thread::SpawnMasked as _;
 use te_core::sync::{Condvar, Mutex, MutexGuard};
 
 use te_core::{Completion, Error, ErrorKind, Result, TransferRequest};
@@ -135,7 +136,7 @@ impl Progress {
         let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name("te-flagcx".into())
-            .spawn(move || run(&s, &poster))
+            .spawn_masked(move || run(&s, &poster))
             .map_err(|e| {
                 Error::new(ErrorKind::Io, "cannot start the FlagCX completion thread")
                     .with_source(e)

@@ -31,6 +31,7 @@ use std::sync::Arc;
 use std::thread::{JoinHandle, ThreadId};
 use std::time::Instant;
 use te_core::kit::fits;
+use te_core::kit::thread::SpawnMasked as _;
 use te_core::peer_table::PeerTable;
 use te_core::sync::RwLock;
 use te_core::worker::DueQueue;
@@ -152,7 +153,7 @@ impl MluBackend {
             let (s, c) = (shared.clone(), cnrt.clone());
             let t = std::thread::Builder::new()
                 .name(format!("te-mlu-{i}"))
-                .spawn(move || worker(&s, &c))
+                .spawn_masked(move || worker(&s, &c))
                 .map_err(|e| {
                     Error::new(ErrorKind::Io, "cannot start an mlu worker thread").with_source(e)
                 })?;

@@ -14,6 +14,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::thread::JoinHandle;
 use std::time::Duration;
+use te_core::kit::thread::SpawnMasked as _;
 
 use te_core::local;
 use te_core::{Deadline, Error, ErrorKind, Result};
@@ -67,7 +68,7 @@ impl Server {
         let stop_fd = stop.as_raw_fd();
         let thread = std::thread::Builder::new()
             .name("te-mlu-table".into())
-            .spawn(move || serve(&listener, stop_fd, &table, instance))
+            .spawn_masked(move || serve(&listener, stop_fd, &table, instance))
             .map_err(|e| io_error("cannot start the mlu table server", e))?;
         Ok(Server {
             stop,

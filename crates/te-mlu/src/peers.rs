@@ -23,6 +23,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Arc, Weak};
+use te_core::kit::thread::SpawnMasked as _;
 use te_core::sync::{Condvar, Mutex, RwLock};
 
 use te_core::kit::fits;
@@ -260,7 +261,7 @@ impl MluBackend {
                     let weak = Arc::downgrade(&state);
                     let spawned = std::thread::Builder::new()
                         .name("te-mlu-watch".into())
-                        .spawn(move || watch(&weak, &table, &gone));
+                        .spawn_masked(move || watch(&weak, &table, &gone));
                     if let Err(e) = spawned {
                         tracing::warn!(error = %e, "cannot start the thread that watches an mlu peer's deregistrations: its freed allocations stay mapped here until a batch finds them gone or the peer is refreshed");
                     }

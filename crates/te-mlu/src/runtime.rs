@@ -18,6 +18,7 @@
 use std::collections::HashMap;
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, OnceLock};
+use te_core::kit::thread::SpawnMasked as _;
 use te_core::sync::Mutex;
 
 use te_core::device::{CopyDone, DeviceCopy, DeviceRuntime, PointerInfo};
@@ -242,7 +243,7 @@ impl MluRuntime {
         let c = cnrt.clone();
         std::thread::Builder::new()
             .name("te-mlu-copy".into())
-            .spawn(move || {
+            .spawn_masked(move || {
                 let mut queues = Queues {
                     cnrt: c,
                     by_device: HashMap::new(),

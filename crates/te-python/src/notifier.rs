@@ -12,6 +12,7 @@ use std::pin::Pin;
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Wake, Waker};
+use te_core::kit::thread::SpawnMasked as _;
 use te_core::sync::Mutex;
 
 use pyo3::prelude::*;
@@ -54,7 +55,7 @@ fn notifier() -> PyResult<&'static Notifier> {
         let waker_tx = tx.clone();
         std::thread::Builder::new()
             .name("te-py-notifier".into())
-            .spawn(move || {
+            .spawn_masked(move || {
                 let mut watched: HashMap<u64, (TransferHandle, PyObject)> = HashMap::new();
                 for msg in rx {
                     let id = match msg {

@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
+use te_core::kit::thread::SpawnMasked as _;
 use te_core::peer_table::PeerTable;
 use te_core::sync::{Condvar, Mutex};
 
@@ -61,7 +62,7 @@ impl std::fmt::Debug for RdmaBackend {
 pub(crate) fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name(name.into())
-        .spawn(f)
+        .spawn_masked(f)
         .map_err(|e| {
             Error::new(ErrorKind::Io, format!("cannot start thread {name}")).with_source(e)
         })

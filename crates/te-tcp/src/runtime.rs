@@ -27,14 +27,20 @@ pub(crate) fn runtime() -> Result<&'static Runtime> {
     static RT: OnceLock<std::result::Result<Runtime, String>> = OnceLock::new();
     let rt = RT.get_or_init(|| {
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(cores)
-            .thread_name(THREAD_NAME)
-            .max_blocking_threads(1)
-            .enable_io()
-            .enable_time()
-            .build()
-            .map_err(|e| e.to_string())
+        // Its threads take none of the process's signals (te_core::kit::thread): the
+        // workers, started here, from the start; a blocking thread, started later,
+        // from its first step.
+        te_core::kit::thread::masked(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(cores)
+                .thread_name(THREAD_NAME)
+                .max_blocking_threads(1)
+                .on_thread_start(te_core::kit::thread::mask_signals)
+                .enable_io()
+                .enable_time()
+                .build()
+        })
+        .map_err(|e| e.to_string())
     });
     rt.as_ref().map_err(|e| {
         Error::new(

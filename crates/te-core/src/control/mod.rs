@@ -28,6 +28,7 @@ mod session;
 mod tests;
 pub(crate) mod wire;
 
+use crate::kit::thread::SpawnMasked as _;
 use crate::sync::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -430,6 +431,8 @@ impl ControlPlane {
             // behind slow backend requests.
             .max_blocking_threads(server::BACKEND_WORKERS + LOOKUP_THREADS + 1)
             .thread_name("te-control")
+            // Blocking threads take none of the process's signals (`kit::thread`).
+            .on_thread_start(crate::kit::thread::mask_signals)
             .build()
             .map_err(|e| Error::io("start control plane", "cannot build the runtime", e))?;
         let (closing, _) = tokio::sync::watch::channel(false);
@@ -459,7 +462,7 @@ impl ControlPlane {
         let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name("te-control".into())
-            .spawn(move || {
+            .spawn_masked(move || {
                 rt.spawn(tell_gone(s.clone(), departures));
                 rt.spawn(server::accept_loop(s, listener));
                 rt.block_on(async {

@@ -9,6 +9,8 @@
 //!   checks of a request against a region.
 //! - [`net`]: binding a listener and the address peers are told, a socket address in
 //!   endpoint bytes, and the slots of connections still in their handshake.
+//! - [`thread`]: threads that take none of the process's signals, for every thread a
+//!   backend starts.
 //!
 //! The engine already checks every request against the regions it knows (local and
 //! the peer's descriptor) and pins its local regions until the backend releases the
@@ -19,6 +21,7 @@ mod countdown;
 mod gate;
 pub mod net;
 mod regions;
+pub mod thread;
 
 pub use countdown::Countdown;
 pub use gate::Gate;

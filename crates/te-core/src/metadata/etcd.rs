@@ -6,6 +6,7 @@
 //! name resolved, that blocks on a watch stream over the prefix and reports resolved
 //! entries that change or disappear. Both wait on a condition variable between tries.
 
+use crate::kit::thread::SpawnMasked as _;
 use crate::sync::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::net::TcpStream;
@@ -81,7 +82,7 @@ impl Etcd {
         let shared = self.shared.clone();
         let t = std::thread::Builder::new()
             .name(name.to_string())
-            .spawn(move || f(shared))
+            .spawn_masked(move || f(shared))
             .map_err(|e| Error::io("start metadata thread", "cannot start a thread", e))?;
         self.threads.lock().push(t);
         Ok(())

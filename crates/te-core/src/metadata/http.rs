@@ -1,6 +1,7 @@
 //! Just enough HTTP/1.1 to speak JSON to etcd's gateway: one POST per connection,
 //! and a chunked response read as a stream of JSON values (for watches).
 
+use crate::kit::thread::SpawnMasked as _;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
@@ -140,7 +141,7 @@ fn resolve_with(
                 let (name, mine) = (endpoint.to_string(), l.clone());
                 std::thread::Builder::new()
                     .name("te-etcd-lookup".into())
-                    .spawn(move || {
+                    .spawn_masked(move || {
                         let answer = lookup(&name).map_err(|e| e.to_string());
                         *mine.answer.lock() = Some(answer);
                         mine.done.notify_all();

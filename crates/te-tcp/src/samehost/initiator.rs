@@ -2,6 +2,7 @@
 //! sending a batch's requests and receiving their answers.
 
 use super::*;
+use te_core::kit::thread::SpawnMasked as _;
 
 /// A request on the channel, waiting for its answer: the batch of each frame it carries.
 type Waiting = Vec<Arc<Batch>>;
@@ -306,7 +307,7 @@ impl Channel {
         let thread = |name: &str, run: fn(&Link), link: Arc<Link>| {
             std::thread::Builder::new()
                 .name(name.into())
-                .spawn(move || run(&link))
+                .spawn_masked(move || run(&link))
                 .map_err(|e| {
                     Error::new(ErrorKind::Io, format!("cannot start a channel thread: {e}"))
                 })

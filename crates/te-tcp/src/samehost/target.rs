@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::waves::{Span, Waves};
+use te_core::kit::thread::SpawnMasked as _;
 
 /// A target's channel listener and the channels it serves; dropping it closes them.
 pub(crate) struct Server {
@@ -126,7 +127,7 @@ async fn accept_loop(
         let (count, all, waiting) = (open.clone(), channels.clone(), pending.clone());
         let started = std::thread::Builder::new()
             .name("te-tcp-channel".into())
-            .spawn(move || {
+            .spawn_masked(move || {
                 let opened = || waiting.lock().retain(|k| *k != key);
                 if let Err(e) = serve(&s, &stream, &opened) {
                     tracing::debug!(error = %e, "same-host channel ended");

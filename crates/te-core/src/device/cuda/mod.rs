@@ -74,6 +74,7 @@
 //! `alloc` helpers — comes from `cuMemCreate`, exportable as a descriptor, as
 //! PyTorch's expandable segments make it; to exercise the VMM path).
 
+use crate::kit::thread::SpawnMasked as _;
 use crate::sync::Mutex;
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
@@ -297,7 +298,7 @@ impl Device {
             let tables = tables.clone();
             std::thread::Builder::new()
                 .name(format!("te-cuda-{ordinal}-{dir}"))
-                .spawn(move || wait_loop(ctx, rx, &pool, tables.as_deref()))
+                .spawn_masked(move || wait_loop(ctx, rx, &pool, tables.as_deref()))
                 .map_err(|e| {
                     Error::new(ErrorKind::Io, "cannot start a CUDA waiter thread").with_source(e)
                 })?;
