@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::Instant;
+use te_core::kit::thread::SpawnMasked as _;
 use te_core::peer_table::PeerTable;
 use te_core::sync::{Mutex, RwLock, RwLockReadGuard};
 use te_core::worker::DueQueue;
@@ -91,7 +92,7 @@ impl StubBackend {
         let (s, me, c, p) = (shared.clone(), local.clone(), config.clone(), peers.clone());
         let thread = std::thread::Builder::new()
             .name("te-stub".into())
-            .spawn(move || run(&s, &me, &c, &p))
+            .spawn_masked(move || run(&s, &me, &c, &p))
             .map_err(|e| {
                 Error::new(ErrorKind::Io, "cannot spawn the stub worker").with_source(e)
             })?;

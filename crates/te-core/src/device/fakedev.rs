@@ -59,6 +59,7 @@
 //! fakedev exports every allocation but those made with [`FakeDev::alloc_private`]
 //! (which stand for memory-pool memory) and imports anything, its own exports included.
 
+use crate::kit::thread::SpawnMasked as _;
 use crate::sync::Mutex;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::{Deref, DerefMut};
@@ -580,13 +581,13 @@ impl FakeDev {
                 let counted = unreported.clone();
                 std::thread::Builder::new()
                     .name(format!("te-fakedev-{}-{}-done", q / 3, q % 3))
-                    .spawn(move || report_late(reports, &counted))
+                    .spawn_masked(move || report_late(reports, &counted))
                     .map_err(thread_error)?;
                 Some((late, unreported.clone()))
             };
             std::thread::Builder::new()
                 .name(format!("te-fakedev-{}-{}", q / 3, q % 3))
-                .spawn(move || run_queue(rx, config, &counters[(q / 3) as usize], late))
+                .spawn_masked(move || run_queue(rx, config, &counters[(q / 3) as usize], late))
                 .map_err(thread_error)?;
             queues.push(Mutex::new(tx));
         }
