@@ -355,7 +355,10 @@ impl TransferBackend for TcpBackend {
 
     fn deregister(&self, id: RegionId, deadline: Deadline) -> Result<()> {
         let _ = self.shared.regions.retire(id, deadline.instant())?;
-        // No batch uses it any more: same-host peers that mapped it unmap it.
+        // No batch uses it any more: same-host peers that mapped it unmap it, and the
+        // deregistration returns once they say so (the caller may free the memory
+        // then), or fails at its deadline.
+        let mut asked = Vec::new();
         for pc in self.peers.all() {
             let keys = pc.exports.lock().forget(id);
             if keys.is_empty() {
@@ -365,9 +368,16 @@ impl TransferBackend for TcpBackend {
                 for &k in &keys {
                     ch.unshare(k);
                 }
+                asked.push((ch.link(), keys.clone()));
             }
         }
-        Ok(())
+        let mut result = Ok(());
+        for (link, keys) in asked {
+            if let Err(e) = link.unshared(&keys, deadline) {
+                result = result.and(Err(e));
+            }
+        }
+        result
     }
 
     fn connect(&self, peer: &SegmentDesc, deadline: Deadline) -> Result<PeerId> {

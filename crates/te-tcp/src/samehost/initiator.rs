@@ -36,6 +36,8 @@ struct ChannelState {
     /// Keys unshared while the target's answer to their share was still due: that
     /// answer is still read (and dropped), not taken for an answer to no share.
     unshared_due: HashSet<u64>,
+    /// Keys unshared whose answer (`UNSHARED`: the target let go of its mapping) is due.
+    unsharing: HashSet<u64>,
     dead: Option<Error>,
     /// Someone reads the socket now: the receiving thread, or a caller driving it.
     reading: bool,
@@ -57,6 +59,7 @@ impl ChannelState {
     fn expecting(&self) -> bool {
         !self.waiting.is_empty()
             || !self.unshared_due.is_empty()
+            || !self.unsharing.is_empty()
             || self.acks.values().any(Option::is_none)
     }
 
@@ -179,6 +182,8 @@ pub(crate) struct Link {
     /// dispatched while several callers drive, a driver left, the channel died or
     /// closed.
     turn: Condvar,
+    /// Signalled when the target answers an unshare, and when the channel stops.
+    unshared: Condvar,
     /// Where the receiving thread sleeps, with `caller_reads`; `None`: it reads every
     /// answer, blocked on the socket, and no caller drives.
     bell: Option<Bell>,
@@ -288,6 +293,7 @@ impl Channel {
                 sent: Default::default(),
                 acks: HashMap::new(),
                 unshared_due: HashSet::new(),
+                unsharing: HashSet::new(),
                 dead: None,
                 reading: false,
                 drivers: 0,
@@ -296,6 +302,7 @@ impl Channel {
                 broken: false,
             }),
             turn: Condvar::new(),
+            unshared: Condvar::new(),
             bell,
             exports: exports.clone(),
             fence,
@@ -352,6 +359,7 @@ impl Link {
         self.outbox.lock().stopped = true;
         self.posted.notify_all();
         self.turn.notify_all();
+        self.unshared.notify_all();
         self.ring();
         let how = match hold {
             true => std::net::Shutdown::Write,
@@ -386,7 +394,8 @@ impl Link {
 
     /// Tells the target that the allocation shared under `key` is gone (its region was
     /// deregistered here, so no request names it any more): the target unmaps it once
-    /// none of this peer's channels holds it.
+    /// none of this peer's channels holds it, and answers ([`Link::unshared`] waits for
+    /// that).
     pub(crate) fn unshare(&self, key: u64) {
         let mut st = self.state.lock();
         if let Some(None) = st.acks.remove(&key) {
@@ -396,6 +405,7 @@ impl Link {
         if !st.sent.remove(&key) || st.dead.is_some() {
             return;
         }
+        st.unsharing.insert(key);
         drop(st);
         let msg = Msg {
             kind: UNSHARE,
@@ -407,6 +417,35 @@ impl Link {
         }
         .encode();
         self.post(msg.to_vec(), None);
+    }
+
+    /// Waits until the target has let go of the allocations unshared under `keys` (it
+    /// answered each unshare), or the channel stopped (a target whose channel ends
+    /// unmaps everything of it when it reads the end), by `deadline`. Past it, the
+    /// channel is failed, so that the target lets go when it reads that, and the error
+    /// says the memory may still be mapped there: CUDA leaves freeing memory another
+    /// process maps undefined.
+    pub(crate) fn unshared(&self, keys: &[u64], deadline: te_core::Deadline) -> Result<()> {
+        let mut st = self.state.lock();
+        loop {
+            if st.dead.is_some() || st.closed || keys.iter().all(|k| !st.unsharing.contains(k)) {
+                return Ok(());
+            }
+            let left = deadline.remaining();
+            if left.is_zero() {
+                drop(st);
+                let e = Error::new(
+                    ErrorKind::Timeout,
+                    "the same-host peer did not confirm by the deadline that it unmapped the \
+                     region's device memory (freeing memory another process maps is undefined \
+                     in CUDA); the channel to it was closed, so it unmaps it once it reads the \
+                     close: free the memory once that peer has disconnected",
+                );
+                self.fail(e.clone());
+                return Err(e);
+            }
+            st = self.unshared.wait_timeout(st, left).0;
+        }
     }
 
     /// Sends `bytes` (with `fd`'s descriptor on the first byte) after every message
@@ -928,7 +967,7 @@ impl Link {
                 Some(h) => {
                     let m = Msg::decode(h);
                     let text = match m.kind {
-                        DONE | SHARED if m.code == 0 => 0,
+                        DONE | SHARED | UNSHARED if m.code == 0 => 0,
                         FAIL | SHARED if m.b as usize <= MAX_MESSAGE => m.b as usize,
                         _ => return Err(protocol("an answer of an unknown kind")),
                     };
@@ -985,6 +1024,13 @@ impl Link {
             false => Ok(()),
         };
         self.progress.fetch_add(1, Ordering::AcqRel);
+        if m.kind == UNSHARED {
+            if !self.state.lock().unsharing.remove(&m.id) {
+                return Err(protocol("an answer to no unshare"));
+            }
+            self.unshared.notify_all();
+            return Ok(());
+        }
         if m.kind == SHARED {
             // An answer to a share, by its key.
             let mut guard = self.state.lock();

@@ -44,7 +44,10 @@
 //! the host's monotonic clock, and the target refuses one it reads after it; at the
 //! deadline the watcher (`watch`) stops a channel that answered nothing for a grace,
 //! as it closes a stalled data connection. What the target mapped is unmapped when the
-//! channel closes (the peer disconnected, exited or was killed).
+//! channel closes (the peer disconnected, exited or was killed), or when the initiator
+//! deregisters it: its deregistration unshares the allocation on every channel that
+//! has it and returns once each has answered that it let go (or stopped), so the
+//! memory may then be freed; past its deadline it fails and closes the channel.
 //!
 //! **The fence.** Each channel shares one page (`local::SharedPage`, sent with the
 //! hello) holding two words: `CLOSED`, which the initiator sets when it stops the
@@ -75,6 +78,8 @@
 //! | 4 done | → initiator | 0 | request id | 0 | 0 | 0 | — |
 //! | 5 error | → initiator | error kind | request id | 0 | message bytes | 0 | the message |
 //! | 6 unshare | → target | 0 | key | 0 | 0 | 0 | — (the initiator deregistered it: unmap) |
+//! | 7 shared | → initiator | 0, or error kind | key | 0 | message bytes | 0 | the message, if refused |
+//! | 8 unshared | → initiator | 0 | key | 0 | 0 | 0 | — (the channel let go of it; unmapped unless another channel holds it) |
 //!
 //! A malformed message closes the channel; a request the target refuses is answered
 //! with an error and the channel goes on.
@@ -105,7 +110,7 @@ use crate::state::Shared;
 use crate::wire::{Entry, Header, Kind, NONCE_LEN};
 
 const MAGIC: [u8; 4] = *b"TELC";
-pub(crate) const VERSION: u16 = 5;
+pub(crate) const VERSION: u16 = 6;
 const HELLO_LEN: usize = 64;
 const WELCOME_LEN: usize = 8;
 const HEADER_LEN: usize = 40;
@@ -139,6 +144,9 @@ const FAIL: u8 = 5;
 const UNSHARE: u8 = 6;
 /// The target's answer to a share (by its key): mapped (code 0), or why not.
 const SHARED: u8 = 7;
+/// The target's answer to an unshare (by its key): this channel holds the mapping no
+/// more, and it is unmapped unless another channel of the peer holds it.
+const UNSHARED: u8 = 8;
 
 /// The fence page's word the initiator sets (to 1) when it stops the channel: no
 /// request of it may start copying after that.

@@ -394,8 +394,23 @@ fn serve(shared: &Shared, s: &UnixStream, opened: &dyn Fn()) -> Result<()> {
                 if fd.is_some() {
                     return Err(protocol("a descriptor with an unshare"));
                 }
-                // Unmapped once no other channel of the peer holds it.
+                // Unmapped once no other channel of the peer holds it (requests run
+                // one at a time and hold nothing of it past their answer, so this
+                // channel's is the last hold unless another channel has one); then
+                // the initiator is told, and its deregistration may return.
                 imports.remove(&m.id);
+                let reply = Msg {
+                    kind: UNSHARED,
+                    code: 0,
+                    id: m.id,
+                    a: 0,
+                    b: 0,
+                    c: 0,
+                }
+                .encode();
+                (&mut &*s)
+                    .write_all(&reply)
+                    .map_err(|e| io_error("send failed", e))?;
             }
             k => return Err(protocol(format!("a message of kind {k}"))),
         }

@@ -640,11 +640,12 @@ fn a_peers_allocation_is_mapped_once_for_its_channels_and_unmapped_when_unshared
 
     a.unshare(k);
     b.unshare(k);
-    let end = std::time::Instant::now() + Duration::from_secs(5);
-    while dev.imported() != before {
-        assert!(std::time::Instant::now() < end, "unshared, it is unmapped");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    // Once both channels' unshares are answered, it is unmapped: a deregistration that
+    // waits for them returns only then, and its memory may be freed.
+    let soon = te_core::Deadline::after(Duration::from_secs(5));
+    a.unshared(&[k], soon).unwrap();
+    b.unshared(&[k], soon).unwrap();
+    assert_eq!(dev.imported(), before, "answered, it is unmapped");
     target.deregister(RegionId(1), super::soon()).unwrap();
 }
 
@@ -1184,4 +1185,57 @@ fn a_driver_is_not_held_past_its_deadline_by_half_an_answer_and_the_rest_is_read
     let (r, _) = done.recv_timeout(Duration::from_secs(5)).unwrap();
     r.unwrap();
     assert!(ch.is_alive());
+}
+
+#[test]
+fn a_target_that_never_answers_an_unshare_fails_the_wait_at_its_deadline_and_loses_the_channel() {
+    use te_core::RegionId;
+    let rt = te_core::device::runtime("fakedev").expect("fakedev");
+    let mine = rt.alloc(0, 4096).unwrap();
+    let (ch, mut peer, _fence) = fenced_channel(false);
+    peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert_eq!(ch.key(&rt, RegionId(8), mine), None);
+    let key = read_share(&mut peer);
+    // The target maps it, then reads the unshare and says nothing.
+    answer_shared(&mut peer, key);
+    super::eventually("the share is answered", Duration::from_secs(5), || {
+        ch.key(&rt, RegionId(8), mine) == Some(key)
+    });
+    ch.unshare(key);
+    let t = std::time::Instant::now();
+    let e = ch
+        .unshared(&[key], te_core::Deadline::after(Duration::from_millis(200)))
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    assert!(e.message().contains("unmapped"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    assert!(
+        !ch.is_alive(),
+        "the channel is closed, so the target lets go"
+    );
+    rt.free(0, mine).unwrap();
+}
+
+#[test]
+fn an_answer_to_no_unshare_breaks_the_channel() {
+    use std::io::Write;
+    let (ch, mut peer, _fence) = fenced_channel(false);
+    let mut m = [0u8; 40];
+    m[0] = 8;
+    m[8..16].copy_from_slice(&77u64.to_le_bytes());
+    peer.write_all(&m).unwrap();
+    super::eventually("the channel breaks", Duration::from_secs(5), || {
+        !ch.is_alive()
+    });
+    // A wait for an unshare on a dead channel does not wait.
+    assert!(ch.unshared(&[77], in_10s()).is_ok());
+}
+
+/// The fake target answers the share of `key`: mapped.
+fn answer_shared(peer: &mut std::os::unix::net::UnixStream, key: u64) {
+    use std::io::Write;
+    let mut m = [0u8; 40];
+    m[0] = 7;
+    m[8..16].copy_from_slice(&key.to_le_bytes());
+    peer.write_all(&m).unwrap();
 }
