@@ -179,17 +179,20 @@ fn te_config_in_the_environment_is_used_when_no_flag_is_given() {
     assert!(!out.status.success());
 }
 
-#[test]
-fn serve_prints_its_address_first_and_stops_on_sigterm() {
-    let mut child = te()
-        .args(["serve", "--backend", "stub", "--buffer-size", "1MiB"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+/// Starts `te serve` as `cmd` says; the process and the first line it printed.
+fn serve(cmd: &mut Command) -> (std::process::Child, String) {
+    let mut child = cmd.stdout(Stdio::piped()).spawn().unwrap();
     let mut line = String::new();
     BufReader::new(child.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
+    (child, line)
+}
+
+#[test]
+fn serve_prints_its_address_first_and_stops_on_sigterm() {
+    let (mut child, line) =
+        serve(te().args(["serve", "--backend", "stub", "--buffer-size", "1MiB"]));
     let addr: std::net::SocketAddr = line
         .trim()
         .parse()
@@ -436,17 +439,11 @@ fn stats_refuses_an_interval_longer_than_a_day() {
 #[test]
 fn serve_reads_every_notification_and_peer_event_as_they_come() {
     let log = std::env::temp_dir().join(format!("te-cli-serve-log-{}.txt", std::process::id()));
-    let mut child = te()
-        .args(["serve", "--backend", "tcp", "--buffer-size", "1MiB"])
-        .env("RUST_LOG", "info,te::serve=debug")
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
+    let (mut child, line) = serve(
+        te().args(["serve", "--backend", "tcp", "--buffer-size", "1MiB"])
+            .env("RUST_LOG", "info,te::serve=debug")
+            .stderr(std::fs::File::create(&log).unwrap()),
+    );
     // Let the server's reader go to sleep before anything comes.
     std::thread::sleep(Duration::from_millis(300));
     let mut config = te::Config::default();

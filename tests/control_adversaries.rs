@@ -756,6 +756,23 @@ fn a_flood_of_slow_backend_requests_holds_up_neither_the_engines_lookups_nor_a_t
     );
 }
 
+/// `n` Backend frames (ids 1 to `n`) of the largest request a frame carries (1 MiB),
+/// whose payload starts "hold" and claims an hour, so that a [`Holder`] holds it.
+fn largest_hold_frames(n: u64) -> std::sync::Arc<Vec<Vec<u8>>> {
+    let mut payload = b"hold".to_vec();
+    payload.resize((1 << 20) - 64, 0x5a);
+    let body = common::cbor(vec![
+        ("timeout_ms", common::int(3_600_000)),
+        ("payload", Value::Bytes(payload)),
+    ]);
+    assert!(body.len() <= 1 << 20 && body.len() > (1 << 20) - 128);
+    std::sync::Arc::new(
+        (1..=n)
+            .map(|id| common::frame(kind::BACKEND, id, &body))
+            .collect(),
+    )
+}
+
 /// A raw peer's session from `from` to a control plane without a token.
 fn session_from(from: std::net::Ipv4Addr, to: std::net::SocketAddr, name: &str) -> TcpStream {
     let mut s = connect_from(from, to);
@@ -783,22 +800,7 @@ fn one_sources_largest_slow_backend_requests_hold_a_bounded_amount_of_memory() {
     let (target, holder) = holding_target(|c| c.handshake_timeout = Duration::from_secs(10));
     const SESSIONS: usize = 8;
     const REQUESTS: u64 = 8;
-    // The largest request a Backend frame carries (1 MiB), its payload starting "hold".
-    let body = {
-        let mut payload = b"hold".to_vec();
-        payload.resize((1 << 20) - 64, 0x5a);
-        common::cbor(vec![
-            ("timeout_ms", common::int(3_600_000)),
-            ("payload", Value::Bytes(payload)),
-        ])
-    };
-    assert!(body.len() <= 1 << 20 && body.len() > (1 << 20) - 128);
-    let frames: std::sync::Arc<Vec<Vec<u8>>> = std::sync::Arc::new(
-        (1..=REQUESTS)
-            .map(|id| common::frame(kind::BACKEND, id, &body))
-            .collect(),
-    );
-    drop(body);
+    let frames = largest_hold_frames(REQUESTS);
     let before = common::reset_peak();
     let hogs: Vec<_> = (0..SESSIONS)
         .map(|i| {
@@ -910,20 +912,7 @@ fn many_sources_largest_slow_backend_requests_hold_a_bounded_amount_of_memory_to
     let (target, holder) = holding_target(|c| c.handshake_timeout = Duration::from_secs(10));
     const SOURCES: u8 = 24;
     const REQUESTS: u64 = 4;
-    let body = {
-        let mut payload = b"hold".to_vec();
-        payload.resize((1 << 20) - 64, 0x5a);
-        common::cbor(vec![
-            ("timeout_ms", common::int(3_600_000)),
-            ("payload", Value::Bytes(payload)),
-        ])
-    };
-    let frames: std::sync::Arc<Vec<Vec<u8>>> = std::sync::Arc::new(
-        (1..=REQUESTS)
-            .map(|id| common::frame(kind::BACKEND, id, &body))
-            .collect(),
-    );
-    drop(body);
+    let frames = largest_hold_frames(REQUESTS);
     let floods: Vec<_> = (0..SOURCES)
         .map(|i| {
             let frames = frames.clone();
