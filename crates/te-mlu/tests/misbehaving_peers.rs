@@ -674,16 +674,8 @@ fn a_peers_deregistered_allocation_is_unmapped_once_a_batch_finds_it_gone() {
         );
     });
     let Some((status, out)) = child else { return };
-    let line = out
-        .lines()
-        .find_map(|l| l.find("MAPPINGS ").map(|i| &l[i..]))
-        .unwrap_or_else(|| panic!("the child said nothing useful: {status:?}\n{out}"));
-    let n = |k: &str| -> usize {
-        line.split_whitespace()
-            .find_map(|w| w.strip_prefix(k))
-            .and_then(|v| v.parse().ok())
-            .unwrap()
-    };
+    let line = child_line(&status, &out, "MAPPINGS ");
+    let n = |k: &str| field(line, k);
     assert!(n("imported=") > n("before="), "nothing was mapped: {line}");
     // The owner's free takes its own mapping away; ours must go too.
     assert!(
@@ -710,8 +702,17 @@ fn a_peers_deregistered_allocation_is_unmapped_without_a_batch_or_a_refresh() {
             .connect(&seg(b.endpoint(), vec![region(1, t, len, 1, key)]), soon())
             .unwrap();
         let imported = fake_mappings();
-        // Idle, whatever watches the peer sleeps.
-        let switches = watcher_switches();
+        // Idle, whatever watches the peer sleeps: once it has gone to sleep (its count
+        // still for 100 ms; a thread just started may switch once on its way there).
+        let mut switches = watcher_switches();
+        for _ in 0..50 {
+            std::thread::sleep(Duration::from_millis(100));
+            let now = watcher_switches();
+            if now == switches {
+                break;
+            }
+            switches = now;
+        }
         std::thread::sleep(Duration::from_millis(500));
         let idle_wakeups = watcher_switches() - switches;
         // The owner deregisters the region and frees its memory; A does nothing.
@@ -736,16 +737,8 @@ fn a_peers_deregistered_allocation_is_unmapped_without_a_batch_or_a_refresh() {
         println!("WATCHERS connected={watching} dropped={}", watchers());
     });
     let Some((status, out)) = child else { return };
-    let line = out
-        .lines()
-        .find_map(|l| l.find("MAPPINGS ").map(|i| &l[i..]))
-        .unwrap_or_else(|| panic!("the child said nothing useful: {status:?}\n{out}"));
-    let n = |k: &str| -> usize {
-        line.split_whitespace()
-            .find_map(|w| w.strip_prefix(k))
-            .and_then(|v| v.parse().ok())
-            .unwrap()
-    };
+    let line = child_line(&status, &out, "MAPPINGS ");
+    let n = |k: &str| field(line, k);
     assert!(n("imported=") > n("before="), "nothing was mapped: {line}");
     // The owner's free takes its own mapping away; ours must go too, by itself.
     assert!(
@@ -757,21 +750,28 @@ fn a_peers_deregistered_allocation_is_unmapped_without_a_batch_or_a_refresh() {
         0,
         "the thread watching an idle peer woke up: {line}"
     );
-    let line = out
-        .lines()
-        .find_map(|l| l.find("WATCHERS ").map(|i| &l[i..]))
-        .unwrap_or_else(|| panic!("the child said nothing of its watchers: {status:?}\n{out}"));
-    let n = |k: &str| -> usize {
-        line.split_whitespace()
-            .find_map(|w| w.strip_prefix(k))
-            .and_then(|v| v.parse().ok())
-            .unwrap()
-    };
+    let line = child_line(&status, &out, "WATCHERS ");
+    let n = |k: &str| field(line, k);
     assert_eq!(
         n("dropped="),
         0,
         "a peer's watcher outlived its backend: {line}"
     );
+}
+
+/// The child's line from `tag` on; a failure showing all it printed if it has none.
+fn child_line<'a>(status: &impl std::fmt::Debug, out: &'a str, tag: &str) -> &'a str {
+    out.lines()
+        .find_map(|l| l.find(tag).map(|i| &l[i..]))
+        .unwrap_or_else(|| panic!("the child printed no {tag:?} line: {status:?}\n{out}"))
+}
+
+/// The number after `key` (as `key=`) among `line`'s words.
+fn field(line: &str, key: &str) -> usize {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(key))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no number after {key:?} in: {line}"))
 }
 
 /// This process's threads named `te-mlu-watch`.
