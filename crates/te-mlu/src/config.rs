@@ -42,5 +42,6 @@ impl Default for MluConfig {
         }
     }
 }
-/// Every value that parses works: nothing more to check.
+/// Nothing is checked here: `workers` outside 1–64 is refused only when the backend is
+/// created (so `te check` lets it pass); every other value that parses works.
 impl te_core::BackendConfig for MluConfig {}
