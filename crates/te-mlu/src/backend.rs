@@ -114,15 +114,8 @@ impl MluBackend {
     /// `Unavailable` without CNRT or MLUs; `ConfigInvalid` for a bad option; `Io` if
     /// the table or the threads cannot be created.
     pub fn new(config: MluConfig, ctx: &BackendContext) -> Result<MluBackend> {
-        if !(1..=64).contains(&config.workers) {
-            return Err(Error::new(
-                ErrorKind::ConfigInvalid,
-                format!(
-                    "[backends.mlu] workers = {} is outside 1..=64",
-                    config.workers
-                ),
-            ));
-        }
+        // A table parsed by te-core is validated already; a config made in code is here.
+        te_core::BackendConfig::validate(&config)?;
         let rt = runtime::instance()?;
         let cnrt = rt.cnrt().clone();
         let devices = te_core::device::DeviceRuntime::device_count(&*rt)?;

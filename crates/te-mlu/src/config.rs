@@ -42,6 +42,40 @@ impl Default for MluConfig {
         }
     }
 }
-/// Nothing is checked here: `workers` outside 1–64 is refused only when the backend is
-/// created (so `te check` lets it pass); every other value that parses works.
-impl te_core::BackendConfig for MluConfig {}
+impl te_core::BackendConfig for MluConfig {
+    /// Refuses `workers` outside 1–64 (every other value that parses works), so `te
+    /// check` refuses it too, without creating the backend.
+    ///
+    /// # Errors
+    /// `ConfigInvalid`, naming the key and the range.
+    fn validate(&self) -> te_core::Result<()> {
+        if !(1..=64).contains(&self.workers) {
+            return Err(te_core::Error::new(
+                te_core::ErrorKind::ConfigInvalid,
+                format!(
+                    "[backends.mlu] workers = {} is outside 1..=64",
+                    self.workers
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use te_core::Config;
+
+    #[test]
+    fn workers_outside_1_to_64_are_refused_by_the_table_check_alone() {
+        let check = |text: &str| {
+            let c = Config::from_toml(text, "t.toml", std::path::Path::new(".")).unwrap();
+            te_core::registry::check_table::<crate::MluBackend>(&c.backend_context("mlu"))
+        };
+        for bad in [0, 65] {
+            let e = check(&format!("[backends.mlu]\nworkers = {bad}\n")).unwrap_err();
+            assert!(e.message().contains("1..=64"), "{e}");
+        }
+        check("[backends.mlu]\nworkers = 64\n").unwrap();
+    }
+}
