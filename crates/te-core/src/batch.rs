@@ -7,7 +7,7 @@
 //! which may block it on the batch's own I/O instead, so that the answer wakes the
 //! waiter itself rather than a backend thread that then wakes it.
 
-use crate::kit::thread::SpawnMasked as _;
+use crate::signals::SpawnMasked as _;
 use crate::sync::{Condvar, Mutex};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;

@@ -52,6 +52,7 @@ mod region;
 pub mod registry;
 mod request;
 pub mod require;
+mod signals;
 pub mod sync;
 #[cfg(feature = "testkit")]
 pub mod testkit;

@@ -28,7 +28,7 @@ mod session;
 mod tests;
 pub(crate) mod wire;
 
-use crate::kit::thread::SpawnMasked as _;
+use crate::signals::SpawnMasked as _;
 use crate::sync::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -432,7 +432,7 @@ impl ControlPlane {
             .max_blocking_threads(server::BACKEND_WORKERS + LOOKUP_THREADS + 1)
             .thread_name("te-control")
             // Blocking threads take none of the process's signals (`kit::thread`).
-            .on_thread_start(crate::kit::thread::mask_signals)
+            .on_thread_start(crate::signals::mask_signals)
             .build()
             .map_err(|e| Error::io("start control plane", "cannot build the runtime", e))?;
         let (closing, _) = tokio::sync::watch::channel(false);

@@ -59,7 +59,7 @@
 //! fakedev exports every allocation but those made with [`FakeDev::alloc_private`]
 //! (which stand for memory-pool memory) and imports anything, its own exports included.
 
-use crate::kit::thread::SpawnMasked as _;
+use crate::signals::SpawnMasked as _;
 use crate::sync::Mutex;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::{Deref, DerefMut};

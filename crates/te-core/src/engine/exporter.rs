@@ -9,7 +9,7 @@
 //! ([`PendingSlots`](crate::kit::net::PendingSlots)), so idle sockets cannot keep a scraper
 //! out; anything but `GET /metrics` is answered with an error status and closed.
 
-use crate::kit::thread::SpawnMasked as _;
+use crate::signals::SpawnMasked as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -68,7 +68,7 @@ impl Exporter {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             // Blocking threads take none of the process's signals (`kit::thread`).
-            .on_thread_start(crate::kit::thread::mask_signals)
+            .on_thread_start(crate::signals::mask_signals)
             .build()
             .map_err(|e| Error::io("start metrics endpoint", "cannot build its runtime", e))?;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

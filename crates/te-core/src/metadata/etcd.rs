@@ -6,7 +6,7 @@
 //! name resolved, that blocks on a watch stream over the prefix and reports resolved
 //! entries that change or disappear. Both wait on a condition variable between tries.
 
-use crate::kit::thread::SpawnMasked as _;
+use crate::signals::SpawnMasked as _;
 use crate::sync::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::net::TcpStream;

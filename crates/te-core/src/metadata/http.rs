@@ -1,7 +1,7 @@
 //! Just enough HTTP/1.1 to speak JSON to etcd's gateway: one POST per connection,
 //! and a chunked response read as a stream of JSON values (for watches).
 
-use crate::kit::thread::SpawnMasked as _;
+use crate::signals::SpawnMasked as _;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};

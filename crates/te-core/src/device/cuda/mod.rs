@@ -74,7 +74,7 @@
 //! `alloc` helpers — comes from `cuMemCreate`, exportable as a descriptor, as
 //! PyTorch's expandable segments make it; to exercise the VMM path).
 
-use crate::kit::thread::SpawnMasked as _;
+use crate::signals::SpawnMasked as _;
 use crate::sync::Mutex;
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
