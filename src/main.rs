@@ -244,6 +244,20 @@ fn check(config: Option<PathBuf>) -> te::Result<()> {
             None => {}
         }
     }
+    // Device runtimes' tables, without starting the runtimes.
+    for (name, table) in &config.runtimes {
+        match te_core::device::check_table(name, table) {
+            Some(checked) => checked.map_err(|e| {
+                te::Error::new(
+                    te::ErrorKind::ConfigInvalid,
+                    format!("{}: {}", config.source, e.message()),
+                )
+            })?,
+            None => println!(
+                "warning: [runtimes.{name}]: no device runtime of that name in this build; `te info` lists them"
+            ),
+        }
+    }
     let e = &config.engine;
     println!("config: {}", config.source);
     println!(

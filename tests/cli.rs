@@ -483,3 +483,30 @@ fn serve_reads_every_notification_and_peer_event_as_they_come() {
     );
     assert!(text.contains("peer event"), "no peer event logged:\n{text}");
 }
+
+#[test]
+fn check_names_bad_runtime_tables_without_starting_the_runtime() {
+    let run = |tag: &str, text: &str| {
+        let cfg = config(tag, text);
+        te().args(["check", "--config"]).arg(&cfg).output().unwrap()
+    };
+    let out = run("rt-key", "[runtimes.fakedev]\nsync_cots = \"1ms\"\n");
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("[runtimes.fakedev]") && err.contains("sync_cots"),
+        "{err}"
+    );
+    let out = run("rt-visible", "[runtimes.fakedev]\nvisible = [0, 0]\n");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("visible"));
+    let out = run("rt-cuda", "[runtimes.cuda]\nbatchcall = false\n");
+    assert_eq!(out.status.code(), Some(1), "a cuda table is checked without a GPU");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("batchcall"));
+    let out = run("rt-ok", "[runtimes.fakedev]\nsync_cost = \"1ms\"\n");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

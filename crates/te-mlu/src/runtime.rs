@@ -72,7 +72,20 @@ pub fn instance() -> Result<Arc<MluRuntime>> {
     INSTANCE.get_or_init(MluRuntime::start).clone()
 }
 
-fn create(_table: &te_core::config::Table) -> Result<Arc<dyn DeviceRuntime>> {
+/// The runtime takes no options: a `[runtimes.mlu]` table with any key is refused
+/// (rather than ignored).
+fn check(table: &te_core::config::Table) -> Result<()> {
+    match table.keys().next() {
+        None => Ok(()),
+        Some(key) => Err(te_core::Error::new(
+            te_core::ErrorKind::ConfigInvalid,
+            format!("[runtimes.mlu]: unknown key `{key}`: the mlu runtime takes no options"),
+        )),
+    }
+}
+
+fn create(table: &te_core::config::Table) -> Result<Arc<dyn DeviceRuntime>> {
+    check(table)?;
     instance().map(|r| r as Arc<dyn DeviceRuntime>)
 }
 
@@ -80,7 +93,8 @@ te_core::register_runtime!(
     RUNTIME,
     "Cambricon MLUs through CNRT (libcnrt.so, loaded at run time)",
     create,
-    loaded_with = ["libcnrt.so"]
+    loaded_with = ["libcnrt.so"],
+    check = check
 );
 
 /// The copy thread's queues (used only there), and its buffers for a group.

@@ -515,7 +515,8 @@ unsafe fn execute(p: &Planned, bases: &[*mut u8]) {
     }
 }
 
-fn create(table: &toml::Table) -> Result<Arc<dyn DeviceRuntime>> {
+/// The configuration a `[runtimes.fakedev]` table gives, checked.
+fn config(table: &toml::Table) -> Result<FakeDevConfig> {
     let config = FakeDevConfig::deserialize(table.clone()).map_err(|e| {
         Error::new(
             ErrorKind::ConfigInvalid,
@@ -533,7 +534,15 @@ fn create(table: &toml::Table) -> Result<Arc<dyn DeviceRuntime>> {
             ),
         ));
     }
-    let rt = FakeDev::start(config)?;
+    Ok(config)
+}
+
+fn check(table: &toml::Table) -> Result<()> {
+    config(table).map(drop)
+}
+
+fn create(table: &toml::Table) -> Result<Arc<dyn DeviceRuntime>> {
+    let rt = FakeDev::start(config(table)?)?;
     // `device::runtime` creates one instance per process; keep it for `process`.
     let _ = PROCESS.set(rt.clone());
     Ok(rt as Arc<dyn DeviceRuntime>)
@@ -718,7 +727,9 @@ impl FakeDev {
 crate::register_runtime!(
     NAME,
     "a fake device for tests: host memory behind addresses the host cannot dereference, with a GPU-like cost per copy and per synchronisation",
-    create
+    create,
+    loaded_with = [],
+    check = check
 );
 
 impl FakeDev {

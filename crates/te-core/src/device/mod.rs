@@ -497,27 +497,54 @@ pub struct RuntimeFactory {
     /// exist in the process: [`owner`] starts a runtime to ask about an address only
     /// if one of them is loaded already. Empty: asked only once started.
     pub loaded_with: &'static [&'static str],
+    /// Checks a `[runtimes.NAME]` table without starting the runtime (`te check`),
+    /// refusing what `create` would; `None`: a runtime that does not say.
+    pub check: Option<fn(&toml::Table) -> Result<()>>,
 }
 
 inventory::collect!(RuntimeFactory);
 
 /// Registers a device runtime: `te_core::register_runtime!(NAME, "description", create)`,
-/// or with `loaded_with = ["libdriver.so.1"]` (see [`RuntimeFactory::loaded_with`]).
+/// or with `loaded_with = ["libdriver.so.1"]` (see [`RuntimeFactory::loaded_with`]),
+/// and then, optionally, `check = check_fn` (see [`RuntimeFactory::check`]).
 #[macro_export]
 macro_rules! register_runtime {
     ($name:expr, $description:expr, $create:path) => {
         $crate::register_runtime!($name, $description, $create, loaded_with = []);
     };
     ($name:expr, $description:expr, $create:path, loaded_with = [$($lib:expr),*]) => {
+        $crate::__register_runtime!($name, $description, $create, [$($lib),*], None);
+    };
+    ($name:expr, $description:expr, $create:path, loaded_with = [$($lib:expr),*], check = $check:path) => {
+        $crate::__register_runtime!($name, $description, $create, [$($lib),*], Some($check));
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __register_runtime {
+    ($name:expr, $description:expr, $create:path, [$($lib:expr),*], $check:expr) => {
         $crate::inventory::submit! {
             $crate::device::RuntimeFactory {
                 name: $name,
                 description: $description,
                 create: $create,
                 loaded_with: &[$($lib),*],
+                check: $check,
             }
         }
     };
+}
+
+/// Checks the `[runtimes.NAME]` table of runtime `name` without starting it, as far as
+/// the runtime says how; `None` where no runtime of that name is compiled in (a
+/// plugin's may still come).
+///
+/// # Errors
+/// `ConfigInvalid` from the runtime's check, naming the key.
+pub fn check_table(name: &str, table: &toml::Table) -> Option<Result<()>> {
+    let f = inventory::iter::<RuntimeFactory>().find(|f| f.name == name)?;
+    Some(f.check.map_or(Ok(()), |check| check(table)))
 }
 
 type Instances = HashMap<&'static str, Result<Arc<dyn DeviceRuntime>>>;

@@ -381,13 +381,22 @@ fn driver<T>(
     }
 }
 
-fn create(table: &toml::Table) -> Result<Arc<dyn DeviceRuntime>> {
-    let config = CudaConfig::deserialize(table.clone()).map_err(|e| {
+/// The configuration a `[runtimes.cuda]` table gives.
+fn config(table: &toml::Table) -> Result<CudaConfig> {
+    CudaConfig::deserialize(table.clone()).map_err(|e| {
         Error::new(
             ErrorKind::ConfigInvalid,
             format!("[runtimes.cuda]: {}", e.message()),
         )
-    })?;
+    })
+}
+
+fn check(table: &toml::Table) -> Result<()> {
+    config(table).map(drop)
+}
+
+fn create(table: &toml::Table) -> Result<Arc<dyn DeviceRuntime>> {
+    let config = config(table)?;
     // SAFETY: only tries to open the library by its usual names.
     if !unsafe { sys::is_culib_present() } {
         return Err(Error::new(
@@ -440,7 +449,8 @@ crate::register_runtime!(
     NAME,
     "NVIDIA GPUs through the CUDA driver (loaded at run time)",
     create,
-    loaded_with = ["libcuda.so.1", "libcuda.so"]
+    loaded_with = ["libcuda.so.1", "libcuda.so"],
+    check = check
 );
 
 /// A group's copies of one device (set up) and direction.
