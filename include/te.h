@@ -3,7 +3,7 @@
  *
  * Link with libte.so (`-lte`) or libte.a, both built by `cargo build --release` into
  * target/release. With the static library, link it whole
- * (`-Wl,--whole-archive -lte -Wl,--no-whole-archive`) plus `-lpthread -ldl -lm`:
+ * (`-Wl,--whole-archive -lte -Wl,--no-whole-archive`) plus `-lpthread -ldl -lm -lrt -lgcc_s`:
  * backends register themselves from constructors that the linker would otherwise
  * drop, and an engine would then find no backend.
  *
