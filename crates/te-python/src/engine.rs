@@ -624,7 +624,7 @@ impl PyEngine {
     }
 
     /// How bytes to `peer` travel, in the backend's words (te-tcp: `"socket"`,
-    /// `"in-process device copies"`, `"same-host channel (cross-memory attach)"`, …),
+    /// `"in-process device copies (host memory over the socket)"`, `"same-host channel (cross-memory attach)"`, …),
     /// or `None` where the backend has one way.
     fn path_to(&self, peer: &PyPeer) -> PyResult<Option<String>> {
         Ok(self.get()?.path_to(&peer.peer))

@@ -634,7 +634,7 @@ def test_metrics_count_what_moved_and_a_handle_tells_its_batch(pair):
     assert 0 <= t["post_us"] <= t["duration_us"] and t["start_time"] > 1.7e9
     # The stub has one way to its peers and names none; te-tcp says how it reaches a
     # peer of this process.
-    assert init.path_to(peer) in (None, "in-process device copies")
+    assert init.path_to(peer) in (None, "in-process device copies (host memory over the socket)")
     # Stages a backend does not time are None; those it does fit in the batch.
     for stage in ("queued_us", "wire_us", "device_us"):
         assert t[stage] is None or 0 <= t[stage] <= t["duration_us"]

@@ -57,7 +57,7 @@ impl std::fmt::Display for PeerPath {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             PeerPath::Socket => "socket",
-            PeerPath::InProcess => "in-process device copies",
+            PeerPath::InProcess => "in-process device copies (host memory over the socket)",
             PeerPath::SameHost {
                 cross_memory_attach: true,
             } => "same-host channel (cross-memory attach)",

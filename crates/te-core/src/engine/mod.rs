@@ -378,7 +378,7 @@ impl Engine {
     }
 
     /// How bytes to `peer` travel, in the backend's words, where it has more than one
-    /// way (te-tcp: `socket`, `in-process device copies`, `same-host channel …`);
+    /// way (te-tcp: `socket`, `in-process device copies (host memory over the socket)`, `same-host channel …`);
     /// `None` where the backend has one way, no longer knows the peer, or the peer was
     /// connected by another engine.
     pub fn path_to(&self, peer: &Peer) -> Option<String> {
