@@ -11,7 +11,7 @@
 
 use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 use te_core::sync::Mutex;
@@ -88,6 +88,54 @@ impl Tx {
     }
 }
 
+/// Runs the initiator's handshake on `s`, ended at `until` whatever the target does:
+/// the handshake's reads and writes each wait at most the socket's timeouts, so a
+/// target that trickles its answers a byte at a time would stretch it far past that,
+/// and a watchdog on te-tcp's I/O threads shuts the socket down at `until`.
+///
+/// # Errors
+/// `None` when the time ran out, else the handshake's own error.
+fn handshake_by(
+    s: &mut TcpStream,
+    label: &str,
+    instance: u64,
+    token: Option<&[u8]>,
+    until: std::time::Instant,
+) -> std::result::Result<(crate::wire::Terms, [u8; crate::wire::NONCE_LEN]), Option<Error>> {
+    // 0: the handshake runs; 1: it returned first; 2: the watchdog fired first.
+    const RUNS: u8 = 0;
+    const RETURNED: u8 = 1;
+    const FIRED: u8 = 2;
+    let state = Arc::new(AtomicU8::new(RUNS));
+    let rt = crate::runtime::runtime().map_err(Some)?;
+    let watch = s
+        .try_clone()
+        .map_err(|e| Some(unreachable(label, "cannot watch the handshake", e)))?;
+    let fired = state.clone();
+    let watchdog = rt.spawn(async move {
+        tokio::time::sleep_until(tokio::time::Instant::from_std(until)).await;
+        if fired
+            .compare_exchange(RUNS, FIRED, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            // Wakes the handshake's read or write with an error.
+            let _ = watch.shutdown(std::net::Shutdown::Both);
+        }
+    });
+    let r = handshake(s, label, instance, token);
+    let late = state
+        .compare_exchange(RUNS, RETURNED, Ordering::AcqRel, Ordering::Acquire)
+        .is_err();
+    // Drops its copy of the socket; the handshake's own stays open.
+    watchdog.abort();
+    // A handshake that failed at `until` failed for lack of time (a read's own
+    // timeout may have ended it just before the watchdog ran).
+    if late || (r.is_err() && std::time::Instant::now() >= until) {
+        return Err(None);
+    }
+    r.map_err(Some)
+}
+
 /// One data connection to a peer.
 pub(crate) struct Conn {
     sock: Arc<Sock>,
@@ -132,8 +180,9 @@ impl Conn {
     /// target instance `instance`, and starts its sender and receiver tasks.
     ///
     /// # Errors
-    /// `PeerUnreachable` if it cannot be reached in `connect_timeout` (or before the
-    /// caller's `deadline`, whichever is sooner); `Timeout` if the deadline has passed;
+    /// `PeerUnreachable` if it cannot be reached and authenticated in `connect_timeout`;
+    /// `Timeout` if that takes past the caller's `deadline` (the sooner of the two ends
+    /// connecting and the handshake together, however the target trickles its answers);
     /// `PeerRestarted`
     /// if another instance answers; `Unauthorized` if the tokens differ; `Protocol`
     /// if it is not a te-tcp target.
@@ -146,17 +195,32 @@ impl Conn {
         deadline: Deadline,
     ) -> Result<Arc<Conn>> {
         let label = addr.to_string();
-        let limit = config.connect_timeout.min(deadline.left("connect")?);
+        let left = deadline.left("connect")?;
+        let limit = config.connect_timeout.min(left);
+        // Connecting and the handshake together end by `until`.
+        let until = std::time::Instant::now() + limit;
         let mut s = TcpStream::connect_timeout(&addr, limit)
             .map_err(|e| unreachable(&label, "cannot connect", e))?;
         sock::tune(&s, config).map_err(|e| unreachable(&label, "cannot set options", e))?;
         sock::timeouts(&s, limit).map_err(|e| unreachable(&label, "cannot set timeouts", e))?;
-        let (terms, challenge) = handshake(
-            &mut s,
-            &label,
-            instance,
-            config.auth_token.as_deref().map(str::as_bytes),
-        )?;
+        let token = config.auth_token.as_deref().map(str::as_bytes);
+        let (terms, challenge) = handshake_by(&mut s, &label, instance, token, until)
+            .map_err(|e| match e {
+                // The time ran out: the caller's deadline, or `connect_timeout`.
+                None if left <= config.connect_timeout => Error::new(
+                    ErrorKind::Timeout,
+                    format!("data connection to {label}: the handshake did not finish before the deadline; raise the timeout or check the peer"),
+                )
+                .with_operation("connect"),
+                None => Error::new(
+                    ErrorKind::PeerUnreachable,
+                    format!(
+                        "data connection to {label}: the handshake did not finish within connect_timeout ({:?})",
+                        config.connect_timeout
+                    ),
+                ),
+                Some(e) => e,
+            })?;
         let s = Sock::new(s).map_err(|e| unreachable(&label, "cannot register the socket", e))?;
         let conn = Arc::new_cyclic(|me| Conn {
             sock: s,

@@ -123,3 +123,66 @@ fn an_aborted_batch_on_a_stalled_target_ends_without_waiting_for_io_timeout() {
     std::thread::sleep(Duration::from_millis(8500));
     assert!(local.iter().all(|&b| b == 0xAB), "late bytes landed");
 }
+
+#[test]
+fn a_target_that_trickles_its_handshake_cannot_hold_connect_past_the_deadline() {
+    use crate::wire::{Challenge, Hello, Status, Terms, Welcome, VERSION};
+    use std::io::{Read, Write};
+    // A stand-in target that answers the handshake correctly, one byte every 40 ms:
+    // each read gets a byte well within any per-read timeout, but the whole handshake
+    // takes about 4 s, far past the caller's 300 ms.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let trickler = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut hello = [0u8; Hello::LEN];
+        s.read_exact(&mut hello).unwrap();
+        let mut answer = Challenge {
+            version: VERSION,
+            status: Status::Ok,
+            auth: false,
+            nonce: [3; 32],
+        }
+        .encode()
+        .to_vec();
+        answer.extend(Terms { max_payload: 65536 }.encode());
+        let mut proof = [0u8; crate::wire::Proof::LEN];
+        for (i, b) in answer.iter().enumerate() {
+            if s.write_all(&[*b]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(40));
+            if i + 1 == Challenge::LEN + Terms::LEN && s.read_exact(&mut proof).is_err() {
+                return;
+            }
+        }
+        let welcome = Welcome {
+            status: Status::Ok,
+            mac: [0; 32],
+        }
+        .encode();
+        for b in welcome {
+            if s.write_all(&[b]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(40));
+        }
+    });
+    let init = backend(|c| c.connections_per_peer = 1);
+    let seg = te_core::testkit::segment(
+        crate::NAME,
+        crate::endpoint::encode_endpoint(addr, 7, None),
+        String::new(),
+        Vec::new(),
+    );
+    let start = Instant::now();
+    let r = init.connect(&seg, te_core::Deadline::after(Duration::from_millis(300)));
+    let took = start.elapsed();
+    let e = r.expect_err("the handshake cannot finish within the deadline");
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    assert!(
+        took < Duration::from_millis(1000),
+        "connect returned {took:?} after its 300 ms deadline"
+    );
+    trickler.join().unwrap();
+}
