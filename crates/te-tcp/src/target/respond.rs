@@ -329,7 +329,8 @@ pub(crate) async fn write_staged(
     let Some((rt, ordinal)) = pin.region().data.clone() else {
         return Err(protocol(peer, "a staged write to host memory"));
     };
-    let mut on_timeout = |mid: bool| !mid;
+    // The request's header is in: it is halfway, and a wait that times out ends it.
+    let mut on_timeout = |_mid: bool| false;
     let pool = match pools.get(&rt) {
         Ok(p) => p,
         Err(e) => {

@@ -255,6 +255,9 @@ async fn serve(
             .map_err(|e| io_err(peer, "receive failed", e))?;
         let h = Header::decode(&inb.buffered()[..HEADER_LEN]).map_err(|e| protocol(peer, e))?;
         inb.consume(HEADER_LEN);
+        // From here on the request is halfway, even where no byte of the rest is
+        // buffered yet: a wait that times out ends the connection.
+        let mut on_timeout = |_mid: bool| false;
         let request = matches!(
             h.kind,
             Kind::Write | Kind::Read | Kind::WriteV | Kind::ReadV

@@ -338,3 +338,62 @@ fn a_peer_that_floods_requests_and_reads_nothing_is_bounded_and_cut_off() {
     let r = TransferRequest::read(RegionId(1), 0, RegionId(1), 0, 4096);
     run(&init, peer, &[r]).expect("an honest read");
 }
+
+#[test]
+fn a_request_stalled_halfway_is_cut_off_after_io_timeout() {
+    // Idle connections may stay (no idle_timeout), but a request that stops part way
+    // may not: after its header, nothing of it arrives for io_timeout.
+    let target = backend(|c| c.io_timeout = Duration::from_millis(300));
+    let mut mem = vec![0u8; 4096];
+    register(&target, 1, &mut mem, Access::REMOTE_READ_WRITE);
+    let cases: [(&str, Vec<u8>); 5] = [
+        (
+            "a scatter-gather header without its entries",
+            sg_frame_counted(Kind::WriteV, 1, 1, &[], 1, 16),
+        ),
+        (
+            "a scatter-gather write without its payload",
+            sg_frame(Kind::WriteV, 1, 1, &[(0, 16)], 16),
+        ),
+        (
+            "a refused write without its payload",
+            Header::request(Kind::Write, 1, 77, 0, 64 << 10)
+                .encode()
+                .to_vec(),
+        ),
+        ("a refused write whose payload stops after 100 bytes", {
+            let mut b = Header::request(Kind::Write, 1, 77, 0, 64 << 10)
+                .encode()
+                .to_vec();
+            b.extend_from_slice(&[0xee; 100]);
+            b
+        }),
+        ("a write whose payload stops after 100 bytes", {
+            let mut b = Header::request(Kind::Write, 1, 1, 0, 4096)
+                .encode()
+                .to_vec();
+            b.extend_from_slice(&[0xee; 100]);
+            b
+        }),
+    ];
+    for (what, bytes) in cases {
+        let mut s = raw(&target);
+        s.write_all(&bytes).unwrap();
+        let start = Instant::now();
+        let (_, closed) = read_until_closed(&mut s);
+        assert!(closed, "{what}: the connection is still open after 5 s");
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{what}: closed after {:?}",
+            start.elapsed()
+        );
+    }
+    // An idle connection stays, and the target still serves.
+    let mut idle = raw(&target);
+    std::thread::sleep(Duration::from_millis(800));
+    idle.write_all(&Header::request(Kind::Read, 3, 1, 0, 16).encode())
+        .unwrap();
+    let r = read_header(&mut idle);
+    assert_eq!((r.kind, r.id, r.len), (Kind::ReadData, 3, 16));
+    target.deregister(RegionId(1), soon()).unwrap();
+}
