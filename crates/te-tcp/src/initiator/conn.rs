@@ -51,6 +51,8 @@ struct Tx {
     /// The staging of device WRITE frames in `carry`: their buffers go back to the
     /// pool once the socket has taken the whole carry, not at the acknowledgement.
     out_staged: Vec<Arc<Mutex<Stage>>>,
+    /// Bytes of frames queued to be written since the connection opened.
+    queued: u64,
 }
 
 /// What starting a device WRITE slice's staging copy needs.
@@ -147,6 +149,9 @@ pub(crate) struct Conn {
     io_timeout: Duration,
     dead: AtomicBool,
     inflight: AtomicUsize,
+    /// Bytes the socket has taken since the connection opened; held by the writer
+    /// across each `sendmsg`, so that a reader waits for a send in progress.
+    written: Mutex<u64>,
     /// Counts answers received, sends that moved bytes and staging copies that ended:
     /// unchanged between two looks means the connection stalled.
     progress: AtomicU64,
@@ -236,10 +241,12 @@ impl Conn {
                 receiving: None,
                 to_stage: VecDeque::new(),
                 out_staged: Vec::new(),
+                queued: 0,
             }),
             wake: Notify::new(),
             dead: AtomicBool::new(false),
             inflight: AtomicUsize::new(0),
+            written: Mutex::new(0),
             progress: AtomicU64::new(0),
             copying: AtomicUsize::new(0),
             me: me.clone(),

@@ -33,6 +33,10 @@ pub(crate) struct Slice {
     /// after another, in one pinned buffer, so their payload is one span.
     pub(crate) parts: Vec<Part>,
     pub(crate) id: u64,
+    /// Where its frame ends in the connection's outgoing stream (bytes), once queued
+    /// to be written: an answer before the socket took that much answers a request
+    /// the target cannot have read whole.
+    pub(crate) end: u64,
 }
 
 /// One part of a scatter-gather slice.
@@ -85,6 +89,7 @@ impl Slice {
             stage,
             parts: Vec::new(),
             id: 0,
+            end: 0,
         }
     }
 
@@ -155,6 +160,21 @@ impl Slice {
             .iter()
             .map(|p| (p.local, p.len as usize))
             .collect()
+    }
+
+    /// The bytes of this slice's frame on the wire, as [`Slice::push_frame`] adds them:
+    /// its header, a scatter-gather frame's entry list, and a WRITE's payload.
+    pub(crate) fn wire_len(&self) -> u64 {
+        let entries = if self.parts.is_empty() {
+            0
+        } else {
+            self.parts.len() * wire::ENTRY_LEN
+        };
+        let payload = match self.op {
+            Op::Write => self.len,
+            Op::Read => 0,
+        };
+        (HEADER_LEN + entries) as u64 + payload
     }
 
     /// Adds this slice's frame to `c`: its header (and entry list), then for a WRITE

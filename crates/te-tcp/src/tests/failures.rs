@@ -189,3 +189,90 @@ fn a_write_torn_mid_payload_is_posted_as_a_peer_event_naming_region_and_range() 
         "the event names the connection's peer address: {events:?}"
     );
 }
+
+#[test]
+fn a_target_that_acknowledges_a_write_before_taking_its_payload_never_ends_the_batch_early() {
+    use crate::wire::{Challenge, Hello, Proof, Status, Terms, Welcome, VERSION};
+    use std::io::Read;
+    const LEN: usize = 16 << 20;
+    // A stand-in target: after the handshake it reads the WRITE's header and at once
+    // acknowledges it, before reading any of its 16 MiB payload (far more than the
+    // socket buffers hold), then reads the rest once told to.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let target = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut b = [0u8; Hello::LEN];
+        s.read_exact(&mut b).unwrap();
+        let mut answer = Challenge {
+            version: VERSION,
+            status: Status::Ok,
+            auth: false,
+            nonce: [4; 32],
+        }
+        .encode()
+        .to_vec();
+        answer.extend(
+            Terms {
+                max_payload: LEN as u64,
+            }
+            .encode(),
+        );
+        s.write_all(&answer).unwrap();
+        let mut b = [0u8; Proof::LEN];
+        s.read_exact(&mut b).unwrap();
+        let welcome = Welcome {
+            status: Status::Ok,
+            mac: [0; 32],
+        };
+        s.write_all(&welcome.encode()).unwrap();
+        let mut h = [0u8; crate::wire::HEADER_LEN];
+        s.read_exact(&mut h).unwrap();
+        let h = Header::decode(&h).unwrap();
+        s.write_all(&Header::response(Kind::WriteAck, 0, h.id, 0).encode())
+            .unwrap();
+        let _ = go_rx.recv_timeout(Duration::from_secs(10));
+        // Everything the initiator sent after its batch ended carries 0xDD.
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut late = 0usize;
+        let mut got = 0usize;
+        let mut buf = vec![0u8; 1 << 16];
+        while got < LEN {
+            match s.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    late += buf[..n].iter().filter(|&&b| b == 0xDD).count();
+                    got += n;
+                }
+            }
+        }
+        late
+    });
+    let init = backend(|c| {
+        c.connections_per_peer = 1;
+        c.slice_size = LEN as u64;
+        c.send_buffer = 64 << 10;
+    });
+    let mut src = vec![0x5Au8; LEN];
+    register(&init, 1, &mut src, Access::LOCAL);
+    let seg = te_core::testkit::segment(
+        crate::NAME,
+        crate::endpoint::encode_endpoint(addr, 7, None),
+        String::new(),
+        Vec::new(),
+    );
+    let peer = init.connect(&seg, soon()).unwrap();
+    let w = TransferRequest::write(RegionId(1), 0, RegionId(1), 0, LEN as u64);
+    let r = run(&init, peer, &[w]);
+    // The batch is handed back: its memory is the caller's again.
+    src.fill(0xDD);
+    go_tx.send(()).unwrap();
+    let late = target.join().unwrap();
+    assert_eq!(
+        late, 0,
+        "{late} bytes were read from the caller's memory after its batch ended ({r:?})"
+    );
+    let e = r.expect_err("an acknowledgement before the payload is not a completed write");
+    assert_eq!(e.kind(), ErrorKind::Protocol, "{e}");
+}

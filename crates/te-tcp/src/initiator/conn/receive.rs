@@ -48,6 +48,22 @@ impl Conn {
             tx.receiving = Some(slice.batch.clone());
             slice
         };
+        // A target answers a request once it has read all of it, so only after the
+        // socket took the whole frame. An earlier answer (a broken or hostile target)
+        // must not end the slice: its WRITE payload may still be read from the
+        // caller's memory. It goes back on the queue, and fails with the connection
+        // once no writer holds it.
+        let written = *self.written.lock();
+        if slice.end > written {
+            let id = slice.id;
+            let mut tx = self.lock();
+            tx.receiving = None;
+            tx.sent.push_front(slice);
+            return Err(self.protocol(format!(
+                "a {:?} answering request {id} before all of it was sent",
+                h.kind
+            )));
+        }
         let result = self.answer(inb, &h, &slice).await;
         slice.batch.stage_ended(BatchStage::Wire);
         self.lock().receiving = None;

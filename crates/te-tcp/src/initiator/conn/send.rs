@@ -95,13 +95,15 @@ impl Conn {
                             waiting = frames == 0;
                             break;
                         };
-                        let Some(s) = tx.unsent.pop_front() else {
+                        let Some(mut s) = tx.unsent.pop_front() else {
                             break;
                         };
                         if s.batch.stopped() {
                             expired.push(s);
                             continue;
                         }
+                        tx.queued += s.wire_len();
+                        s.end = tx.queued;
                         s.push_frame(&mut c, payload);
                         s.batch.stage_began(BatchStage::Wire);
                         frames += 1;
@@ -140,7 +142,16 @@ impl Conn {
             // The payload spans are registered memory pinned by the slices' batches;
             // those slices sit in `sent` and cannot fail while this writer is `busy`.
             // The header spans point into `carry`, alive until after the call.
-            let sent = sock::send(self.sock.fd(), &v[..n], true);
+            // Counted under the lock the receiver takes to read the count, so an
+            // answer to bytes this call sends finds them counted.
+            let sent = {
+                let mut w = self.written.lock();
+                let sent = sock::send(self.sock.fd(), &v[..n], true);
+                if let Ok(k) = sent {
+                    *w += k as u64;
+                }
+                sent
+            };
             let mut carry = carry;
             if let Ok(k) = sent {
                 carry.advance(k);
