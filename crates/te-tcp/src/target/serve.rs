@@ -234,6 +234,7 @@ async fn serve(
     let idle = c.idle_timeout;
     // The current request's entries: its one range, or a scatter-gather frame's list.
     let mut entries: Vec<Entry> = Vec::new();
+    let mut refusals = Refusals { peer, count: 0 };
     loop {
         // Waiting for the next request may take forever (or `idle_timeout`); a request
         // stalled halfway may not.
@@ -289,7 +290,7 @@ async fn serve(
         }
         match h.kind {
             Kind::Write | Kind::WriteV => {
-                match admit(shared, &h, &entries, peer) {
+                match check(shared, &h, &entries) {
                     Ok(pin) if pin.region().data.is_some() => {
                         let r = responder_for(&mut responder, &s, peer, shared, &mut out).await?;
                         write_staged(&recv_pools, &r, &mut inb, &h, &entries, pin, peer).await?;
@@ -315,6 +316,7 @@ async fn serve(
                         }
                     }
                     Err(e) => {
+                        refusals.note(&h, &entries, &e);
                         inb.discard(h.len, &mut on_timeout)
                             .await
                             .map_err(|e| io_err(peer, "receive failed", e))?;
@@ -322,7 +324,7 @@ async fn serve(
                     }
                 }
             }
-            Kind::Read | Kind::ReadV => match admit(shared, &h, &entries, peer) {
+            Kind::Read | Kind::ReadV => match check(shared, &h, &entries) {
                 Ok(pin) if pin.region().data.is_some() => {
                     let r = responder_for(&mut responder, &s, peer, shared, &mut out).await?;
                     read_staged(&send_pools, &r, &h, &entries, pin).await?;
@@ -352,7 +354,10 @@ async fn serve(
                         }
                     }
                 }
-                Err(e) => refuse(&mut out, &h, &e),
+                Err(e) => {
+                    refusals.note(&h, &entries, &e);
+                    refuse(&mut out, &h, &e);
+                }
             },
             kind => return Err(protocol(peer, format!("a {kind:?} sent to the target"))),
         }
@@ -405,13 +410,57 @@ async fn refuse_oversize(
 }
 
 /// Checks every entry of a request against the registrations (region, right, bounds)
-/// and pins its region.
+/// and pins its region; a refusal is logged as a warning.
 pub(crate) fn admit(shared: &Shared, h: &Header, entries: &[Entry], peer: &str) -> Result<Pin> {
+    let result = check(shared, h, entries);
+    if let Err(e) = &result {
+        log_refusal(h, entries, peer, e, true);
+    }
+    result
+}
+
+/// Logs a refused request: as a warning, or (a connection's later refusals) at debug
+/// level.
+fn log_refusal(h: &Header, entries: &[Entry], peer: &str, e: &Error, warn: bool) {
+    let offset = entries.first().map_or(h.offset, |e| e.offset);
+    let n = entries.len();
+    if warn {
+        tracing::warn!(peer = %peer, op = ?h.kind, region = h.region, offset, len = h.len, entries = n, error = %e, "refused a request");
+    } else {
+        tracing::debug!(peer = %peer, op = ?h.kind, region = h.region, offset, len = h.len, entries = n, error = %e, "refused a request");
+    }
+}
+
+/// The requests a served connection refused: the first is logged as a warning, the
+/// rest at debug level and counted in one warning when the connection ends, so a peer
+/// that floods refused requests cannot flood the log.
+struct Refusals<'a> {
+    peer: &'a str,
+    count: u64,
+}
+
+impl Refusals<'_> {
+    fn note(&mut self, h: &Header, entries: &[Entry], e: &Error) {
+        self.count += 1;
+        log_refusal(h, entries, self.peer, e, self.count == 1);
+    }
+}
+
+impl Drop for Refusals<'_> {
+    fn drop(&mut self) {
+        if self.count > 1 {
+            tracing::warn!(peer = %self.peer, refused = self.count, "a data connection ended after refusing requests (all but the first logged at debug level)");
+        }
+    }
+}
+
+/// [`admit`] without the log line.
+fn check(shared: &Shared, h: &Header, entries: &[Entry]) -> Result<Pin> {
     let first = entries.first().copied().unwrap_or(Entry {
         offset: h.offset,
         len: h.len,
     });
-    let result = shared
+    shared
         .regions
         .pin_range(RegionId(h.region), first.offset, first.len)
         .and_then(|pin| {
@@ -443,20 +492,7 @@ pub(crate) fn admit(shared: &Shared, h: &Header, entries: &[Entry], peer: &str) 
                 ));
             }
             Ok(pin)
-        });
-    if let Err(e) = &result {
-        tracing::warn!(
-            peer = %peer,
-            op = ?h.kind,
-            region = h.region,
-            offset = first.offset,
-            len = h.len,
-            entries = entries.len(),
-            error = %e,
-            "refused a request"
-        );
-    }
-    result
+        })
 }
 
 pub(crate) fn refuse(out: &mut Vec<u8>, h: &Header, e: &Error) {

@@ -397,3 +397,79 @@ fn a_request_stalled_halfway_is_cut_off_after_io_timeout() {
     assert_eq!((r.kind, r.id, r.len), (Kind::ReadData, 3, 16));
     target.deregister(RegionId(1), soon()).unwrap();
 }
+
+/// Counts the warnings (and errors) about region [`LOGGED_REGION`], wherever they are
+/// logged from: the process's subscriber, set once.
+fn warnings_about_logged_region() -> &'static std::sync::atomic::AtomicUsize {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static COUNT: AtomicUsize = AtomicUsize::new(0);
+    static SET: std::sync::Once = std::sync::Once::new();
+    struct Count;
+    struct Region(bool);
+    impl tracing::field::Visit for Region {
+        fn record_u64(&mut self, f: &tracing::field::Field, v: u64) {
+            self.0 |= f.name() == "region" && v == LOGGED_REGION;
+        }
+        fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn std::fmt::Debug) {}
+    }
+    impl tracing::Subscriber for Count {
+        fn enabled(&self, m: &tracing::Metadata<'_>) -> bool {
+            *m.level() <= tracing::Level::WARN
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, e: &tracing::Event<'_>) {
+            let mut r = Region(false);
+            e.record(&mut r);
+            if r.0 {
+                COUNT.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+    SET.call_once(|| {
+        let _ = tracing::subscriber::set_global_default(Count);
+    });
+    &COUNT
+}
+
+/// A region id no test registers, named by the requests whose log lines are counted.
+const LOGGED_REGION: u64 = 0x7e57_10c0;
+
+#[test]
+fn a_flood_of_refused_requests_is_answered_each_time_but_logged_once() {
+    use std::sync::atomic::Ordering;
+    let count = warnings_about_logged_region();
+    let target = backend(|_| {});
+    let mut s = raw(&target);
+    const N: u64 = 2000;
+    let mut frames = Vec::new();
+    for id in 1..=N {
+        frames.extend_from_slice(&Header::request(Kind::Read, id, LOGGED_REGION, 0, 64).encode());
+    }
+    let writer = {
+        let mut s = s.try_clone().unwrap();
+        std::thread::spawn(move || s.write_all(&frames).unwrap())
+    };
+    for id in 1..=N {
+        let (h, msg) = read_error(&mut s);
+        assert_eq!((h.kind, h.id), (Kind::Error, id));
+        assert_eq!(
+            ErrorKind::from_code(h.code),
+            ErrorKind::NotRegistered,
+            "{msg}"
+        );
+    }
+    writer.join().unwrap();
+    drop(s);
+    std::thread::sleep(Duration::from_millis(200));
+    let logged = count.load(Ordering::Relaxed);
+    assert!(
+        (1..=2).contains(&logged),
+        "{N} refused requests of one peer logged {logged} warnings"
+    );
+}
