@@ -810,13 +810,16 @@ impl Link {
     /// the waiting caller is woken by its answer itself, not by the receiving thread.
     /// Answers for other batches it reads are dispatched as the receiving thread would.
     /// Returns whether the batch had a request here to wait for (never without
-    /// `caller_reads`).
+    /// `caller_reads`, nor once the target broke the protocol).
     pub(crate) fn drive(&self, batch: BatchId, until: te_core::Deadline) -> bool {
         if self.bell.is_none() {
             return false;
         }
         let mut st = self.state.lock();
-        if st.ended() || until.is_past() || !st.holds(batch) {
+        // A channel whose target broke the protocol has nothing left for a caller to
+        // read (the receiving thread reads on to the target's end): the caller waits
+        // on its batch, not here, or the engine would call again at once.
+        if st.ended() || st.broken || until.is_past() || !st.holds(batch) {
             return false;
         }
         st.drivers += 1;

@@ -1239,3 +1239,49 @@ fn answer_shared(peer: &mut std::os::unix::net::UnixStream, key: u64) {
     m[8..16].copy_from_slice(&key.to_le_bytes());
     peer.write_all(&m).unwrap();
 }
+
+#[test]
+fn a_caller_waiting_on_a_channel_its_target_broke_inside_a_copy_does_not_spin() {
+    use std::io::Write;
+    use std::sync::atomic::Ordering::SeqCst;
+    let (ch, mut peer, fence) = fenced_channel(true);
+    let src = [1u8; 16];
+    let done = submit_traced(&ch, dev(1, 16, src.as_ptr()));
+    read_request(&mut peer);
+    fence.word(1).store(1, SeqCst);
+    let driver = {
+        let ch = ch.clone();
+        std::thread::spawn(move || ch.drive(te_core::BatchId(0), in_10s()))
+    };
+    super::eventually("the caller drives", Duration::from_secs(5), || {
+        ch.drivers() == 1
+    });
+    // The target breaks the protocol while it copies: the batch waits for its end.
+    let mut m = [0u8; 40];
+    m[0] = 7;
+    m[8..16].copy_from_slice(&0xdead_u64.to_le_bytes());
+    peer.write_all(&m).unwrap();
+    driver.join().unwrap();
+    // A caller waiting for the batch lends its thread as the engine does, again for as
+    // long as the backend says it waited there: nothing is left for it to read, so it
+    // must be sent to the condition variable, not called back at once for 300 ms.
+    let until = std::time::Instant::now() + Duration::from_millis(300);
+    let mut calls = 0u32;
+    while std::time::Instant::now() < until
+        && ch.drive(te_core::BatchId(0), te_core::Deadline::at(until))
+    {
+        calls += 1;
+    }
+    assert!(
+        calls <= 1,
+        "the waiting caller was called back {calls} times"
+    );
+    assert!(
+        done.try_recv().is_err(),
+        "handed back while the target copied"
+    );
+    fence.word(1).store(0, SeqCst);
+    drop(peer);
+    let (r, _) = done.recv_timeout(Duration::from_secs(5)).unwrap();
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::Protocol);
+}
