@@ -421,14 +421,17 @@ impl Link {
 
     /// Waits until the target has let go of the allocations unshared under `keys` (it
     /// answered each unshare), or the channel stopped (a target whose channel ends
-    /// unmaps everything of it when it reads the end), by `deadline`. Past it, the
-    /// channel is failed, so that the target lets go when it reads that, and the error
-    /// says the memory may still be mapped there: CUDA leaves freeing memory another
-    /// process maps undefined.
+    /// unmaps everything of it when it reads the end) and no longer drains (a target
+    /// still copying holds every mapping of the channel until it has ended), by
+    /// `deadline`. Past it, the channel is failed, so that the target lets go when it
+    /// reads that, and the error says the memory may still be mapped there: CUDA leaves
+    /// freeing memory another process maps undefined.
     pub(crate) fn unshared(&self, keys: &[u64], deadline: te_core::Deadline) -> Result<()> {
         let mut st = self.state.lock();
         loop {
-            if st.dead.is_some() || st.closed || keys.iter().all(|k| !st.unsharing.contains(k)) {
+            let stopped = st.dead.is_some() || st.closed;
+            let answered = keys.iter().all(|k| !st.unsharing.contains(k));
+            if (stopped && !st.draining) || (!stopped && answered) {
                 return Ok(());
             }
             let left = deadline.remaining();

@@ -1285,3 +1285,42 @@ fn a_caller_waiting_on_a_channel_its_target_broke_inside_a_copy_does_not_spin() 
     let (r, _) = done.recv_timeout(Duration::from_secs(5)).unwrap();
     assert_eq!(r.unwrap_err().kind(), ErrorKind::Protocol);
 }
+
+#[test]
+fn an_unshare_on_a_channel_stopped_while_its_target_copies_waits_for_the_targets_end() {
+    use std::sync::atomic::Ordering::SeqCst;
+    use te_core::RegionId;
+    let rt = te_core::device::runtime("fakedev").expect("fakedev");
+    let mine = rt.alloc(0, 4096).unwrap();
+    let (ch, mut peer, fence) = fenced_channel(false);
+    peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert_eq!(ch.key(&rt, RegionId(8), mine), None);
+    let key = read_share(&mut peer);
+    answer_shared(&mut peer, key);
+    super::eventually("the share is answered", Duration::from_secs(5), || {
+        ch.key(&rt, RegionId(8), mine) == Some(key)
+    });
+    // A request of another region is copied by the target when its channel is cut: the
+    // target holds every mapping of the channel until it has ended.
+    let src = [1u8; 16];
+    let (a, done) = submit_batch(&ch, dev(1, 16, src.as_ptr()));
+    read_request(&mut peer);
+    fence.word(1).store(1, SeqCst);
+    cut(&ch, &a);
+    ch.unshare(key);
+    let e = ch
+        .unshared(&[key], te_core::Deadline::after(Duration::from_millis(300)))
+        .expect_err("the target still copies, holding the mapping");
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    // Once the target has ended, it let go.
+    let waiter = {
+        let ch = ch.clone();
+        std::thread::spawn(move || ch.unshared(&[key], in_10s()))
+    };
+    fence.word(1).store(0, SeqCst);
+    drop(peer);
+    let r = within(Duration::from_secs(5), move || waiter.join().unwrap());
+    assert!(matches!(r, Some(Ok(()))), "{r:?}");
+    assert!(done.recv_timeout(Duration::from_secs(5)).is_ok());
+    rt.free(0, mine).unwrap();
+}
