@@ -501,7 +501,11 @@ fn check_names_bad_runtime_tables_without_starting_the_runtime() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("visible"));
     let out = run("rt-cuda", "[runtimes.cuda]\nbatchcall = false\n");
-    assert_eq!(out.status.code(), Some(1), "a cuda table is checked without a GPU");
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "a cuda table is checked without a GPU"
+    );
     assert!(String::from_utf8_lossy(&out.stderr).contains("batchcall"));
     let out = run("rt-ok", "[runtimes.fakedev]\nsync_cost = \"1ms\"\n");
     assert!(
