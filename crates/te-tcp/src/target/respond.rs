@@ -356,15 +356,22 @@ pub(crate) async fn write_staged(
         .await
         .map_err(|e| io_err(peer, "receive failed", e))?;
     let copies = staged_copies(entries, buf.ptr(), pin.region().addr, ordinal, true);
-    if len <= stage::INLINE_COPY {
-        // Small: copied here, so no runtime thread wakes the responder for it.
-        // SAFETY: as below; the buffer and the pin live until the copies have ended.
-        let res = unsafe { stage::run_now(&rt, &copies) };
+    let mut waves = staged_waves(copies);
+    if len <= stage::INLINE_COPY || waves.len() > 1 {
+        // Small: copied here, so no runtime thread wakes the responder for it. Entries
+        // that write some device bytes twice (a batch writing them twice) are copied
+        // here too, one wave after another, in entry order.
+        // SAFETY: as below; the buffer and the pin live until the copies have ended,
+        // and a wave starts once the one before it has ended.
+        let res = waves
+            .iter()
+            .try_for_each(|w| unsafe { stage::run_now(&rt, w) });
         drop(pin);
         drop(buf);
         let slot: Arc<Slot> = Arc::new(Mutex::new(Some((res, None))));
         return r.push(Item::Staged { h: *h, slot }).await;
     }
+    let copies = waves.pop_front().unwrap_or_default();
     let slot = push_staged(r, h).await?;
     let r = r.clone();
     let done = move |res: Result<()>| {
@@ -378,6 +385,36 @@ pub(crate) async fn write_staged(
     // the entries' parts of it add up to `h.len`, which it holds.
     unsafe { stage::start_all(&rt, copies, done) };
     Ok(())
+}
+
+/// Staged copies in waves (`crate::waves`), in order: each wave is one device group,
+/// whose copies a device runs in no order, so a copy that writes bytes an earlier one
+/// reads or writes (a batch writing some device bytes twice) waits, in the next wave,
+/// for that one to end. One wave where no copy depends on another.
+pub(crate) fn staged_waves(copies: Vec<DeviceCopy>) -> VecDeque<Vec<DeviceCopy>> {
+    use crate::waves::Span;
+    // Host addresses in space 0, device addresses in space 1.
+    let span = |space, addr, len: usize| Span {
+        space,
+        addr,
+        len: len as u64,
+    };
+    let mut waves = crate::waves::Waves::default();
+    for c in copies {
+        let (reads, writes) = match c {
+            DeviceCopy::ToDevice {
+                device, host, len, ..
+            } => (span(0, host as u64, len), span(1, device, len)),
+            DeviceCopy::ToHost {
+                device, host, len, ..
+            } => (span(1, device, len), span(0, host as u64, len)),
+            DeviceCopy::DeviceToDevice { src, dst, len, .. } => {
+                (span(1, src, len), span(1, dst, len))
+            }
+        };
+        waves.add(c, reads, writes, false);
+    }
+    waves.into_groups()
 }
 
 /// Queues the answer to `h`, which its staged copies fill in when they complete; returns

@@ -208,3 +208,52 @@ fn device_blocks_gathered_at_both_ends_land_intact_scattered_or_in_runs() {
     run(&init, peer, &r).expect("read device blocks into device memory");
     assert!(back.read() == data, "the blocks read back intact");
 }
+
+#[test]
+fn writes_of_one_batch_to_the_same_device_bytes_land_whole_in_request_order() {
+    // Small frames (copied on the I/O thread) and large ones (copied by the runtime).
+    for len in [4096usize, 256 << 10] {
+        let target = backend(|_| {});
+        let init = backend(|c| c.connections_per_peer = 1);
+        let dev = DevMem::new(len);
+        dev.register(&target, 1, Access::REMOTE_READ_WRITE);
+        let mut src = vec![1u8; 2 * len];
+        src[len..].fill(2);
+        register(&init, 1, &mut src, Access::LOCAL);
+        let peer = init.connect(&segment(&target), soon()).unwrap();
+        let n = len as u64;
+        let reqs = [
+            TransferRequest::write(RegionId(1), 0, RegionId(1), 0, n),
+            TransferRequest::write(RegionId(1), n, RegionId(1), 0, n),
+        ];
+        run(&init, peer, &reqs).unwrap();
+        assert!(
+            dev.read().iter().all(|&b| b == 2),
+            "{len}: the later write wins"
+        );
+    }
+}
+
+#[test]
+fn reads_of_one_batch_into_the_same_device_bytes_land_whole_in_request_order() {
+    for len in [4096usize, 256 << 10] {
+        let target = backend(|_| {});
+        let init = backend(|c| c.connections_per_peer = 1);
+        let mut remote = vec![1u8; 2 * len];
+        remote[len..].fill(2);
+        register(&target, 1, &mut remote, Access::REMOTE_READ_WRITE);
+        let dev = DevMem::new(len);
+        dev.register(&init, 1, Access::LOCAL);
+        let peer = init.connect(&segment(&target), soon()).unwrap();
+        let n = len as u64;
+        let reqs = [
+            TransferRequest::read(RegionId(1), 0, RegionId(1), 0, n),
+            TransferRequest::read(RegionId(1), 0, RegionId(1), n, n),
+        ];
+        run(&init, peer, &reqs).unwrap();
+        assert!(
+            dev.read().iter().all(|&b| b == 2),
+            "{len}: the later read wins"
+        );
+    }
+}

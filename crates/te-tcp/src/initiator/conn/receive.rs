@@ -191,16 +191,23 @@ impl Conn {
                 len,
             })
             .collect();
+        let mut waves = crate::target::respond::staged_waves(copies);
         slice.batch.stage_began(BatchStage::Device);
-        if len <= stage::INLINE_COPY {
+        if len <= stage::INLINE_COPY || waves.len() > 1 {
             // Small: this task copies it and finishes the slice, rather than a runtime
-            // thread waking it and then the caller.
-            // SAFETY: as below; `buf` lives until the copies have ended.
-            let r = unsafe { stage::run_now(rt, &copies) };
+            // thread waking it and then the caller. Parts that write some device bytes
+            // twice (a batch reading into them twice) are copied here too, one wave
+            // after another, in order.
+            // SAFETY: as below; `buf` lives until the copies have ended, and a wave
+            // starts once the one before it has ended.
+            let r = waves
+                .iter()
+                .try_for_each(|w| unsafe { stage::run_now(rt, w) });
             slice.batch.stage_ended(BatchStage::Device);
             drop(buf);
             return r.map(|()| Answer::Done);
         }
+        let copies = waves.pop_front().unwrap_or_default();
         let batch = slice.batch.clone();
         // A copy that ends is the connection's progress too: answers waiting for the
         // ring that slow copies fill are not a stall.
