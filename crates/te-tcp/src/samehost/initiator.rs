@@ -36,7 +36,8 @@ struct ChannelState {
     /// Keys unshared while the target's answer to their share was still due: that
     /// answer is still read (and dropped), not taken for an answer to no share.
     unshared_due: HashSet<u64>,
-    /// Keys unshared whose answer (`UNSHARED`: the target let go of its mapping) is due.
+    /// Keys unshared whose answer (`UNSHARED`: the target let go of its mapping) is due;
+    /// on a stopped channel, whose mapping the target holds until it has ended.
     unsharing: HashSet<u64>,
     dead: Option<Error>,
     /// Someone reads the socket now: the receiving thread, or a caller driving it.
@@ -402,10 +403,14 @@ impl Link {
             // The target answers the share still (a draining channel reads it too).
             st.unshared_due.insert(key);
         }
-        if !st.sent.remove(&key) || st.dead.is_some() {
+        if !st.sent.remove(&key) {
             return;
         }
+        // Due until answered, or, on a stopped channel, until it has ended.
         st.unsharing.insert(key);
+        if st.dead.is_some() {
+            return;
+        }
         drop(st);
         let msg = Msg {
             kind: UNSHARE,
@@ -431,7 +436,7 @@ impl Link {
         loop {
             let stopped = st.dead.is_some() || st.closed;
             let answered = keys.iter().all(|k| !st.unsharing.contains(k));
-            if (stopped && !st.draining) || (!stopped && answered) {
+            if answered || (stopped && !st.draining) {
                 return Ok(());
             }
             let left = deadline.remaining();

@@ -1307,6 +1307,11 @@ fn an_unshare_on_a_channel_stopped_while_its_target_copies_waits_for_the_targets
     read_request(&mut peer);
     fence.word(1).store(1, SeqCst);
     cut(&ch, &a);
+    // An allocation never shared on the channel is not waited for.
+    ch.unshare(key + 1);
+    let t = std::time::Instant::now();
+    ch.unshared(&[key + 1], in_10s()).unwrap();
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
     ch.unshare(key);
     let e = ch
         .unshared(&[key], te_core::Deadline::after(Duration::from_millis(300)))
