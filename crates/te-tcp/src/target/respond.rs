@@ -10,7 +10,7 @@ use std::time::Duration;
 use te_core::sync::Mutex;
 use tokio::sync::Notify;
 
-use te_core::device::DeviceCopy;
+use te_core::device::{DeviceCopy, DeviceRuntime};
 use te_core::{Error, ErrorKind, Result};
 
 use crate::errors::{io_err, protocol};
@@ -356,22 +356,18 @@ pub(crate) async fn write_staged(
         .await
         .map_err(|e| io_err(peer, "receive failed", e))?;
     let copies = staged_copies(entries, buf.ptr(), pin.region().addr, ordinal, true);
-    let mut waves = staged_waves(copies);
-    if len <= stage::INLINE_COPY || waves.len() > 1 {
-        // Small: copied here, so no runtime thread wakes the responder for it. Entries
-        // that write some device bytes twice (a batch writing them twice) are copied
-        // here too, one wave after another, in entry order.
-        // SAFETY: as below; the buffer and the pin live until the copies have ended,
-        // and a wave starts once the one before it has ended.
-        let res = waves
-            .iter()
-            .try_for_each(|w| unsafe { stage::run_now(&rt, w) });
+    // Entries that write some device bytes twice (a batch writing them twice) are
+    // copied in waves, one after another, in entry order.
+    let waves = staged_waves(copies);
+    if len <= stage::INLINE_COPY && waves.len() == 1 {
+        // Small: copied here, so no runtime thread wakes the responder for it.
+        // SAFETY: as below; the buffer and the pin live until the copies have ended.
+        let res = unsafe { stage::run_now(&rt, &waves[0]) };
         drop(pin);
         drop(buf);
         let slot: Arc<Slot> = Arc::new(Mutex::new(Some((res, None))));
         return r.push(Item::Staged { h: *h, slot }).await;
     }
-    let copies = waves.pop_front().unwrap_or_default();
     let slot = push_staged(r, h).await?;
     let r = r.clone();
     let done = move |res: Result<()>| {
@@ -382,9 +378,35 @@ pub(crate) async fn write_staged(
     };
     // SAFETY: `admit` checked every entry inside the region, which the pin (owned by
     // `done`) keeps registered until the copies end; the buffer is owned by `done`, and
-    // the entries' parts of it add up to `h.len`, which it holds.
-    unsafe { stage::start_all(&rt, copies, done) };
+    // the entries' parts of it add up to `h.len`, which it holds. No copy of a wave
+    // depends on another of it.
+    unsafe { start_waves(&rt, waves, Box::new(done)) };
     Ok(())
+}
+
+/// Starts the first of `waves` as one device group ([`stage::start_all`]), and each
+/// next one once the one before it has ended; `done` runs once, with the first failure
+/// or once the last has ended.
+///
+/// # Safety
+/// As [`stage::start_all`], for every wave: `done` keeps every range valid until it
+/// runs; no copy of a wave depends on another of it.
+pub(crate) unsafe fn start_waves(
+    rt: &Arc<dyn DeviceRuntime>,
+    mut waves: VecDeque<Vec<DeviceCopy>>,
+    done: Box<dyn FnOnce(Result<()>) + Send>,
+) {
+    let Some(copies) = waves.pop_front() else {
+        return done(Ok(()));
+    };
+    let next = rt.clone();
+    let after = move |r: Result<()>| match r {
+        // SAFETY: forwarded from the caller; the wave before has ended.
+        Ok(()) if !waves.is_empty() => unsafe { start_waves(&next, waves, done) },
+        r => done(r),
+    };
+    // SAFETY: forwarded from the caller.
+    unsafe { stage::start_all(rt, copies, after) };
 }
 
 /// Staged copies in waves (`crate::waves`), in order: each wave is one device group,

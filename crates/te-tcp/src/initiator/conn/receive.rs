@@ -14,6 +14,7 @@ use crate::errors::{timeout_error, unreachable};
 use crate::initiator::slice::Slice;
 use crate::sock::Inbound;
 use crate::stage;
+use crate::target::respond;
 use crate::wire::{Header, Kind, HEADER_LEN, MAX_MESSAGE};
 
 impl Conn {
@@ -191,23 +192,19 @@ impl Conn {
                 len,
             })
             .collect();
-        let mut waves = crate::target::respond::staged_waves(copies);
+        // Parts that write some device bytes twice (a batch reading into them twice)
+        // are copied in waves, one after another, in order.
+        let waves = respond::staged_waves(copies);
         slice.batch.stage_began(BatchStage::Device);
-        if len <= stage::INLINE_COPY || waves.len() > 1 {
+        if len <= stage::INLINE_COPY && waves.len() == 1 {
             // Small: this task copies it and finishes the slice, rather than a runtime
-            // thread waking it and then the caller. Parts that write some device bytes
-            // twice (a batch reading into them twice) are copied here too, one wave
-            // after another, in order.
-            // SAFETY: as below; `buf` lives until the copies have ended, and a wave
-            // starts once the one before it has ended.
-            let r = waves
-                .iter()
-                .try_for_each(|w| unsafe { stage::run_now(rt, w) });
+            // thread waking it and then the caller.
+            // SAFETY: as below; `buf` lives until the copies have ended.
+            let r = unsafe { stage::run_now(rt, &waves[0]) };
             slice.batch.stage_ended(BatchStage::Device);
             drop(buf);
             return r.map(|()| Answer::Done);
         }
-        let copies = waves.pop_front().unwrap_or_default();
         let batch = slice.batch.clone();
         // A copy that ends is the connection's progress too: answers waiting for the
         // ring that slow copies fill are not a stall.
@@ -223,8 +220,9 @@ impl Conn {
         };
         // SAFETY: the device ranges lie in a region the batch pins until this slice
         // finishes, which `done` does after the copies; the buffer is owned by `done`
-        // and its first `len` bytes, the parts' total, were just received.
-        unsafe { stage::start_all(rt, copies, done) };
+        // and its first `len` bytes, the parts' total, were just received. No copy of
+        // a wave depends on another of it.
+        unsafe { respond::start_waves(rt, waves, Box::new(done)) };
         Ok(Answer::Copying)
     }
 }
