@@ -46,8 +46,10 @@
 //! as it closes a stalled data connection. What the target mapped is unmapped when the
 //! channel closes (the peer disconnected, exited or was killed), or when the initiator
 //! deregisters it: its deregistration unshares the allocation on every channel that
-//! has it and returns once each has answered that it let go (or stopped), so the
-//! memory may then be freed; past its deadline it fails and closes the channel.
+//! has it and returns once each has answered that it let go (or stopped, its target
+//! no longer copying: one that copies holds every mapping of the channel until it has
+//! ended), so the memory may then be freed; past its deadline it fails and closes the
+//! channel.
 //!
 //! **The fence.** Each channel shares one page (`local::SharedPage`, sent with the
 //! hello) holding two words: `CLOSED`, which the initiator sets when it stops the
