@@ -46,7 +46,9 @@
 //! connection, direction and runtime, allocated once with the runtime's
 //! `alloc_pinned` and handed out by bytes. A frame's pieces are packed one after
 //! another in one range and copied as one group of copies (adjacent pieces as one copy), which
-//! synchronises once per frame rather than once per block, on either side. A sender
+//! synchronises once per frame rather than once per block, on either side (pieces that
+//! write the same device bytes, a batch writing them twice, in groups one after another,
+//! in order). A sender
 //! copies frame k+1 from the device while frame k goes out on the socket; a receiver
 //! receives frame k+1 while frame k is copied to the device, and the target
 //! acknowledges a WRITE once its copies have completed (a responder task sends that
