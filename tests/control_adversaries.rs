@@ -797,7 +797,12 @@ fn session_from(from: std::net::Ipv4Addr, to: std::net::SocketAddr, name: &str) 
 #[test]
 fn one_sources_largest_slow_backend_requests_hold_a_bounded_amount_of_memory() {
     let _s = serial();
-    let (target, holder) = holding_target(|c| c.handshake_timeout = Duration::from_secs(10));
+    // A session whose requests are still held ends a heartbeat after its peer closed it
+    // (its last replies may go out until then): 1 s here, well within the wait below.
+    let (target, holder) = holding_target(|c| {
+        c.handshake_timeout = Duration::from_secs(10);
+        c.heartbeat = Duration::from_secs(1);
+    });
     const SESSIONS: usize = 8;
     const REQUESTS: u64 = 8;
     let frames = largest_hold_frames(REQUESTS);
@@ -859,7 +864,9 @@ fn one_sources_largest_slow_backend_requests_hold_a_bounded_amount_of_memory() {
     assert!(
         common::eventually(Duration::from_secs(5), || target.metrics().peers_connected
             == 1),
-        "the flood's sessions ended"
+        "the flood's sessions ended: {} peers connected, {} requests held",
+        target.metrics().peers_connected,
+        holder.held()
     );
     let mut again = session_from([127, 0, 0, 2].into(), target.address(), "hog-again");
     again.write_all(&frames[0]).unwrap();
