@@ -364,7 +364,10 @@ impl TransferBackend for TcpBackend {
             if keys.is_empty() {
                 continue;
             }
-            for ch in pc.channels.lock().iter() {
+            // Not under the list's lock: an unshare that finds the socket broken fails
+            // its channel, which completes batches (and their callbacks) at once.
+            let channels: Vec<_> = pc.channels.lock().clone();
+            for ch in channels {
                 for &k in &keys {
                     ch.unshare(k);
                 }
