@@ -1117,23 +1117,13 @@ fn a_driver_whose_target_breaks_the_protocol_inside_a_copy_returns_and_the_batch
 {
     use std::io::Write;
     use std::sync::atomic::Ordering::SeqCst;
-    let (ch, mut peer, fence) = fenced_channel(true);
-    let src = [1u8; 16];
-    let done = submit_traced(&ch, dev(1, 16, src.as_ptr()));
-    read_request(&mut peer);
-    fence.word(1).store(1, SeqCst);
-    let driver = {
-        let ch = ch.clone();
-        std::thread::spawn(move || ch.drive(te_core::BatchId(0), in_10s()))
-    };
-    super::eventually("the caller drives", Duration::from_secs(5), || {
-        ch.drivers() == 1
-    });
-    // The driver reads a message that breaks the protocol while the target copies.
-    let mut m = [0u8; 40];
-    m[0] = 7;
-    m[8..16].copy_from_slice(&0xdead_u64.to_le_bytes());
-    peer.write_all(&m).unwrap();
+    let Broken {
+        ch,
+        mut peer,
+        fence,
+        done,
+        driver,
+    } = broken_while_copying();
     // The driver goes back to its caller; reading on to the target's end is the
     // receiving thread's work.
     let joined = within(Duration::from_secs(3), move || driver.join().unwrap());
@@ -1242,25 +1232,14 @@ fn answer_shared(peer: &mut std::os::unix::net::UnixStream, key: u64) {
 
 #[test]
 fn a_caller_waiting_on_a_channel_its_target_broke_inside_a_copy_does_not_spin() {
-    use std::io::Write;
     use std::sync::atomic::Ordering::SeqCst;
-    let (ch, mut peer, fence) = fenced_channel(true);
-    let src = [1u8; 16];
-    let done = submit_traced(&ch, dev(1, 16, src.as_ptr()));
-    read_request(&mut peer);
-    fence.word(1).store(1, SeqCst);
-    let driver = {
-        let ch = ch.clone();
-        std::thread::spawn(move || ch.drive(te_core::BatchId(0), in_10s()))
-    };
-    super::eventually("the caller drives", Duration::from_secs(5), || {
-        ch.drivers() == 1
-    });
-    // The target breaks the protocol while it copies: the batch waits for its end.
-    let mut m = [0u8; 40];
-    m[0] = 7;
-    m[8..16].copy_from_slice(&0xdead_u64.to_le_bytes());
-    peer.write_all(&m).unwrap();
+    let Broken {
+        ch,
+        peer,
+        fence,
+        done,
+        driver,
+    } = broken_while_copying();
     driver.join().unwrap();
     // A caller waiting for the batch lends its thread as the engine does, again for as
     // long as the backend says it waited there: nothing is left for it to read, so it
@@ -1328,4 +1307,46 @@ fn an_unshare_on_a_channel_stopped_while_its_target_copies_waits_for_the_targets
     assert!(matches!(r, Some(Ok(()))), "{r:?}");
     assert!(done.recv_timeout(Duration::from_secs(5)).is_ok());
     rt.free(0, mine).unwrap();
+}
+
+/// A `caller_reads` channel whose fake target copies (`BUSY` set) the request of one
+/// batch, then sends a message that breaks the protocol, which a caller driving the
+/// channel reads.
+struct Broken {
+    ch: Arc<Channel>,
+    peer: std::os::unix::net::UnixStream,
+    fence: te_core::local::SharedPage,
+    /// The batch's result.
+    done: mpsc::Receiver<(Result<()>, std::thread::ThreadId)>,
+    /// The driver: what its `drive` returned.
+    driver: std::thread::JoinHandle<bool>,
+}
+
+fn broken_while_copying() -> Broken {
+    use std::io::Write;
+    use std::sync::atomic::Ordering::SeqCst;
+    // The fake target copies nothing: the address is never read.
+    static SRC: [u8; 16] = [1; 16];
+    let (ch, mut peer, fence) = fenced_channel(true);
+    let done = submit_traced(&ch, dev(1, 16, SRC.as_ptr()));
+    read_request(&mut peer);
+    fence.word(1).store(1, SeqCst);
+    let driver = {
+        let ch = ch.clone();
+        std::thread::spawn(move || ch.drive(te_core::BatchId(0), in_10s()))
+    };
+    super::eventually("the caller drives", Duration::from_secs(5), || {
+        ch.drivers() == 1
+    });
+    let mut m = [0u8; 40];
+    m[0] = 7;
+    m[8..16].copy_from_slice(&0xdead_u64.to_le_bytes());
+    peer.write_all(&m).unwrap();
+    Broken {
+        ch,
+        peer,
+        fence,
+        done,
+        driver,
+    }
 }
