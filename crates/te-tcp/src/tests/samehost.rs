@@ -1179,18 +1179,10 @@ fn a_driver_is_not_held_past_its_deadline_by_half_an_answer_and_the_rest_is_read
 
 #[test]
 fn a_target_that_never_answers_an_unshare_fails_the_wait_at_its_deadline_and_loses_the_channel() {
-    use te_core::RegionId;
     let rt = te_core::device::runtime("fakedev").expect("fakedev");
     let mine = rt.alloc(0, 4096).unwrap();
-    let (ch, mut peer, _fence) = fenced_channel(false);
-    peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    assert_eq!(ch.key(&rt, RegionId(8), mine), None);
-    let key = read_share(&mut peer);
     // The target maps it, then reads the unshare and says nothing.
-    answer_shared(&mut peer, key);
-    super::eventually("the share is answered", Duration::from_secs(5), || {
-        ch.key(&rt, RegionId(8), mine) == Some(key)
-    });
+    let (ch, _peer, _fence, key) = shared_channel(&rt, mine);
     ch.unshare(key);
     let t = std::time::Instant::now();
     let e = ch
@@ -1268,17 +1260,9 @@ fn a_caller_waiting_on_a_channel_its_target_broke_inside_a_copy_does_not_spin() 
 #[test]
 fn an_unshare_on_a_channel_stopped_while_its_target_copies_waits_for_the_targets_end() {
     use std::sync::atomic::Ordering::SeqCst;
-    use te_core::RegionId;
     let rt = te_core::device::runtime("fakedev").expect("fakedev");
     let mine = rt.alloc(0, 4096).unwrap();
-    let (ch, mut peer, fence) = fenced_channel(false);
-    peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    assert_eq!(ch.key(&rt, RegionId(8), mine), None);
-    let key = read_share(&mut peer);
-    answer_shared(&mut peer, key);
-    super::eventually("the share is answered", Duration::from_secs(5), || {
-        ch.key(&rt, RegionId(8), mine) == Some(key)
-    });
+    let (ch, mut peer, fence, key) = shared_channel(&rt, mine);
     // A request of another region is copied by the target when its channel is cut: the
     // target holds every mapping of the channel until it has ended.
     let src = [1u8; 16];
@@ -1349,4 +1333,27 @@ fn broken_while_copying() -> Broken {
         done,
         driver,
     }
+}
+
+/// A channel to a fake target that mapped `mine` (fakedev memory of local region 8),
+/// shared under the key returned.
+fn shared_channel(
+    rt: &Arc<dyn te_core::device::DeviceRuntime>,
+    mine: u64,
+) -> (
+    Arc<Channel>,
+    std::os::unix::net::UnixStream,
+    te_core::local::SharedPage,
+    u64,
+) {
+    use te_core::RegionId;
+    let (ch, mut peer, fence) = fenced_channel(false);
+    peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert_eq!(ch.key(rt, RegionId(8), mine), None);
+    let key = read_share(&mut peer);
+    answer_shared(&mut peer, key);
+    super::eventually("the share is answered", Duration::from_secs(5), || {
+        ch.key(rt, RegionId(8), mine) == Some(key)
+    });
+    (ch, peer, fence, key)
 }
