@@ -806,6 +806,30 @@ fn watcher_switches() -> u64 {
 
 /// A backend that maps its peers' IPC handles even for peers in this process, as it
 /// does for peers elsewhere.
+/// Two initiators of owner `b`'s region 1 (`t`, `len` bytes on MLU 1, under `key`),
+/// each with `local` (`len` bytes on MLU 0) registered as region 10: one reaches it
+/// through its mapping, one directly (a peer in this process).
+fn initiators(
+    b: &MluBackend,
+    (t, len, key): (u64, usize, &[u8]),
+    local: u64,
+) -> Vec<(MluBackend, PeerId)> {
+    [mapping_backend(), backend(rand::random::<u64>() | 1)]
+        .into_iter()
+        .map(|a| {
+            a.register(RegionId(10), &mlu_mem(local, len, 0, Access::LOCAL))
+                .unwrap();
+            let peer = a
+                .connect(
+                    &seg(b.endpoint(), vec![region(1, t, len, 1, key.to_vec())]),
+                    soon(),
+                )
+                .unwrap();
+            (a, peer)
+        })
+        .collect()
+}
+
 fn mapping_backend() -> MluBackend {
     let mut always = MluConfig::default();
     always.ipc = te_mlu::IpcMode::Always;
@@ -1007,15 +1031,7 @@ fn a_request_whose_offsets_overflow_an_address_is_refused_without_panic() {
         .unwrap();
     let mut results = Vec::new();
     // Reached through its mapping, and directly (a peer in this process).
-    for a in [mapping_backend(), backend(rand::random::<u64>() | 1)] {
-        a.register(RegionId(10), &mlu_mem(src, len, 0, Access::LOCAL))
-            .unwrap();
-        let peer = a
-            .connect(
-                &seg(b.endpoint(), vec![region(1, t, len, 1, key.clone())]),
-                soon(),
-            )
-            .unwrap();
+    for (a, peer) in initiators(&b, (t, len, &key), src) {
         // The engine would refuse these; the backend must too, not panic or wrap.
         for (local, remote) in [(u64::MAX - 8, 0), (0, u64::MAX - 8)] {
             let req = TransferRequest::write(RegionId(10), local, RegionId(1), remote, 16);
@@ -1078,15 +1094,7 @@ fn a_request_past_the_end_of_its_local_region_is_refused_by_the_backend() {
     let mut results = Vec::new();
     let mut changed = Vec::new();
     // Reached through its mapping, and directly (a peer in this process).
-    for a in [mapping_backend(), backend(rand::random::<u64>() | 1)] {
-        a.register(RegionId(10), &mlu_mem(local, len, 0, Access::LOCAL))
-            .unwrap();
-        let peer = a
-            .connect(
-                &seg(b.endpoint(), vec![region(1, t, len, 1, key.clone())]),
-                soon(),
-            )
-            .unwrap();
+    for (a, peer) in initiators(&b, (t, len, &key), local) {
         // The engine would refuse these before the backend sees them; the backend
         // must refuse them too, reading or writing nothing.
         for (local_offset, n) in [(len as u64 - 100, 200), (len as u64, 1), (1, len as u64)] {
